@@ -1,0 +1,202 @@
+/* forge.h — the only public header of libforge: a plain C ABI.
+ *
+ * FORGE folds the optimizer into the weight-gradient GEMM of a linear layer:
+ * each tile of dW = dYᵀ·X is accumulated in fp32 and the element-wise update
+ * is applied to it at once, so the [out, in] gradient never exists in memory.
+ *
+ * Conventions
+ *  - Every entry point returns forge_status; on anything but FORGE_OK,
+ *    forge_last_error() gives a message (thread-local) naming the argument,
+ *    and no output byte has been written.
+ *  - Tensors are row-major. A parameter is [rows, cols] and contiguous; a
+ *    1-D parameter (bias, norm weight) is [1, n].
+ *  - Pointers live on the device named in forge_device (host memory for
+ *    FORGE_DEVICE_CPU, device memory for FORGE_DEVICE_CUDA), outputs included.
+ *  - Every struct passed in starts with abi_version = FORGE_ABI_VERSION.
+ */
+#ifndef FORGE_FORGE_H_
+#define FORGE_FORGE_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define FORGE_API __declspec(dllexport)
+#else
+#define FORGE_API __attribute__((visibility("default")))
+#endif
+
+#define FORGE_ABI_VERSION 1
+/* Elements of a row that share one int8 absmax. */
+#define FORGE_INT8_BLOCK 64
+/* Most optimizer states any rule keeps per parameter element. */
+#define FORGE_MAX_STATES 3
+
+typedef enum {
+  FORGE_OK = 0,
+  FORGE_ERR_INVALID_ARGUMENT = 1, /* bad pointer, size, enum or hyper-parameter */
+  FORGE_ERR_UNSUPPORTED = 2,      /* valid request this build cannot run (e.g. no CUDA) */
+  FORGE_ERR_DEVICE = 3,           /* a CUDA call failed; the message has its error string */
+  FORGE_ERR_OUT_OF_MEMORY = 4,
+  FORGE_ERR_INTERNAL = 5
+} forge_status;
+
+typedef enum { FORGE_DTYPE_FP32 = 0, FORGE_DTYPE_BF16 = 1, FORGE_DTYPE_FP16 = 2 } forge_dtype;
+
+typedef enum {
+  FORGE_RULE_SGD = 0,          /* lr, weight_decay (coupled), maximize */
+  FORGE_RULE_SGD_MOMENTUM = 1, /* + momentum > 0, dampening, nesterov */
+  FORGE_RULE_ADAMW = 2,        /* lr, beta1, beta2, eps, weight_decay (decoupled unless
+                                  decoupled_weight_decay == 0, which is torch.optim.Adam) */
+  FORGE_RULE_NADAM = 3,        /* + momentum_decay, decoupled_weight_decay */
+  FORGE_RULE_RADAM = 4,        /* + decoupled_weight_decay */
+  FORGE_RULE_LION = 5,         /* lr, beta1, beta2, weight_decay (decoupled) */
+  FORGE_RULE_RMSPROP = 6,      /* lr, alpha, eps, weight_decay (coupled), momentum, centered */
+  FORGE_RULE_ADAGRAD = 7       /* lr, lr_decay, eps, weight_decay (coupled),
+                                  initial_accumulator_value (used by forge_state_init) */
+} forge_rule;
+#define FORGE_RULE_COUNT 8
+
+typedef enum {
+  FORGE_WEIGHT_FP32 = 0,
+  FORGE_WEIGHT_BF16 = 1,             /* bf16, round to nearest even */
+  FORGE_WEIGHT_BF16_STOCHASTIC = 2,  /* bf16, stochastic rounding */
+  FORGE_WEIGHT_BF16_MASTER = 3       /* fp32 master is the truth; bf16 copy = nearest(master) */
+} forge_weight_format;
+#define FORGE_WEIGHT_FORMAT_COUNT 4
+
+typedef enum {
+  FORGE_STATE_FP32 = 0,
+  FORGE_STATE_BF16 = 1,             /* round to nearest even */
+  FORGE_STATE_BF16_STOCHASTIC = 2,
+  FORGE_STATE_INT8_BLOCK64 = 3      /* dynamic map code per element + fp32 absmax per 64
+                                       consecutive elements of a row */
+} forge_state_format;
+#define FORGE_STATE_FORMAT_COUNT 4
+
+typedef enum { FORGE_DEVICE_CPU = 0, FORGE_DEVICE_CUDA = 1 } forge_device_kind;
+
+typedef enum {
+  FORGE_CAP_CPU = 1u << 0,
+  FORGE_CAP_OPENMP = 1u << 1,
+  FORGE_CAP_CUDA = 1u << 2 /* the CUDA backend is compiled in (a GPU may still be absent) */
+} forge_capability;
+
+typedef struct {
+  forge_device_kind kind;
+  int32_t index;       /* CUDA device ordinal; 0 for the CPU */
+  void* stream;        /* cudaStream_t for CUDA (NULL = default stream); unused on CPU */
+  int32_t num_threads; /* CPU: OpenMP threads, 0 = OpenMP's default */
+} forge_device;
+
+/* Hyper-parameters of one step. Names and meaning are torch.optim's. Fields a
+ * rule does not use are ignored (but must not be NaN). */
+typedef struct {
+  int32_t abi_version;
+  forge_rule rule;
+  int64_t step;              /* 1-based number of this step (torch's state['step'] after += 1) */
+  double lr;
+  double weight_decay;
+  int32_t decoupled_weight_decay; /* AdamW (default 1), NAdam, RAdam (default 0) */
+  int32_t maximize;
+  double beta1, beta2, eps;  /* Adam family, Lion (beta1, beta2) */
+  double momentum_decay;     /* NAdam */
+  double alpha;              /* RMSprop */
+  double momentum;           /* SGD_MOMENTUM, RMSprop */
+  double dampening;          /* SGD_MOMENTUM */
+  int32_t nesterov;          /* SGD_MOMENTUM */
+  int32_t centered;          /* RMSprop */
+  double lr_decay;           /* Adagrad */
+  double initial_accumulator_value; /* Adagrad */
+  double grad_scale;         /* the gradient is multiplied by this before anything (1 = none) */
+  uint64_t seed;             /* stochastic rounding: bits = hash(seed, step, stream, element) */
+} forge_hparams;
+
+/* One parameter: its weight and optimizer states. */
+typedef struct {
+  int64_t rows, cols;                 /* [rows, cols]; a linear layer's W is [out, in] */
+  forge_weight_format weight_format;
+  void* weight;                       /* [rows, cols] fp32 or bf16 per weight_format */
+  float* master;                      /* [rows, cols] fp32, FORGE_WEIGHT_BF16_MASTER only */
+  forge_state_format state_format;
+  void* state[FORGE_MAX_STATES];      /* [rows, cols] each; float / bf16 / uint8 codes */
+  float* state_absmax[FORGE_MAX_STATES]; /* [rows, ceil(cols / 64)] each, int8 only */
+} forge_param;
+
+/* Optional by-products of a step. Each non-NULL pointer is ADDED to (the
+ * caller zeroes it once per optimizer step), on the step's device. */
+typedef struct {
+  double* grad_sq_sum;      /* Σ g² over the finite gradient elements consumed (g after grad_scale) */
+  int64_t* nonfinite_count; /* number of gradient elements that were NaN/Inf (and skipped) */
+} forge_step_outputs;
+
+/* The fused step of a linear layer: for each tile of W, dW = Σ_t dY[t]ᵀ X[t] in
+ * fp32, then the rule is applied in place. X: [tokens, cols] (ld = ldx),
+ * dY: [tokens, rows] (ld = lddy), W: [rows, cols]. Nothing of size rows × cols
+ * is allocated. A gradient element that is NaN/Inf leaves its weight and states
+ * untouched and is counted. */
+typedef struct {
+  int32_t abi_version;
+  forge_device device;
+  int64_t tokens;
+  const void* x;  forge_dtype x_dtype;  int64_t ldx;   /* [tokens, cols] */
+  const void* dy; forge_dtype dy_dtype; int64_t lddy;  /* [tokens, rows] */
+  forge_param param;
+  forge_hparams hparams;
+  forge_step_outputs outputs;
+  int32_t tile_rows, tile_cols; /* CPU tile shape, 0 = 128; int8 states need tile_cols % 64 == 0 */
+} forge_wgrad_args;
+
+/* The same rules on a gradient that already exists ([rows, cols], contiguous). */
+typedef struct {
+  int32_t abi_version;
+  forge_device device;
+  const void* grad; forge_dtype grad_dtype;  /* [rows, cols] */
+  forge_param param;
+  forge_hparams hparams;
+  forge_step_outputs outputs;
+} forge_elementwise_args;
+
+/* What a rule keeps for a parameter, in the given state format. */
+typedef struct {
+  int32_t num_states;                      /* 0..3; state[0..num_states) are used */
+  int32_t is_signed[FORGE_MAX_STATES];     /* 1: first-moment-like (signed int8 map) */
+  int64_t state_bytes[FORGE_MAX_STATES];   /* bytes of each state buffer */
+  int64_t absmax_count[FORGE_MAX_STATES];  /* floats of each absmax buffer (int8 only, else 0) */
+  const char* names[FORGE_MAX_STATES];     /* torch.optim's state keys: "exp_avg", ... */
+} forge_state_layout;
+
+FORGE_API int32_t forge_abi_version(void);
+FORGE_API const char* forge_version_string(void);
+FORGE_API uint32_t forge_capabilities(void);
+/* Message of the last failed call on this thread ("" if none). */
+FORGE_API const char* forge_last_error(void);
+
+FORGE_API forge_status forge_hparams_default(forge_rule rule, forge_hparams* out);
+FORGE_API forge_status forge_state_layout_query(const forge_hparams* hparams,
+                                                forge_state_format format, int64_t rows,
+                                                int64_t cols, forge_state_layout* out);
+/* Fills every state the rule uses with its initial value (0, or Adagrad's
+ * initial_accumulator_value). */
+FORGE_API forge_status forge_state_init(const forge_param* param, const forge_hparams* hparams,
+                                        forge_device device);
+/* Converts state `index` of `param` to / from fp32 [rows, cols] (for
+ * checkpoints and inspection); hparams says which rule owns the states (int8
+ * first moments use the signed map). from_fp32 rounds to nearest (bf16) or
+ * quantizes per block (int8) exactly as a step stores it. */
+FORGE_API forge_status forge_state_to_fp32(const forge_param* param, const forge_hparams* hparams,
+                                           int32_t index, float* out, forge_device device);
+FORGE_API forge_status forge_state_from_fp32(const forge_param* param,
+                                             const forge_hparams* hparams, int32_t index,
+                                             const float* in, forge_device device);
+
+FORGE_API forge_status forge_wgrad_step(const forge_wgrad_args* args);
+FORGE_API forge_status forge_elementwise_step(const forge_elementwise_args* args);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FORGE_FORGE_H_ */

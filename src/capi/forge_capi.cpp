@@ -1,0 +1,234 @@
+// forge_capi.cpp — the C ABI: checks every argument (the message names it),
+// computes the rule's step scalars, and dispatches to the CPU or CUDA backend.
+// No math here. Nothing is written unless every check passes.
+#include <cmath>
+
+#include "backend.h"
+#include "core/hparams.h"
+#include "core/status.h"
+#include "forge/forge.h"
+
+#ifndef FORGE_VERSION_STRING
+#define FORGE_VERSION_STRING "0.0.0"
+#endif
+
+namespace forge {
+namespace {
+
+constexpr forge_status kBad = FORGE_ERR_INVALID_ARGUMENT;
+
+forge_status check_device(const forge_device& d) {
+  if (d.kind == FORGE_DEVICE_CPU) {
+    if (d.num_threads < 0) return fail(kBad, "device.num_threads: must be >= 0, got %d", d.num_threads);
+    return FORGE_OK;
+  }
+  if (d.kind == FORGE_DEVICE_CUDA) {
+#if defined(FORGE_WITH_CUDA)
+    if (d.index < 0) return fail(kBad, "device.index: must be >= 0, got %d", d.index);
+    return FORGE_OK;
+#else
+    return fail(FORGE_ERR_UNSUPPORTED, "device.kind: CUDA, but this libforge was built without CUDA");
+#endif
+  }
+  return fail(kBad, "device.kind: unknown value %d", static_cast<int>(d.kind));
+}
+
+forge_status check_dtype(forge_dtype t, const char* name) {
+  if (t == FORGE_DTYPE_FP32 || t == FORGE_DTYPE_BF16 || t == FORGE_DTYPE_FP16) return FORGE_OK;
+  return fail(kBad, "%s: unknown dtype %d", name, static_cast<int>(t));
+}
+
+// Shape and formats only (no states).
+forge_status check_param_shape(const forge_param& p) {
+  if (p.rows <= 0) return fail(kBad, "param.rows: must be > 0, got %lld", static_cast<long long>(p.rows));
+  if (p.cols <= 0) return fail(kBad, "param.cols: must be > 0, got %lld", static_cast<long long>(p.cols));
+  if (p.state_format < 0 || p.state_format >= FORGE_STATE_FORMAT_COUNT)
+    return fail(kBad, "param.state_format: unknown value %d", static_cast<int>(p.state_format));
+  return FORGE_OK;
+}
+
+forge_status check_state(const forge_param& p, int i) {
+  if (!p.state[i]) return fail(kBad, "param.state[%d]: NULL, but the rule keeps this state", i);
+  if (p.state_format == FORGE_STATE_INT8_BLOCK64 && !p.state_absmax[i])
+    return fail(kBad, "param.state_absmax[%d]: NULL, but int8 states need an absmax buffer", i);
+  return FORGE_OK;
+}
+
+// Everything a step reads or writes of the parameter.
+forge_status check_param(const forge_param& p, const RuleScalars& k) {
+  if (forge_status s = check_param_shape(p)) return s;
+  if (p.weight_format < 0 || p.weight_format >= FORGE_WEIGHT_FORMAT_COUNT)
+    return fail(kBad, "param.weight_format: unknown value %d", static_cast<int>(p.weight_format));
+  if (!p.weight) return fail(kBad, "param.weight: NULL");
+  if (p.weight_format == FORGE_WEIGHT_BF16_MASTER && !p.master)
+    return fail(kBad, "param.master: NULL, but weight_format is FORGE_WEIGHT_BF16_MASTER");
+  if (p.weight_format != FORGE_WEIGHT_BF16_MASTER && p.master)
+    return fail(kBad, "param.master: set, but weight_format is not FORGE_WEIGHT_BF16_MASTER");
+  for (int i = 0; i < k.num_states; ++i)
+    if (forge_status s = check_state(p, i)) return s;
+  return FORGE_OK;
+}
+
+forge_status check_hparams(const forge_hparams* hp) {
+  if (!hp) return fail(kBad, "hparams: NULL");
+  return validate_hparams(*hp);
+}
+
+template <typename Args>
+forge_status check_step_common(const Args* a, const char* what) {
+  if (!a) return fail(kBad, "args: NULL (%s)", what);
+  if (a->abi_version != FORGE_ABI_VERSION)
+    return fail(kBad, "args.abi_version: %d, this library speaks %d", a->abi_version, FORGE_ABI_VERSION);
+  if (forge_status s = check_device(a->device)) return s;
+  return check_hparams(&a->hparams);
+}
+
+forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
+  if (forge_status s = check_step_common(a, "forge_wgrad_step")) return s;
+  *k = make_rule_scalars(a->hparams);
+  if (forge_status s = check_param(a->param, *k)) return s;
+  if (a->tokens <= 0) return fail(kBad, "tokens: must be > 0, got %lld", static_cast<long long>(a->tokens));
+  if (!a->x) return fail(kBad, "x: NULL");
+  if (!a->dy) return fail(kBad, "dy: NULL");
+  if (forge_status s = check_dtype(a->x_dtype, "x_dtype")) return s;
+  if (forge_status s = check_dtype(a->dy_dtype, "dy_dtype")) return s;
+  if (a->ldx < a->param.cols)
+    return fail(kBad, "ldx: %lld is smaller than a row of x (param.cols = %lld)",
+                static_cast<long long>(a->ldx), static_cast<long long>(a->param.cols));
+  if (a->lddy < a->param.rows)
+    return fail(kBad, "lddy: %lld is smaller than a row of dy (param.rows = %lld)",
+                static_cast<long long>(a->lddy), static_cast<long long>(a->param.rows));
+  if (a->tile_rows < 0 || a->tile_cols < 0)
+    return fail(kBad, "tile_rows/tile_cols: must be >= 0 (0 = default), got %d / %d", a->tile_rows,
+                a->tile_cols);
+  if (a->param.state_format == FORGE_STATE_INT8_BLOCK64 && a->tile_cols % FORGE_INT8_BLOCK != 0)
+    return fail(kBad, "tile_cols: %d is not a multiple of %d, which int8 block states need",
+                a->tile_cols, FORGE_INT8_BLOCK);
+  return FORGE_OK;
+}
+
+forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k) {
+  if (forge_status s = check_step_common(a, "forge_elementwise_step")) return s;
+  *k = make_rule_scalars(a->hparams);
+  if (forge_status s = check_param(a->param, *k)) return s;
+  if (!a->grad) return fail(kBad, "grad: NULL");
+  return check_dtype(a->grad_dtype, "grad_dtype");
+}
+
+// Shared checks of the state entry points; returns the state's signedness.
+forge_status check_state_access(const forge_param* p, const forge_hparams* hp, int index,
+                                const void* buffer, const char* buffer_name,
+                                const forge_device& device, bool* is_signed) {
+  if (!p) return fail(kBad, "param: NULL");
+  if (forge_status s = check_hparams(hp)) return s;
+  if (forge_status s = check_device(device)) return s;
+  if (forge_status s = check_param_shape(*p)) return s;
+  forge_state_layout layout{};
+  if (forge_status s = state_layout(*hp, p->state_format, p->rows, p->cols, &layout)) return s;
+  if (index < 0 || index >= layout.num_states)
+    return fail(kBad, "index: %d, but this rule keeps %d state(s)", index, layout.num_states);
+  if (forge_status s = check_state(*p, index)) return s;
+  if (!buffer) return fail(kBad, "%s: NULL", buffer_name);
+  *is_signed = layout.is_signed[index] != 0;
+  return FORGE_OK;
+}
+
+}  // namespace
+}  // namespace forge
+
+using namespace forge;
+
+#if defined(FORGE_WITH_CUDA)
+#define FORGE_DISPATCH(device, call) \
+  ((device).kind == FORGE_DEVICE_CUDA ? forge::cuda::call : forge::cpu::call)
+#else
+#define FORGE_DISPATCH(device, call) (forge::cpu::call)
+#endif
+
+extern "C" {
+
+int32_t forge_abi_version(void) { return FORGE_ABI_VERSION; }
+const char* forge_version_string(void) { return FORGE_VERSION_STRING; }
+
+uint32_t forge_capabilities(void) {
+  uint32_t caps = FORGE_CAP_CPU;
+#if defined(_OPENMP)
+  caps |= FORGE_CAP_OPENMP;
+#endif
+#if defined(FORGE_WITH_CUDA)
+  caps |= FORGE_CAP_CUDA;
+#endif
+  return caps;
+}
+
+const char* forge_last_error(void) { return last_error(); }
+
+forge_status forge_hparams_default(forge_rule rule, forge_hparams* out) {
+  clear_error();
+  return default_hparams(rule, out);
+}
+
+forge_status forge_state_layout_query(const forge_hparams* hparams, forge_state_format format,
+                                      int64_t rows, int64_t cols, forge_state_layout* out) {
+  clear_error();
+  if (forge_status s = check_hparams(hparams)) return s;
+  if (!out) return fail(kBad, "out: NULL");
+  if (rows <= 0) return fail(kBad, "rows: must be > 0, got %lld", static_cast<long long>(rows));
+  if (cols <= 0) return fail(kBad, "cols: must be > 0, got %lld", static_cast<long long>(cols));
+  return state_layout(*hparams, format, rows, cols, out);
+}
+
+forge_status forge_state_init(const forge_param* param, const forge_hparams* hparams,
+                              forge_device device) {
+  clear_error();
+  if (!param) return fail(kBad, "param: NULL");
+  if (forge_status s = check_hparams(hparams)) return s;
+  if (forge_status s = check_device(device)) return s;
+  if (forge_status s = check_param_shape(*param)) return s;
+  forge_state_layout layout{};
+  if (forge_status s = state_layout(*hparams, param->state_format, param->rows, param->cols, &layout))
+    return s;
+  for (int i = 0; i < layout.num_states; ++i)
+    if (forge_status s = check_state(*param, i)) return s;
+  for (int i = 0; i < layout.num_states; ++i) {
+    const bool adagrad_sum = hparams->rule == FORGE_RULE_ADAGRAD && i == 0;
+    const float value = adagrad_sum ? static_cast<float>(hparams->initial_accumulator_value) : 0.0f;
+    if (forge_status s = FORGE_DISPATCH(device, state_fill(*param, i, layout.is_signed[i], value, device)))
+      return s;
+  }
+  return FORGE_OK;
+}
+
+forge_status forge_state_to_fp32(const forge_param* param, const forge_hparams* hparams,
+                                 int32_t index, float* out, forge_device device) {
+  clear_error();
+  bool is_signed = false;
+  if (forge_status s = check_state_access(param, hparams, index, out, "out", device, &is_signed))
+    return s;
+  return FORGE_DISPATCH(device, state_to_fp32(*param, index, is_signed, out, device));
+}
+
+forge_status forge_state_from_fp32(const forge_param* param, const forge_hparams* hparams,
+                                   int32_t index, const float* in, forge_device device) {
+  clear_error();
+  bool is_signed = false;
+  if (forge_status s = check_state_access(param, hparams, index, in, "in", device, &is_signed))
+    return s;
+  return FORGE_DISPATCH(device, state_from_fp32(*param, index, is_signed, in, device));
+}
+
+forge_status forge_wgrad_step(const forge_wgrad_args* args) {
+  clear_error();
+  RuleScalars k;
+  if (forge_status s = check_wgrad(args, &k)) return s;
+  return FORGE_DISPATCH(args->device, wgrad_step(*args, k));
+}
+
+forge_status forge_elementwise_step(const forge_elementwise_args* args) {
+  clear_error();
+  RuleScalars k;
+  if (forge_status s = check_elementwise(args, &k)) return s;
+  return FORGE_DISPATCH(args->device, elementwise_step(*args, k));
+}
+
+}  // extern "C"

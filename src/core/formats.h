@@ -1,0 +1,152 @@
+// formats.h — how weights, states and GEMM inputs are stored, and the exact
+// conversions between those formats and the fp32 the rules compute in.
+//
+// Every function here is __host__ __device__ and uses only IEEE-exact
+// operations (bit manipulation, ldexpf, +, *, comparisons), so the CPU and CUDA
+// backends produce the same bits for the same inputs.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define FORGE_HD __host__ __device__ __forceinline__
+#else
+#define FORGE_HD inline
+#endif
+
+namespace forge {
+
+FORGE_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+
+FORGE_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+FORGE_HD bool is_finite(float x) { return (float_bits(x) & 0x7F800000u) != 0x7F800000u; }
+
+// ---- bf16 (stored as uint16_t bits) -------------------------------------------------
+
+FORGE_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest, ties to even. NaN stays a (quiet) NaN.
+FORGE_HD uint16_t bf16_nearest(float x) {
+  uint32_t u = float_bits(x);
+  if ((u & 0x7F800000u) == 0x7F800000u) {
+    return static_cast<uint16_t>((u >> 16) | ((u & 0xFFFFu) ? 0x40u : 0u));
+  }
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Stochastic rounding: rounds the magnitude up with probability equal to the
+// dropped fraction, so E[bf16_to_float(result)] == x for every finite x.
+// `random16` supplies the 16 random bits.
+FORGE_HD uint16_t bf16_stochastic(float x, uint32_t random16) {
+  uint32_t u = float_bits(x);
+  if ((u & 0x7F800000u) == 0x7F800000u) return bf16_nearest(x);
+  u += random16 & 0xFFFFu;
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// ---- fp16 (input only; stored as uint16_t bits) ----------------------------------------
+
+FORGE_HD float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t man = h & 0x3FFu;
+  if (exp == 0x1Fu) return bits_float(sign | 0x7F800000u | (man << 13));  // inf / NaN
+  if (exp != 0) return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+  // zero or subnormal: man * 2^-24, exact in fp32
+  const float mag = ldexpf(static_cast<float>(man), -24);
+  return sign ? -mag : mag;
+}
+
+// ---- int8 block-64 states: a non-linear ("dynamic") map ---------------------------------
+//
+// A state block of 64 consecutive elements of a row stores one fp32 absmax and
+// one byte per element; value = absmax * map(code). The map is logarithmic:
+// levels 2^(-d/8) for d = 0, 1, 2, ... (relative spacing 9%, so the rounding
+// error is at most 4.4% of the value), plus an exact 0.
+//  - signed (first moments):   code = sign << 7 | L, L in 0..127,
+//                              value = L ? 2^((L - 127) / 8) : 0   (down to 1.8e-5 of absmax)
+//  - unsigned (second moments): code = L in 0..255,
+//                              value = L ? 2^((L - 255) / 8) : 0   (down to 2.9e-10 of absmax)
+// NOTE: a linear absmax/127 map rounds second moments smaller than absmax/254 to
+// zero, and m / (sqrt(0) + eps) then explodes; the log map keeps 32 octaves.
+
+constexpr int kInt8SignedTop = 127;
+constexpr int kInt8UnsignedTop = 255;
+
+// 2^(-i/8), i = 0..7, correctly rounded to fp32.
+FORGE_HD float int8_level_fraction(int i) {
+  switch (i) {
+    case 0: return 1.0f;
+    case 1: return 0.917004049f;
+    case 2: return 0.840896428f;
+    case 3: return 0.771105409f;
+    case 4: return 0.707106769f;
+    case 5: return 0.648419797f;
+    case 6: return 0.594603539f;
+    default: return 0.545253873f;
+  }
+}
+
+// Magnitude of level L (0..top): 0 for L == 0, else 2^((L - top) / 8).
+FORGE_HD float int8_level_value(int level, int top) {
+  if (level == 0) return 0.0f;
+  const int d = top - level;
+  return ldexpf(int8_level_fraction(d & 7), -(d >> 3));
+}
+
+// Nearest level to a in [0, 1] (ties go to the smaller level).
+FORGE_HD int int8_nearest_level(float a, int top) {
+  int lo = 0, hi = top;  // invariant: level_value(lo) <= a, and a < level_value(hi + 1)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (int8_level_value(mid, top) <= a) lo = mid; else hi = mid - 1;
+  }
+  if (lo < top) {
+    const float below = int8_level_value(lo, top), above = int8_level_value(lo + 1, top);
+    if (above - a < a - below) return lo + 1;
+  }
+  return lo;
+}
+
+FORGE_HD float int8_decode(uint8_t code, bool is_signed) {
+  if (is_signed) {
+    const float mag = int8_level_value(code & 0x7F, kInt8SignedTop);
+    return (code & 0x80) ? -mag : mag;
+  }
+  return int8_level_value(code, kInt8UnsignedTop);
+}
+
+// x is the value, absmax the block's absmax (>= |x|). Unsigned states are never
+// negative; a negative input there (impossible for a second moment) encodes as 0.
+FORGE_HD uint8_t int8_encode(float x, float absmax, bool is_signed) {
+  if (!(absmax > 0.0f)) return 0;
+  const float a = fabsf(x) / absmax;
+  if (is_signed) {
+    const int level = int8_nearest_level(a, kInt8SignedTop);
+    return static_cast<uint8_t>(level == 0 ? 0 : ((x < 0.0f ? 0x80 : 0) | level));
+  }
+  if (x <= 0.0f) return 0;
+  return static_cast<uint8_t>(int8_nearest_level(a, kInt8UnsignedTop));
+}
+
+}  // namespace forge

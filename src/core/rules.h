@@ -1,0 +1,140 @@
+// rules.h — the eight update rules, element by element: the single source of truth
+// for every backend.
+//
+// Semantics are torch.optim's, operation for operation (Lion: the paper's sign
+// update with decoupled decay). All step-dependent scalars (bias corrections,
+// NAdam's mu products, RAdam's rectification, Adagrad's decayed lr) are computed
+// once per call on the host, in double, by make_rule_scalars() (hparams.cpp);
+// the element code below only multiplies, adds, divides and takes square roots
+// in fp32, so it gives the same bits on the CPU and the GPU (built without FMA
+// contraction).
+#pragma once
+
+#include "forge/forge.h"
+#include "formats.h"
+#include "rng.h"
+
+namespace forge {
+
+struct RuleScalars {
+  int32_t rule;          // forge_rule
+  int32_t num_states;
+  int32_t maximize, nesterov, centered, rect_on;
+  int32_t state_signed[FORGE_MAX_STATES];  // int8 map per state
+  // RMSprop state slots (-1 = unused)
+  int32_t slot_grad_avg, slot_momentum;
+  float grad_scale;
+  float wd_coupled;      // g += wd_coupled * w   (0 when decoupled or no decay)
+  float decay;           // w *= decay            (1 - lr * wd when decoupled, else 1)
+  float neg_lr;          // -lr (SGD, SGD-momentum, RMSprop, Lion); -clr for Adagrad
+  float lr;              // RAdam
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float neg_step_size;   // AdamW: -lr / bc1
+  float bc2_sqrt;        // AdamW: sqrt(1 - beta2^t); RAdam: the same
+  float bc2;             // NAdam: 1 - beta2^t
+  float bc1;             // RAdam: 1 - beta1^t
+  float nadam_coef_grad, nadam_coef_avg;  // NAdam: -lr (1 - mu) / (1 - Πmu), -lr mu' / (1 - Πmu')
+  float rect;            // RAdam
+  float alpha, one_minus_alpha;           // RMSprop
+  float momentum;        // RMSprop, SGD-momentum (nesterov term)
+  float buf_keep, buf_take;  // SGD-momentum: buf = buf * buf_keep + g * buf_take
+  uint64_t sr_key[1 + FORGE_MAX_STATES];  // rng_key per stream: weight, state 0..2
+};
+
+// Applies one step to one element. `g` is the raw gradient element (dW), `w`
+// the fp32 weight, `s` the fp32 states. Returns false, touching nothing, when the
+// gradient (after grad_scale) is not finite. `g_out` receives the scaled
+// gradient (for the sum of squares).
+FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, float& g_out) {
+  g = g * k.grad_scale;
+  g_out = g;
+  if (!is_finite(g)) return false;
+  if (k.maximize) g = -g;
+  if (k.wd_coupled != 0.0f) g = g + k.wd_coupled * w;  // torch: grad.add(param, alpha=wd)
+  w = w * k.decay;                                    // torch: param.mul_(1 - lr * wd)
+  switch (k.rule) {
+    case FORGE_RULE_SGD:
+      w = w + k.neg_lr * g;
+      break;
+    case FORGE_RULE_SGD_MOMENTUM: {
+      const float buf = s[0] * k.buf_keep + g * k.buf_take;
+      s[0] = buf;
+      const float d = k.nesterov ? g + k.momentum * buf : buf;
+      w = w + k.neg_lr * d;
+      break;
+    }
+    case FORGE_RULE_ADAMW: {
+      const float m = s[0] + k.one_minus_beta1 * (g - s[0]);  // torch: lerp_(grad, 1 - beta1)
+      const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
+      s[0] = m;
+      s[1] = v;
+      const float denom = sqrtf(v) / k.bc2_sqrt + k.eps;
+      w = w + k.neg_step_size * (m / denom);
+      break;
+    }
+    case FORGE_RULE_NADAM: {
+      const float m = s[0] + k.one_minus_beta1 * (g - s[0]);
+      const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
+      s[0] = m;
+      s[1] = v;
+      const float denom = sqrtf(v / k.bc2) + k.eps;
+      w = w + k.nadam_coef_grad * (g / denom);
+      w = w + k.nadam_coef_avg * (m / denom);
+      break;
+    }
+    case FORGE_RULE_RADAM: {
+      const float m = s[0] + k.one_minus_beta1 * (g - s[0]);
+      const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
+      s[0] = m;
+      s[1] = v;
+      const float m_hat = m / k.bc1;
+      if (k.rect_on) {
+        const float adaptive_lr = k.bc2_sqrt / (sqrtf(v) + k.eps);
+        w = w - m_hat * k.lr * adaptive_lr * k.rect;
+      } else {
+        w = w - m_hat * k.lr;
+      }
+      break;
+    }
+    case FORGE_RULE_LION: {
+      const float c = s[0] * k.beta1 + g * k.one_minus_beta1;
+      const float sign = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+      w = w + k.neg_lr * sign;
+      s[0] = s[0] * k.beta2 + g * k.one_minus_beta2;
+      break;
+    }
+    case FORGE_RULE_RMSPROP: {
+      const float sq = s[0] * k.alpha + k.one_minus_alpha * (g * g);
+      s[0] = sq;
+      float avg;
+      if (k.centered) {
+        const float ga = s[k.slot_grad_avg] + k.one_minus_alpha * (g - s[k.slot_grad_avg]);
+        s[k.slot_grad_avg] = ga;
+        avg = sqrtf(sq + -1.0f * (ga * ga));  // torch: square_avg.addcmul(ga, ga, value=-1)
+      } else {
+        avg = sqrtf(sq);
+      }
+      avg = avg + k.eps;
+      if (k.slot_momentum >= 0) {
+        const float buf = s[k.slot_momentum] * k.momentum + g / avg;
+        s[k.slot_momentum] = buf;
+        w = w + k.neg_lr * buf;
+      } else {
+        w = w + k.neg_lr * (g / avg);
+      }
+      break;
+    }
+    case FORGE_RULE_ADAGRAD: {
+      const float sum = s[0] + g * g;
+      s[0] = sum;
+      const float std = sqrtf(sum) + k.eps;
+      w = w + k.neg_lr * (g / std);
+      break;
+    }
+    default:
+      break;
+  }
+  return true;
+}
+
+}  // namespace forge

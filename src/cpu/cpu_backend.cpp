@@ -1,0 +1,293 @@
+// cpu_backend.cpp — the CPU backend: the executable specification every other
+// backend is checked against.
+//
+// wgrad_step: W is cut into [tile_rows × tile_cols] tiles (OpenMP over tiles).
+// A tile's dW is accumulated in an fp32 buffer of the tile's size, token by
+// token in ascending order (acc += dy * x, each product rounded, no FMA), so it
+// is bit-identical to a naive dW = dYᵀX summed in the same order. The rule is
+// then applied row segment by row segment (≤ 64 elements, one int8 block).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "backend.h"
+#include "core/formats.h"
+#include "core/rules.h"
+
+namespace forge {
+namespace cpu {
+namespace {
+
+constexpr int kDefaultTile = 128;
+constexpr int kSegment = FORGE_INT8_BLOCK;  // elements updated together (one int8 block)
+
+float load_input(const void* base, forge_dtype dtype, int64_t i) {
+  switch (dtype) {
+    case FORGE_DTYPE_FP32: return static_cast<const float*>(base)[i];
+    case FORGE_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    default: return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+int64_t absmax_index(const forge_param& p, int64_t row, int64_t col0) {
+  const int64_t blocks_per_row = (p.cols + FORGE_INT8_BLOCK - 1) / FORGE_INT8_BLOCK;
+  return row * blocks_per_row + col0 / FORGE_INT8_BLOCK;
+}
+
+// Reads n fp32 values of state `i` starting at (row, col0). For int8, [col0, col0 + n)
+// is one whole block.
+void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
+                float* out) {
+  const int64_t base = row * p.cols + col0;
+  switch (p.state_format) {
+    case FORGE_STATE_FP32:
+      std::memcpy(out, static_cast<const float*>(p.state[i]) + base, sizeof(float) * n);
+      break;
+    case FORGE_STATE_BF16:
+    case FORGE_STATE_BF16_STOCHASTIC: {
+      const uint16_t* s = static_cast<const uint16_t*>(p.state[i]) + base;
+      for (int e = 0; e < n; ++e) out[e] = bf16_to_float(s[e]);
+      break;
+    }
+    case FORGE_STATE_INT8_BLOCK64: {
+      const uint8_t* s = static_cast<const uint8_t*>(p.state[i]) + base;
+      const float absmax = p.state_absmax[i][absmax_index(p, row, col0)];
+      for (int e = 0; e < n; ++e) out[e] = int8_decode(s[e], is_signed) * absmax;
+      break;
+    }
+  }
+}
+
+// Writes n fp32 values to state `i`. Elements with keep[e] set are left as they
+// are (fp32/bf16), or re-encoded from their loaded value against the block's new
+// absmax (int8, where the block shares one scale). `sr_key` (nullable) selects
+// stochastic rounding for FORGE_STATE_BF16_STOCHASTIC.
+void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
+                 const float* in, const bool* keep, const uint64_t* sr_key) {
+  const int64_t base = row * p.cols + col0;
+  switch (p.state_format) {
+    case FORGE_STATE_FP32: {
+      float* s = static_cast<float*>(p.state[i]) + base;
+      for (int e = 0; e < n; ++e)
+        if (!keep || !keep[e]) s[e] = in[e];
+      break;
+    }
+    case FORGE_STATE_BF16:
+    case FORGE_STATE_BF16_STOCHASTIC: {
+      uint16_t* s = static_cast<uint16_t*>(p.state[i]) + base;
+      const bool stochastic = sr_key && p.state_format == FORGE_STATE_BF16_STOCHASTIC;
+      for (int e = 0; e < n; ++e) {
+        if (keep && keep[e]) continue;
+        s[e] = stochastic ? bf16_stochastic(in[e], rng_bits(*sr_key, base + e))
+                          : bf16_nearest(in[e]);
+      }
+      break;
+    }
+    case FORGE_STATE_INT8_BLOCK64: {
+      uint8_t* s = static_cast<uint8_t*>(p.state[i]) + base;
+      float absmax = 0.0f;
+      for (int e = 0; e < n; ++e) absmax = std::max(absmax, std::fabs(in[e]));
+      p.state_absmax[i][absmax_index(p, row, col0)] = absmax;
+      for (int e = 0; e < n; ++e) s[e] = int8_encode(in[e], absmax, is_signed);
+      break;
+    }
+  }
+}
+
+struct StepTotals {
+  double grad_sq_sum = 0;
+  int64_t nonfinite = 0;
+};
+
+// Applies the rule to the n ≤ 64 elements (row, col0 .. col0 + n) given their
+// fp32 gradient g[0..n). For int8 states the segment is one whole block.
+void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int64_t col0,
+                    int n, const float* g, StepTotals& totals) {
+  const int64_t base = row * p.cols + col0;
+  float w[kSegment];
+  float s[FORGE_MAX_STATES][kSegment];
+  bool skipped[kSegment];
+  switch (p.weight_format) {
+    case FORGE_WEIGHT_FP32:
+      std::memcpy(w, static_cast<const float*>(p.weight) + base, sizeof(float) * n);
+      break;
+    case FORGE_WEIGHT_BF16_MASTER:
+      std::memcpy(w, p.master + base, sizeof(float) * n);
+      break;
+    default: {
+      const uint16_t* wb = static_cast<const uint16_t*>(p.weight) + base;
+      for (int e = 0; e < n; ++e) w[e] = bf16_to_float(wb[e]);
+    }
+  }
+  for (int i = 0; i < k.num_states; ++i) load_state(p, i, k.state_signed[i], row, col0, n, s[i]);
+
+  for (int e = 0; e < n; ++e) {
+    float st[FORGE_MAX_STATES];
+    for (int i = 0; i < k.num_states; ++i) st[i] = s[i][e];
+    float w_new = w[e], g_used;
+    skipped[e] = !apply_rule(k, g[e], w_new, st, g_used);
+    if (skipped[e]) {
+      ++totals.nonfinite;
+      continue;
+    }
+    totals.grad_sq_sum += static_cast<double>(g_used) * static_cast<double>(g_used);
+    w[e] = w_new;
+    for (int i = 0; i < k.num_states; ++i) s[i][e] = st[i];
+  }
+
+  for (int i = 0; i < k.num_states; ++i)
+    store_state(p, i, k.state_signed[i], row, col0, n, s[i], skipped, &k.sr_key[1 + i]);
+  switch (p.weight_format) {
+    case FORGE_WEIGHT_FP32: {
+      float* wf = static_cast<float*>(p.weight) + base;
+      for (int e = 0; e < n; ++e)
+        if (!skipped[e]) wf[e] = w[e];
+      break;
+    }
+    case FORGE_WEIGHT_BF16:
+    case FORGE_WEIGHT_BF16_MASTER: {
+      uint16_t* wb = static_cast<uint16_t*>(p.weight) + base;
+      for (int e = 0; e < n; ++e) {
+        if (skipped[e]) continue;
+        wb[e] = bf16_nearest(w[e]);
+        if (p.weight_format == FORGE_WEIGHT_BF16_MASTER) p.master[base + e] = w[e];
+      }
+      break;
+    }
+    case FORGE_WEIGHT_BF16_STOCHASTIC: {
+      uint16_t* wb = static_cast<uint16_t*>(p.weight) + base;
+      for (int e = 0; e < n; ++e)
+        if (!skipped[e]) wb[e] = bf16_stochastic(w[e], rng_bits(k.sr_key[0], base + e));
+      break;
+    }
+  }
+}
+
+// Updates row `row`, columns [c0, c1), from the fp32 gradient g[0 .. c1 - c0),
+// in segments aligned to multiples of 64 columns (so int8 blocks are whole).
+void update_row(const RuleScalars& k, const forge_param& p, int64_t row, int64_t c0, int64_t c1,
+                const float* g, StepTotals& totals) {
+  for (int64_t c = c0; c < c1;) {
+    const int64_t end = std::min(c1, (c / kSegment + 1) * kSegment);
+    update_segment(k, p, row, c, static_cast<int>(end - c), g + (c - c0), totals);
+    c = end;
+  }
+}
+
+int thread_count(const forge_device& d) {
+#if defined(_OPENMP)
+  return d.num_threads > 0 ? d.num_threads : omp_get_max_threads();
+#else
+  (void)d;
+  return 1;
+#endif
+}
+
+void add_outputs(const forge_step_outputs& out, const StepTotals& totals) {
+  if (out.grad_sq_sum) *out.grad_sq_sum += totals.grad_sq_sum;
+  if (out.nonfinite_count) *out.nonfinite_count += totals.nonfinite;
+}
+
+}  // namespace
+
+forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
+  const forge_param& p = a.param;
+  const int64_t tile_rows = a.tile_rows > 0 ? a.tile_rows : kDefaultTile;
+  const int64_t tile_cols = a.tile_cols > 0 ? a.tile_cols : kDefaultTile;
+  const int64_t tiles_r = (p.rows + tile_rows - 1) / tile_rows;
+  const int64_t tiles_c = (p.cols + tile_cols - 1) / tile_cols;
+  const int64_t num_tiles = tiles_r * tiles_c;
+  StepTotals totals;
+  double sq_sum = 0;
+  int64_t nonfinite = 0;
+
+#pragma omp parallel num_threads(thread_count(a.device)) reduction(+ : sq_sum, nonfinite)
+  {
+    // NOTE: one fp32 accumulator tile per thread, reused across its tiles: the
+    // only memory this step allocates (threads × tile, never rows × cols).
+    std::vector<float> acc(tile_rows * tile_cols), dy_row(tile_rows), x_row(tile_cols);
+    StepTotals mine;
+#pragma omp for schedule(dynamic)
+    for (int64_t tile = 0; tile < num_tiles; ++tile) {
+      const int64_t r0 = (tile / tiles_c) * tile_rows, c0 = (tile % tiles_c) * tile_cols;
+      const int64_t bm = std::min(tile_rows, p.rows - r0), bn = std::min(tile_cols, p.cols - c0);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < a.tokens; ++t) {
+        for (int64_t i = 0; i < bm; ++i) dy_row[i] = load_input(a.dy, a.dy_dtype, t * a.lddy + r0 + i);
+        for (int64_t j = 0; j < bn; ++j) x_row[j] = load_input(a.x, a.x_dtype, t * a.ldx + c0 + j);
+        for (int64_t i = 0; i < bm; ++i) {
+          const float d = dy_row[i];
+          float* acc_row = acc.data() + i * tile_cols;
+          for (int64_t j = 0; j < bn; ++j) acc_row[j] += d * x_row[j];  // [bn] row of dW
+        }
+      }
+      for (int64_t i = 0; i < bm; ++i)
+        update_row(k, p, r0 + i, c0, c0 + bn, acc.data() + i * tile_cols, mine);
+    }
+    sq_sum += mine.grad_sq_sum;
+    nonfinite += mine.nonfinite;
+  }
+  totals.grad_sq_sum = sq_sum;
+  totals.nonfinite = nonfinite;
+  add_outputs(a.outputs, totals);
+  return FORGE_OK;
+}
+
+forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars& k) {
+  const forge_param& p = a.param;
+  double sq_sum = 0;
+  int64_t nonfinite = 0;
+#pragma omp parallel num_threads(thread_count(a.device)) reduction(+ : sq_sum, nonfinite)
+  {
+    std::vector<float> g(p.cols);
+    StepTotals mine;
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < p.rows; ++row) {
+      for (int64_t c = 0; c < p.cols; ++c) g[c] = load_input(a.grad, a.grad_dtype, row * p.cols + c);
+      update_row(k, p, row, 0, p.cols, g.data(), mine);
+    }
+    sq_sum += mine.grad_sq_sum;
+    nonfinite += mine.nonfinite;
+  }
+  StepTotals totals;
+  totals.grad_sq_sum = sq_sum;
+  totals.nonfinite = nonfinite;
+  add_outputs(a.outputs, totals);
+  return FORGE_OK;
+}
+
+forge_status state_fill(const forge_param& p, int index, bool is_signed, float value,
+                        const forge_device&) {
+  std::vector<float> row(p.cols, value);
+  for (int64_t r = 0; r < p.rows; ++r)
+    for (int64_t c = 0; c < p.cols; c += kSegment)
+      store_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),
+                  row.data() + c, nullptr, nullptr);
+  return FORGE_OK;
+}
+
+forge_status state_to_fp32(const forge_param& p, int index, bool is_signed, float* out,
+                           const forge_device&) {
+  for (int64_t r = 0; r < p.rows; ++r)
+    for (int64_t c = 0; c < p.cols; c += kSegment)
+      load_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),
+                 out + r * p.cols + c);
+  return FORGE_OK;
+}
+
+forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, const float* in,
+                             const forge_device&) {
+  for (int64_t r = 0; r < p.rows; ++r)
+    for (int64_t c = 0; c < p.cols; c += kSegment)
+      store_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),
+                  in + r * p.cols + c, nullptr, nullptr);
+  return FORGE_OK;
+}
+
+}  // namespace cpu
+}  // namespace forge
