@@ -1,0 +1,155 @@
+// test_bad_input.cpp — every invalid argument gets an error code and a message
+// naming the argument, and no output byte changes (weights, master, states,
+// absmax, the step outputs).
+#include <functional>
+
+#include "test_util.h"
+
+namespace forge_test {
+namespace {
+
+struct BadCase {
+  std::string name;
+  std::function<void(forge_wgrad_args&)> mutate;
+  forge_status code;
+  std::string message_part;
+};
+
+forge_hparams adamw() {
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  return hp;
+}
+
+std::vector<BadCase> wgrad_cases() {
+  const forge_status bad = FORGE_ERR_INVALID_ARGUMENT;
+  std::vector<BadCase> c = {
+      {"abi", [](forge_wgrad_args& a) { a.abi_version = 99; }, bad, "args.abi_version"},
+      {"x_null", [](forge_wgrad_args& a) { a.x = nullptr; }, bad, "x: NULL"},
+      {"dy_null", [](forge_wgrad_args& a) { a.dy = nullptr; }, bad, "dy: NULL"},
+      {"weight_null", [](forge_wgrad_args& a) { a.param.weight = nullptr; }, bad, "param.weight"},
+      {"state_null", [](forge_wgrad_args& a) { a.param.state[1] = nullptr; }, bad, "param.state[1]"},
+      {"absmax_null", [](forge_wgrad_args& a) { a.param.state_absmax[0] = nullptr; }, bad, "param.state_absmax[0]"},
+      {"rows_zero", [](forge_wgrad_args& a) { a.param.rows = 0; }, bad, "param.rows"},
+      {"cols_negative", [](forge_wgrad_args& a) { a.param.cols = -3; }, bad, "param.cols"},
+      {"tokens_zero", [](forge_wgrad_args& a) { a.tokens = 0; }, bad, "tokens"},
+      {"ldx_short", [](forge_wgrad_args& a) { a.ldx = a.param.cols - 1; }, bad, "ldx"},
+      {"lddy_short", [](forge_wgrad_args& a) { a.lddy = a.param.rows - 1; }, bad, "lddy"},
+      {"x_dtype", [](forge_wgrad_args& a) { a.x_dtype = static_cast<forge_dtype>(9); }, bad, "x_dtype"},
+      {"dy_dtype", [](forge_wgrad_args& a) { a.dy_dtype = static_cast<forge_dtype>(-1); }, bad, "dy_dtype"},
+      {"rule", [](forge_wgrad_args& a) { a.hparams.rule = static_cast<forge_rule>(8); }, bad, "hparams.rule"},
+      {"weight_format", [](forge_wgrad_args& a) { a.param.weight_format = static_cast<forge_weight_format>(4); }, bad, "param.weight_format"},
+      {"state_format", [](forge_wgrad_args& a) { a.param.state_format = static_cast<forge_state_format>(4); }, bad, "param.state_format"},
+      {"master_missing", [](forge_wgrad_args& a) { a.param.weight_format = FORGE_WEIGHT_BF16_MASTER; }, bad, "param.master"},
+      {"hparams_abi", [](forge_wgrad_args& a) { a.hparams.abi_version = 0; }, bad, "hparams.abi_version"},
+      {"lr_negative", [](forge_wgrad_args& a) { a.hparams.lr = -1e-3; }, bad, "hparams.lr"},
+      {"lr_nan", [](forge_wgrad_args& a) { a.hparams.lr = NAN; }, bad, "hparams.lr"},
+      {"beta1_one", [](forge_wgrad_args& a) { a.hparams.beta1 = 1.0; }, bad, "hparams.beta1"},
+      {"beta2_negative", [](forge_wgrad_args& a) { a.hparams.beta2 = -0.1; }, bad, "hparams.beta2"},
+      {"eps_zero", [](forge_wgrad_args& a) { a.hparams.eps = 0; }, bad, "hparams.eps"},
+      {"weight_decay_negative", [](forge_wgrad_args& a) { a.hparams.weight_decay = -0.1; }, bad, "hparams.weight_decay"},
+      {"step_zero", [](forge_wgrad_args& a) { a.hparams.step = 0; }, bad, "hparams.step"},
+      {"grad_scale_zero", [](forge_wgrad_args& a) { a.hparams.grad_scale = 0; }, bad, "hparams.grad_scale"},
+      {"sgd_momentum", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_SGD; a.hparams.momentum = 0.9; }, bad, "hparams.momentum"},
+      {"sgdm_zero_momentum", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_SGD_MOMENTUM; a.hparams.momentum = 0; }, bad, "hparams.momentum"},
+      {"nesterov_dampening", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_SGD_MOMENTUM; a.hparams.momentum = 0.9; a.hparams.nesterov = 1; a.hparams.dampening = 0.5; }, bad, "hparams.nesterov"},
+      {"rmsprop_alpha", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_RMSPROP; a.hparams.alpha = 1.0; }, bad, "hparams.alpha"},
+      {"adagrad_lr_decay", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_ADAGRAD; a.hparams.lr_decay = -1; }, bad, "hparams.lr_decay"},
+      {"nadam_momentum_decay", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.momentum_decay = NAN; }, bad, "hparams.momentum_decay"},
+      {"int8_tile_cols", [](forge_wgrad_args& a) { a.tile_cols = 96; }, bad, "tile_cols"},
+      {"tile_negative", [](forge_wgrad_args& a) { a.tile_rows = -1; }, bad, "tile_rows"},
+      {"device_kind", [](forge_wgrad_args& a) { a.device.kind = static_cast<forge_device_kind>(7); }, bad, "device.kind"},
+      {"num_threads", [](forge_wgrad_args& a) { a.device.num_threads = -2; }, bad, "device.num_threads"},
+  };
+  if (forge_capabilities() & FORGE_CAP_CUDA) {
+    c.push_back({"cuda_index", [](forge_wgrad_args& a) { a.device.kind = FORGE_DEVICE_CUDA; a.device.index = -1; }, bad, "device.index"});
+  } else {
+    c.push_back({"cuda_missing", [](forge_wgrad_args& a) { a.device.kind = FORGE_DEVICE_CUDA; }, FORGE_ERR_UNSUPPORTED, "device.kind"});
+  }
+  return c;
+}
+
+TEST(BadInput, WgradStepRejectsAndWritesNothing) {
+  Rng rng(fresh_seed());
+  const forge_hparams hp = adamw();
+  for (const BadCase& bc : wgrad_cases()) {
+    SCOPED_TRACE(bc.name);
+    HostParam p(9, 70, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, hp);
+    p.randomize(rng, hp);
+    const Matrix x = random_matrix(rng, 5, 70, 70, FORGE_DTYPE_BF16);
+    const Matrix dy = random_matrix(rng, 5, 9, 9, FORGE_DTYPE_BF16);
+    double sq = 1.5;
+    int64_t count = 7;
+    forge_wgrad_args a = wgrad_args(p, hp, x, dy);
+    a.outputs = {&sq, &count};
+    bc.mutate(a);
+    const std::vector<uint8_t> before = p.snapshot();
+    EXPECT_EQ(forge_wgrad_step(&a), bc.code);
+    EXPECT_NE(std::string(forge_last_error()).find(bc.message_part), std::string::npos)
+        << "message: " << forge_last_error();
+    EXPECT_EQ(p.snapshot(), before);
+    EXPECT_EQ(sq, 1.5);
+    EXPECT_EQ(count, 7);
+  }
+  EXPECT_EQ(forge_wgrad_step(nullptr), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("args: NULL"), std::string::npos);
+}
+
+TEST(BadInput, ElementwiseStepRejectsAndWritesNothing) {
+  Rng rng(fresh_seed());
+  const forge_hparams hp = adamw();
+  HostParam p(3, 10, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+  p.randomize(rng, hp);
+  std::vector<float> grad(30, 1.0f);
+  const std::vector<uint8_t> before = p.snapshot();
+  forge_elementwise_args a = elementwise_args(p, hp, grad);
+  a.grad = nullptr;
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("grad: NULL"), std::string::npos);
+  a = elementwise_args(p, hp, grad);
+  a.grad_dtype = static_cast<forge_dtype>(5);
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("grad_dtype"), std::string::npos);
+  a = elementwise_args(p, hp, grad);
+  a.param.master = reinterpret_cast<float*>(grad.data());
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("param.master"), std::string::npos);
+  EXPECT_EQ(p.snapshot(), before);
+  // a valid call clears the message
+  a = elementwise_args(p, hp, grad);
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_OK);
+  EXPECT_STREQ(forge_last_error(), "");
+}
+
+TEST(BadInput, StateEntryPoints) {
+  const forge_hparams hp = adamw();
+  HostParam p(2, 70, FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64, hp);
+  forge_device cpu{};
+  std::vector<float> buf(140, 3.0f);
+  EXPECT_EQ(forge_state_to_fp32(&p.p, &hp, 2, buf.data(), cpu), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("index"), std::string::npos);
+  EXPECT_EQ(forge_state_to_fp32(&p.p, &hp, 0, nullptr, cpu), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("out: NULL"), std::string::npos);
+  EXPECT_EQ(forge_state_from_fp32(nullptr, &hp, 0, buf.data(), cpu), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("param: NULL"), std::string::npos);
+  forge_param no_absmax = p.p;
+  no_absmax.state_absmax[1] = nullptr;
+  const std::vector<uint8_t> before = p.snapshot();
+  EXPECT_EQ(forge_state_init(&no_absmax, &hp, cpu), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("param.state_absmax[1]"), std::string::npos);
+  EXPECT_EQ(p.snapshot(), before);
+  for (float v : buf) EXPECT_EQ(v, 3.0f);
+  forge_state_layout l;
+  EXPECT_EQ(forge_state_layout_query(&hp, static_cast<forge_state_format>(11), 2, 2, &l), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("state_format"), std::string::npos);
+  EXPECT_EQ(forge_hparams_default(static_cast<forge_rule>(42), nullptr), FORGE_ERR_INVALID_ARGUMENT);
+}
+
+TEST(Abi, VersionAndCapabilities) {
+  EXPECT_EQ(forge_abi_version(), FORGE_ABI_VERSION);
+  EXPECT_TRUE(forge_capabilities() & FORGE_CAP_CPU);
+  EXPECT_STRNE(forge_version_string(), "");
+}
+
+}  // namespace
+}  // namespace forge_test

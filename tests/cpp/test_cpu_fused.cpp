@@ -1,0 +1,180 @@
+// test_cpu_fused.cpp — the CPU fused step is bit-identical to the unfused way
+// (materialize dW summed over tokens in the same order, then apply the rule with
+// forge_elementwise_step), for every rule × weight format × state format, on odd
+// shapes, strided inputs, every input dtype and several steps in a row; and
+// independent of tile shape and thread count. Non-finite gradients are skipped
+// and counted.
+#include <algorithm>
+#include <tuple>
+
+#include "test_util.h"
+#include "tolerances.h"
+
+namespace forge_test {
+namespace {
+
+struct Shape {
+  int64_t rows, cols, tokens;
+};
+
+// (rule case, weight format, state format)
+class FusedVsUnfused : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(FusedVsUnfused, BitIdenticalOverSeveralSteps) {
+  const auto [rule_index, wf, sf] = GetParam();
+  const RuleCase rc = all_rule_cases()[rule_index];
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const Shape shapes[] = {{17, 129, 33}, {1, 1000, 5}, {129, 17, 1}, {65, 200, 70}};
+  const forge_dtype dtypes[] = {FORGE_DTYPE_BF16, FORGE_DTYPE_FP16, FORGE_DTYPE_FP32};
+  int shape_index = 0;
+  for (const Shape& s : shapes) {
+    const forge_dtype dtype = dtypes[shape_index++ % 3];
+    SCOPED_TRACE(::testing::Message() << "shape " << s.rows << "x" << s.cols << " T=" << s.tokens
+                                      << " dtype " << dtype);
+    forge_hparams hp = rc.hp;
+    hp.seed = rng.gen();
+    HostParam fused(s.rows, s.cols, static_cast<forge_weight_format>(wf),
+                    static_cast<forge_state_format>(sf), hp);
+    fused.randomize(rng, hp);
+    HostParam unfused(fused);
+    for (int64_t step : {1, 2, 7}) {
+      hp.step = step;
+      // strided: ld larger than the row, as for views of [B, S, H] activations
+      const Matrix x = random_matrix(rng, s.tokens, s.cols, s.cols + 3, dtype);
+      const Matrix dy = random_matrix(rng, s.tokens, s.rows, s.rows + 5, dtype, 0.1f);
+      double sq_fused = 0, sq_unfused = 0;
+      int64_t bad_fused = 0, bad_unfused = 0;
+      forge_wgrad_args a = wgrad_args(fused, hp, x, dy);
+      a.outputs = {&sq_fused, &bad_fused};
+      ASSERT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
+      const std::vector<float> dw = reference_dw(x, dy);
+      forge_elementwise_args e = elementwise_args(unfused, hp, dw);
+      e.outputs = {&sq_unfused, &bad_unfused};
+      ASSERT_EQ(forge_elementwise_step(&e), FORGE_OK) << forge_last_error();
+      ASSERT_EQ(fused.snapshot(), unfused.snapshot()) << "step " << step;
+      EXPECT_EQ(bad_fused, 0);
+      EXPECT_NEAR(sq_fused, sq_unfused, kGradSqSumRel * sq_unfused);
+    }
+  }
+}
+
+std::string combo_name(const ::testing::TestParamInfo<std::tuple<int, int, int>>& info) {
+  const auto [r, w, s] = info.param;
+  return all_rule_cases()[r].name + "_" + weight_format_name(w) + "_" + state_format_name(s);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllRulesAllFormats, FusedVsUnfused,
+                         ::testing::Combine(::testing::Range(0, static_cast<int>(all_rule_cases().size())),
+                                            ::testing::Range(0, FORGE_WEIGHT_FORMAT_COUNT),
+                                            ::testing::Range(0, FORGE_STATE_FORMAT_COUNT)),
+                         combo_name);
+
+// Long token reductions and wide layers, on the formats that round the most.
+TEST(FusedLarge, LongReductionAndWideLayer) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const Shape shapes[] = {{129, 65, 4097}, {1000, 1000, 3}, {1, 17, 4097}};
+  for (const RuleCase& rc : all_rule_cases()) {
+    if (rc.name != "AdamW" && rc.name != "Lion" && rc.name != "RMSpropCenteredMomentum") continue;
+    for (const Shape& s : shapes) {
+      SCOPED_TRACE(rc.name + " " + std::to_string(s.rows) + "x" + std::to_string(s.cols) + " T=" +
+                   std::to_string(s.tokens));
+      forge_hparams hp = rc.hp;
+      hp.seed = rng.gen();
+      HostParam fused(s.rows, s.cols, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, hp);
+      fused.randomize(rng, hp);
+      HostParam unfused(fused);
+      const Matrix x = random_matrix(rng, s.tokens, s.cols, s.cols, FORGE_DTYPE_BF16);
+      const Matrix dy = random_matrix(rng, s.tokens, s.rows, s.rows, FORGE_DTYPE_BF16, 0.01f);
+      forge_wgrad_args a = wgrad_args(fused, hp, x, dy);
+      ASSERT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
+      const std::vector<float> dw = reference_dw(x, dy);
+      forge_elementwise_args e = elementwise_args(unfused, hp, dw);
+      ASSERT_EQ(forge_elementwise_step(&e), FORGE_OK) << forge_last_error();
+      ASSERT_EQ(fused.snapshot(), unfused.snapshot());
+    }
+  }
+}
+
+// Tile shape and thread count change nothing: per element the token order is
+// the same, and stochastic rounding bits depend on the element, not the launch.
+TEST(FusedLaunchShape, TileShapeAndThreadsGiveSameBits) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  forge_hparams hp = all_rule_cases()[3].hp;  // AdamW
+  hp.seed = rng.gen();
+  const Matrix x = random_matrix(rng, 40, 300, 300, FORGE_DTYPE_BF16);
+  const Matrix dy = random_matrix(rng, 40, 150, 150, FORGE_DTYPE_BF16, 0.1f);
+  for (int sf : {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64}) {
+    HostParam first(150, 300, FORGE_WEIGHT_BF16_STOCHASTIC, static_cast<forge_state_format>(sf), hp);
+    first.randomize(rng, hp);
+    const HostParam initial(first);
+    forge_wgrad_args a = wgrad_args(first, hp, x, dy);
+    ASSERT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
+    const struct { int tr, tc, threads; } launches[] = {{64, 64, 1}, {32, 128, 2}, {7, 192, 2}, {128, 64, 3}};
+    for (const auto& l : launches) {
+      HostParam other(initial);
+      forge_wgrad_args b = wgrad_args(other, hp, x, dy);
+      b.tile_rows = l.tr;
+      b.tile_cols = l.tc;
+      b.device.num_threads = l.threads;
+      ASSERT_EQ(forge_wgrad_step(&b), FORGE_OK) << forge_last_error();
+      EXPECT_EQ(other.snapshot(), first.snapshot())
+          << "tile " << l.tr << "x" << l.tc << " threads " << l.threads;
+    }
+  }
+}
+
+// NaN / Inf in the gradient: those elements' weights and states stay untouched
+// and are counted; Σ g² covers the finite ones only.
+TEST(FusedNonFinite, SkippedAndCounted) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  for (int sf : {FORGE_STATE_FP32, FORGE_STATE_BF16}) {
+    forge_hparams hp = all_rule_cases()[3].hp;  // AdamW
+    const int64_t rows = 20, cols = 70, tokens = 9;
+    HostParam p(rows, cols, FORGE_WEIGHT_FP32, static_cast<forge_state_format>(sf), hp);
+    p.randomize(rng, hp);
+    // Non-zero states, so "untouched" is a real check.
+    hp.step = 1;
+    Matrix x = random_matrix(rng, tokens, cols, cols, FORGE_DTYPE_FP32);
+    Matrix dy = random_matrix(rng, tokens, rows, rows, FORGE_DTYPE_FP32, 0.1f);
+    forge_wgrad_args warm = wgrad_args(p, hp, x, dy);
+    ASSERT_EQ(forge_wgrad_step(&warm), FORGE_OK);
+    const HostParam before(p);
+    hp.step = 2;
+    x.set(3, 5, NAN);
+    x.set(4, 60, INFINITY);
+    const std::vector<float> dw = reference_dw(x, dy);
+    double sq = 0, expected_sq = 0;
+    int64_t bad = 0, expected_bad = 0;
+    for (float g : dw) {
+      if (std::isfinite(g)) expected_sq += double(g) * g; else ++expected_bad;
+    }
+    forge_wgrad_args a = wgrad_args(p, hp, x, dy);
+    a.outputs = {&sq, &bad};
+    ASSERT_EQ(forge_wgrad_step(&a), FORGE_OK);
+    EXPECT_EQ(bad, expected_bad);
+    EXPECT_EQ(expected_bad, 2 * rows);
+    EXPECT_NEAR(sq, expected_sq, kGradSqSumRel * expected_sq);
+    const std::vector<float> s_before = before.state_fp32(0, hp), s_after = p.state_fp32(0, hp);
+    for (int64_t i = 0; i < p.size(); ++i) {
+      const bool skipped = !std::isfinite(dw[i]);
+      EXPECT_FALSE(std::isnan(p.w(i)));
+      if (skipped) {
+        EXPECT_EQ(p.w(i), before.w(i)) << "element " << i;
+        EXPECT_EQ(s_after[i], s_before[i]) << "element " << i;
+      } else {
+        EXPECT_NE(p.w(i), before.w(i)) << "element " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace forge_test

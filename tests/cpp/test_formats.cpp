@@ -1,0 +1,174 @@
+// test_formats.cpp — storage formats: bf16 nearest and stochastic rounding, fp16
+// input decoding, the int8 dynamic map and its block-64 round trip, and an AdamW
+// run with int8 states that tracks the fp32-state run on least squares.
+#include <algorithm>
+
+#include "core/formats.h"
+#include "core/rng.h"
+#include "test_util.h"
+#include "tolerances.h"
+
+namespace forge_test {
+namespace {
+
+using namespace forge;
+
+TEST(Bf16, NearestEvenAndSpecials) {
+  EXPECT_EQ(bf16_nearest(1.0f), 0x3F80);
+  EXPECT_EQ(bf16_nearest(bits_float(0x3F808000u)), 0x3F80);  // tie → even (down)
+  EXPECT_EQ(bf16_nearest(bits_float(0x3F818000u)), 0x3F82);  // tie → even (up)
+  EXPECT_EQ(bf16_nearest(bits_float(0x3F808001u)), 0x3F81);  // above the tie → up
+  EXPECT_EQ(bf16_nearest(-2.0f), 0xC000);
+  EXPECT_EQ(bf16_nearest(INFINITY), 0x7F80);
+  EXPECT_TRUE(std::isnan(bf16_to_float(bf16_nearest(NAN))));
+  EXPECT_TRUE(std::isnan(bf16_to_float(bf16_nearest(bits_float(0x7F800001u)))));  // NaN with low payload only
+}
+
+TEST(Fp16, EveryBitPatternDecodesExactly) {
+  for (uint32_t b = 0; b < 65536; ++b) {
+    _Float16 h;
+    const uint16_t bits = static_cast<uint16_t>(b);
+    std::memcpy(&h, &bits, 2);
+    const float expected = static_cast<float>(h), got = fp16_to_float(bits);
+    if (std::isnan(expected)) {
+      EXPECT_TRUE(std::isnan(got)) << b;
+    } else {
+      EXPECT_EQ(float_bits(got), float_bits(expected)) << b;
+    }
+  }
+}
+
+TEST(StochasticRounding, UnbiasedMeanWithinBound) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const int kDraws = 200000;
+  for (int trial = 0; trial < 8; ++trial) {
+    const float x = rng.normal(3.0f);
+    const float lo = bf16_to_float(static_cast<uint16_t>(float_bits(x) >> 16));
+    const float hi = bf16_to_float(static_cast<uint16_t>((float_bits(x) >> 16) + 1));
+    const double ulp = std::fabs(double(hi) - double(lo));
+    const uint64_t key = rng_key(rng.gen(), 1 + trial, 0);
+    double sum = 0;
+    for (int i = 0; i < kDraws; ++i) {
+      const float r = bf16_to_float(bf16_stochastic(x, rng_bits(key, i)));
+      ASSERT_TRUE(r == lo || r == hi) << "x=" << x << " r=" << r;
+      sum += r;
+    }
+    const double mean = sum / kDraws;
+    EXPECT_NEAR(mean, x, kSrMeanSigmas * ulp / (2.0 * std::sqrt(double(kDraws)))) << "x=" << x;
+  }
+}
+
+TEST(StochasticRounding, ExactValuesStayExact) {
+  for (float x : {1.0f, -0.5f, 0.0f, 3.140625f})
+    for (uint32_t r : {0u, 1u, 0x7FFFu, 0xFFFFu}) EXPECT_EQ(bf16_to_float(bf16_stochastic(x, r)), x);
+}
+
+TEST(Int8Map, LevelsAreMonotonicAndSelfConsistent) {
+  for (bool is_signed : {true, false}) {
+    const int top = is_signed ? kInt8SignedTop : kInt8UnsignedTop;
+    for (int level = 1; level <= top; ++level) {
+      EXPECT_LT(int8_level_value(level - 1, top), int8_level_value(level, top));
+      EXPECT_EQ(int8_nearest_level(int8_level_value(level, top), top), level);
+    }
+    EXPECT_EQ(int8_level_value(top, top), 1.0f);
+  }
+  EXPECT_EQ(int8_decode(int8_encode(-1.0f, 1.0f, true), true), -1.0f);
+  EXPECT_EQ(int8_encode(0.0f, 1.0f, true), 0);
+  EXPECT_EQ(int8_encode(5.0f, 0.0f, false), 0);  // all-zero block
+}
+
+TEST(Int8Map, BlockRoundTripErrorBound) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  const int64_t rows = 5, cols = 200;  // 4 blocks a row, the last one partial
+  HostParam p(rows, cols, FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64, hp);
+  std::vector<float> m(rows * cols), v(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    // values spanning 6 decades, as moments do
+    m[i] = rng.normal(1.0f) * std::pow(10.0f, rng.uniform(-6.0f, 0.0f));
+    v[i] = m[i] * m[i];
+  }
+  forge_device cpu{};
+  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 0, m.data(), cpu), FORGE_OK) << forge_last_error();
+  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 1, v.data(), cpu), FORGE_OK) << forge_last_error();
+  const std::vector<float> m2 = p.state_fp32(0, hp), v2 = p.state_fp32(1, hp);
+  const float* absmax_m = reinterpret_cast<const float*>(p.absmax[0].data());
+  const float* absmax_v = reinterpret_cast<const float*>(p.absmax[1].data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = r * cols + c, b = r * 4 + c / 64;
+      const double floor_m = int8_level_value(1, kInt8SignedTop) * absmax_m[b];
+      const double floor_v = int8_level_value(1, kInt8UnsignedTop) * absmax_v[b];
+      EXPECT_LE(std::fabs(m2[i] - m[i]), std::max(kInt8MapRel * std::fabs(m[i]), floor_m)) << i;
+      EXPECT_LE(std::fabs(v2[i] - v[i]), std::max(kInt8MapRel * v[i], floor_v)) << i;
+      EXPECT_GE(v2[i], 0.0f);
+      EXPECT_TRUE(m2[i] == 0 || (m2[i] > 0) == (m[i] > 0)) << "sign flipped at " << i;
+    }
+  // Each block's absmax is its largest magnitude, so that element is exact.
+  float largest = 0;
+  for (int c = 0; c < 64; ++c) largest = std::max(largest, std::fabs(m[c]));
+  EXPECT_EQ(absmax_m[0], largest);
+}
+
+// Least squares: W [out, in] fits Y* = X W*ᵀ; loss = ½/T ‖X Wᵀ − Y*‖²,
+// dY = (X Wᵀ − Y*) / T, and the fused step consumes dW = dYᵀX.
+double lsq_run_step(HostParam& p, const forge_hparams& hp, const Matrix& x, const std::vector<float>& w_star,
+                    int64_t out, int64_t in) {
+  const int64_t T = x.rows;
+  Matrix dy{T, out, out, FORGE_DTYPE_FP32, std::vector<uint8_t>(T * out * 4)};
+  double loss = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o) {
+      double y = 0, y_star = 0;
+      for (int64_t i = 0; i < in; ++i) {
+        y += double(p.w(o * in + i)) * x.get(t, i);
+        y_star += double(w_star[o * in + i]) * x.get(t, i);
+      }
+      loss += 0.5 * (y - y_star) * (y - y_star) / T;
+      dy.set(t, o, static_cast<float>((y - y_star) / T));
+    }
+  forge_wgrad_args a = wgrad_args(p, hp, x, dy);
+  EXPECT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
+  return loss;
+}
+
+TEST(Int8States, AdamWTracksFp32OnLeastSquares) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const int64_t out = 8, in = 128, T = 256;
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  hp.lr = 1e-2;
+  hp.weight_decay = 0;
+  const Matrix x = random_matrix(rng, T, in, in, FORGE_DTYPE_FP32);
+  std::vector<float> w_star(out * in);
+  for (float& w : w_star) w = rng.normal(0.3f);
+  HostParam fp32(out, in, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+  fp32.randomize(rng, hp);
+  HostParam int8(out, in, FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64, hp);
+  for (int64_t i = 0; i < fp32.size(); ++i) int8.set_w(i, fp32.w(i));
+  forge_device cpu{};
+  ASSERT_EQ(forge_state_init(&int8.p, &hp, cpu), FORGE_OK);
+  double first = 0, loss32 = 0, loss8 = 0;
+  for (int64_t step = 1; step <= 300; ++step) {
+    hp.step = step;
+    loss32 = lsq_run_step(fp32, hp, x, w_star, out, in);
+    loss8 = lsq_run_step(int8, hp, x, w_star, out, in);
+    if (step == 1) first = loss32;
+    if (step % 25 == 0) {
+      EXPECT_LE(loss8, kLsqInt8LossRatio * loss32) << "step " << step;
+      EXPECT_GE(loss8, loss32 / kLsqInt8LossRatio) << "step " << step;
+    }
+  }
+  EXPECT_LE(loss32, first / kLsqMinReduction);
+  EXPECT_LE(loss8, first / kLsqMinReduction);
+}
+
+}  // namespace
+}  // namespace forge_test

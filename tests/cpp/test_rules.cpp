@@ -1,0 +1,201 @@
+// test_rules.cpp — every rule against an independent textbook implementation in
+// double (written from torch.optim's documented algorithms and the Lion paper),
+// over 12 steps with fp32 weights and states; plus defaults and state layouts.
+#include <functional>
+
+#include "test_util.h"
+#include "tolerances.h"
+
+namespace forge_test {
+namespace {
+
+// One element's textbook state, in double.
+struct Ref {
+  double w, a = 0, b = 0, c = 0, mu_product = 1;
+};
+
+double sgn(double x) { return x > 0 ? 1 : (x < 0 ? -1 : 0); }
+
+// Textbook step t (1-based) of rule case `hp` on element r with gradient g.
+void textbook_step(const forge_hparams& hp, int64_t t, double g, Ref& r) {
+  const double lr = hp.lr, wd = hp.weight_decay, b1 = hp.beta1, b2 = hp.beta2, eps = hp.eps;
+  g *= hp.grad_scale;
+  if (hp.maximize) g = -g;
+  switch (hp.rule) {
+    case FORGE_RULE_SGD:
+      r.w -= lr * (g + wd * r.w);
+      break;
+    case FORGE_RULE_SGD_MOMENTUM: {
+      g += wd * r.w;
+      r.a = t == 1 ? g : hp.momentum * r.a + (1 - hp.dampening) * g;
+      r.w -= lr * (hp.nesterov ? g + hp.momentum * r.a : r.a);
+      break;
+    }
+    case FORGE_RULE_ADAMW: {  // Adam when decoupled_weight_decay == 0
+      if (hp.decoupled_weight_decay) r.w *= 1 - lr * wd; else g += wd * r.w;
+      r.a = b1 * r.a + (1 - b1) * g;
+      r.b = b2 * r.b + (1 - b2) * g * g;
+      const double m_hat = r.a / (1 - std::pow(b1, t)), v_hat = r.b / (1 - std::pow(b2, t));
+      r.w -= lr * m_hat / (std::sqrt(v_hat) + eps);
+      break;
+    }
+    case FORGE_RULE_NADAM: {
+      if (hp.decoupled_weight_decay) r.w *= 1 - lr * wd; else g += wd * r.w;
+      auto mu_at = [&](int64_t i) { return b1 * (1 - 0.5 * std::pow(0.96, i * hp.momentum_decay)); };
+      const double mu = mu_at(t), mu_next = mu_at(t + 1);
+      r.mu_product *= mu;
+      r.a = b1 * r.a + (1 - b1) * g;
+      r.b = b2 * r.b + (1 - b2) * g * g;
+      const double v_hat = r.b / (1 - std::pow(b2, t));
+      const double m_hat = mu_next * r.a / (1 - r.mu_product * mu_next) + (1 - mu) * g / (1 - r.mu_product);
+      r.w -= lr * m_hat / (std::sqrt(v_hat) + eps);
+      break;
+    }
+    case FORGE_RULE_RADAM: {
+      if (hp.decoupled_weight_decay) r.w *= 1 - lr * wd; else g += wd * r.w;
+      r.a = b1 * r.a + (1 - b1) * g;
+      r.b = b2 * r.b + (1 - b2) * g * g;
+      const double m_hat = r.a / (1 - std::pow(b1, t));
+      const double rho_inf = 2 / (1 - b2) - 1;
+      const double rho_t = rho_inf - 2 * t * std::pow(b2, t) / (1 - std::pow(b2, t));
+      if (rho_t > 5) {
+        const double l = std::sqrt(1 - std::pow(b2, t)) / (std::sqrt(r.b) + eps);
+        const double rect = std::sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t));
+        r.w -= lr * m_hat * l * rect;
+      } else {
+        r.w -= lr * m_hat;
+      }
+      break;
+    }
+    case FORGE_RULE_LION: {
+      const double c = b1 * r.a + (1 - b1) * g;
+      r.w = r.w * (1 - lr * wd) - lr * sgn(c);
+      r.a = b2 * r.a + (1 - b2) * g;
+      break;
+    }
+    case FORGE_RULE_RMSPROP: {
+      g += wd * r.w;
+      const double al = hp.alpha;
+      r.a = al * r.a + (1 - al) * g * g;  // square_avg
+      double denom;
+      if (hp.centered) {
+        r.b = al * r.b + (1 - al) * g;    // grad_avg
+        denom = std::sqrt(r.a - r.b * r.b) + eps;
+      } else {
+        denom = std::sqrt(r.a) + eps;
+      }
+      if (hp.momentum > 0) {
+        r.c = hp.momentum * r.c + g / denom;
+        r.w -= lr * r.c;
+      } else {
+        r.w -= lr * g / denom;
+      }
+      break;
+    }
+    case FORGE_RULE_ADAGRAD: {
+      g += wd * r.w;
+      const double clr = lr / (1 + (t - 1) * hp.lr_decay);
+      r.a += g * g;
+      r.w -= clr * g / (std::sqrt(r.a) + eps);
+      break;
+    }
+  }
+}
+
+class RuleVsTextbook : public ::testing::TestWithParam<int> {};
+
+TEST_P(RuleVsTextbook, TwelveStepsFp32WithinOneMillionth) {
+  const RuleCase rc = all_rule_cases()[GetParam()];
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(rc.name + " FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const int64_t rows = 7, cols = 100;
+  forge_hparams hp = rc.hp;
+  hp.grad_scale = 0.5;
+  HostParam p(rows, cols, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+  p.randomize(rng, hp);
+  std::vector<Ref> ref(p.size());
+  for (int64_t i = 0; i < p.size(); ++i) {
+    ref[i].w = p.w(i);
+    if (hp.rule == FORGE_RULE_ADAGRAD) ref[i].a = hp.initial_accumulator_value;
+  }
+  for (int64_t t = 1; t <= 12; ++t) {
+    hp.step = t;
+    std::vector<float> grad(p.size());
+    for (float& g : grad) g = rng.normal(1.0f);
+    forge_elementwise_args a = elementwise_args(p, hp, grad);
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+    for (int64_t i = 0; i < p.size(); ++i) textbook_step(hp, t, grad[i], ref[i]);
+    double diff = 0, norm = 0;
+    for (int64_t i = 0; i < p.size(); ++i) {
+      diff += (p.w(i) - ref[i].w) * (p.w(i) - ref[i].w);
+      norm += ref[i].w * ref[i].w;
+    }
+    ASSERT_LE(std::sqrt(diff / norm), kRuleVsDoubleRel) << "step " << t;
+  }
+  // The first state matches too (torch's exp_avg / momentum_buffer / square_avg / sum).
+  if (p.num_states > 0) {
+    const std::vector<float> s0 = p.state_fp32(0, hp);
+    double diff = 0, norm = 0;
+    for (int64_t i = 0; i < p.size(); ++i) {
+      diff += (s0[i] - ref[i].a) * (s0[i] - ref[i].a);
+      norm += ref[i].a * ref[i].a;
+    }
+    EXPECT_LE(std::sqrt(diff / norm), kRuleVsDoubleRel);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllRules, RuleVsTextbook,
+                         ::testing::Range(0, static_cast<int>(all_rule_cases().size())),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return all_rule_cases()[info.param].name;
+                         });
+
+TEST(RuleDefaults, MatchTorchOptim) {
+  forge_hparams hp;
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_ADAMW, &hp), FORGE_OK);
+  EXPECT_EQ(hp.lr, 1e-3);
+  EXPECT_EQ(hp.weight_decay, 1e-2);
+  EXPECT_EQ(hp.beta1, 0.9);
+  EXPECT_EQ(hp.beta2, 0.999);
+  EXPECT_EQ(hp.eps, 1e-8);
+  EXPECT_EQ(hp.decoupled_weight_decay, 1);
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_NADAM, &hp), FORGE_OK);
+  EXPECT_EQ(hp.lr, 2e-3);
+  EXPECT_EQ(hp.momentum_decay, 4e-3);
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_ADAGRAD, &hp), FORGE_OK);
+  EXPECT_EQ(hp.eps, 1e-10);
+  EXPECT_EQ(hp.lr, 1e-2);
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_LION, &hp), FORGE_OK);
+  EXPECT_EQ(hp.lr, 1e-4);
+  EXPECT_EQ(hp.beta2, 0.99);
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_RMSPROP, &hp), FORGE_OK);
+  EXPECT_EQ(hp.alpha, 0.99);
+  EXPECT_EQ(hp.lr, 1e-2);
+}
+
+TEST(RuleStateLayout, CountsSignsAndSizes) {
+  forge_hparams hp;
+  forge_state_layout l;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_INT8_BLOCK64, 3, 130, &l), FORGE_OK);
+  EXPECT_EQ(l.num_states, 2);
+  EXPECT_EQ(l.is_signed[0], 1);
+  EXPECT_EQ(l.is_signed[1], 0);
+  EXPECT_STREQ(l.names[1], "exp_avg_sq");
+  EXPECT_EQ(l.state_bytes[0], 3 * 130);
+  EXPECT_EQ(l.absmax_count[0], 3 * 3);  // ceil(130 / 64) blocks per row
+  forge_hparams_default(FORGE_RULE_RMSPROP, &hp);
+  hp.centered = 1;
+  hp.momentum = 0.5;
+  ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_BF16, 2, 5, &l), FORGE_OK);
+  EXPECT_EQ(l.num_states, 3);
+  EXPECT_STREQ(l.names[2], "momentum_buffer");
+  EXPECT_EQ(l.state_bytes[2], 20);
+  forge_hparams_default(FORGE_RULE_SGD, &hp);
+  ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_FP32, 2, 5, &l), FORGE_OK);
+  EXPECT_EQ(l.num_states, 0);
+}
+
+}  // namespace
+}  // namespace forge_test
