@@ -1,0 +1,242 @@
+"""_lib.py — the ctypes binding of libforge's C ABI (include/forge/forge.h).
+
+Why ctypes: nothing in the C++ includes torch headers, so one libforge serves every
+torch version (the bitsandbytes model). The structs below mirror forge.h field for
+field; FORGE_ABI_VERSION is checked when the library is loaded.
+
+Where the library is found, first match wins:
+  1. $FORGE_LIBRARY (a file, or a folder holding libforge.so); an error if it is not there;
+  2. the installed package: forge/lib/libforge.so (what `pip install .` puts there);
+  3. build trees of the source checkout: <repo>/build*/libforge.so (development).
+The library is loaded on first use, so `import forge` works without it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+ABI_VERSION = 1
+INT8_BLOCK = 64
+MAX_STATES = 3
+
+# forge_status
+OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OUT_OF_MEMORY, ERR_INTERNAL = range(6)
+_STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "device error",
+                 4: "out of memory", 5: "internal error"}
+
+# forge_dtype
+DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 = 0, 1, 2
+# forge_rule
+(RULE_SGD, RULE_SGD_MOMENTUM, RULE_ADAMW, RULE_NADAM, RULE_RADAM, RULE_LION, RULE_RMSPROP,
+ RULE_ADAGRAD) = range(8)
+# forge_weight_format
+WEIGHT_FP32, WEIGHT_BF16, WEIGHT_BF16_STOCHASTIC, WEIGHT_BF16_MASTER = range(4)
+# forge_state_format
+STATE_FP32, STATE_BF16, STATE_BF16_STOCHASTIC, STATE_INT8_BLOCK64 = range(4)
+# forge_device_kind
+DEVICE_CPU, DEVICE_CUDA = 0, 1
+# forge_capability
+CAP_CPU, CAP_OPENMP, CAP_CUDA = 1, 2, 4
+
+_LIBRARY_NAMES = ("libforge.so", "libforge.dylib", "forge.dll")
+
+_c_int32, _c_int64 = ctypes.c_int32, ctypes.c_int64
+_c_double, _c_void_p = ctypes.c_double, ctypes.c_void_p
+_c_float_p = ctypes.POINTER(ctypes.c_float)
+
+
+class Device(ctypes.Structure):  # forge_device
+    _fields_ = [("kind", _c_int32), ("index", _c_int32), ("stream", _c_void_p),
+                ("num_threads", _c_int32)]
+
+
+class Hparams(ctypes.Structure):  # forge_hparams
+    _fields_ = [("abi_version", _c_int32), ("rule", _c_int32), ("step", _c_int64),
+                ("lr", _c_double), ("weight_decay", _c_double),
+                ("decoupled_weight_decay", _c_int32), ("maximize", _c_int32),
+                ("beta1", _c_double), ("beta2", _c_double), ("eps", _c_double),
+                ("momentum_decay", _c_double), ("alpha", _c_double), ("momentum", _c_double),
+                ("dampening", _c_double), ("nesterov", _c_int32), ("centered", _c_int32),
+                ("lr_decay", _c_double), ("initial_accumulator_value", _c_double),
+                ("grad_scale", _c_double), ("seed", ctypes.c_uint64)]
+
+
+class Param(ctypes.Structure):  # forge_param
+    _fields_ = [("rows", _c_int64), ("cols", _c_int64), ("weight_format", _c_int32),
+                ("weight", _c_void_p), ("master", _c_float_p), ("state_format", _c_int32),
+                ("state", _c_void_p * MAX_STATES), ("state_absmax", _c_float_p * MAX_STATES)]
+
+
+class StepOutputs(ctypes.Structure):  # forge_step_outputs
+    _fields_ = [("grad_sq_sum", ctypes.POINTER(_c_double)),
+                ("nonfinite_count", ctypes.POINTER(_c_int64))]
+
+
+class WgradArgs(ctypes.Structure):  # forge_wgrad_args
+    _fields_ = [("abi_version", _c_int32), ("device", Device), ("tokens", _c_int64),
+                ("x", _c_void_p), ("x_dtype", _c_int32), ("ldx", _c_int64),
+                ("dy", _c_void_p), ("dy_dtype", _c_int32), ("lddy", _c_int64),
+                ("param", Param), ("hparams", Hparams), ("outputs", StepOutputs),
+                ("tile_rows", _c_int32), ("tile_cols", _c_int32)]
+
+
+class ElementwiseArgs(ctypes.Structure):  # forge_elementwise_args
+    _fields_ = [("abi_version", _c_int32), ("device", Device),
+                ("grad", _c_void_p), ("grad_dtype", _c_int32),
+                ("param", Param), ("hparams", Hparams), ("outputs", StepOutputs)]
+
+
+class StateLayout(ctypes.Structure):  # forge_state_layout
+    _fields_ = [("num_states", _c_int32), ("is_signed", _c_int32 * MAX_STATES),
+                ("state_bytes", _c_int64 * MAX_STATES), ("absmax_count", _c_int64 * MAX_STATES),
+                ("names", ctypes.c_char_p * MAX_STATES)]
+
+
+class ForgeError(RuntimeError):
+    """A libforge call failed; the message is forge_last_error()'s. `status` is the code."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class ForgeInvalidArgument(ForgeError, ValueError):
+    """FORGE_ERR_INVALID_ARGUMENT: also a ValueError, as Python callers expect."""
+
+
+class LibraryNotFound(ImportError):
+    pass
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]  # python/forge/_lib.py -> repo
+
+
+def candidate_paths() -> List[Path]:
+    """Where the library is looked for, in order (FORGE_LIBRARY is handled by find())."""
+    out = [Path(__file__).resolve().parent / "lib" / n for n in _LIBRARY_NAMES]
+    for build in sorted(_repo_root().glob("build*")):
+        for sub in ("", "lib"):
+            out += [build / sub / n for n in _LIBRARY_NAMES]
+    return out
+
+
+def find() -> Path:
+    env = os.environ.get("FORGE_LIBRARY")
+    if env:
+        path = Path(env)
+        if path.is_dir():
+            for name in _LIBRARY_NAMES:
+                if (path / name).is_file():
+                    return path / name
+        if path.is_file():
+            return path
+        raise LibraryNotFound(f"FORGE_LIBRARY={env!r}: no libforge there")
+    for path in candidate_paths():
+        if path.is_file():
+            return path
+    raise LibraryNotFound(
+        "libforge not found: install the package (pip install .), or build it "
+        "(cmake -S . -B build -G Ninja && cmake --build build) and set FORGE_LIBRARY="
+        f"/path/to/libforge.so; looked in {Path(__file__).resolve().parent / 'lib'} and "
+        f"{_repo_root() / 'build*'}")
+
+
+class Library:
+    """The loaded libforge with typed entry points; raising wrappers over the status codes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._lib = lib
+        P = ctypes.POINTER
+        sigs = {
+            "forge_abi_version": ([], _c_int32),
+            "forge_version_string": ([], ctypes.c_char_p),
+            "forge_capabilities": ([], ctypes.c_uint32),
+            "forge_last_error": ([], ctypes.c_char_p),
+            "forge_hparams_default": ([_c_int32, P(Hparams)], _c_int32),
+            "forge_state_layout_query": ([P(Hparams), _c_int32, _c_int64, _c_int64,
+                                          P(StateLayout)], _c_int32),
+            "forge_state_init": ([P(Param), P(Hparams), Device], _c_int32),
+            "forge_state_to_fp32": ([P(Param), P(Hparams), _c_int32, _c_float_p, Device], _c_int32),
+            "forge_state_from_fp32": ([P(Param), P(Hparams), _c_int32, _c_float_p, Device],
+                                      _c_int32),
+            "forge_wgrad_step": ([P(WgradArgs)], _c_int32),
+            "forge_elementwise_step": ([P(ElementwiseArgs)], _c_int32),
+        }
+        for name, (argtypes, restype) in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        abi = lib.forge_abi_version()
+        if abi != ABI_VERSION:
+            raise ImportError(f"{path}: libforge speaks ABI {abi}, this package {ABI_VERSION}")
+        self.capabilities = int(lib.forge_capabilities())
+        self.version = lib.forge_version_string().decode()
+
+    @property
+    def has_cuda(self) -> bool:
+        return bool(self.capabilities & CAP_CUDA)
+
+    def check(self, status: int, what: str) -> None:
+        if status == OK:
+            return
+        message = (self._lib.forge_last_error() or b"").decode(errors="replace")
+        text = f"{what}: {message or _STATUS_NAMES.get(status, f'status {status}')}"
+        cls = ForgeInvalidArgument if status == ERR_INVALID_ARGUMENT else ForgeError
+        raise cls(text, status)
+
+    def hparams_default(self, rule: int) -> Hparams:
+        hp = Hparams()
+        self.check(self._lib.forge_hparams_default(rule, ctypes.byref(hp)), "forge_hparams_default")
+        return hp
+
+    def state_layout(self, hp: Hparams, state_format: int, rows: int, cols: int) -> StateLayout:
+        layout = StateLayout()
+        self.check(self._lib.forge_state_layout_query(ctypes.byref(hp), state_format, rows, cols,
+                                                      ctypes.byref(layout)),
+                   "forge_state_layout_query")
+        return layout
+
+    def state_init(self, param: Param, hp: Hparams, device: Device) -> None:
+        self.check(self._lib.forge_state_init(ctypes.byref(param), ctypes.byref(hp), device),
+                   "forge_state_init")
+
+    def state_to_fp32(self, param: Param, hp: Hparams, index: int, out_ptr: int,
+                      device: Device) -> None:
+        self.check(self._lib.forge_state_to_fp32(ctypes.byref(param), ctypes.byref(hp), index,
+                                                 ctypes.cast(out_ptr, _c_float_p), device),
+                   "forge_state_to_fp32")
+
+    def state_from_fp32(self, param: Param, hp: Hparams, index: int, in_ptr: int,
+                        device: Device) -> None:
+        self.check(self._lib.forge_state_from_fp32(ctypes.byref(param), ctypes.byref(hp), index,
+                                                   ctypes.cast(in_ptr, _c_float_p), device),
+                   "forge_state_from_fp32")
+
+    def wgrad_step(self, args: WgradArgs) -> None:
+        self.check(self._lib.forge_wgrad_step(ctypes.byref(args)), "forge_wgrad_step")
+
+    def elementwise_step(self, args: ElementwiseArgs) -> None:
+        self.check(self._lib.forge_elementwise_step(ctypes.byref(args)), "forge_elementwise_step")
+
+
+_loaded: Optional[Library] = None
+_load_lock = threading.Lock()
+
+
+def get() -> Library:
+    """The process-wide Library, loaded on first call."""
+    global _loaded
+    if _loaded is None:
+        with _load_lock:
+            if _loaded is None:
+                _loaded = Library(find())
+    return _loaded
+
+
+def float_ptr(address: int):
+    return ctypes.cast(address, _c_float_p) if address else None

@@ -1,0 +1,1074 @@
+"""optim.py — forge.optim: drop-in torch.optim optimizers whose updates run inside backward.
+
+    opt = forge.optim.AdamW(model, lr=3e-4, weight_decay=0.1, state_format="int8")
+    loss.backward()   # every parameter is updated here, as soon as its gradient is complete
+    opt.step()        # completes the step: bookkeeping, and anything not yet updated
+    opt.zero_grad()
+
+Constructors take the nn.Module first, then torch.optim's own keyword names and defaults.
+Each optimized parameter takes one of three paths (a "slot" each):
+
+  fused     the weight of an nn.Linear: its forward is rerouted to FusedLinearFunction
+            (_linear.py), whose backward computes dX and hands (X, dY) to the slot. When
+            autograd reaches the weight's AccumulateGrad node (all consumers of W in this
+            backward are done), a pre-hook runs forge_wgrad_step: dW = dYᵀX tile by tile
+            with the update applied in place; no dW tensor exists. If W had more than one
+            use (a Linear applied twice, or W also read outside its Linear) the hook sums
+            the full gradient in fp32 instead and applies forge_elementwise_step once.
+  hook      any other parameter (bias, norm, embedding): a post-accumulate-grad hook
+            (torch >= 2.1) applies forge_elementwise_step and frees .grad at once.
+  deferred  a parameter registered in more than one place (tied embeddings), or every
+            parameter when torch lacks the hooks: autograd accumulates its full .grad and
+            step() applies the update, then frees the .grad.
+
+Every update reads its hyper-parameters from the param_group at the time it runs (so LR
+schedulers apply), uses the parameter's own 1-based step count (torch's state['step']),
+and seeds stochastic rounding with seed + the parameter's index.
+
+A second backward before step() raises, unless accumulate_grad=True: then no update runs
+in backward, every parameter's full gradient is kept in .grad (as torch.optim does: one
+gradient-sized buffer per parameter, the memory FORGE otherwise saves), and step()
+applies them. That mode also makes global-norm clipping of .grad exact.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import warnings
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import _lib
+from . import _linear
+
+__all__ = ["AdamW", "Adam", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "SGD",
+           "param_groups_no_decay"]
+
+# Load libforge now: `import forge.optim` fails here, with the places it looked, when the
+# library cannot be found (forge._lib.LibraryNotFound, an ImportError).
+_lib.get()
+
+STATE_FORMATS = ("fp32", "bf16", "int8")
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+# Tests set this to exercise the fallback for torch without the autograd hooks.
+_FORCE_NO_HOOKS = False
+
+
+def _has_post_accumulate_hook() -> bool:
+    return (not _FORCE_NO_HOOKS
+            and hasattr(torch.Tensor, "register_post_accumulate_grad_hook"))
+
+
+def _has_node_prehook() -> bool:
+    return not _FORCE_NO_HOOKS and hasattr(torch.autograd.graph.Node, "register_prehook")
+
+
+def param_groups_no_decay(model: nn.Module, weight_decay: float,
+                          no_decay: Sequence[str] = ("bias", "norm")) -> List[Dict[str, Any]]:
+    """Two param groups for `params=`: decayed (weights with ≥ 2 dims) and not decayed
+    (biases, norm weights: any parameter with < 2 dims or whose name contains one of
+    `no_decay`). Frozen parameters are left out; a shared parameter is listed once."""
+    decay, keep = [], []
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        lowered = name.lower()
+        if p.dim() < 2 or any(word in lowered for word in no_decay):
+            keep.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": keep, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class _Slot:
+    """One optimized parameter: its path, names, and what backward left for it."""
+
+    def __init__(self, opt: "_ForgeOptimizer", param: torch.Tensor, index: int,
+                 names: List[str], mode: str):
+        self.opt_ref = weakref.ref(opt)
+        self.param = param
+        self.index = index          # position in param_groups order (state_dict index)
+        self.names = names
+        self.name = names[0]
+        self.mode = mode            # "fused" | "hook" | "deferred"
+        self.dtype = param.dtype
+        self.device = param.device
+        shape = param.shape
+        self.cols = int(shape[-1]) if param.dim() >= 1 else 1
+        self.rows = param.numel() // self.cols if self.cols else 0
+        # (x [T, cols], ldx, dy [T, rows], lddy, CUDA stream they were made on, or None)
+        self.pending: List[Tuple[torch.Tensor, int, torch.Tensor, int, Any]] = []
+        self.partial: Optional[torch.Tensor] = None  # fp32 dW sum, for weights with > 1 use
+        self.uses = 0               # Linear backward calls seen since the last update
+        self.updated_at = -1        # opt._step_id when last updated
+        self.signature = None       # (rule, names of states) the states were made for
+        self.handles: List[Any] = []
+        self.acc_node = None        # W's AccumulateGrad node, held so its hook lives
+        self.modules: List[nn.Linear] = []
+        self.warned_multi_use = False
+
+    def is_live(self) -> bool:
+        opt = self.opt_ref()
+        return opt is not None and opt._attached
+
+    def linear_backward(self, x, dy, weight):
+        opt = self.opt_ref()
+        if opt is None or not opt._attached:
+            return _materialize_dw(x, dy, weight)  # plain nn.Linear behaviour
+        return opt._linear_backward(self, x, dy, weight)
+
+
+def _materialize_dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀ·X in the compute dtype, as torch's linear backward, cast to W's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    return dy2.t().matmul(x2).to(weight.dtype)
+
+
+class _ForgeOptimizer(torch.optim.Optimizer):
+    """The shared machinery; the public classes only say which rule and which keys.
+
+    FORGE options, keyword-only on every optimizer:
+      params               param groups (dicts, as torch.optim takes) over the model's
+                           parameters; default: every parameter with requires_grad, one group.
+                           See param_groups_no_decay().
+      state_format         "fp32" | "bf16" | "int8" (block-64 dynamic map + fp32 absmax).
+      master_weights       bf16 parameters keep an fp32 master copy (state "master"); the
+                           bf16 weight is its nearest rounding. No effect on fp32 parameters.
+      stochastic_rounding  bf16 weight and state stores round stochastically (default True);
+                           the bits come from (seed + parameter index, step, element).
+      seed                 see stochastic_rounding.
+      accumulate_grad      no update in backward: .grad accumulates (memory: one full
+                           gradient per parameter, as torch.optim) and step() applies it.
+      num_threads          CPU backend threads (0: torch.get_num_threads()).
+    """
+
+    _torch_name = "?"
+
+    def __init__(self, model: nn.Module, params, defaults: Dict[str, Any], *,
+                 state_format: str = "fp32", master_weights: bool = False,
+                 stochastic_rounding: Optional[bool] = None, seed: int = 0,
+                 accumulate_grad: bool = False, num_threads: int = 0):
+        self._attached = False
+        self._lib = _lib.get()
+        self._default_hparams: Dict[int, _lib.Hparams] = {}
+        self._group_cache: Dict[int, Dict[str, Any]] = {}
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{self._torch_name}: the first argument must be the nn.Module to "
+                            f"train, got {type(model).__name__} (forge.optim takes the model, "
+                            "not model.parameters())")
+        if state_format not in STATE_FORMATS:
+            raise ValueError(f"state_format: unknown value {state_format!r}; choose one of "
+                             f"{', '.join(STATE_FORMATS)}")
+        if stochastic_rounding is not None and not isinstance(stochastic_rounding, bool):
+            raise TypeError(f"stochastic_rounding: must be a bool or None, got "
+                            f"{type(stochastic_rounding).__name__}")
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights: must be a bool, got {type(master_weights).__name__}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
+            raise ValueError(f"seed: must be an int in [0, 2**63), got {seed!r}")
+        if not isinstance(num_threads, int) or num_threads < 0:
+            raise ValueError(f"num_threads: must be an int >= 0, got {num_threads!r}")
+        self.state_format = state_format
+        self.master_weights = master_weights
+        self.stochastic_rounding = True if stochastic_rounding is None else stochastic_rounding
+        self.seed = seed
+        self.num_threads = num_threads
+        self._accumulate_grad = bool(accumulate_grad)
+        self._model_ref = weakref.ref(model)
+
+        names = _parameter_names(model)
+        if params is None:
+            params = _unique([p for p in model.parameters() if p.requires_grad])
+            if not params:
+                raise ValueError(f"{self._torch_name}: the model has no trainable parameters "
+                                 "(none with requires_grad=True)")
+        super().__init__(params, defaults)  # validates each group (add_param_group below)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self._check_params(model, all_params, names)
+
+        # Everything is checked: only now is the model touched.
+        self._slots: Dict[int, _Slot] = {}
+        self._step_id = 0                 # number of completed step() calls
+        self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last_stats: Optional[Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]]] = None
+        self._attached = True
+        self._attach(model, all_params, names)
+
+    # ------------------------------------------------------------------ public surface
+
+    @property
+    def accumulate_grad(self) -> bool:
+        """True: backward only accumulates .grad (full gradients, torch.optim's memory);
+        step() applies them. May be switched between steps."""
+        return self._accumulate_grad
+
+    @accumulate_grad.setter
+    def accumulate_grad(self, value: bool) -> None:
+        if any(s.updated_at == self._step_id or s.pending or s.partial is not None
+               for s in self._slots.values()):
+            raise RuntimeError("accumulate_grad can only be switched between steps (call "
+                               "opt.step() first)")
+        self._accumulate_grad = bool(value)
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """Global L2 norm of the gradients the last step() consumed (every parameter,
+        finite elements), a by-product of the update; None before the first step()."""
+        if self._last_stats is None:
+            return None
+        return math.sqrt(sum(float(sq.item()) for sq, _ in self._last_stats.values()))
+
+    @property
+    def nonfinite_count(self) -> Optional[int]:
+        """Gradient elements of the last step that were NaN/Inf: their weight and states
+        were left untouched. None before the first step()."""
+        if self._last_stats is None:
+            return None
+        return sum(int(nf.item()) for _, nf in self._last_stats.values())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Completes the step: updates every parameter that still holds a .grad (deferred
+        ones, accumulate_grad mode), drops (with a warning) what a backward left for a
+        weight it never reached, and closes the step's stats (grad_norm, nonfinite_count)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        missed = [s.name for s in self._slots.values() if s.pending or s.partial is not None]
+        if missed:
+            warnings.warn(
+                "forge: backward ran through the nn.Linear of " + ", ".join(missed) + " but "
+                "never reached the weight's gradient node (torch.autograd.grad or "
+                "backward(inputs=...) without it?), so it was not updated this step", stacklevel=2)
+        for slot in self._slots.values():
+            slot.pending.clear()
+            slot.partial = None
+            slot.uses = 0
+            p = slot.param
+            if p.grad is None:
+                continue
+            if slot.updated_at == self._step_id:
+                raise RuntimeError(
+                    f"forge: parameter '{slot.name}' was already updated in this step's "
+                    "backward but holds a .grad again; set it to None, or use "
+                    "accumulate_grad=True to apply gradients in step()")
+            if p.grad.is_sparse:
+                raise RuntimeError(f"forge: parameter '{slot.name}' has a sparse gradient, "
+                                   "which FORGE does not support")
+            self._update(slot, grad=p.grad)
+            p.grad = None
+        self._last_stats = self._stats
+        self._stats = {}
+        self._step_id += 1
+        return loss
+
+    @torch.no_grad()
+    def state_fp32(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The optimizer states of `param` decoded to fp32 tensors of its shape (bf16
+        widened, int8 codes × absmax through forge_state_to_fp32), for inspection."""
+        slot = self._slots.get(id(param))
+        if slot is None or slot.param is not param:
+            raise ValueError("state_fp32: not a parameter of this optimizer")
+        st = self.state.get(param)
+        if not st or slot.signature is None:
+            return {}
+        group = self._group_of(slot)
+        hp = self._hparams(group, step=max(1, st["step"]), seed=0)
+        fp = self._param_struct(slot, st)
+        out = {}
+        for i, name in enumerate(slot.signature[1]):
+            t = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            self._lib.state_to_fp32(fp, hp, i, t.data_ptr(), self._device_struct(param))
+            out[name] = t
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for slot in self._slots.values():
+            slot.pending.clear()
+            slot.partial = None
+            slot.uses = 0
+        super().zero_grad(set_to_none=set_to_none)
+
+    def detach(self) -> None:
+        """Gives the model back: plain nn.Linear forwards, no hooks. The optimizer is
+        unusable afterwards (except state_dict())."""
+        if not self._attached:
+            return
+        for slot in self._slots.values():
+            for h in slot.handles:
+                h.remove()
+            slot.handles.clear()
+            slot.acc_node = None
+            for m in slot.modules:
+                _linear.unpatch(m, slot.param)
+            slot.modules.clear()
+            if _OWNERS.get(id(slot.param)) is not None and _owner_of(slot.param) is self:
+                del _OWNERS[id(slot.param)]
+        self._attached = False
+
+    def __del__(self):
+        try:
+            self.detach()
+        except Exception:  # interpreter shutdown: nothing left to restore
+            pass
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            if self._attached:
+                model = self._model_ref()
+                if model is None:
+                    raise RuntimeError("forge: the model of this optimizer no longer exists")
+                names = _parameter_names(model)
+                self._check_params(model, group["params"], names)
+                self._attach(model, group["params"], names)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's layout ('state' by parameter index, 'param_groups') holding the raw
+        state buffers (fp32, bf16, or int8 codes + fp32 absmax, and the fp32 master), each
+        parameter's 'step', and a 'forge' entry with the storage options."""
+        sd = super().state_dict()
+        sd["forge"] = {"format_version": 1, "state_format": self.state_format,
+                       "master_weights": self.master_weights,
+                       "stochastic_rounding": self.stochastic_rounding, "seed": self.seed,
+                       "step_id": self._step_id}
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restores states bit for bit (copied into buffers of the exact dtype; nothing is
+        cast) and the group hyper-parameters. Refuses a mismatching layout."""
+        meta = state_dict.get("forge")
+        if meta is None:
+            raise ValueError("load_state_dict: not a forge.optim state dict (no 'forge' entry)")
+        for key in ("state_format", "master_weights"):
+            if meta.get(key) != getattr(self, key):
+                raise ValueError(f"load_state_dict: saved with {key}={meta.get(key)!r}, this "
+                                 f"optimizer has {key}={getattr(self, key)!r}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: {len(saved_groups)} param groups saved, "
+                             f"{len(self.param_groups)} here")
+        # The groups as they will be (hyper-parameters from the dict, our params).
+        new_groups = []
+        index_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("load_state_dict: a param group's size differs from the saved one")
+            index_to_param.update(zip(saved["params"], group["params"]))
+            new = dict(group)
+            new.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            self._check_group(new)
+            new_groups.append(new)
+        group_of = {id(p): new for new in new_groups for p in new["params"]}
+        # Check every state before writing anything.
+        plans = []
+        for index, saved_state in state_dict["state"].items():
+            if index not in index_to_param:
+                raise ValueError(f"load_state_dict: state for unknown parameter index {index}")
+            p = index_to_param[index]
+            slot = self._slots[id(p)]
+            expected = self._state_spec(slot, group_of[id(p)])
+            keys = set(saved_state) - {"step"}
+            if keys != set(expected) or "step" not in saved_state:
+                raise ValueError(f"load_state_dict: parameter '{slot.name}': saved states "
+                                 f"{sorted(saved_state)}, expected {sorted(expected)} + 'step' "
+                                 "(rule or state_format differs)")
+            for key, (dtype, shape) in expected.items():
+                t = saved_state[key]
+                if not torch.is_tensor(t) or t.dtype != dtype or tuple(t.shape) != shape:
+                    raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{key}' "
+                                     f"must be {dtype} {list(shape)}, got "
+                                     f"{getattr(t, 'dtype', type(t))} "
+                                     f"{list(getattr(t, 'shape', []))}")
+            plans.append((slot, saved_state))
+        for new, group in zip(new_groups, self.param_groups):
+            group.update({k: v for k, v in new.items() if k != "params"})
+        self.state.clear()
+        for slot, saved_state in plans:
+            st = self._allocate_state(slot, self._group_of(slot), init=False)
+            for key in self._state_spec(slot, self._group_of(slot)):
+                st[key].copy_(saved_state[key])
+            step = saved_state["step"]
+            st["step"] = int(step.item() if torch.is_tensor(step) else step)
+        self._step_id = int(meta.get("step_id", 0))
+        for slot in self._slots.values():
+            slot.updated_at = -1
+            slot.pending.clear()
+            slot.partial = None
+            slot.uses = 0
+
+    # ------------------------------------------------------------------ per rule (subclasses)
+
+    def _rule(self, group: Dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def _fill(self, hp: _lib.Hparams, group: Dict[str, Any]) -> None:
+        """Copies the group's hyper-parameters into hp (lr, weight_decay, maximize done)."""
+        raise NotImplementedError
+
+    def _check_group_rule(self, group: Dict[str, Any]) -> None:
+        """torch.optim's own checks for this optimizer, with its messages."""
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        lr = _as_float(group["lr"], "lr")
+        if not 0.0 <= lr < math.inf:
+            raise ValueError(f"Invalid learning rate: {group['lr']} (must be finite and >= 0)")
+        wd = _as_float(group["weight_decay"], "weight_decay")
+        if not 0.0 <= wd < math.inf:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+        if "betas" in group:
+            betas = group["betas"]
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise ValueError(f"Invalid betas: {betas!r} (a pair of floats)")
+            for i, b in enumerate(betas):
+                if not 0.0 <= _as_float(b, "betas") < 1.0:
+                    raise ValueError(f"Invalid beta parameter at index {i}: {b} "
+                                     "(must be in [0, 1))")
+        if "eps" in group and not 0.0 < _as_float(group["eps"], "eps") < math.inf:
+            raise ValueError(f"Invalid epsilon value: {group['eps']} (FORGE needs eps > 0)")
+        self._check_group_rule(group)
+        # The library's own validation, as a backstop (the message names the field).
+        try:
+            self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32, 1, 1)
+        except _lib.ForgeInvalidArgument as e:
+            raise ValueError(f"{self._torch_name}: {e}") from None
+
+    def _check_params(self, model: nn.Module, params: Sequence[torch.Tensor],
+                      names: Dict[int, List[str]]) -> None:
+        sparse = {id(m.weight) for m in model.modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"{self._torch_name}: a parameter of shape {list(p.shape)} in "
+                                 "the param groups is not a parameter of the model")
+            name = names[id(p)][0]
+            if not isinstance(p, nn.Parameter) and not p.is_leaf:
+                raise ValueError(f"parameter '{name}': not a leaf tensor")
+            if p.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(f"parameter '{name}': dtype {p.dtype} is not supported by FORGE "
+                                "(float32 or bfloat16)")
+            if p.device.type == "cuda":
+                if not self._lib.has_cuda:
+                    raise ValueError(
+                        f"parameter '{name}' is on {p.device}, but this libforge "
+                        f"({self._lib.path}) was built without the CUDA backend; rebuild with "
+                        "nvcc available (-DFORGE_CUDA=ON) or keep the model on the CPU")
+            elif p.device.type != "cpu":
+                raise ValueError(f"parameter '{name}': device {p.device} is not supported by "
+                                 "FORGE (cpu or cuda)")
+            if p.is_sparse or not p.is_contiguous():
+                raise ValueError(f"parameter '{name}': must be a dense contiguous tensor")
+            if p.numel() == 0:
+                raise ValueError(f"parameter '{name}': is empty")
+            if id(p) in sparse:
+                raise ValueError(f"parameter '{name}': nn.Embedding(sparse=True) gives sparse "
+                                 "gradients, which FORGE does not support")
+            owner = _owner_of(p)
+            if owner is not None:
+                raise ValueError(f"parameter '{name}': already driven by "
+                                 f"{'this' if owner is self else 'another'} forge optimizer"
+                                 f"{'' if owner is self else '; call its .detach() first'}")
+
+    # ------------------------------------------------------------------ attaching
+
+    def _attach(self, model: nn.Module, params: Sequence[torch.Tensor],
+                names: Dict[int, List[str]]) -> None:
+        index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups
+                                                   for p in g["params"])}
+        linears: Dict[int, List[nn.Linear]] = {}
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                linears.setdefault(id(m.weight), []).append(m)
+        post_hook, pre_hook = _has_post_accumulate_hook(), _has_node_prehook()
+        shared = []
+        for p in params:
+            p_names = names[id(p)]
+            mods = linears.get(id(p), [])
+            if len(p_names) > 1:
+                mode = "deferred"
+                shared.append(" = ".join(p_names))
+            elif mods and pre_hook and all(_linear.can_patch(m) for m in mods):
+                mode = "fused"
+            elif post_hook:
+                mode = "hook"
+            else:
+                mode = "deferred"
+            slot = _Slot(self, p, index_of[id(p)], p_names, mode)
+            self._slots[id(p)] = slot
+            _OWNERS[id(p)] = weakref.ref(slot)
+            if mode == "fused":
+                with torch.enable_grad():
+                    slot.acc_node = p.view_as(p).grad_fn.next_functions[0][0]
+                ref = weakref.ref(slot)
+                slot.handles.append(slot.acc_node.register_prehook(
+                    lambda grads, ref=ref: _weight_grad_ready(ref, grads)))
+                for m in mods:
+                    _linear.patch(m, slot)
+                    slot.modules.append(m)
+            elif mode == "hook":
+                ref = weakref.ref(slot)
+                slot.handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, ref=ref: _param_grad_ready(ref)))
+        if shared:
+            warnings.warn(
+                "forge: parameters used in more than one place take the materialized-gradient "
+                "path (their full gradient is accumulated and applied in opt.step()): "
+                + "; ".join(shared), stacklevel=4)  # the user's constructor call
+
+    # ------------------------------------------------------------------ backward callbacks
+
+    def _second_update_error(self, slot: _Slot) -> RuntimeError:
+        return RuntimeError(
+            f"forge: parameter '{slot.name}' got a second gradient before opt.step(): FORGE "
+            "applies the update inside backward, so call opt.step() after every backward(), "
+            "or build the optimizer with accumulate_grad=True to accumulate micro-batches "
+            "(keeps a full .grad per parameter). A parameter used in several reentrant "
+            "checkpoint segments also does this: use use_reentrant=False.")
+
+    def _linear_backward(self, slot: _Slot, x, dy, weight):
+        if self._accumulate_grad:
+            return _materialize_dw(x, dy, weight)
+        if slot.updated_at == self._step_id:
+            raise self._second_update_error(slot)
+        x2, ldx = _linear.as_rows(x, slot.cols)
+        dy2, lddy = _linear.as_rows(dy, slot.rows)
+        stream = torch.cuda.current_stream(dy.device) if dy.is_cuda else None
+        slot.uses += 1
+        if not slot.pending and slot.partial is None:
+            slot.pending.append((x2, ldx, dy2, lddy, stream))
+        else:  # a second use in this backward: sum this one and the pending one in fp32
+            for px, _, pdy, _, _ in slot.pending + [(x2, ldx, dy2, lddy, stream)]:
+                slot.partial = _add_dw(slot.partial, px, pdy)
+            slot.pending.clear()
+        return None
+
+    def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
+        """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
+        if self._accumulate_grad:
+            return None  # the Linear returned dW; autograd accumulates it into .grad
+        outside = grads[0] if grads else None
+        if not slot.pending and slot.partial is None and outside is None:
+            return None
+        if slot.updated_at == self._step_id:
+            raise self._second_update_error(slot)
+        uses = slot.uses + (1 if outside is not None else 0)
+        if len(slot.pending) == 1 and slot.partial is None and outside is None \
+                and slot.pending[0][0].size(0) > 0:
+            x2, ldx, dy2, lddy, stream = slot.pending[0]
+            if stream is None:
+                self._update(slot, x=(x2, ldx), dy=(dy2, lddy))
+            else:  # NOTE: X and dY are ready on the stream backward made them on
+                with torch.cuda.stream(stream):
+                    self._update(slot, x=(x2, ldx), dy=(dy2, lddy))
+        else:
+            if uses > 1 and not slot.warned_multi_use:
+                slot.warned_multi_use = True
+                warnings.warn(
+                    f"forge: weight '{slot.name}' had {uses} uses in one backward (a Linear "
+                    "applied more than once, or its weight also used outside the Linear); it "
+                    "takes the materialized-gradient path: its full gradient is summed in fp32, "
+                    "then updated once", stacklevel=2)
+            grad = slot.partial
+            for x2, _, dy2, _, _ in slot.pending:
+                grad = _add_dw(grad, x2, dy2)
+            if outside is not None:
+                grad = outside.float() if grad is None else grad.add_(outside)
+            self._update(slot, grad=grad.reshape(slot.param.shape))
+        slot.pending.clear()
+        slot.partial = None
+        slot.uses = 0
+        return (None,) if outside is not None else None
+
+    def _on_param_grad_ready(self, slot: _Slot) -> None:
+        p = slot.param
+        if self._accumulate_grad or p.grad is None:
+            return
+        if slot.updated_at == self._step_id:
+            raise self._second_update_error(slot)
+        self._update(slot, grad=p.grad)
+        p.grad = None
+
+    # ------------------------------------------------------------------ the update
+
+    def _group_of(self, slot: _Slot) -> Dict[str, Any]:
+        cached = self._group_cache.get(id(slot.param))
+        if cached is not None and any(g is cached for g in self.param_groups):
+            return cached
+        for g in self.param_groups:  # param_groups were replaced or extended: look again
+            for q in g["params"]:
+                self._group_cache[id(q)] = g
+                if q is slot.param:
+                    cached = g
+        if cached is None:
+            raise RuntimeError(f"forge: parameter '{slot.name}' is in no param group")
+        return cached
+
+    def _hparams(self, group: Dict[str, Any], step: int, seed: int) -> _lib.Hparams:
+        rule = self._rule(group)
+        default = self._default_hparams.get(rule)
+        if default is None:
+            default = self._default_hparams[rule] = self._lib.hparams_default(rule)
+        hp = _lib.Hparams.from_buffer_copy(default)
+        hp.step = step
+        hp.lr = _as_float(group["lr"], "lr")
+        hp.weight_decay = _as_float(group["weight_decay"], "weight_decay")
+        hp.maximize = int(bool(group.get("maximize", False)))
+        hp.seed = seed
+        self._fill(hp, group)
+        return hp
+
+    def _weight_format(self, slot: _Slot) -> int:
+        if slot.dtype == torch.float32:
+            return _lib.WEIGHT_FP32
+        if self.master_weights:
+            return _lib.WEIGHT_BF16_MASTER
+        return _lib.WEIGHT_BF16_STOCHASTIC if self.stochastic_rounding else _lib.WEIGHT_BF16
+
+    def _state_format_code(self) -> int:
+        if self.state_format == "fp32":
+            return _lib.STATE_FP32
+        if self.state_format == "int8":
+            return _lib.STATE_INT8_BLOCK64
+        return _lib.STATE_BF16_STOCHASTIC if self.stochastic_rounding else _lib.STATE_BF16
+
+    def _layout(self, slot: _Slot, group: Dict[str, Any]) -> _lib.StateLayout:
+        hp = self._hparams(group, step=1, seed=0)
+        return self._lib.state_layout(hp, self._state_format_code(), slot.rows, slot.cols)
+
+    def _state_spec(self, slot: _Slot,
+                    group: Dict[str, Any]) -> Dict[str, Tuple[torch.dtype, tuple]]:
+        """Every state tensor this parameter keeps: key -> (dtype, shape)."""
+        layout = self._layout(slot, group)
+        shape = tuple(slot.param.shape)
+        spec = {}
+        for i in range(layout.num_states):
+            name = layout.names[i].decode()
+            if self.state_format == "fp32":
+                spec[name] = (torch.float32, shape)
+            elif self.state_format == "bf16":
+                spec[name] = (torch.bfloat16, shape)
+            else:
+                spec[name] = (torch.uint8, shape)
+                spec[name + "_absmax"] = (torch.float32,
+                                          (slot.rows, -(-slot.cols // _lib.INT8_BLOCK)))
+        if self._weight_format(slot) == _lib.WEIGHT_BF16_MASTER:
+            spec["master"] = (torch.float32, shape)
+        return spec
+
+    def _layout_key(self, group: Dict[str, Any]) -> tuple:
+        """What decides the rule and its states; a change after the states exist is refused."""
+        return (self._rule(group),)
+
+    def _signature(self, slot: _Slot, group: Dict[str, Any]) -> tuple:
+        layout = self._layout(slot, group)
+        return (self._layout_key(group),
+                tuple(layout.names[i].decode() for i in range(layout.num_states)))
+
+    def _allocate_state(self, slot: _Slot, group: Dict[str, Any], init: bool) -> Dict[str, Any]:
+        p = slot.param
+        st = self.state[p]
+        st.clear()
+        for key, (dtype, shape) in self._state_spec(slot, group).items():
+            st[key] = torch.empty(shape, dtype=dtype, device=p.device)
+        st["step"] = 0
+        slot.signature = self._signature(slot, group)
+        if init:
+            if "master" in st:
+                st["master"].copy_(p.detach())
+            hp = self._hparams(group, step=1, seed=0)
+            self._lib.state_init(self._param_struct(slot, st), hp, self._device_struct(p))
+        return st
+
+    def _param_struct(self, slot: _Slot, st: Dict[str, Any]) -> _lib.Param:
+        p = slot.param
+        fp = _lib.Param()
+        fp.rows, fp.cols = slot.rows, slot.cols
+        fp.weight_format = self._weight_format(slot)
+        fp.weight = p.data_ptr()
+        if "master" in st:
+            fp.master = _lib.float_ptr(st["master"].data_ptr())
+        fp.state_format = self._state_format_code()
+        for i, name in enumerate(slot.signature[1]):
+            fp.state[i] = st[name].data_ptr()
+            if self.state_format == "int8":
+                fp.state_absmax[i] = _lib.float_ptr(st[name + "_absmax"].data_ptr())
+        return fp
+
+    def _device_struct(self, t: torch.Tensor) -> _lib.Device:
+        d = _lib.Device()
+        if t.device.type == "cuda":
+            d.kind = _lib.DEVICE_CUDA
+            d.index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            d.stream = torch.cuda.current_stream(t.device).cuda_stream
+        else:
+            d.kind = _lib.DEVICE_CPU
+            d.num_threads = self.num_threads or torch.get_num_threads()
+        return d
+
+    def _outputs(self, device: torch.device) -> _lib.StepOutputs:
+        stats = self._stats.get(device)
+        if stats is None:
+            stats = (torch.zeros((), dtype=torch.float64, device=device),
+                     torch.zeros((), dtype=torch.int64, device=device))
+            self._stats[device] = stats
+        out = _lib.StepOutputs()
+        out.grad_sq_sum = ctypes.cast(stats[0].data_ptr(), ctypes.POINTER(ctypes.c_double))
+        out.nonfinite_count = ctypes.cast(stats[1].data_ptr(), ctypes.POINTER(ctypes.c_int64))
+        return out
+
+    def _update(self, slot: _Slot, grad: Optional[torch.Tensor] = None, x=None, dy=None) -> None:
+        """One step of slot's parameter, from a gradient tensor or from (X, dY)."""
+        p = slot.param
+        if p.dtype != slot.dtype or p.device != slot.device or not p.is_contiguous():
+            raise RuntimeError(f"forge: parameter '{slot.name}' changed dtype, device or layout "
+                               f"after the optimizer was built ({slot.dtype} on {slot.device} -> "
+                               f"{p.dtype} on {p.device}); build the optimizer after moving "
+                               "the model")
+        group = self._group_of(slot)
+        st = self.state.get(p)
+        if not st:
+            st = self._allocate_state(slot, group, init=True)
+        elif slot.signature is None:
+            slot.signature = self._signature(slot, group)
+        if slot.signature[0] != self._layout_key(group):
+            raise RuntimeError(f"forge: parameter '{slot.name}': its group's settings changed "
+                               "the update rule or its states (e.g. momentum 0 <-> > 0, centered) "
+                               "after the states were created")
+        step = st["step"] + 1
+        hp = self._hparams(group, step=step, seed=self.seed + slot.index)
+        param = self._param_struct(slot, st)
+        device = self._device_struct(p)
+        outputs = self._outputs(p.device)
+        with torch.no_grad():
+            if x is not None:
+                (x2, ldx), (dy2, lddy) = x, dy
+                x2, x_code = _linear.forge_dtype(x2)
+                dy2, dy_code = _linear.forge_dtype(dy2)
+                args = _lib.WgradArgs()
+                args.abi_version = _lib.ABI_VERSION
+                args.device = device
+                args.tokens = x2.size(0)
+                args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
+                args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
+                args.param, args.hparams, args.outputs = param, hp, outputs
+                self._lib.wgrad_step(args)
+            else:
+                if grad.device != p.device:
+                    grad = grad.to(p.device)
+                grad, code = _linear.forge_dtype(grad.contiguous())
+                args = _lib.ElementwiseArgs()
+                args.abi_version = _lib.ABI_VERSION
+                args.device = device
+                args.grad, args.grad_dtype = grad.data_ptr(), code
+                args.param, args.hparams, args.outputs = param, hp, outputs
+                self._lib.elementwise_step(args)
+        st["step"] = step
+        slot.updated_at = self._step_id
+
+
+def _weight_grad_ready(ref, grads):
+    slot = ref()
+    opt = slot.opt_ref() if slot is not None else None
+    if opt is None or not opt._attached:
+        return None
+    return opt._on_weight_grad_ready(slot, grads)
+
+
+def _param_grad_ready(ref) -> None:
+    slot = ref()
+    opt = slot.opt_ref() if slot is not None else None
+    if opt is not None and opt._attached:
+        opt._on_param_grad_ready(slot)
+
+
+def _add_dw(acc: Optional[torch.Tensor], x2: torch.Tensor, dy2: torch.Tensor) -> torch.Tensor:
+    """acc += dYᵀ·X in fp32 ([rows, cols])."""
+    dw = dy2.float().t().matmul(x2.float())
+    return dw if acc is None else acc.add_(dw)
+
+
+def _as_float(value, name: str) -> float:
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise ValueError(f"{name}: a tensor hyper-parameter must have one element")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _unique(params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _parameter_names(model: nn.Module) -> Dict[int, List[str]]:
+    """id(param) -> every name it is registered under (two or more: shared/tied)."""
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+# id(param) -> weakref to the slot of the live optimizer that drives it (one at a time:
+# two would both update it in backward).
+_OWNERS: Dict[int, "weakref.ReferenceType"] = {}
+
+
+def _owner_of(p: torch.Tensor) -> Optional["_ForgeOptimizer"]:
+    ref = _OWNERS.get(id(p))
+    slot = ref() if ref is not None else None
+    if slot is None or slot.param is not p or not slot.is_live():
+        return None
+    return slot.opt_ref()
+
+
+def _refuse(**flags) -> None:
+    """torch.optim options FORGE does not implement: a clear error instead of ignoring."""
+    reasons = {"amsgrad": "amsgrad=True is not supported by FORGE (no max-of-second-moment "
+                          "state); use amsgrad=False",
+               "differentiable": "differentiable=True is not supported: FORGE updates weights "
+                                 "in place outside autograd",
+               "capturable": "capturable=True is not supported (no CUDA-graph capture of the "
+                             "host-side step scalars)"}
+    for key, value in flags.items():
+        if value:
+            raise ValueError(reasons[key])
+
+
+# ============================================================================ the optimizers
+
+
+class AdamW(_ForgeOptimizer):
+    """torch.optim.AdamW (decoupled weight decay), fused into backward."""
+
+    _torch_name = "AdamW"
+
+    def __init__(self, model: nn.Module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None,
+                 capturable=False, differentiable=False, fused=None, params=None, **forge):
+        _refuse(amsgrad=amsgrad, differentiable=differentiable, capturable=capturable)
+        super().__init__(model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, maximize=maximize), **forge)
+
+    def _rule(self, group):
+        return _lib.RULE_ADAMW
+
+    def _fill(self, hp, group):
+        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.decoupled_weight_decay = 1
+
+
+class Adam(AdamW):
+    """torch.optim.Adam (L2 weight decay added to the gradient), fused into backward."""
+
+    _torch_name = "Adam"
+
+    def __init__(self, model: nn.Module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, amsgrad=False, *, maximize=False, foreach=None,
+                 capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, params=None, **forge):
+        _refuse(amsgrad=amsgrad, differentiable=differentiable, capturable=capturable)
+        _ForgeOptimizer.__init__(self, model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, maximize=maximize,
+            decoupled_weight_decay=decoupled_weight_decay), **forge)
+
+    def _fill(self, hp, group):
+        super()._fill(hp, group)
+        hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
+
+
+class NAdam(_ForgeOptimizer):
+    """torch.optim.NAdam (momentum_decay, decoupled_weight_decay), fused into backward."""
+
+    _torch_name = "NAdam"
+
+    def __init__(self, model: nn.Module, lr=2e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, momentum_decay=4e-3, decoupled_weight_decay=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False,
+                 params=None, **forge):
+        _refuse(differentiable=differentiable, capturable=capturable)
+        super().__init__(model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, momentum_decay=momentum_decay,
+            decoupled_weight_decay=decoupled_weight_decay, maximize=maximize), **forge)
+
+    def _check_group_rule(self, group):
+        if not 0.0 <= _as_float(group["momentum_decay"], "momentum_decay") < math.inf:
+            raise ValueError(f"Invalid momentum_decay value: {group['momentum_decay']}")
+
+    def _rule(self, group):
+        return _lib.RULE_NADAM
+
+    def _fill(self, hp, group):
+        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.momentum_decay = _as_float(group["momentum_decay"], "momentum_decay")
+        hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
+
+
+class RAdam(_ForgeOptimizer):
+    """torch.optim.RAdam (decoupled_weight_decay), fused into backward."""
+
+    _torch_name = "RAdam"
+
+    def __init__(self, model: nn.Module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, decoupled_weight_decay=False, *, foreach=None,
+                 maximize=False, capturable=False, differentiable=False, params=None, **forge):
+        _refuse(differentiable=differentiable, capturable=capturable)
+        super().__init__(model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize), **forge)
+
+    def _rule(self, group):
+        return _lib.RULE_RADAM
+
+    def _fill(self, hp, group):
+        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
+
+
+class Lion(_ForgeOptimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
+        c = β1·m + (1 − β1)·g;  w ← w·(1 − lr·wd) − lr·sign(c);  m ← β2·m + (1 − β2)·g
+    torch.optim has no Lion; the defaults are the paper's (lr 1e-4, betas (0.9, 0.99))."""
+
+    _torch_name = "Lion"
+
+    def __init__(self, model: nn.Module, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 maximize=False, params=None, **forge):
+        super().__init__(model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
+            weight_decay=weight_decay, maximize=maximize), **forge)
+
+    def _rule(self, group):
+        return _lib.RULE_LION
+
+    def _fill(self, hp, group):
+        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+
+
+class RMSprop(_ForgeOptimizer):
+    """torch.optim.RMSprop (alpha, momentum, centered), fused into backward."""
+
+    _torch_name = "RMSprop"
+
+    def __init__(self, model: nn.Module, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0,
+                 momentum=0.0, centered=False, capturable=False, foreach=None, maximize=False,
+                 differentiable=False, *, params=None, **forge):
+        _refuse(differentiable=differentiable, capturable=capturable)
+        super().__init__(model, params, dict(
+            lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+            centered=centered, maximize=maximize), **forge)
+
+    def _check_group_rule(self, group):
+        if not 0.0 <= _as_float(group["momentum"], "momentum") < 1.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']} (must be in [0, 1))")
+        if not 0.0 <= _as_float(group["alpha"], "alpha") < 1.0:
+            raise ValueError(f"Invalid alpha value: {group['alpha']} (must be in [0, 1))")
+
+    def _rule(self, group):
+        return _lib.RULE_RMSPROP
+
+    def _layout_key(self, group):
+        return (_lib.RULE_RMSPROP, bool(group["centered"]),
+                _as_float(group["momentum"], "momentum") > 0)
+
+    def _fill(self, hp, group):
+        hp.alpha = _as_float(group["alpha"], "alpha")
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.momentum = _as_float(group["momentum"], "momentum")
+        hp.centered = int(bool(group["centered"]))
+
+
+class Adagrad(_ForgeOptimizer):
+    """torch.optim.Adagrad (lr_decay, initial_accumulator_value), fused into backward."""
+
+    _torch_name = "Adagrad"
+
+    def __init__(self, model: nn.Module, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
+                 initial_accumulator_value=0.0, eps=1e-10, foreach=None, *, maximize=False,
+                 differentiable=False, fused=None, params=None, **forge):
+        _refuse(differentiable=differentiable)
+        super().__init__(model, params, dict(
+            lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize),
+            **forge)
+
+    def _check_group_rule(self, group):
+        if not 0.0 <= _as_float(group["lr_decay"], "lr_decay") < math.inf:
+            raise ValueError(f"Invalid lr_decay value: {group['lr_decay']}")
+        if not 0.0 <= _as_float(group["initial_accumulator_value"], "initial_accumulator_value") \
+                < math.inf:
+            raise ValueError(f"Invalid initial_accumulator_value value: "
+                             f"{group['initial_accumulator_value']}")
+
+    def _rule(self, group):
+        return _lib.RULE_ADAGRAD
+
+    def _fill(self, hp, group):
+        hp.lr_decay = _as_float(group["lr_decay"], "lr_decay")
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.initial_accumulator_value = _as_float(group["initial_accumulator_value"],
+                                                 "initial_accumulator_value")
+
+
+class SGD(_ForgeOptimizer):
+    """torch.optim.SGD (momentum > 0: SGD with momentum, dampening, nesterov), fused into
+    backward."""
+
+    _torch_name = "SGD"
+
+    def __init__(self, model: nn.Module, lr=1e-3, momentum=0.0, dampening=0.0,
+                 weight_decay=0.0, nesterov=False, *, maximize=False, foreach=None,
+                 differentiable=False, fused=None, params=None, **forge):
+        _refuse(differentiable=differentiable)
+        super().__init__(model, params, dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+            nesterov=nesterov, maximize=maximize), **forge)
+
+    def _check_group_rule(self, group):
+        momentum = _as_float(group["momentum"], "momentum")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']} "
+                             "(FORGE: must be in [0, 1))")
+        if not 0.0 <= _as_float(group["dampening"], "dampening") <= 1.0:
+            raise ValueError(f"Invalid dampening value: {group['dampening']} (must be in [0, 1])")
+        if group["nesterov"] and (momentum <= 0 or group["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def _rule(self, group):
+        return _lib.RULE_SGD_MOMENTUM if _as_float(group["momentum"], "momentum") > 0 \
+            else _lib.RULE_SGD
+
+    def _fill(self, hp, group):
+        if hp.rule == _lib.RULE_SGD_MOMENTUM:
+            hp.momentum = _as_float(group["momentum"], "momentum")
+            hp.dampening = _as_float(group["dampening"], "dampening")
+            hp.nesterov = int(bool(group["nesterov"]))

@@ -1,0 +1,158 @@
+"""reference.py — what forge.optim is compared against.
+
+- ordered(model): every nn.Linear's weight gradient summed over tokens one at a time
+  (acc += outer(dy[t], x[t]), each product rounded, in token order) — the order of
+  FORGE's CPU backend — so torch.optim gets the same dW as the fused step consumed and
+  the comparison isolates the update itself ("up to GEMM summation order").
+- LionReference: Lion as written in the paper (Chen et al. 2023, Algorithm 2), since
+  torch.optim has none.
+- trajectories(): trains copies of one model side by side (forge, torch on ordered dW,
+  the same with every gradient perturbed by one ulp, and stock torch) and returns the
+  largest normwise weight differences between them over all steps.
+"""
+from __future__ import annotations
+
+import copy
+import types
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import forge
+from tiny_models import lm_loss
+
+
+class OrderedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dw = torch.zeros_like(weight)                  # [out, in]
+        for t in range(x2.shape[0]):
+            dw += torch.outer(dy2[t], x2[t])           # rounded product, then rounded sum
+        db = dy2.sum(0) if ctx.has_bias else None
+        return dy.matmul(weight), dw, db
+
+
+def _ordered_forward(self, x):
+    return OrderedLinearFunction.apply(x, self.weight, self.bias)
+
+
+def ordered(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.forward = types.MethodType(_ordered_forward, m)
+    return model
+
+
+class LionReference(torch.optim.Optimizer):
+    """Lion, the paper's update: c = β1·m + (1−β1)·g; w ← w − lr·(sign(c) + wd·w);
+    m ← β2·m + (1−β2)·g (decay applied as w·(1 − lr·wd), which is the same)."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay,
+                                      maximize=maximize))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = -p.grad if group["maximize"] else p.grad
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                c = m * beta1 + g * (1 - beta1)
+                p.add_(torch.sign(c), alpha=-group["lr"])
+                m.mul_(beta2).add_(g, alpha=1 - beta2)
+
+
+def torch_optimizer(name: str, params, **kwargs):
+    if name == "Lion":
+        return LionReference(params, **kwargs)
+    return getattr(torch.optim, name)(params, **kwargs)
+
+
+def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a − b| / max|b| over one tensor (see tolerances.py for why not element-wise)."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
+
+
+def max_normwise(model_a: nn.Module, model_b: nn.Module) -> float:
+    return max(normwise(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+def trajectories(make_model: Callable[[], nn.Module], name: str, kwargs: Dict, device: str,
+                 steps: int = 8, loss_fn=lm_loss, forge_options: Optional[Dict] = None,
+                 forge_model_setup: Optional[Callable[[nn.Module], None]] = None,
+                 make_schedule: Optional[Callable] = None, params_fn=None,
+                 micro_batches: int = 1) -> Dict[str, float]:
+    """Trains forge / ordered / ordered+1ulp / stock copies of one model in lockstep and
+    returns the largest normwise differences over every parameter and step.
+    `forge_options` go to the forge optimizer only; `params_fn(model)` gives param groups;
+    `micro_batches` > 1 accumulates that many backward passes per step (loss / n each)."""
+    torch.manual_seed(0)
+    base = make_model().to(device)
+    models = {"forge": copy.deepcopy(base), "ordered": ordered(copy.deepcopy(base)),
+              "ulp": ordered(copy.deepcopy(base)), "stock": copy.deepcopy(base)}
+    if forge_model_setup is not None:
+        forge_model_setup(models["forge"])
+    params = params_fn or (lambda m: m.parameters())
+    opts = {"forge": getattr(forge.optim, name)(models["forge"], **kwargs,
+                                                **(forge_options or {}),
+                                                **({"params": params_fn(models["forge"])}
+                                                   if params_fn else {}))}
+    for key in ("ordered", "ulp", "stock"):
+        opts[key] = torch_optimizer(name, params(models[key]), **kwargs)
+    schedules = {k: make_schedule(o) for k, o in opts.items()} if make_schedule else {}
+    errors = dict.fromkeys(("forge_vs_ordered", "ulp_vs_ordered", "stock_vs_ordered",
+                            "forge_vs_stock"), 0.0)
+    for step in range(steps):
+        for key, model in models.items():
+            for micro in range(micro_batches):
+                loss = loss_fn(model, step * micro_batches + micro, device)
+                (loss / micro_batches if micro_batches > 1 else loss).backward()
+            if key == "ulp":
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(1 + 2 ** -23)
+            opts[key].step()
+            opts[key].zero_grad()
+            if key in schedules:
+                schedules[key].step()
+        pairs = {"forge_vs_ordered": ("forge", "ordered"), "ulp_vs_ordered": ("ulp", "ordered"),
+                 "stock_vs_ordered": ("stock", "ordered"), "forge_vs_stock": ("forge", "stock")}
+        for what, (a, b) in pairs.items():
+            errors[what] = max(errors[what], max_normwise(models[a], models[b]))
+    return errors
+
+
+def assert_contract(errors: Dict[str, float], device: str,
+                    forge_sums_like: str = "ordered") -> None:
+    """forge within CONTRACT_RTOL of torch.optim, or within what torch.optim itself moves
+    under a 1-ulp gradient perturbation (same summation order) or a change of summation
+    order. `forge_sums_like`: which reference sums dW as forge did — "ordered" (the fused
+    CPU kernel), "stock" (torch's GEMM: accumulate_grad mode, the no-hook fallback); on
+    CUDA the fused kernel has its own order, checked against the order bound."""
+    from tolerances import CONTRACT_RTOL, SUM_ORDER_FACTOR, ULP_SENSITIVITY_FACTOR
+    ulp_bound = max(CONTRACT_RTOL, ULP_SENSITIVITY_FACTOR * errors["ulp_vs_ordered"])
+    order_bound = max(CONTRACT_RTOL, SUM_ORDER_FACTOR * errors["stock_vs_ordered"])
+    if forge_sums_like == "stock":
+        assert errors["forge_vs_stock"] <= ulp_bound, errors
+    elif device == "cpu":
+        assert errors["forge_vs_ordered"] <= ulp_bound, errors
+        assert errors["forge_vs_stock"] <= order_bound, errors
+    else:
+        assert errors["forge_vs_ordered"] <= order_bound, errors
+        assert errors["forge_vs_stock"] <= order_bound, errors

@@ -1,0 +1,93 @@
+"""test_contract.py — the contract: after loss.backward(); opt.step(), every parameter of an
+fp32 model with fp32 states equals what torch.optim.<Same>(model.parameters(), same
+hyper-parameters) gives (Lion: the paper's update), for every step, on the tiny
+transformer (embedding, attention, MLP, RMSNorm, untied head). Bounds: tolerances.py.
+"""
+import pytest
+import torch
+
+from conftest import DEVICES
+from reference import assert_contract, trajectories
+from tiny_models import TinyTransformer
+
+STEPS = 8  # RAdam's rectification switches on at step 6
+
+CONFIGS = [
+    ("AdamW", {}),
+    ("AdamW", dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    ("Adam", dict(lr=1e-2, weight_decay=0.1)),
+    ("NAdam", dict(lr=1e-2, weight_decay=0.1)),
+    ("NAdam", dict(lr=1e-2, weight_decay=0.1, momentum_decay=8e-3, decoupled_weight_decay=True)),
+    ("RAdam", dict(lr=1e-2, weight_decay=0.1)),
+    ("RAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    ("Lion", dict(lr=1e-3, weight_decay=0.1)),
+    ("RMSprop", dict(lr=1e-3, weight_decay=0.01)),
+    ("RMSprop", dict(lr=1e-3, alpha=0.9, centered=True, momentum=0.9, weight_decay=0.01)),
+    ("Adagrad", dict(lr=1e-2, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
+    ("SGD", dict(lr=0.1)),
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
+]
+
+
+def config_id(config):
+    name, kwargs = config
+    return name + ("-" + "-".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else "-defaults")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_matches_torch_optim(config, device, record_difference):
+    name, kwargs = config
+    errors = trajectories(TinyTransformer, name, kwargs, device, steps=STEPS)
+    record_difference(f"{name} vs torch (same sum order)", errors["forge_vs_ordered"])
+    record_difference(f"{name} vs stock torch.optim", errors["forge_vs_stock"])
+    record_difference(f"{name}: torch itself, 1-ulp grads", errors["ulp_vs_ordered"])
+    assert_contract(errors, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_decay_groups_and_scheduler(device, record_difference):
+    """param_groups_no_decay + an LR scheduler: per-group lr/weight_decay are read when each
+    update runs, so the schedule and the groups give torch.optim's trajectory."""
+    import forge
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: [1.0, 0.5, 0.25, 2.0, 0.0][s % 5])
+
+    errors = trajectories(TinyTransformer, "AdamW", dict(lr=1e-2, weight_decay=0.1), device,
+                          steps=6, make_schedule=schedule,
+                          params_fn=lambda m: forge.optim.param_groups_no_decay(m, 0.1))
+    record_difference("AdamW groups + LambdaLR", errors["forge_vs_ordered"])
+    assert_contract(errors, device)
+
+
+def test_scheduler_changes_lr():
+    import forge
+    model = TinyTransformer()
+    opt = forge.optim.SGD(model, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    from tiny_models import lm_loss
+    for step in range(3):
+        lm_loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    # lr 0: the next backward leaves every weight as it is (plain SGD, no decay)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    lm_loss(model, 3).backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_param_groups_no_decay_split():
+    import forge
+    model = TinyTransformer()
+    decay, keep = forge.optim.param_groups_no_decay(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and keep["weight_decay"] == 0.0
+    assert {names[id(p)] for p in keep["params"]} >= {"blocks.0.attn.q.bias", "norm.weight"}
+    assert "blocks.0.attn.q.weight" in {names[id(p)] for p in decay["params"]}

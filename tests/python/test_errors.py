@@ -1,0 +1,167 @@
+"""test_errors.py — bad input is refused with a ValueError/TypeError naming the problem,
+and the model is left untouched (no patched forward, no hook: plain autograd still works).
+Errors of libforge itself surface as Python exceptions carrying forge_last_error()."""
+import pytest
+import torch
+import torch.nn as nn
+
+import forge
+import forge.optim
+from conftest import requires_cuda
+from tiny_models import TinyTransformer, lm_loss
+
+
+def assert_untouched(model):
+    assert not any("forward" in m.__dict__ for m in model.modules()), "a forward was patched"
+    lm_loss(model, 0).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad), \
+        "plain autograd must still fill every .grad (no forge hook left behind)"
+
+
+BAD = [
+    ("AdamW", dict(lr=-1e-3), ValueError, "learning rate"),
+    ("AdamW", dict(lr=float("nan")), ValueError, "learning rate"),
+    ("AdamW", dict(betas=(1.0, 0.999)), ValueError, "beta parameter at index 0"),
+    ("AdamW", dict(betas=(0.9, -0.1)), ValueError, "beta parameter at index 1"),
+    ("AdamW", dict(betas=(0.9,)), ValueError, "betas"),
+    ("AdamW", dict(eps=0.0), ValueError, "epsilon"),
+    ("AdamW", dict(weight_decay=-0.1), ValueError, "weight_decay"),
+    ("AdamW", dict(amsgrad=True), ValueError, "amsgrad"),
+    ("AdamW", dict(differentiable=True), ValueError, "differentiable"),
+    ("AdamW", dict(state_format="fp8"), ValueError, "state_format"),
+    ("AdamW", dict(stochastic_rounding="yes"), TypeError, "stochastic_rounding"),
+    ("AdamW", dict(seed=-1), ValueError, "seed"),
+    ("AdamW", dict(lr="fast"), TypeError, "lr"),
+    ("AdamW", dict(no_such_option=1), TypeError, "no_such_option"),
+    ("NAdam", dict(momentum_decay=-1.0), ValueError, "momentum_decay"),
+    ("Lion", dict(betas=(0.9, 1.5)), ValueError, "beta parameter at index 1"),
+    ("RMSprop", dict(alpha=1.0), ValueError, "alpha"),
+    ("RMSprop", dict(momentum=-0.5), ValueError, "momentum"),
+    ("Adagrad", dict(lr_decay=-1.0), ValueError, "lr_decay"),
+    ("Adagrad", dict(initial_accumulator_value=-1.0), ValueError, "initial_accumulator_value"),
+    ("SGD", dict(nesterov=True), ValueError, "Nesterov"),
+    ("SGD", dict(momentum=0.9, dampening=0.5, nesterov=True), ValueError, "Nesterov"),
+    ("SGD", dict(momentum=1.5), ValueError, "momentum"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,error,match", BAD,
+                         ids=[f"{n}-{next(iter(k))}-{i}" for i, (n, k, _, _) in enumerate(BAD)])
+def test_bad_hyper_parameter(name, kwargs, error, match):
+    model = TinyTransformer()
+    with pytest.raises(error, match=match):
+        getattr(forge.optim, name)(model, **kwargs)
+    assert_untouched(model)
+
+
+def test_not_a_module():
+    model = TinyTransformer()
+    with pytest.raises(TypeError, match="nn.Module"):
+        forge.optim.AdamW(model.parameters())
+
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        forge.optim.AdamW(nn.ReLU())
+    frozen = TinyTransformer().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        forge.optim.SGD(frozen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_unsupported_dtype(dtype):
+    model = TinyTransformer()
+    model.head.to(dtype)
+    with pytest.raises(TypeError, match=r"head\.weight.*" + str(dtype).replace(".", r"\.")):
+        forge.optim.AdamW(model)
+    model.head.float()
+    assert_untouched(model)
+
+
+def test_unsupported_device():
+    model = nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="device meta"):
+        forge.optim.AdamW(model)
+
+
+def test_group_with_foreign_parameter():
+    model = TinyTransformer()
+    stranger = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        forge.optim.AdamW(model, params=[{"params": list(model.parameters()) + [stranger]}])
+    assert_untouched(model)
+
+
+def test_bad_group_value():
+    model = TinyTransformer()
+    groups = forge.optim.param_groups_no_decay(model, 0.1)
+    groups[1]["lr"] = -1.0
+    with pytest.raises(ValueError, match="learning rate"):
+        forge.optim.AdamW(model, params=groups)
+    assert_untouched(model)
+
+
+def test_sparse_embedding():
+    model = TinyTransformer()
+    model.embed.sparse = True
+    with pytest.raises(ValueError, match=r"embed\.weight.*sparse"):
+        forge.optim.AdamW(model)
+    model.embed.sparse = False
+    assert_untouched(model)
+
+
+def test_non_contiguous_parameter():
+    model = nn.Linear(4, 6)
+    model.weight = nn.Parameter(torch.randn(4, 6).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        forge.optim.SGD(model)
+
+
+def test_second_optimizer_on_the_same_model():
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model)
+    with pytest.raises(ValueError, match="another forge optimizer"):
+        forge.optim.SGD(model)
+    opt.detach()
+    forge.optim.SGD(model)
+
+
+def test_library_errors_surface_with_their_message():
+    """A value the Python checks let through (set on a group after construction) is
+    refused by libforge inside backward: ForgeError (a ValueError here) with its text."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model)
+    opt.param_groups[0]["betas"] = (0.9, 1.0)
+    with pytest.raises(ValueError, match=r"hparams\.beta2: must be in \[0, 1\)") as info:
+        lm_loss(model, 0).backward()
+    assert isinstance(info.value, forge.ForgeError)
+    lib = forge.library()
+    hp = lib.hparams_default(forge._lib.RULE_ADAMW)
+    hp.step = 0
+    with pytest.raises(forge.ForgeError, match=r"hparams\.step: must be >= 1"):
+        lib.state_layout(hp, forge._lib.STATE_FP32, 1, 1)
+
+
+def test_library_not_found(monkeypatch, tmp_path):
+    monkeypatch.setenv("FORGE_LIBRARY", str(tmp_path / "missing.so"))
+    with pytest.raises(ImportError, match="FORGE_LIBRARY"):
+        forge._lib.find()
+
+
+@requires_cuda
+def test_cuda_parameters_without_cuda_backend(monkeypatch):
+    lib = forge.library()
+    monkeypatch.setattr(lib, "capabilities", lib.capabilities & ~forge._lib.CAP_CUDA)
+    model = TinyTransformer().cuda()
+    with pytest.raises(ValueError, match="without the CUDA backend"):
+        forge.optim.AdamW(model)
+
+
+def test_changing_layout_after_states_exist():
+    model = TinyTransformer()
+    opt = forge.optim.SGD(model, lr=0.1, momentum=0.9)
+    lm_loss(model, 0).backward()
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.0
+    with pytest.raises(RuntimeError, match="changed the update rule"):
+        lm_loss(model, 1).backward()

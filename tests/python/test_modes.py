@@ -1,0 +1,136 @@
+"""test_modes.py — how a step is delimited.
+
+The update runs inside backward, so a second backward before step() is an error, unless
+accumulate_grad=True (gradients materialize in .grad, step() applies them: exact, with
+torch.optim's memory). Also: the fallback for torch without the autograd hooks, closures,
+and giving the model back (detach, or the optimizer being garbage-collected).
+"""
+import gc
+
+import pytest
+import torch
+
+import forge
+import forge.optim
+from conftest import DEVICES
+from reference import assert_contract, trajectories
+from tiny_models import TinyTransformer, lm_loss
+
+
+def test_second_backward_without_step_raises():
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model)
+    lm_loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match="second gradient before opt.step"):
+        lm_loss(model, 1).backward()
+    opt.step()
+    opt.zero_grad()
+    lm_loss(model, 2).backward()  # fine again after step()
+    opt.step()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulation_mode_matches_torch(device, record_difference):
+    """Two micro-batches per step with accumulate_grad=True: torch.optim's trajectory (the
+    gradients are torch's own, so forge sums dW like stock torch here)."""
+    errors = trajectories(TinyTransformer, "AdamW", dict(lr=1e-2, weight_decay=0.1), device,
+                          steps=4, micro_batches=2, forge_options=dict(accumulate_grad=True))
+    record_difference("AdamW accumulate_grad", errors["forge_vs_stock"])
+    assert_contract(errors, device, forge_sums_like="stock")
+
+
+def test_accumulation_materializes_gradients():
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, accumulate_grad=True)
+    lm_loss(model, 0).backward()
+    lm_loss(model, 1).backward()
+    assert model.blocks[0].up.weight.grad is not None, "the documented memory cost"
+    opt.step()
+    assert all(p.grad is None for p in model.parameters()), "step() frees what it applied"
+
+
+def test_accumulate_grad_switches_between_steps_only():
+    model = TinyTransformer()
+    opt = forge.optim.SGD(model, lr=0.1)
+    lm_loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match="between steps"):
+        opt.accumulate_grad = True
+    opt.step()
+    opt.accumulate_grad = True
+    lm_loss(model, 1).backward()
+    lm_loss(model, 2).backward()
+    opt.step()
+
+
+def test_fallback_without_autograd_hooks(monkeypatch, record_difference):
+    """torch without post-accumulate-grad hooks / node pre-hooks: every parameter is
+    stepped from its .grad in step(); same contract."""
+    monkeypatch.setattr(forge.optim, "_FORCE_NO_HOOKS", True)
+    errors = trajectories(TinyTransformer, "AdamW", dict(lr=1e-2, weight_decay=0.1), "cpu",
+                          steps=5)
+    record_difference("AdamW without hooks (fallback)", errors["forge_vs_stock"])
+    assert_contract(errors, "cpu", forge_sums_like="stock")
+
+
+def test_closure():
+    model = TinyTransformer()
+    opt = forge.optim.SGD(model, lr=0.1)
+    before = model.head.weight.detach().clone()
+
+    def closure():
+        opt.zero_grad()
+        loss = lm_loss(model, 0)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss)
+    assert not torch.equal(before, model.head.weight)
+
+
+def test_detach_gives_the_model_back():
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model)
+    assert "forward" in model.head.__dict__
+    opt.detach()
+    assert "forward" not in model.head.__dict__
+    lm_loss(model, 0).backward()
+    assert model.head.weight.grad is not None, "plain autograd again"
+    forge.optim.AdamW(model)  # and another optimizer may take it
+
+
+def test_garbage_collected_optimizer_releases_the_model():
+    model = TinyTransformer()
+    forge.optim.AdamW(model)
+    gc.collect()
+    lm_loss(model, 0).backward()
+    assert model.head.weight.grad is not None
+    model.zero_grad()
+    opt = forge.optim.AdamW(model)
+    lm_loss(model, 1).backward()
+    assert model.head.weight.grad is None
+    opt.step()
+
+
+def test_no_grad_and_eval_forward_do_not_update():
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model(torch.zeros(2, 4, dtype=torch.long))
+    model(torch.zeros(2, 4, dtype=torch.long))  # graph built, never backwarded
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_backward_that_skips_a_weight_leaves_it_untouched():
+    """torch.autograd.grad(loss, x) runs the Linear backwards but not the weights'
+    gradient nodes: like torch.optim (no .grad), no update, and step() says so."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    opt = forge.optim.SGD(model, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(5, 4, requires_grad=True)
+    (gx,) = torch.autograd.grad(model(x).sum(), x)
+    with pytest.warns(UserWarning, match="never reached the weight"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

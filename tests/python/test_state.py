@@ -1,0 +1,162 @@
+"""test_state.py — state_dict / load_state_dict and observability.
+
+Round trip is exact (raw int8 codes + absmax, bf16 bits, fp32 master, 'step'); a run
+resumed from a checkpoint is bit-for-bit the uninterrupted run. After step(): the global
+grad norm (a by-product of the update kernels) equals clip_grad_norm_'s total norm of a
+plain torch run, and non-finite gradient elements are counted and skipped.
+"""
+import copy
+import io
+
+import pytest
+import torch
+
+import forge
+from conftest import DEVICES
+from tiny_models import TinyTransformer, lm_loss
+from tolerances import GRAD_NORM_RTOL, STATE_STORE_RTOL
+
+FORMATS = [("float32", "fp32", False), ("float32", "bf16", False), ("float32", "int8", False),
+           ("bfloat16", "bf16", False), ("bfloat16", "int8", True), ("bfloat16", "fp32", True)]
+
+
+def train(model, opt, steps, start, device):
+    for step in range(start, start + steps):
+        lm_loss(model, step, device).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,state_format,master", FORMATS)
+def test_resume_is_bit_exact(dtype, state_format, master, device, deterministic):
+    dtype = getattr(torch, dtype)
+    options = dict(state_format=state_format, master_weights=master, seed=7)
+    model = TinyTransformer().to(device=device, dtype=dtype)
+    opt = forge.optim.AdamW(model, lr=1e-2, weight_decay=0.1, **options)
+    train(model, opt, 3, 0, device)
+
+    buffer = io.BytesIO()  # a real checkpoint: through torch.save / torch.load
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    train(model, opt, 3, 3, device)  # the uninterrupted run
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    resumed = TinyTransformer().to(device=device, dtype=dtype)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = forge.optim.AdamW(resumed, lr=1e-2, weight_decay=0.1, **options)
+    opt2.load_state_dict(checkpoint["opt"])
+    train(resumed, opt2, 3, 3, device)
+
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    sd, sd2 = opt.state_dict(), opt2.state_dict()
+    for index, state in sd["state"].items():
+        for key, value in state.items():
+            other = sd2["state"][index][key]
+            if torch.is_tensor(value):
+                assert value.dtype == other.dtype and torch.equal(value, other), key
+            else:
+                assert value == other, key
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
+def test_state_dict_round_trip(state_format):
+    model = TinyTransformer()
+    opt = forge.optim.RMSprop(model, lr=1e-3, centered=True, momentum=0.9,
+                              state_format=state_format)
+    train(model, opt, 2, 0, "cpu")
+    saved = copy.deepcopy(opt.state_dict())
+    p = model.blocks[0].attn.q.weight
+    expected = {"fp32": {"square_avg", "grad_avg", "momentum_buffer"},
+                "bf16": {"square_avg", "grad_avg", "momentum_buffer"},
+                "int8": {"square_avg", "grad_avg", "momentum_buffer", "square_avg_absmax",
+                         "grad_avg_absmax", "momentum_buffer_absmax"}}[state_format]
+    assert set(opt.state[p]) == expected | {"step"}
+    assert opt.state[p]["step"] == 2
+    if state_format == "int8":
+        assert opt.state[p]["square_avg"].dtype == torch.uint8
+        assert opt.state[p]["square_avg_absmax"].shape == (p.shape[0], -(-p.shape[1] // 64))
+
+    other = forge.optim.RMSprop(copy.deepcopy(model), lr=1e-3, centered=True, momentum=0.9,
+                                state_format=state_format)
+    other.load_state_dict(saved)
+    again = other.state_dict()
+    assert again["param_groups"] == saved["param_groups"]
+    for index, state in saved["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, again["state"][index][key]), key
+            else:
+                assert value == again["state"][index][key]
+
+
+def test_load_refuses_other_format_and_layout():
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, state_format="int8")
+    train(model, opt, 1, 0, "cpu")
+    saved = opt.state_dict()
+    with pytest.raises(ValueError, match="state_format"):
+        forge.optim.AdamW(copy.deepcopy(model)).load_state_dict(saved)
+    with pytest.raises(ValueError, match="expected"):
+        forge.optim.Lion(copy.deepcopy(model), state_format="int8").load_state_dict(saved)
+    with pytest.raises(ValueError, match="forge"):
+        forge.optim.AdamW(copy.deepcopy(model)).load_state_dict(
+            torch.optim.AdamW(model.parameters()).state_dict())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_norm_matches_clip_grad_norm(device):
+    torch.manual_seed(0)
+    model = TinyTransformer().to(device)
+    plain = copy.deepcopy(model)
+    opt = forge.optim.AdamW(model, lr=1e-3)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    assert opt.grad_norm is None
+    for step in range(4):
+        lm_loss(model, step, device).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(plain, step, device).backward()
+        total = torch.nn.utils.clip_grad_norm_(plain.parameters(), float("inf")).item()
+        ref.step()
+        ref.zero_grad()
+        assert opt.grad_norm == pytest.approx(total, rel=GRAD_NORM_RTOL)
+        assert opt.nonfinite_count == 0
+
+
+def test_nonfinite_gradients_are_counted_and_skipped():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = forge.optim.SGD(model, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(5, 4)
+    x[2, 1] = float("nan")  # poisons column 1 of the first weight's dW, and more
+    model(x).sum().backward()
+    opt.step()
+    assert opt.nonfinite_count > 0
+    for a, b in zip(before, model.parameters()):
+        assert torch.isfinite(b).all(), "a NaN never reaches a weight"
+    w0 = model[0].weight
+    assert torch.equal(w0[:, 1], before[0][:, 1]), "skipped elements are left as they were"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
+def test_state_fp32_decodes_states(state_format, device):
+    """state_fp32() decodes through libforge; against an fp32-state run of the same step
+    (bounds: STATE_STORE_RTOL)."""
+    torch.manual_seed(0)
+    base = TinyTransformer().to(device)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    opt = forge.optim.AdamW(model, state_format=state_format)
+    ref_opt = forge.optim.AdamW(ref)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        lm_loss(m, 0, device).backward()
+        o.step()
+    p, q = model.blocks[0].up.weight, ref.blocks[0].up.weight
+    got, want = opt.state_fp32(p), ref_opt.state_fp32(q)
+    assert set(got) == {"exp_avg", "exp_avg_sq"}
+    for key in got:
+        assert torch.equal(want[key], ref_opt.state[q][key])
+        err = ((got[key] - want[key]).abs().max() / want[key].abs().max()).item()
+        assert err <= STATE_STORE_RTOL[state_format], (key, err)
