@@ -1,0 +1,213 @@
+"""test_train.py — forge-train end to end on CPU: a short default-style run with FORGE and
+with the torch baseline, bit-exact resume after an interruption, atomic checkpoints, and
+one clear message with a non-zero exit for each bad input.
+
+Runs are small (tiny model, a few steps of 4×32 tokens) and in-process (main(argv)), so
+the file takes seconds; one test goes through a subprocess to see what a user sees.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from forge import train as forge_train
+
+SMALL = ["--seq-len", "32", "--batch-size", "4", "--no-plot"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these tiny runs gain nothing from more, and on a busy machine
+    spinning OpenMP threads made them 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(argv):
+    return forge_train.main([str(a) for a in argv])
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("baseline", [[], ["--baseline", "torch"]], ids=["forge", "torch"])
+def test_short_run_reports_loss_memory_and_gradient_bytes(tmp_path, capsys, baseline):
+    out = tmp_path / "run"
+    assert run(["--steps", 6, "--seq-len", 32, "--batch-size", 4, "--out", out] + baseline) == 0
+    printed = capsys.readouterr().out
+    for text in ("final loss", "peak memory", "weight gradients held", "tokens/s", "loss curve"):
+        assert text in printed
+    m = metrics(out)
+    assert len(m["losses"]) == 6 and all(torch.isfinite(torch.tensor(m["losses"])))
+    if baseline:  # torch.optim: the whole Linear gradient pool is alive before step()
+        assert m["peak_linear_weight_grad_bytes"] > 0
+    else:  # FORGE: no nn.Linear weight ever holds a .grad
+        assert m["peak_linear_weight_grad_bytes"] == 0
+        assert "nn.Linear weights 0 B" in printed
+    png = out / "loss.png"
+    if importlib.util.find_spec("matplotlib"):
+        assert png.is_file() and png.stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in printed
+
+
+def test_other_optimizers_and_options_run(tmp_path):
+    assert run(["--steps", 3, "--optimizer", "sgd", "--momentum", "0.9", "--nesterov",
+                "--activation-checkpointing", "--out", tmp_path / "sgd"] + SMALL) == 0
+    assert run(["--steps", 3, "--optimizer", "lion", "--state-format", "int8", "--bf16",
+                "--out", tmp_path / "lion"] + SMALL) == 0
+
+
+@pytest.mark.parametrize("formats", [[], ["--bf16", "--state-format", "int8"]],
+                         ids=["fp32", "bf16-int8-states"])
+def test_resume_after_interruption_is_bit_exact(tmp_path, monkeypatch, formats):
+    common = ["--steps", 12, "--warmup", 3, "--save-every", 4, "--lr", "3e-3"] + SMALL + formats
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert run(common + ["--out", whole]) == 0
+
+    # Interrupt the second run during step 7: its last checkpoint is the one of step 4.
+    real_loss, calls = forge_train.lm_loss, []
+
+    def interrupting_loss(model, tokens):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return real_loss(model, tokens)
+    monkeypatch.setattr(forge_train, "lm_loss", interrupting_loss)
+    assert run(common + ["--out", parts]) == 130
+    monkeypatch.setattr(forge_train, "lm_loss", real_loss)
+    state = forge_train.load_checkpoint(str(parts / forge_train.CHECKPOINT_NAME))
+    assert state["step"] == 4
+
+    # Resume with no other option: the checkpoint's settings are taken.
+    assert run(["--out", parts, "--resume"]) == 0
+    assert metrics(parts)["losses"] == metrics(whole)["losses"]  # bit-identical floats
+    for name, tensor in torch.load(whole / "checkpoint.pt", weights_only=True)["model"].items():
+        assert torch.equal(tensor, torch.load(parts / "checkpoint.pt",
+                                              weights_only=True)["model"][name]), name
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    assert run(["--steps", 2, "--save-every", 2, "--out", out] + SMALL) == 0
+    before = (out / "checkpoint.pt").read_bytes()
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        f.write(b"partial")  # a crash in the middle of writing
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, "save", dying_save)
+    assert run(["--steps", 4, "--save-every", 2, "--out", out, "--resume"]) == 130
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (out / "checkpoint.pt").read_bytes() == before
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]  # no temporary file left
+    assert forge_train.load_checkpoint(str(out / "checkpoint.pt"))["step"] == 2
+
+
+def _corrupt_checkpoint(tmp_path):
+    out = tmp_path / "corrupt"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"\x00not a checkpoint" * 10)
+    return ["--out", out, "--resume"]
+
+
+def _truncated_checkpoint(tmp_path):
+    out = tmp_path / "truncated"
+    assert forge_train.main(["--steps", "1", "--save-every", "1", "--out", str(out)] + SMALL) == 0
+    data = (out / "checkpoint.pt").read_bytes()
+    (out / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+    return ["--out", out, "--resume"]
+
+
+BAD_INPUTS = {
+    "missing data path": (lambda t: ["--data", t / "no-such-dir"], "does not exist"),
+    "unknown optimizer": (lambda t: ["--optimizer", "adamax"], "unknown optimizer"),
+    "sequence too long": (lambda t: ["--seq-len", 100000], "longer than model"),
+    "corrupt checkpoint": (_corrupt_checkpoint, "corrupt"),
+    "truncated checkpoint": (_truncated_checkpoint, "corrupt"),
+    "missing checkpoint": (lambda t: ["--out", t / "empty", "--resume"], "no checkpoint"),
+    "option of another optimizer": (lambda t: ["--momentum", "0.9"], "does not apply"),
+    "torch has no Lion": (lambda t: ["--optimizer", "lion", "--baseline", "torch"],
+                          "torch.optim has no Lion"),
+    "negative steps": (lambda t: ["--steps", -1], "--steps must be positive"),
+    "empty data directory": (lambda t: ["--data", t], "no text files"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gives_one_clear_message(tmp_path, capsys, case):
+    make_argv, expected = BAD_INPUTS[case]
+    argv = make_argv(tmp_path)
+    capsys.readouterr()
+    code = run(["--steps", 2, "--out", tmp_path / "out"] + SMALL + argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("forge-train: error: ") and expected in err, err
+    assert "Traceback" not in err
+
+
+def test_resume_refuses_a_conflicting_option(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(["--steps", 2, "--save-every", 2, "--out", out] + SMALL) == 0
+    capsys.readouterr()
+    assert run(["--steps", 4, "--out", out, "--resume", "--lr", "0.5"]) == 2
+    assert "differs from the checkpoint" in capsys.readouterr().err
+
+
+def test_command_line_error_has_no_traceback(tmp_path):
+    """What a user sees from the console script: one line on stderr, status 2."""
+    package_root = os.path.dirname(os.path.dirname(forge_train.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-m", "forge.train", "--data",
+                           str(tmp_path / "missing.txt"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"forge-train: error: data path does not exist: {tmp_path / 'missing.txt'}"]
+
+
+# ----------------------------------------------------------------------------- forge-bench
+
+def test_bench_smoke_on_cpu(tmp_path):
+    """forge-bench end to end on a tiny model: every mode measured, every file written."""
+    from forge import bench
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
+                       "--out", str(tmp_path)]) == 0
+    files = sorted(os.listdir(tmp_path))
+    assert {f.rsplit(".", 1)[1] for f in files} >= {"md", "json", "csv"}
+    with open(tmp_path / next(f for f in files if f.endswith(".json"))) as f:
+        saved = json.load(f)
+    assert saved["environment"]["torch"] == torch.__version__
+    assert "forge-bench --models tiny" in saved["environment"]["command"]
+    rows = saved["results"]
+    assert [r["mode"] for r in rows] == bench.MODES
+    assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
+
+
+def test_bench_parity_report_smoke_on_cpu(tmp_path):
+    from forge import bench
+    assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "4",
+                       "--parity-seq-len", "16", "--parity-batch-size", "2", "--device", "cpu",
+                       "--out", str(tmp_path / "out"),
+                       "--parity-work-dir", str(tmp_path / "runs")]) == 0
+    report_file = next(f for f in os.listdir(tmp_path / "out") if f.endswith(".json"))
+    with open(tmp_path / "out" / report_file) as f:
+        report = json.load(f)
+    assert set(report["comparisons"]) == {"forge-bf16-sr", "forge-int8", bench.NOISE_RUN}
+    for c in report["comparisons"].values():
+        assert c["steps"] == 4 and c["mean_abs_diff_last_half"] >= 0
+
+
+def test_bench_rejects_unknown_model(capsys):
+    from forge import bench
+    assert bench.main(["--models", "gpt-5", "--device", "cpu"]) == 2
+    assert "unknown model 'gpt-5'" in capsys.readouterr().err
