@@ -1,0 +1,542 @@
+// wgrad_bench.cu — the fused weight-gradient + optimizer step against the unfused way, on
+// the linear layers of Llama-3.1-8B (out × in = 4096×4096, 1024×4096, 14336×4096,
+// 4096×14336) at T ∈ {512, 2048, 4096} tokens, bf16 inputs and bf16 W:
+//  (a) forge_wgrad_step, AdamW, with bf16 states, int8 states, and fp32 master + fp32 states;
+//  (b) cuBLAS dW = dYᵀX alone (bf16 in; fp32 out, and bf16 out);
+//  (c) cuBLAS (bf16 out) + a separate vectorized AdamW pass over bf16 W, m, v — the
+//      unfused step (what torch does with bf16 grads and a fused AdamW).
+// Also: (a-bf16) with the epilogue's L2 prefetch off, and (a-bf16) at T = 32 (the GEMM all
+// but gone: what the epilogue alone costs), to say where the time goes.
+//
+// --profile launches a few kernels for Nsight Compute instead (see main()).
+//
+// Timing: CUDA events around each call, the L2 flushed (a 256 MiB memset) before each,
+// median of --iters (default 30) after 5 warm-ups; random non-zero inputs. Writes a markdown
+// table and JSON to --out (default $OUT or ./out). A correctness check rides along: the
+// fused step's dW (SGD, lr = 1, W = 0, fp32) against cuBLAS's fp32 dW, per shape.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <string>
+#include <vector>
+
+#include "forge/forge.h"
+
+namespace {
+
+#define CHECK_CUDA(call)                                                                 \
+  do {                                                                                   \
+    cudaError_t e_ = (call);                                                             \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                \
+                   cudaGetErrorString(e_));                                              \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+#define CHECK_CUBLAS(call)                                                               \
+  do {                                                                                   \
+    cublasStatus_t s_ = (call);                                                          \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
+      std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #call,  \
+                   static_cast<int>(s_));                                                \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+#define CHECK_FORGE(call)                                                                \
+  do {                                                                                   \
+    forge_status s_ = (call);                                                            \
+    if (s_ != FORGE_OK) {                                                                \
+      std::fprintf(stderr, "%s:%d: %s: %d %s\n", __FILE__, __LINE__, #call,             \
+                   static_cast<int>(s_), forge_last_error());                            \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+constexpr int kWarmup = 5;
+
+// ---- device helpers -------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xFF51AFD7ED558CCDull;
+  x ^= x >> 33;
+  x *= 0xC4CEB9FE1A85EC53ull;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+__device__ __forceinline__ uint16_t to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+__device__ __forceinline__ float from_bf16(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+
+// Uniform in ±scale, never 0 (non-zero inputs: zeros run faster and hide bugs).
+__global__ void fill_bf16(uint16_t* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float u = (hash32(seed * 0x9E3779B97F4A7C15ull + i) + 0.5f) * (1.0f / 4294967296.0f);
+    p[i] = to_bf16(scale * (2.0f * u - 1.0f) + (u < 0.5f ? -1e-3f : 1e-3f) * scale);
+  }
+}
+__global__ void fill_f32(float* p, int64_t n, uint64_t seed, float scale, bool positive) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float u = (hash32(seed * 0x9E3779B97F4A7C15ull + i) + 0.5f) * (1.0f / 4294967296.0f);
+    p[i] = positive ? scale * (u + 0.01f) : scale * (2.0f * u - 1.0f);
+  }
+}
+
+struct AdamWScalars {
+  float one_minus_beta1, beta2, one_minus_beta2, eps, bc2_sqrt, neg_step_size, decay;
+};
+
+// The unfused optimizer pass: bf16 grad, W, m, v; 8 elements (16 B of each) per thread.
+__global__ void __launch_bounds__(256) adamw_bf16(const uint4* __restrict__ grad, uint4* __restrict__ w,
+                                                  uint4* __restrict__ m, uint4* __restrict__ v,
+                                                  int64_t n8, AdamWScalars s) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n8; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 g4 = grad[i], w4 = w[i], m4 = m[i], v4 = v[i];
+    const uint16_t* gh = reinterpret_cast<const uint16_t*>(&g4);
+    const uint16_t* wh = reinterpret_cast<const uint16_t*>(&w4);
+    const uint16_t* mh = reinterpret_cast<const uint16_t*>(&m4);
+    const uint16_t* vh = reinterpret_cast<const uint16_t*>(&v4);
+    uint4 wo, mo, vo;
+    uint16_t* woh = reinterpret_cast<uint16_t*>(&wo);
+    uint16_t* moh = reinterpret_cast<uint16_t*>(&mo);
+    uint16_t* voh = reinterpret_cast<uint16_t*>(&vo);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float g = from_bf16(gh[e]);
+      float mm = from_bf16(mh[e]), vv = from_bf16(vh[e]), ww = from_bf16(wh[e]);
+      mm = mm + s.one_minus_beta1 * (g - mm);
+      vv = vv * s.beta2 + s.one_minus_beta2 * (g * g);
+      const float denom = sqrtf(vv) / s.bc2_sqrt + s.eps;
+      ww = ww * s.decay + s.neg_step_size * (mm / denom);
+      woh[e] = to_bf16(ww);
+      moh[e] = to_bf16(mm);
+      voh[e] = to_bf16(vv);
+    }
+    w[i] = wo;
+    m[i] = mo;
+    v[i] = vo;
+  }
+}
+
+// err2 += Σ (a + b)², ref2 += Σ b² (a = fused W = -dW, b = cuBLAS dW).
+__global__ void sum_sq_error(const float* a, const float* b, int64_t n, double* out) {
+  double err = 0, ref = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const double d = double(a[i]) + double(b[i]);
+    err += d * d;
+    ref += double(b[i]) * double(b[i]);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    err += __shfl_xor_sync(0xFFFFFFFFu, err, o);
+    ref += __shfl_xor_sync(0xFFFFFFFFu, ref, o);
+  }
+  if (threadIdx.x % 32 == 0) {
+    atomicAdd(out, err);
+    atomicAdd(out + 1, ref);
+  }
+}
+
+// ---- host ------------------------------------------------------------------------------------
+
+struct DevMem {
+  void* p = nullptr;
+  explicit DevMem(size_t bytes) { CHECK_CUDA(cudaMalloc(&p, bytes < 16 ? 16 : bytes)); }
+  ~DevMem() { cudaFree(p); }
+  DevMem(const DevMem&) = delete;
+  DevMem& operator=(const DevMem&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+int g_sms = 0;
+int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + 255) / 256, int64_t(g_sms) * 8)); }
+
+struct Timer {
+  DevMem flush{size_t(256) << 20};
+  cudaEvent_t start, stop;
+  Timer() {
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+  }
+  ~Timer() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  // Median milliseconds of fn() over `iters` calls, each after an L2 flush.
+  template <typename Fn>
+  double median_ms(int iters, Fn fn) {
+    for (int i = 0; i < kWarmup; ++i) fn();
+    std::vector<double> ms;
+    for (int i = 0; i < iters; ++i) {
+      CHECK_CUDA(cudaMemsetAsync(flush.p, i & 0xFF, size_t(256) << 20));
+      CHECK_CUDA(cudaEventRecord(start));
+      fn();
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float t = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+      ms.push_back(t);
+    }
+    CHECK_CUDA(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  }
+};
+
+struct Shape {
+  const char* name;
+  int64_t out, in;
+  int per_layer;  // occurrences per decoder layer
+};
+constexpr Shape kShapes[] = {{"q_proj/o_proj", 4096, 4096, 2},
+                             {"k_proj/v_proj", 1024, 4096, 2},
+                             {"gate_proj/up_proj", 14336, 4096, 2},
+                             {"down_proj", 4096, 14336, 1}};
+constexpr int64_t kTokens[] = {512, 2048, 4096};
+constexpr int kLayers = 32;
+
+enum Variant { kFusedBf16, kFusedInt8, kFusedMaster, kCublasF32, kCublasBf16, kUnfused, kFusedNoPrefetch, kVariants };
+const char* kVariantNames[] = {"fused_adamw_bf16_states", "fused_adamw_int8_states", "fused_adamw_fp32_master",
+                               "cublas_dw_fp32_out", "cublas_dw_bf16_out", "unfused_cublas_plus_adamw_bf16",
+                               "fused_adamw_bf16_states_no_l2_prefetch"};
+
+// Minimum bytes each variant moves per parameter element, and its input bytes.
+double param_bytes(int v) {
+  switch (v) {
+    case kFusedBf16: case kFusedNoPrefetch: return 12;       // W, m, v bf16: read + write
+    case kFusedInt8: return 4 + 4 + 2 * 2 * 4.0 / 64;        // W bf16 r+w, 2 codes r+w, 2 absmax r+w
+    case kFusedMaster: return 2 + 8 + 16;                    // W bf16 write, master r+w, m, v fp32 r+w
+    case kCublasF32: return 4;
+    case kCublasBf16: return 2;
+    default: return 2 + 2 + 12;                              // dW write + read, AdamW bf16
+  }
+}
+
+struct Result {
+  const Shape* shape;
+  int64_t tokens;
+  double ms[kVariants];
+  double epilogue_ms;      // fused AdamW bf16 states at T = 32
+  double epilogue_sgd_ms;  // fused SGD (no states) at T = 32: the epilogue's floor
+  double dw_rel_error;
+};
+
+forge_device cuda_device() {
+  forge_device d{};
+  d.kind = FORGE_DEVICE_CUDA;
+  d.index = 0;
+  d.stream = nullptr;  // the legacy default stream, where the events and cuBLAS run too
+  return d;
+}
+
+forge_wgrad_args fused_args(const void* x, const void* dy, int64_t tokens, const Shape& s,
+                            const forge_param& p, const forge_hparams& hp) {
+  forge_wgrad_args a{};
+  a.abi_version = FORGE_ABI_VERSION;
+  a.device = cuda_device();
+  a.tokens = tokens;
+  a.x = x;
+  a.x_dtype = FORGE_DTYPE_BF16;
+  a.ldx = s.in;
+  a.dy = dy;
+  a.dy_dtype = FORGE_DTYPE_BF16;
+  a.lddy = s.out;
+  a.param = p;
+  a.hparams = hp;
+  return a;
+}
+
+void run_cublas(cublasHandle_t h, const void* x, const void* dy, void* dw, cudaDataType out_type,
+                int64_t tokens, const Shape& s) {
+  const float alpha = 1.0f, beta = 0.0f;
+  // Column-major view: dWᶜ (in × out) = Xᶜ (in × T) · (dYᶜ (out × T))ᵀ = row-major dW [out, in].
+  CHECK_CUBLAS(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(s.in), static_cast<int>(s.out),
+                            static_cast<int>(tokens), &alpha, x, CUDA_R_16BF, static_cast<int>(s.in), dy,
+                            CUDA_R_16BF, static_cast<int>(s.out), &beta, dw, out_type, static_cast<int>(s.in),
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof(b), f, v);
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_dir = std::getenv("OUT") ? std::getenv("OUT") : "out";
+  int iters = 30;
+  bool quick = false;
+  // --profile: for Nsight Compute, launch only: the fused AdamW bf16-state step on 4096×4096
+  // at T = 32 (warm-up), 512 and 4096, then the unfused AdamW pass once; no timing.
+  bool profile = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_dir = argv[++i];
+    else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::max(20, std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--profile")) profile = true;
+  }
+  std::string command;
+  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+
+  CHECK_CUDA(cudaSetDevice(0));
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  g_sms = prop.multiProcessorCount;
+  cublasHandle_t handle;
+  CHECK_CUBLAS(cublasCreate(&handle));
+  Timer timer;
+
+  forge_hparams adamw{};
+  CHECK_FORGE(forge_hparams_default(FORGE_RULE_ADAMW, &adamw));
+  forge_hparams sgd{};
+  CHECK_FORGE(forge_hparams_default(FORGE_RULE_SGD, &sgd));
+  sgd.lr = 1.0;
+  sgd.weight_decay = 0.0;
+
+  std::vector<Result> results;
+  if (profile) {
+    const Shape& s = kShapes[0];
+    const int64_t n = s.out * s.in, t_max = 4096;
+    DevMem x(size_t(t_max) * s.in * 2), dy(size_t(t_max) * s.out * 2), w(n * 2), m(n * 2), v(n * 2), g(n * 2);
+    fill_bf16<<<grid_for(t_max * s.in), 256>>>(x.as<uint16_t>(), t_max * s.in, 1, 1.0f);
+    fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
+    fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
+    fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
+    fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f);
+    fill_bf16<<<grid_for(n), 256>>>(g.as<uint16_t>(), n, 6, 1e-2f);
+    forge_param p{};
+    p.rows = s.out;
+    p.cols = s.in;
+    p.weight_format = FORGE_WEIGHT_BF16;
+    p.weight = w.p;
+    p.state_format = FORGE_STATE_BF16;
+    p.state[0] = m.p;
+    p.state[1] = v.p;
+    for (int64_t tokens : {int64_t(32), int64_t(512), int64_t(4096)}) {
+      forge_wgrad_args a = fused_args(x.p, dy.p, tokens, s, p, adamw);
+      CHECK_FORGE(forge_wgrad_step(&a));
+    }
+    AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(0.001f), -1e-2f, 1.0f - 1e-5f};
+    adamw_bf16<<<grid_for(n / 8), 256>>>(g.as<uint4>(), w.as<uint4>(), m.as<uint4>(), v.as<uint4>(), n / 8, as);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::printf("profile launches done\n");
+    return 0;
+  }
+  for (const Shape& s : kShapes) {
+    const int64_t n = s.out * s.in;
+    const int64_t t_max = quick ? 512 : kTokens[2];
+    DevMem x(size_t(t_max) * s.in * 2), dy(size_t(t_max) * s.out * 2);
+    fill_bf16<<<grid_for(t_max * s.in), 256>>>(x.as<uint16_t>(), t_max * s.in, 1, 1.0f);
+    fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
+    // Parameters in each format (bf16 W shared by the bf16-state and int8 variants).
+    DevMem w(n * 2), m16(n * 2), v16(n * 2), m8(n), v8(n), am8((n / 64 + s.out) * 4), av8((n / 64 + s.out) * 4),
+        w2(n * 2), master(n * 4), m32(n * 4), v32(n * 4), dw(n * 4), grad16(n * 2), zero(n * 4);
+    fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
+    fill_bf16<<<grid_for(n), 256>>>(w2.as<uint16_t>(), n, 3, 0.02f);
+    fill_bf16<<<grid_for(n), 256>>>(m16.as<uint16_t>(), n, 4, 1e-3f);
+    fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 5, 1e-6f);
+    fill_f32<<<grid_for(n), 256>>>(master.as<float>(), n, 6, 0.02f, false);
+    fill_f32<<<grid_for(n), 256>>>(m32.as<float>(), n, 7, 1e-3f, false);
+    fill_f32<<<grid_for(n), 256>>>(v32.as<float>(), n, 8, 1e-6f, true);
+    CHECK_CUDA(cudaGetLastError());
+
+    forge_param p16{}, p8{}, pm{}, pz{};
+    p16.rows = p8.rows = pm.rows = pz.rows = s.out;
+    p16.cols = p8.cols = pm.cols = pz.cols = s.in;
+    p16.weight_format = FORGE_WEIGHT_BF16;
+    p16.weight = w.p;
+    p16.state_format = FORGE_STATE_BF16;
+    p16.state[0] = m16.p;
+    p16.state[1] = v16.p;
+    p8 = p16;
+    p8.state_format = FORGE_STATE_INT8_BLOCK64;
+    p8.state[0] = m8.p;
+    p8.state[1] = v8.p;
+    p8.state_absmax[0] = am8.as<float>();
+    p8.state_absmax[1] = av8.as<float>();
+    pm = p16;
+    pm.weight = w2.p;
+    pm.weight_format = FORGE_WEIGHT_BF16_MASTER;
+    pm.master = master.as<float>();
+    pm.state_format = FORGE_STATE_FP32;
+    pm.state[0] = m32.p;
+    pm.state[1] = v32.p;
+    {
+      // int8 states from the bf16 ones' values, through the library.
+      DevMem tmp(n * 4);
+      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 9, 1e-3f, false);
+      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 0, tmp.as<float>(), cuda_device()));
+      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 10, 1e-6f, true);
+      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 1, tmp.as<float>(), cuda_device()));
+      CHECK_CUDA(cudaDeviceSynchronize());
+    }
+    pz.weight_format = FORGE_WEIGHT_FP32;
+    pz.weight = zero.p;
+    pz.state_format = FORGE_STATE_FP32;
+
+    AdamWScalars as{};
+    as.one_minus_beta1 = 0.1f;
+    as.beta2 = 0.999f;
+    as.one_minus_beta2 = 0.001f;
+    as.eps = 1e-8f;
+    as.bc2_sqrt = std::sqrt(1.0f - 0.999f);
+    as.neg_step_size = -1e-3f / 0.1f;
+    as.decay = 1.0f - 1e-3f * 1e-2f;
+
+    // Correctness rider: fused dW (SGD lr 1 from W = 0) against cuBLAS fp32 dW, T = 512.
+    double rel_error = 0;
+    {
+      const int64_t tt = 512;
+      CHECK_CUDA(cudaMemset(zero.p, 0, n * 4));
+      forge_wgrad_args a = fused_args(x.p, dy.p, tt, s, pz, sgd);
+      CHECK_FORGE(forge_wgrad_step(&a));
+      run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, tt, s);
+      DevMem sums(16);
+      CHECK_CUDA(cudaMemset(sums.p, 0, 16));
+      sum_sq_error<<<grid_for(n), 256>>>(zero.as<float>(), dw.as<float>(), n, sums.as<double>());
+      double h[2];
+      CHECK_CUDA(cudaMemcpy(h, sums.p, 16, cudaMemcpyDeviceToHost));
+      rel_error = std::sqrt(h[0] / h[1]);
+    }
+
+    // Epilogue alone: the fused bf16-state step with 32 tokens.
+    forge_hparams hp = adamw;
+    auto fused = [&](const forge_param& p, int64_t tokens) {
+      forge_wgrad_args a = fused_args(x.p, dy.p, tokens, s, p, hp);
+      hp.step = hp.step % 1000 + 1;
+      CHECK_FORGE(forge_wgrad_step(&a));
+    };
+    const double epilogue_ms = timer.median_ms(iters, [&] { fused(p16, 32); });
+    forge_param psgd = p16;
+    psgd.state_format = FORGE_STATE_FP32;
+    psgd.state[0] = psgd.state[1] = nullptr;
+    forge_hparams sgd_step{};
+    CHECK_FORGE(forge_hparams_default(FORGE_RULE_SGD, &sgd_step));
+    const double epilogue_sgd_ms = timer.median_ms(iters, [&] {
+      forge_wgrad_args a = fused_args(x.p, dy.p, 32, s, psgd, sgd_step);
+      CHECK_FORGE(forge_wgrad_step(&a));
+    });
+
+    for (int64_t tokens : kTokens) {
+      if (tokens > t_max) continue;
+      Result r{&s, tokens, {}, epilogue_ms, epilogue_sgd_ms, rel_error};
+      r.ms[kFusedBf16] = timer.median_ms(iters, [&] { fused(p16, tokens); });
+      r.ms[kFusedInt8] = timer.median_ms(iters, [&] { fused(p8, tokens); });
+      r.ms[kFusedMaster] = timer.median_ms(iters, [&] { fused(pm, tokens); });
+      setenv("FORGE_CUDA_EPILOGUE_PREFETCH", "0", 1);
+      r.ms[kFusedNoPrefetch] = timer.median_ms(iters, [&] { fused(p16, tokens); });
+      unsetenv("FORGE_CUDA_EPILOGUE_PREFETCH");
+      r.ms[kCublasF32] = timer.median_ms(iters, [&] { run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, tokens, s); });
+      r.ms[kCublasBf16] = timer.median_ms(iters, [&] { run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s); });
+      r.ms[kUnfused] = timer.median_ms(iters, [&] {
+        run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s);
+        adamw_bf16<<<grid_for(n / 8), 256>>>(grad16.as<uint4>(), w.as<uint4>(), m16.as<uint4>(), v16.as<uint4>(), n / 8, as);
+      });
+      results.push_back(r);
+      std::printf("%-18s T=%-5lld fused bf16 %.3f ms | int8 %.3f | master %.3f | no-prefetch %.3f | cuBLAS f32 %.3f bf16 %.3f | unfused %.3f | speedup %.2fx\n",
+                  s.name, static_cast<long long>(tokens), r.ms[kFusedBf16], r.ms[kFusedInt8], r.ms[kFusedMaster],
+                  r.ms[kFusedNoPrefetch], r.ms[kCublasF32], r.ms[kCublasBf16], r.ms[kUnfused],
+                  r.ms[kUnfused] / r.ms[kFusedBf16]);
+      std::fflush(stdout);
+    }
+  }
+
+  // ---- report ----
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  std::string md;
+  md += "# FORGE fused wgrad + AdamW vs cuBLAS + unfused AdamW\n\n";
+  md += std::string("- date: ") + date + "\n- GPU: " + prop.name + " (" + std::to_string(g_sms) + " SMs)\n";
+  md += "- command: `" + command + "`\n";
+  md += "- median of " + std::to_string(iters) + " after " + std::to_string(kWarmup) +
+        " warm-ups, L2 flushed before each call; bf16 inputs, bf16 W, AdamW\n";
+  md += "- TFLOP/s = 2·out·in·T / t; GB/s = (T·(out + in)·2 B + bytes per parameter × out·in) / t\n";
+  md += "- epilogue-only = the fused step at T = 32 (GEMM negligible): AdamW bf16 states / SGD, no states\n\n";
+  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | bf16, no L2 prefetch ms | epilogue-only ms AdamW / SGD | dW check |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  std::string json = "{\n  \"date\": \"" + std::string(date) + "\",\n  \"gpu\": \"" + prop.name +
+                     "\",\n  \"sms\": " + std::to_string(g_sms) + ",\n  \"command\": \"" + command +
+                     "\",\n  \"iters\": " + std::to_string(iters) + ",\n  \"results\": [\n";
+  bool first = true;
+  for (const Result& r : results) {
+    const double n = double(r.shape->out) * r.shape->in;
+    const double flops = 2.0 * n * r.tokens;
+    const double in_bytes = double(r.tokens) * (r.shape->out + r.shape->in) * 2;
+    auto tf = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
+    auto gbs = [&](int v) { return (in_bytes + param_bytes(v) * n) / (r.ms[v] * 1e-3) / 1e9; };
+    md += "| " + std::string(r.shape->name) + " " + std::to_string(r.shape->out) + "×" + std::to_string(r.shape->in) +
+          " | " + std::to_string(r.tokens) + " | " + fmt("%.3f", r.ms[kFusedBf16]) + " (" + fmt("%.0f", tf(r.ms[kFusedBf16])) +
+          ", " + fmt("%.0f", gbs(kFusedBf16)) + ") | " + fmt("%.3f", r.ms[kFusedInt8]) + " | " + fmt("%.3f", r.ms[kFusedMaster]) +
+          " | " + fmt("%.3f", r.ms[kCublasF32]) + " (" + fmt("%.0f", tf(r.ms[kCublasF32])) + ") | " +
+          fmt("%.3f", r.ms[kCublasBf16]) + " | " + fmt("%.3f", r.ms[kUnfused]) + " | **" +
+          fmt("%.2f", r.ms[kUnfused] / r.ms[kFusedBf16]) + "×** | " + fmt("%.3f", r.ms[kFusedNoPrefetch]) + " | " +
+          fmt("%.3f", r.epilogue_ms) + " / " + fmt("%.3f", r.epilogue_sgd_ms) + " | " +
+          fmt("%.1e", r.dw_rel_error) + " |\n";
+    for (int v = 0; v < kVariants; ++v) {
+      json += std::string(first ? "" : ",\n") + "    {\"layer\": \"" + r.shape->name + "\", \"out\": " +
+              std::to_string(r.shape->out) + ", \"in\": " + std::to_string(r.shape->in) + ", \"T\": " +
+              std::to_string(r.tokens) + ", \"variant\": \"" + kVariantNames[v] + "\", \"ms\": " + fmt("%.5f", r.ms[v]) +
+              ", \"tflops\": " + fmt("%.2f", tf(r.ms[v])) + ", \"gbps\": " + fmt("%.1f", gbs(v)) + "}";
+      first = false;
+    }
+    json += ",\n    {\"layer\": \"" + std::string(r.shape->name) + "\", \"T\": " + std::to_string(r.tokens) +
+            ", \"variant\": \"epilogue_only_T32\", \"ms\": " + fmt("%.5f", r.epilogue_ms) +
+            "}, {\"layer\": \"" + r.shape->name + "\", \"T\": " + std::to_string(r.tokens) +
+            ", \"variant\": \"epilogue_only_sgd_T32\", \"ms\": " + fmt("%.5f", r.epilogue_sgd_ms) +
+            "}, {\"layer\": \"" + r.shape->name + "\", \"T\": " + std::to_string(r.tokens) +
+            ", \"variant\": \"dw_rel_error_vs_cublas\", \"value\": " + fmt("%.3e", r.dw_rel_error) + "}";
+  }
+  json += "\n  ],\n  \"model_totals_ms\": {";
+
+  // Whole-model estimate: the 224 linear layers of Llama-3.1-8B (32 decoder layers).
+  md += "\n## Llama-3.1-8B, all 224 linear layers (sum of the per-layer medians × occurrences)\n\n";
+  md += "| T | fused bf16 ms | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- |\n";
+  bool first_t = true;
+  for (int64_t tokens : kTokens) {
+    double tot[kVariants] = {};
+    int found = 0;
+    for (const Result& r : results)
+      if (r.tokens == tokens) {
+        ++found;
+        for (int v = 0; v < kVariants; ++v) tot[v] += r.ms[v] * r.shape->per_layer * kLayers;
+      }
+    if (found != 4) continue;
+    md += "| " + std::to_string(tokens) + " | " + fmt("%.1f", tot[kFusedBf16]) + " | " + fmt("%.1f", tot[kFusedInt8]) +
+          " | " + fmt("%.1f", tot[kFusedMaster]) + " | " + fmt("%.1f", tot[kCublasF32]) + " | " +
+          fmt("%.1f", tot[kUnfused]) + " | " + fmt("%.2f", tot[kUnfused] / tot[kFusedBf16]) + "× |\n";
+    json += std::string(first_t ? "" : ",") + "\n    \"" + std::to_string(tokens) + "\": {\"fused_bf16\": " +
+            fmt("%.3f", tot[kFusedBf16]) + ", \"fused_int8\": " + fmt("%.3f", tot[kFusedInt8]) +
+            ", \"fused_master\": " + fmt("%.3f", tot[kFusedMaster]) + ", \"cublas_fp32_out\": " +
+            fmt("%.3f", tot[kCublasF32]) + ", \"unfused\": " + fmt("%.3f", tot[kUnfused]) + "}";
+    first_t = false;
+  }
+  json += "\n  }\n}\n";
+
+  std::printf("\n%s", md.c_str());
+  const std::string md_path = out_dir + "/bench.md", json_path = out_dir + "/bench.json";
+  if (FILE* f = std::fopen(md_path.c_str(), "w")) {
+    std::fputs(md.c_str(), f);
+    std::fclose(f);
+  }
+  if (FILE* f = std::fopen(json_path.c_str(), "w")) {
+    std::fputs(json.c_str(), f);
+    std::fclose(f);
+  }
+  cublasDestroy(handle);
+  return 0;
+}

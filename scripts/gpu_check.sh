@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# gpu_check.sh — the one check of the CUDA backend on a GPU machine, in one call:
+#   1. configure + build with CMake and Ninja into build-gpu/ (sm_90a by default;
+#      FORGE_GPU_ARCHS="80;90a" builds both),
+#   2. ctest -L gpu (the CUDA backend against the CPU backend), then the benchmark
+#      (bench/wgrad_bench: fused step vs cuBLAS + unfused AdamW),
+#   3. compute-sanitizer memcheck and racecheck on a representative subset of the GPU tests,
+#   4. ctest -L cpu (the CPU suite, against the library built with CUDA),
+# writing logs and results under $OUT (default ./out) and printing a summary table last.
+# `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
+# Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 512 and 4096) and on
+# the unfused AdamW pass, writing $OUT/ncu.txt.
+# Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
+# (default 500). GoogleTest comes from the system, or is built from build-deps/googletest
+# when the machine has none (copy /usr/src/googletest there and carry build-deps).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+BUILD=$ROOT/build-gpu
+ARCHS=${FORGE_GPU_ARCHS:-90a}
+BUDGET=${FORGE_GPU_CHECK_BUDGET:-500}
+JOBS=$(nproc)
+START=$(date +%s)
+SUMMARY=()
+
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+
+elapsed() { echo $(($(date +%s) - START)); }
+log() { echo "[gpu_check $(elapsed)s] $*"; }
+# Seconds a step may take: its own cap, or what is left of the budget minus a reserve for
+# the steps after it.
+limit() {
+  local cap=$1 reserve=$2 left=$((BUDGET - $(elapsed) - $2))
+  ((left < cap)) && cap=$left
+  ((cap < 10)) && cap=10
+  echo "$cap"
+}
+row() { SUMMARY+=("| $1 | $2 | $3 |"); }
+
+if [ "${1:-}" = profile ]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  log "profile: build the benchmark"
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+    -DFORGE_BUILD_TESTS=OFF >"$OUT/build.log" 2>&1 &&
+    cmake --build "$BUILD" --target wgrad_bench -j "$JOBS" >>"$OUT/build.log" 2>&1 || {
+    tail -30 "$OUT/build.log"
+    exit 1
+  }
+  log "profile: ncu ($NCU)"
+  timeout 300 "$NCU" --clock-control none --kernel-name regex:'wgrad_mma|adamw' --launch-skip 1 \
+    --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section ComputeWorkloadAnalysis --section InstructionStats \
+    --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+    "$BUILD/bench/wgrad_bench" --profile >"$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$? after $(elapsed) s"
+  grep -E "wgrad_mma|adamw|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy|Stall|inst_executed|hmma|Executed Ipc" "$OUT/ncu.txt" | head -80
+  exit 0
+fi
+
+# ---- 1. build -----------------------------------------------------------------------------
+{
+  echo "== $(date -u)"; nvidia-smi 2>&1 | head -15; nvcc --version | tail -2; cmake --version | head -1
+} >"$OUT/build.log" 2>&1
+t0=$(elapsed)
+CMAKE_EXTRA=()
+if ! ls /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/local/lib*/cmake/GTest/GTestConfig.cmake \
+    /usr/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1 && [ ! -f /usr/include/gtest/gtest.h ]; then
+  if [ -d "$ROOT/build-deps/googletest" ]; then
+    log "no system GoogleTest: building build-deps/googletest"
+    {
+      cmake -S "$ROOT/build-deps/googletest" -B "$ROOT/build-deps/gtest-build" -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON \
+        -DCMAKE_INSTALL_PREFIX="$ROOT/build-deps/gtest-install" &&
+        cmake --build "$ROOT/build-deps/gtest-build" -j "$JOBS" &&
+        cmake --install "$ROOT/build-deps/gtest-build"
+    } >>"$OUT/build.log" 2>&1
+    CMAKE_EXTRA+=("-DCMAKE_PREFIX_PATH=$ROOT/build-deps/gtest-install")
+  else
+    log "no GoogleTest on this machine and no build-deps/googletest: the configure step will fail"
+  fi
+fi
+log "configure + build (CUDA archs $ARCHS)"
+timeout "$(limit 300 140)" bash -c "cmake -S '$ROOT' -B '$BUILD' -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES='$ARCHS' ${CMAKE_EXTRA[*]:-} && cmake --build '$BUILD' -j $JOBS" \
+  >>"$OUT/build.log" 2>&1
+build_rc=$?
+if ((build_rc == 0)); then
+  row build "ok (archs $ARCHS)" "$(($(elapsed) - t0)) s"
+else
+  row build "FAILED rc=$build_rc (see build.log)" "$(($(elapsed) - t0)) s"
+  tail -40 "$OUT/build.log"
+fi
+
+# Parses a ctest log into "passed/total passed, N failed, M skipped".
+ctest_result() {
+  local logf=$1 total failed skipped
+  # "100% tests passed, 0 tests failed out of N" or "100% tests passed out of N"
+  total=$(grep -E "tests passed.*out of [0-9]+" "$logf" | grep -oE "[0-9]+$" | tail -1)
+  failed=$(grep -oE "[0-9]+ tests failed out of" "$logf" | grep -oE "^[0-9]+" | tail -1)
+  failed=${failed:-0}
+  skipped=$(grep -cE "\*\*\*Skipped" "$logf")
+  if [ -z "$total" ]; then echo "no result (timed out or did not run)"; return; fi
+  echo "$((total - failed))/$total passed, $failed failed, $skipped skipped"
+}
+
+if ((build_rc == 0)); then
+  # ---- 2. GPU tests, then the benchmark -----------------------------------------------------
+  t0=$(elapsed)
+  log "ctest -L gpu"
+  # NOTE: 8 test processes share the GPU; each CPU reference gets 2 OpenMP threads.
+  OMP_NUM_THREADS=2 timeout "$(limit 200 140)" ctest --test-dir "$BUILD" -L gpu -j 8 \
+    --output-on-failure --timeout 300 >"$OUT/ctest_gpu.log" 2>&1
+  row "ctest -L gpu" "$(ctest_result "$OUT/ctest_gpu.log")" "$(($(elapsed) - t0)) s"
+  grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu.log" | head -30
+
+  t0=$(elapsed)
+  log "benchmark"
+  FORGE_CUDA_VERBOSE=1 timeout "$(limit 150 80)" "$BUILD/bench/wgrad_bench" --out "$OUT" \
+    >"$OUT/bench.log" 2>&1
+  bench_rc=$?
+  row benchmark "$([ $bench_rc = 0 ] && echo ok || echo "FAILED rc=$bench_rc (bench.log)")" \
+    "$(($(elapsed) - t0)) s"
+
+  # ---- 3. compute-sanitizer ------------------------------------------------------------------
+  # One bf16 tensor-core path per storage family, split-K, odd shapes and unaligned inputs
+  # (element-load fallback), non-finite gradients, fp32/mixed SIMT, elementwise and state
+  # kernels. Racecheck (shared memory) on the kernels that use it. (BadDeviceIndex is left
+  # out of memcheck: its cudaSetDevice error is the point of the test, and memcheck reports
+  # every failing API call.)
+  MEMCHECK_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/RMSpropCenteredMomentum_Wbf16master_Sbf16sr:*WgradExact*/SGDNesterov_Wfp32_Sfp32:*WgradInputs*:*WgradOddShapes*/out17_in129_T17:*WgradOddShapes*/out1_in1000_T1:*WgradOddShapes*/out129_in17_T4097:*WgradSplitK.SmallLayer*:*WgradNonFinite*/Wbf16sr_Sint8:*ElementwiseExact*/AdamW_Wbf16sr_Sint8:*ElementwiseExact*/Lion_Wfp32_Sbf16:*StateOps*:*GpuErrors*:-*BadDeviceIndex*'
+  RACECHECK_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradSplitK.SmallLayer*:*WgradInputs*/bf16_strided_unaligned:*WgradInputs*/fp32:*ElementwiseExact*/AdamW_Wfp32_Sint8'
+  : >"$OUT/sanitizer.log"
+  SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
+    /usr/local/cuda/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    t0=$(elapsed)
+    filter=$MEMCHECK_FILTER
+    cap=150 reserve=60
+    [ $tool = racecheck ] && filter=$RACECHECK_FILTER && cap=120 reserve=25
+    log "compute-sanitizer --tool $tool"
+    echo "===== compute-sanitizer --tool $tool --gtest_filter=$filter" >>"$OUT/sanitizer.log"
+    OMP_NUM_THREADS=$JOBS timeout "$(limit $cap $reserve)" "$SANITIZER" --tool $tool --error-exitcode 99 \
+      "$BUILD/tests/cpp/gpu/forge_gpu_tests" --gtest_filter="$filter" >>"$OUT/sanitizer.log" 2>&1
+    rc=$?
+    summary_line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tail -1)
+    ran=$(grep -oE "\[  PASSED  \] [0-9]+ test" "$OUT/sanitizer.log" | tail -1)
+    row "compute-sanitizer $tool" "rc=$rc; ${summary_line:-no summary}; ${ran:-no pass line}" \
+      "$(($(elapsed) - t0)) s"
+  done
+
+  # ---- 4. CPU tests --------------------------------------------------------------------------
+  t0=$(elapsed)
+  log "ctest -L cpu"
+  OMP_NUM_THREADS=2 timeout "$(limit 120 5)" ctest --test-dir "$BUILD" -L cpu -j 8 \
+    --output-on-failure >"$OUT/ctest_cpu.log" 2>&1
+  row "ctest -L cpu" "$(ctest_result "$OUT/ctest_cpu.log")" "$(($(elapsed) - t0)) s"
+fi
+
+# ---- summary (last) ---------------------------------------------------------------------------
+{
+  echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+  echo
+  echo "| step | result | time |"
+  echo "| --- | --- | --- |"
+  printf '%s\n' "${SUMMARY[@]}"
+  echo "| total | | $(elapsed) s |"
+} >"$OUT/summary.md"
+[ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+echo
+cat "$OUT/summary.md"

@@ -1,0 +1,429 @@
+// cuda_backend.cu — the CUDA backend: forge::cuda::{wgrad_step, elementwise_step, state_fill,
+// state_to_fp32, state_from_fp32} (declared by FORGE_DECLARE_BACKEND in src/backend.h).
+//
+// What lives where:
+//  - sm80_wgrad.cuh: the fused dW = dYᵀX + optimizer kernels (tensor cores for bf16/fp16,
+//    fp32 SIMT otherwise) and their split-K reduction.
+//  - update.cuh: the element update every kernel shares (formats + forge::apply_rule).
+//  - this file: launch decisions (kernel, split-K), the split-K workspace cache, the device
+//    guard, error reporting, and the small element-wise kernels.
+//
+// The CPU backend (src/cpu/cpu_backend.cpp) is the specification: given the same fp32
+// gradient every kernel here writes the same bits (same core functions, --fmad=false).
+// Every CUDA call is checked and reported as FORGE_ERR_DEVICE / FORGE_ERR_OUT_OF_MEMORY
+// through forge::fail (never an abort); every launch runs on forge_device.stream.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "backend.h"
+#include "core/status.h"
+#include "cuda/sm80_wgrad.cuh"
+#include "cuda/update.cuh"
+
+namespace forge {
+namespace cuda {
+namespace {
+
+// ---- errors and devices ------------------------------------------------------------------------
+
+forge_status device_error(cudaError_t e, const char* what) {
+  (void)cudaGetLastError();  // a non-sticky error must not leak into the next call's checks
+  const forge_status code =
+      e == cudaErrorMemoryAllocation ? FORGE_ERR_OUT_OF_MEMORY : FORGE_ERR_DEVICE;
+  return fail(code, "CUDA: %s failed: %s (%s)", what, cudaGetErrorString(e),
+              cudaGetErrorName(e));
+}
+
+#define FORGE_CUDA_TRY(call)                                    \
+  do {                                                          \
+    const cudaError_t forge_e_ = (call);                        \
+    if (forge_e_ != cudaSuccess) return device_error(forge_e_, #call); \
+  } while (0)
+
+// Makes device.index current for the scope of a call and restores the caller's device.
+class DeviceGuard {
+ public:
+  DeviceGuard() = default;
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  ~DeviceGuard() {
+    if (changed_) (void)cudaSetDevice(previous_);
+  }
+  forge_status enter(int index) {
+    FORGE_CUDA_TRY(cudaGetDevice(&previous_));
+    if (previous_ != index) {
+      const cudaError_t e = cudaSetDevice(index);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fail(FORGE_ERR_DEVICE, "CUDA: device.index %d: cudaSetDevice failed: %s", index,
+                    cudaGetErrorString(e));
+      }
+      changed_ = true;
+    }
+    return FORGE_OK;
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+// Per-device facts and one-time kernel attributes, cached (thread-safe).
+struct DeviceInfo {
+  int num_sms = 0;
+  bool kernels_configured = false;
+};
+
+std::mutex g_device_mutex;
+std::map<int, DeviceInfo> g_devices;
+
+forge_status device_info(int index, DeviceInfo* out) {
+  std::lock_guard<std::mutex> lock(g_device_mutex);
+  DeviceInfo& info = g_devices[index];
+  if (!info.kernels_configured) {
+    FORGE_CUDA_TRY(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index));
+    const int bytes = static_cast<int>(kWgradSmemBytes);
+    struct Kernel {
+      const void* fn;
+      const char* name;
+    };
+    const Kernel kernels[] = {{reinterpret_cast<const void*>(wgrad_mma_kernel<false>), "wgrad_mma<bf16>"},
+                              {reinterpret_cast<const void*>(wgrad_mma_kernel<true>), "wgrad_mma<fp16>"},
+                              {reinterpret_cast<const void*>(wgrad_simt_kernel), "wgrad_simt"}};
+    const bool verbose = std::getenv("FORGE_CUDA_VERBOSE") != nullptr;
+    for (const Kernel& kernel : kernels) {
+      FORGE_CUDA_TRY(cudaFuncSetAttribute(kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      // NOTE: ask for the largest shared-memory carveout, so two 68 KiB CTAs fit per SM
+      // (the driver may otherwise pick a smaller carveout and run one).
+      FORGE_CUDA_TRY(cudaFuncSetAttribute(kernel.fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+      if (verbose) {
+        int ctas = 0;
+        cudaFuncAttributes attr{};
+        FORGE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel.fn, kThreads, kWgradSmemBytes));
+        FORGE_CUDA_TRY(cudaFuncGetAttributes(&attr, kernel.fn));
+        std::fprintf(stderr,
+                     "forge cuda: device %d, %d SMs: %s: %d CTAs/SM of %d threads, %d registers, "
+                     "%zu B local, %zu B static + %zu B dynamic shared\n",
+                     index, info.num_sms, kernel.name, ctas, kThreads, attr.numRegs,
+                     attr.localSizeBytes, attr.sharedSizeBytes, kWgradSmemBytes);
+      }
+    }
+    info.kernels_configured = true;
+  }
+  *out = info;
+  return FORGE_OK;
+}
+
+// ---- the split-K workspace ------------------------------------------------------------------------
+//
+// One per (device, stream), created on first use and kept for the life of the process:
+// kSlots = number of SMs fp32 tiles (the partials) + one arrival counter per tile. The
+// host never lets tiles × splits exceed the slots, so a step needs at most SMs × 64 KiB,
+// whatever the layer's size. Kernels on one stream run in order, so one workspace per
+// stream is never used by two launches at once; the map is guarded by a mutex.
+struct Workspace {
+  float* partials = nullptr;      // [slots][kBM][kBN]
+  unsigned int* counters = nullptr;  // [slots], zero between launches
+  int slots = 0;
+};
+
+std::mutex g_workspace_mutex;
+std::map<std::pair<int, unsigned long long>, Workspace> g_workspaces;
+
+forge_status stream_key(cudaStream_t stream, unsigned long long* key) {
+  // NOTE: keyed by the stream's unique id, not its handle: a destroyed stream's handle can
+  // be reused by a new stream while the old one's work is still running.
+  // Should the driver not give an id (a special handle), the handle itself is the key.
+  unsigned long long id = 0;
+  const cudaError_t e = cudaStreamGetId(stream, &id);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    id = (1ull << 63) | static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(stream));
+  }
+  *key = id;
+  return FORGE_OK;
+}
+
+forge_status get_workspace(int device, cudaStream_t stream, int slots, Workspace* out) {
+  unsigned long long key = 0;
+  if (forge_status s = stream_key(stream, &key)) return s;
+  std::lock_guard<std::mutex> lock(g_workspace_mutex);
+  Workspace& ws = g_workspaces[{device, key}];
+  if (ws.slots < slots) {
+    if (ws.partials) (void)cudaFree(ws.partials);
+    if (ws.counters) (void)cudaFree(ws.counters);
+    ws = Workspace{};
+    float* partials = nullptr;
+    unsigned int* counters = nullptr;
+    cudaError_t e = cudaMalloc(&partials, sizeof(float) * kTileElems * static_cast<size_t>(slots));
+    if (e != cudaSuccess) return device_error(e, "cudaMalloc(split-K workspace)");
+    e = cudaMalloc(&counters, sizeof(unsigned int) * static_cast<size_t>(slots));
+    if (e != cudaSuccess) {
+      (void)cudaFree(partials);
+      return device_error(e, "cudaMalloc(split-K counters)");
+    }
+    e = cudaMemsetAsync(counters, 0, sizeof(unsigned int) * static_cast<size_t>(slots), stream);
+    if (e != cudaSuccess) {
+      (void)cudaFree(partials);
+      (void)cudaFree(counters);
+      return device_error(e, "cudaMemsetAsync(split-K counters)");
+    }
+    ws.partials = partials;
+    ws.counters = counters;
+    ws.slots = slots;
+  }
+  *out = ws;
+  return FORGE_OK;
+}
+
+// ---- parameters ------------------------------------------------------------------------------
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+ParamView make_param_view(const forge_param& p, int num_states) {
+  ParamView v{};
+  v.rows = p.rows;
+  v.cols = p.cols;
+  v.blocks_per_row = (p.cols + FORGE_INT8_BLOCK - 1) / FORGE_INT8_BLOCK;
+  v.weight_format = p.weight_format;
+  v.state_format = p.state_format;
+  v.weight = p.weight;
+  v.master = p.weight_format == FORGE_WEIGHT_BF16_MASTER ? p.master : nullptr;
+  bool vec = p.cols % kQuad == 0 && aligned16(p.weight) && aligned16(v.master);
+  for (int i = 0; i < FORGE_MAX_STATES; ++i) {
+    if (i < num_states) {
+      v.state[i] = p.state[i];
+      v.absmax[i] = p.state_format == FORGE_STATE_INT8_BLOCK64 ? p.state_absmax[i] : nullptr;
+      vec = vec && aligned16(p.state[i]);
+    }
+  }
+  v.vec4 = vec ? 1 : 0;
+  return v;
+}
+
+// Environment switch for benchmarking the epilogue's L2 prefetch (default on).
+bool epilogue_prefetch_enabled() {
+  const char* v = std::getenv("FORGE_CUDA_EPILOGUE_PREFETCH");
+  return !(v && v[0] == '0');
+}
+
+// ---- element-wise kernels ------------------------------------------------------------------------
+//
+// One half-warp per (row, 64-column block): lane l of the half owns columns 4l..4l+3 of the
+// block, as in the wgrad epilogue. The loop bound is uniform per warp, so both halves run
+// every iteration (the int8 absmax shuffles need the whole warp).
+constexpr int kElementwiseThreads = 256;
+
+struct BlockCursor {
+  int64_t row, col;
+  int n;  // elements of this lane in range (0..4)
+};
+
+__device__ __forceinline__ BlockCursor block_cursor(const ParamView& p, int64_t pair, int64_t pairs,
+                                                    int lane16) {
+  BlockCursor c{0, 0, 0};
+  if (pair < pairs) {
+    c.row = pair / p.blocks_per_row;
+    c.col = (pair % p.blocks_per_row) * FORGE_INT8_BLOCK + lane16 * kQuad;
+    c.n = c.col < p.cols ? static_cast<int>(min64(kQuad, p.cols - c.col)) : 0;
+  }
+  return c;
+}
+
+__global__ void __launch_bounds__(kElementwiseThreads)
+    elementwise_kernel(const void* grad, int grad_dtype, const ParamView p, const RuleScalars k,
+                       double* grad_sq_sum, unsigned long long* nonfinite_count) {
+  const int lane = threadIdx.x % 32, lane16 = lane % 16;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t pairs = p.rows * p.blocks_per_row;
+  StepTotals totals{0.0, 0u};
+  for (int64_t base = warp * 2; base < pairs; base += warps * 2) {
+    const BlockCursor c = block_cursor(p, base + lane / 16, pairs, lane16);
+    int64_t row[1] = {c.row}, col[1] = {c.col};
+    int n[1] = {c.n};
+    float g[1][kQuad];
+    const int64_t idx = c.row * p.cols + c.col;  // grad: [rows, cols], contiguous
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e) g[0][e] = e < c.n ? load_input(grad, grad_dtype, idx + e) : 0.0f;
+    update_quads<1>(k, p, row, col, n, lane16, grad_sq_sum != nullptr, g, totals);
+  }
+  if (grad_sq_sum != nullptr || nonfinite_count != nullptr)
+    flush_totals<kElementwiseThreads>(totals, grad_sq_sum, nonfinite_count);
+}
+
+enum StateOp : int { kStateFill = 0, kStateToFp32 = 1, kStateFromFp32 = 2 };
+
+// The state in slot 0 of p filled with a value, decoded to fp32 (`out`, [rows, cols]), or
+// encoded from fp32 (`in`): the CPU's load_state/store_state with no stochastic rounding.
+// NOTE: the host moves the wanted state into slot 0 so that every state access here uses a
+// compile-time slot (a run-time index into the launch parameters would copy them to local
+// memory).
+__global__ void __launch_bounds__(kElementwiseThreads)
+    state_kernel(const ParamView p, bool is_signed, int op, float value, const float* in,
+                 float* out) {
+  const int lane = threadIdx.x % 32, lane16 = lane % 16;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t pairs = p.rows * p.blocks_per_row;
+  for (int64_t base = warp * 2; base < pairs; base += warps * 2) {
+    const BlockCursor c = block_cursor(p, base + lane / 16, pairs, lane16);
+    const int64_t idx = c.row * p.cols + c.col;
+    float v[kQuad];
+    if (op == kStateToFp32) {
+      load_state_quad(p, 0, is_signed, c.row, c.col, idx, c.n, false, v);
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e)
+        if (e < c.n) out[idx + e] = v[e];
+    } else {
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e)
+        v[e] = op == kStateFill ? value : (e < c.n ? in[idx + e] : 0.0f);
+      store_state_quad(p, 0, is_signed, c.row, c.col, idx, c.n, false, 0u, lane16, false, 0, v);
+    }
+  }
+}
+
+int elementwise_blocks(const ParamView& p, int num_sms) {
+  const int64_t pairs = p.rows * p.blocks_per_row;
+  const int64_t warps = (pairs + 1) / 2;
+  const int64_t blocks = (warps + kElementwiseThreads / 32 - 1) / (kElementwiseThreads / 32);
+  // NOTE: a grid-stride loop over at most 16 CTAs per SM: enough warps in flight to cover
+  // memory latency, and no tail of tiny CTAs on huge parameters.
+  const int64_t cap = static_cast<int64_t>(num_sms) * 16;
+  return static_cast<int>(blocks < cap ? blocks : cap);
+}
+
+forge_status run_state_kernel(const forge_param& param, int index, bool is_signed, int op,
+                              float value, const float* in, float* out,
+                              const forge_device& device) {
+  DeviceGuard guard;
+  if (forge_status s = guard.enter(device.index)) return s;
+  DeviceInfo info;
+  if (forge_status s = device_info(device.index, &info)) return s;
+  // Only state `index` is touched: a one-state view with it in slot 0.
+  forge_param one = param;
+  one.state[0] = param.state[index];
+  one.state_absmax[0] = param.state_absmax[index];
+  const ParamView view = make_param_view(one, 1);
+  const cudaStream_t stream = static_cast<cudaStream_t>(device.stream);
+  state_kernel<<<elementwise_blocks(view, info.num_sms), kElementwiseThreads, 0, stream>>>(
+      view, is_signed, op, value, in, out);
+  FORGE_CUDA_TRY(cudaGetLastError());
+  return FORGE_OK;
+}
+
+}  // namespace
+
+// ---- the backend interface ------------------------------------------------------------------------
+
+forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
+  DeviceGuard guard;
+  if (forge_status s = guard.enter(a.device.index)) return s;
+  DeviceInfo info;
+  if (forge_status s = device_info(a.device.index, &info)) return s;
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.device.stream);
+  const forge_param& param = a.param;
+
+  const int64_t tiles_m = (param.rows + kBM - 1) / kBM;
+  const int64_t tiles_n = (param.cols + kBN - 1) / kBN;
+  const int64_t tiles = tiles_m * tiles_n;
+  if (tiles > INT32_MAX)
+    return fail(FORGE_ERR_UNSUPPORTED, "CUDA: param %lld x %lld has more than 2^31 tiles",
+                static_cast<long long>(param.rows), static_cast<long long>(param.cols));
+  const int64_t ktiles = (a.tokens + kBK - 1) / kBK;
+
+  // Split-K: only when the tiles alone leave SMs idle, at least kMinKTilesPerSplit k-tiles
+  // (256 tokens) per split so the partial round trip (2 × 64 KiB per CTA) stays small next
+  // to the split's GEMM work, and never more partials than workspace slots (= SMs).
+  // NOTE: the bound tiles × splits ≤ SMs is what keeps the workspace O(SMs × tile).
+  constexpr int64_t kMinKTilesPerSplit = 8;
+  constexpr int64_t kMaxSplits = 64;
+  int64_t splits = 1;
+  if (tiles < info.num_sms && ktiles >= 2 * kMinKTilesPerSplit) {
+    splits = info.num_sms / tiles;
+    splits = splits < ktiles / kMinKTilesPerSplit ? splits : ktiles / kMinKTilesPerSplit;
+    splits = splits < kMaxSplits ? splits : kMaxSplits;
+    if (splits < 1) splits = 1;
+  }
+  const int64_t per = (ktiles + splits - 1) / splits;
+  splits = (ktiles + per - 1) / per;  // no empty split
+
+  WgradParams w{};
+  w.x = a.x;
+  w.dy = a.dy;
+  w.ldx = a.ldx;
+  w.lddy = a.lddy;
+  w.tokens = a.tokens;
+  w.x_dtype = a.x_dtype;
+  w.dy_dtype = a.dy_dtype;
+  w.vec_x = a.ldx % 8 == 0 && aligned16(a.x);
+  w.vec_dy = a.lddy % 8 == 0 && aligned16(a.dy);
+  w.tiles_m = static_cast<int32_t>(tiles_m);
+  w.tiles_n = static_cast<int32_t>(tiles_n);
+  w.splits = static_cast<int32_t>(splits);
+  w.ktiles_per_split = static_cast<int32_t>(per);
+  w.prefetch = splits == 1 && epilogue_prefetch_enabled();
+  w.want_sq = a.outputs.grad_sq_sum != nullptr;
+  w.grad_sq_sum = a.outputs.grad_sq_sum;
+  w.nonfinite_count = reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count);
+  w.p = make_param_view(param, k.num_states);
+  w.k = k;
+  if (splits > 1) {
+    Workspace ws;
+    if (forge_status s = get_workspace(a.device.index, stream, info.num_sms, &ws)) return s;
+    w.workspace = ws.partials;
+    w.counters = ws.counters;
+  }
+
+  const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
+  if (a.x_dtype == FORGE_DTYPE_BF16 && a.dy_dtype == FORGE_DTYPE_BF16) {
+    wgrad_mma_kernel<false><<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
+  } else if (a.x_dtype == FORGE_DTYPE_FP16 && a.dy_dtype == FORGE_DTYPE_FP16) {
+    wgrad_mma_kernel<true><<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
+  } else {
+    wgrad_simt_kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
+  }
+  FORGE_CUDA_TRY(cudaGetLastError());
+  return FORGE_OK;
+}
+
+forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars& k) {
+  DeviceGuard guard;
+  if (forge_status s = guard.enter(a.device.index)) return s;
+  DeviceInfo info;
+  if (forge_status s = device_info(a.device.index, &info)) return s;
+  const ParamView view = make_param_view(a.param, k.num_states);
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.device.stream);
+  elementwise_kernel<<<elementwise_blocks(view, info.num_sms), kElementwiseThreads, 0, stream>>>(
+      a.grad, a.grad_dtype, view, k, a.outputs.grad_sq_sum,
+      reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count));
+  FORGE_CUDA_TRY(cudaGetLastError());
+  return FORGE_OK;
+}
+
+forge_status state_fill(const forge_param& p, int index, bool is_signed, float value,
+                        const forge_device& device) {
+  return run_state_kernel(p, index, is_signed, kStateFill, value, nullptr, nullptr, device);
+}
+
+forge_status state_to_fp32(const forge_param& p, int index, bool is_signed, float* out,
+                           const forge_device& device) {
+  return run_state_kernel(p, index, is_signed, kStateToFp32, 0.0f, nullptr, out, device);
+}
+
+forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, const float* in,
+                             const forge_device& device) {
+  return run_state_kernel(p, index, is_signed, kStateFromFp32, 0.0f, in, nullptr, device);
+}
+
+}  // namespace cuda
+}  // namespace forge

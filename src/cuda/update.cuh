@@ -1,0 +1,485 @@
+// update.cuh — the optimizer update of one parameter element group on the GPU: load the
+// weight and states in their storage format, apply forge::apply_rule (src/core/rules.h,
+// the very code the CPU backend runs), store them back. Shared by every CUDA kernel that
+// updates a parameter: the fused wgrad epilogue, elementwise_step and the state kernels.
+//
+// Why a "quad": a thread owns 4 consecutive columns of one row, and the 16 lanes of a
+// half-warp together own one int8 block of 64 columns (FORGE_INT8_BLOCK), so the block's
+// absmax is a 4-step shuffle reduction and every global access is a 4-element vector
+// (16 B fp32, 8 B bf16, 4 B int8) with 16 lanes covering one contiguous row segment.
+//
+// Bit-exactness with the CPU (cpu_backend.cpp, update_segment/store_state): same fp32
+// operations in the same order (the library is built with --fmad=false), the same format
+// functions (formats.h), the same stochastic-rounding bits rng_bits(key, row * cols + col),
+// and the same non-finite policy: a skipped element keeps its weight and fp32/bf16 states,
+// and its int8 states are re-encoded from their decoded old value against the block's new
+// absmax, exactly as store_state does.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "core/formats.h"
+#include "core/rng.h"
+#include "core/rules.h"
+#include "forge/forge.h"
+
+namespace forge {
+namespace cuda {
+
+constexpr int kQuad = 4;                               // columns per thread
+constexpr int kGroupLanes = FORGE_INT8_BLOCK / kQuad;  // lanes per int8 block: 16
+static_assert(kGroupLanes == 16, "a half-warp owns one int8 block");
+
+__host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Everything a kernel needs to know about the parameter being updated. Built on the
+// host from forge_param; `vec4` says 4-element vector accesses are legal (cols % 4 == 0
+// and every buffer 16-byte aligned).
+struct ParamView {
+  int64_t rows, cols;      // [rows, cols] row-major, contiguous
+  int64_t blocks_per_row;  // ceil(cols / 64): row stride of the int8 absmax arrays
+  int32_t weight_format, state_format;
+  int32_t vec4;
+  void* weight;            // [rows, cols] fp32 or bf16
+  float* master;           // [rows, cols] fp32 (FORGE_WEIGHT_BF16_MASTER only)
+  void* state[FORGE_MAX_STATES];     // [rows, cols] fp32 / bf16 / uint8 codes
+  float* absmax[FORGE_MAX_STATES];   // [rows, blocks_per_row] (int8 only)
+};
+
+// Per-thread by-products of a step, reduced once per CTA at the end of a kernel.
+struct StepTotals {
+  double grad_sq_sum;
+  unsigned int nonfinite;
+};
+
+// ---- quad loads and stores ---------------------------------------------------------------
+// `idx` = row * cols + col of the quad's first element; `n` (0..4) elements are in range;
+// `vec` = n == 4 and ParamView::vec4, so one aligned vector access is legal.
+
+__device__ __forceinline__ void load_quad_f32(const float* base, int64_t idx, int n, bool vec,
+                                              float (&v)[kQuad]) {
+  if (vec) {
+    const float4 q = *reinterpret_cast<const float4*>(base + idx);
+    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e) v[e] = e < n ? base[idx + e] : 0.0f;
+  }
+}
+
+__device__ __forceinline__ void load_quad_bf16(const uint16_t* base, int64_t idx, int n, bool vec,
+                                               float (&v)[kQuad]) {
+  if (vec) {
+    const uint2 q = *reinterpret_cast<const uint2*>(base + idx);
+    v[0] = bf16_to_float(static_cast<uint16_t>(q.x & 0xFFFFu));
+    v[1] = bf16_to_float(static_cast<uint16_t>(q.x >> 16));
+    v[2] = bf16_to_float(static_cast<uint16_t>(q.y & 0xFFFFu));
+    v[3] = bf16_to_float(static_cast<uint16_t>(q.y >> 16));
+  } else {
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e) v[e] = e < n ? bf16_to_float(base[idx + e]) : 0.0f;
+  }
+}
+
+__device__ __forceinline__ void load_quad_codes(const uint8_t* base, int64_t idx, int n, bool vec,
+                                                uint8_t (&c)[kQuad]) {
+  if (vec) {
+    const uint32_t q = *reinterpret_cast<const uint32_t*>(base + idx);
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e) c[e] = static_cast<uint8_t>(q >> (8 * e));
+  } else {
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e) c[e] = e < n ? base[idx + e] : 0;
+  }
+}
+
+// Stores element e unless bit e of `keep` is set (a skipped, non-finite gradient).
+__device__ __forceinline__ void store_quad_f32(float* base, int64_t idx, int n, bool vec,
+                                               unsigned keep, const float (&v)[kQuad]) {
+  if (vec && keep == 0) {
+    *reinterpret_cast<float4*>(base + idx) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e)
+      if (e < n && !((keep >> e) & 1u)) base[idx + e] = v[e];
+  }
+}
+
+__device__ __forceinline__ void store_quad_u16(uint16_t* base, int64_t idx, int n, bool vec,
+                                               unsigned keep, const uint16_t (&h)[kQuad]) {
+  if (vec && keep == 0) {
+    uint2 q;
+    q.x = static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
+    q.y = static_cast<uint32_t>(h[2]) | (static_cast<uint32_t>(h[3]) << 16);
+    *reinterpret_cast<uint2*>(base + idx) = q;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e)
+      if (e < n && !((keep >> e) & 1u)) base[idx + e] = h[e];
+  }
+}
+
+__device__ __forceinline__ void store_quad_codes(uint8_t* base, int64_t idx, int n, bool vec,
+                                                 const uint8_t (&c)[kQuad]) {
+  if (vec) {
+    *reinterpret_cast<uint32_t*>(base + idx) = static_cast<uint32_t>(c[0]) |
+                                               (static_cast<uint32_t>(c[1]) << 8) |
+                                               (static_cast<uint32_t>(c[2]) << 16) |
+                                               (static_cast<uint32_t>(c[3]) << 24);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e)
+      if (e < n) base[idx + e] = c[e];
+  }
+}
+
+// Max over the 16 lanes of this half-warp. Every lane of the warp must call it.
+// NOTE: fmaxf drops NaN operands, exactly like the CPU's std::max(absmax, |x|) fold that
+// starts at 0, so the block absmax is the max of the non-NaN magnitudes on both sides.
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int offset = kGroupLanes / 2; offset > 0; offset >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  return v;
+}
+
+// ---- the int8 dynamic map, fast and bit-identical ------------------------------------------
+//
+// formats.h's int8_level_value() scales with ldexpf and int8_nearest_level() binary-searches
+// 8 levels deep: ~300 dependent instructions per encoded element, which made the int8
+// epilogue 5.7x slower than bf16 (measured). These compute the same bits:
+//  - level_value: ldexpf(f, -k) with f = int8_level_fraction(d & 7) in [0.54, 1] and
+//    k = d >> 3 <= 31 is exact (the result is a normal float), and so is f * 2^-k, with
+//    2^-k built from its exponent bits. The 8 fractions are formats.h's own constants.
+//  - nearest_level: the largest L with level_value(L) <= a, found from a log2 estimate and
+//    corrected by exact comparisons against level_value (levels strictly increase, so that
+//    L is unique and equal to the binary search's), then formats.h's tie rule.
+// tests/cpp/gpu/test_gpu_int8_map.cu checks both against formats.h for every code and every
+// float in [0, 1], NaN and infinities.
+__device__ __forceinline__ float int8_level_fast(int level, int top) {
+  const int d = top - level;
+  const int i = d & 7;
+  // NOTE: selects, not formats.h's switch: a switch on a per-lane value diverges.
+  const float f01 = (i & 1) ? int8_level_fraction(1) : int8_level_fraction(0);
+  const float f23 = (i & 1) ? int8_level_fraction(3) : int8_level_fraction(2);
+  const float f45 = (i & 1) ? int8_level_fraction(5) : int8_level_fraction(4);
+  const float f67 = (i & 1) ? int8_level_fraction(7) : int8_level_fraction(6);
+  const float f = (i & 4) ? ((i & 2) ? f67 : f45) : ((i & 2) ? f23 : f01);
+  const float scale = __uint_as_float(static_cast<uint32_t>(127 - (d >> 3)) << 23);
+  return level == 0 ? 0.0f : f * scale;
+}
+
+__device__ __forceinline__ int int8_nearest_level_fast(float a, int top) {
+  if (!(a > 0.0f)) return 0;  // 0, negative (never), NaN: the binary search also ends at 0
+  float est = static_cast<float>(top) + floorf(8.0f * __log2f(a));
+  est = fminf(fmaxf(est, 0.0f), static_cast<float>(top));
+  int lo = static_cast<int>(est);
+  while (lo > 0 && int8_level_fast(lo, top) > a) --lo;
+  while (lo < top && int8_level_fast(lo + 1, top) <= a) ++lo;
+  if (lo < top) {
+    const float below = int8_level_fast(lo, top), above = int8_level_fast(lo + 1, top);
+    if (above - a < a - below) return lo + 1;
+  }
+  return lo;
+}
+
+// == formats.h int8_decode / int8_encode, bit for bit.
+__device__ __forceinline__ float int8_decode_fast(uint8_t code, bool is_signed) {
+  if (is_signed) {
+    const float mag = int8_level_fast(code & 0x7F, kInt8SignedTop);
+    return (code & 0x80) ? -mag : mag;
+  }
+  return int8_level_fast(code, kInt8UnsignedTop);
+}
+
+__device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool is_signed) {
+  if (!(absmax > 0.0f)) return 0;
+  const float a = fabsf(x) / absmax;
+  if (is_signed) {
+    const int level = int8_nearest_level_fast(a, kInt8SignedTop);
+    return static_cast<uint8_t>(level == 0 ? 0 : ((x < 0.0f ? 0x80 : 0) | level));
+  }
+  if (x <= 0.0f) return 0;
+  return static_cast<uint8_t>(int8_nearest_level_fast(a, kInt8UnsignedTop));
+}
+
+// ---- state i of a quad, in fp32 ----------------------------------------------------------
+
+__device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool is_signed,
+                                                int64_t row, int64_t col, int64_t idx, int n,
+                                                bool vec, float (&v)[kQuad]) {
+  switch (p.state_format) {
+    case FORGE_STATE_FP32:
+      load_quad_f32(static_cast<const float*>(p.state[i]), idx, n, vec, v);
+      break;
+    case FORGE_STATE_BF16:
+    case FORGE_STATE_BF16_STOCHASTIC:
+      load_quad_bf16(static_cast<const uint16_t*>(p.state[i]), idx, n, vec, v);
+      break;
+    default: {  // FORGE_STATE_INT8_BLOCK64
+      uint8_t c[kQuad];
+      load_quad_codes(static_cast<const uint8_t*>(p.state[i]), idx, n, vec, c);
+      const float absmax =
+          n > 0 ? p.absmax[i][row * p.blocks_per_row + col / FORGE_INT8_BLOCK] : 0.0f;
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e) v[e] = int8_decode_fast(c[e], is_signed) * absmax;
+    }
+  }
+}
+
+// Stores state i of a quad. `stochastic` selects stochastic rounding with `sr_key` for
+// FORGE_STATE_BF16_STOCHASTIC (a step passes true and its key; state conversions pass
+// false = nearest, as the CPU does). For int8 every lane of the warp must call this
+// (absmax shuffle).
+__device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool is_signed,
+                                                 int64_t row, int64_t col, int64_t idx, int n,
+                                                 bool vec, unsigned keep, int lane16,
+                                                 bool stochastic, uint64_t sr_key,
+                                                 const float (&v)[kQuad]) {
+  switch (p.state_format) {
+    case FORGE_STATE_FP32:
+      store_quad_f32(static_cast<float*>(p.state[i]), idx, n, vec, keep, v);
+      break;
+    case FORGE_STATE_BF16:
+    case FORGE_STATE_BF16_STOCHASTIC: {
+      uint16_t h[kQuad];
+      if (stochastic && p.state_format == FORGE_STATE_BF16_STOCHASTIC) {
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e)
+          h[e] = bf16_stochastic(v[e], rng_bits(sr_key, static_cast<uint64_t>(idx + e)));
+      } else {
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e) h[e] = bf16_nearest(v[e]);
+      }
+      store_quad_u16(static_cast<uint16_t*>(p.state[i]), idx, n, vec, keep, h);
+      break;
+    }
+    default: {  // FORGE_STATE_INT8_BLOCK64: the block's absmax, then every code of the block
+      float amax = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e)
+        if (e < n) amax = fmaxf(amax, fabsf(v[e]));
+      amax = group_max(amax);
+      if (n > 0) {
+        uint8_t c[kQuad];
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e) c[e] = int8_encode_fast(v[e], amax, is_signed);
+        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx, n, vec, c);
+        // lane 0 of the group holds the block's first column, so it is in range whenever
+        // any column of the block is
+        if (lane16 == 0) p.absmax[i][row * p.blocks_per_row + col / FORGE_INT8_BLOCK] = amax;
+      }
+    }
+  }
+}
+
+// ---- the rule over a batch of quads -------------------------------------------------------
+//
+// Applies apply_rule() to every in-range element of kQ quads. Elements whose gradient is
+// not finite are skipped (bit e of keep[q] set) and counted.
+template <int kQ>
+__device__ __forceinline__ void apply_quads(const RuleScalars& r, bool want_sq, const int (&n)[kQ],
+                                            const float (&g)[kQ][kQuad],
+                                            float (&w)[kQ][kQuad],
+                                            float (&s)[FORGE_MAX_STATES][kQ][kQuad],
+                                            unsigned (&keep)[kQ], StepTotals& totals) {
+#pragma unroll
+  for (int q = 0; q < kQ; ++q) {
+    keep[q] = 0;
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e) {
+      if (e < n[q]) {
+        float st[FORGE_MAX_STATES] = {s[0][q][e], s[1][q][e], s[2][q][e]};
+        float w_new = w[q][e], g_used;
+        if (apply_rule(r, g[q][e], w_new, st, g_used)) {
+          w[q][e] = w_new;
+#pragma unroll
+          for (int i = 0; i < FORGE_MAX_STATES; ++i) s[i][q][e] = st[i];
+          // NOTE: only when asked: the fp64 convert + multiply + add is ~5% of the epilogue.
+          if (want_sq)
+            totals.grad_sq_sum += static_cast<double>(g_used) * static_cast<double>(g_used);
+        } else {
+          keep[q] |= 1u << e;
+          ++totals.nonfinite;
+        }
+      }
+    }
+  }
+}
+
+// NOTE: apply_rule() switches on k.rule and, for RMSprop, indexes the state array with the
+// run-time slots k.slot_grad_avg / k.slot_momentum. Called as is, that dynamic index sends
+// the per-element state array to local memory for every rule. Here each branch hands it a
+// copy of k whose rule (and RMSprop slots) are compile-time constants, so the switch folds
+// away, the states stay in registers, and the rule is dispatched once per batch instead of
+// once per element. The arithmetic is apply_rule's own, unchanged.
+#define FORGE_RULE_BRANCH(R, CENTERED, SLOT_GA, SLOT_MOM)   \
+  {                                                         \
+    RuleScalars r = k;                                      \
+    r.rule = R;                                             \
+    if ((R) == FORGE_RULE_RMSPROP) {                        \
+      r.centered = CENTERED;                                \
+      r.slot_grad_avg = SLOT_GA;                            \
+      r.slot_momentum = SLOT_MOM;                           \
+    }                                                       \
+    apply_quads<kQ>(r, want_sq, n, g, w, s, keep, totals);  \
+    return;                                                 \
+  }
+
+template <int kQ>
+__device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool want_sq,
+                                                     const int (&n)[kQ],
+                                                     const float (&g)[kQ][kQuad],
+                                                     float (&w)[kQ][kQuad],
+                                                     float (&s)[FORGE_MAX_STATES][kQ][kQuad],
+                                                     unsigned (&keep)[kQ], StepTotals& totals) {
+  switch (k.rule) {
+    case FORGE_RULE_SGD: FORGE_RULE_BRANCH(FORGE_RULE_SGD, 0, -1, -1)
+    case FORGE_RULE_SGD_MOMENTUM: FORGE_RULE_BRANCH(FORGE_RULE_SGD_MOMENTUM, 0, -1, -1)
+    case FORGE_RULE_ADAMW: FORGE_RULE_BRANCH(FORGE_RULE_ADAMW, 0, -1, -1)
+    case FORGE_RULE_NADAM: FORGE_RULE_BRANCH(FORGE_RULE_NADAM, 0, -1, -1)
+    case FORGE_RULE_RADAM: FORGE_RULE_BRANCH(FORGE_RULE_RADAM, 0, -1, -1)
+    case FORGE_RULE_LION: FORGE_RULE_BRANCH(FORGE_RULE_LION, 0, -1, -1)
+    case FORGE_RULE_ADAGRAD: FORGE_RULE_BRANCH(FORGE_RULE_ADAGRAD, 0, -1, -1)
+    case FORGE_RULE_RMSPROP:
+      // Slots as make_rule_scalars() assigns them: square_avg 0, then grad_avg (centered),
+      // then momentum_buffer (momentum > 0).
+      if (k.centered) {
+        if (k.slot_momentum >= 0) FORGE_RULE_BRANCH(FORGE_RULE_RMSPROP, 1, 1, 2)
+        FORGE_RULE_BRANCH(FORGE_RULE_RMSPROP, 1, 1, -1)
+      }
+      if (k.slot_momentum >= 0) FORGE_RULE_BRANCH(FORGE_RULE_RMSPROP, 0, -1, 1)
+      FORGE_RULE_BRANCH(FORGE_RULE_RMSPROP, 0, -1, -1)
+    default:
+      // Unreachable (the C API validates the rule). Not apply_quads(k, ...): its run-time
+      // RMSprop slots would put the state array of every branch in local memory.
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) keep[q] = (1u << kQuad) - 1u;
+  }
+}
+#undef FORGE_RULE_BRANCH
+
+// ---- the update of a batch of quads ----------------------------------------------------------
+//
+// Quad q: row row[q], columns [col[q], col[q] + n[q]) with n[q] in 0..4 (0: nothing of this
+// lane is in range, but the lane still takes part in the int8 shuffles); col[q] % 4 == 0 and
+// (col[q] % 64) / 4 == lane16, the lane's index in its half-warp. g[q][e] is the fp32
+// gradient of column col[q] + e. Every lane of the warp must call this with the same k, p.
+//
+// NOTE: kQ > 1 batches the quads phase by phase (all loads, then the rule, then all stores)
+// so kQ quads' worth of loads are in flight at once: the fused epilogue is latency-bound
+// otherwise (one quad is only ~24 B of loads per thread). The compiler cannot reorder the
+// loads of one quad past the stores of another by itself (same arrays, run-time indices).
+template <int kQ>
+__device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamView& p,
+                                             const int64_t (&row)[kQ], const int64_t (&col)[kQ],
+                                             const int (&n)[kQ], int lane16, bool want_sq,
+                                             const float (&g)[kQ][kQuad], StepTotals& totals) {
+  int64_t idx[kQ];
+  bool vec[kQ];
+  float w[kQ][kQuad];
+  float s[FORGE_MAX_STATES][kQ][kQuad];
+#pragma unroll
+  for (int q = 0; q < kQ; ++q) {
+    idx[q] = row[q] * p.cols + col[q];
+    vec[q] = n[q] == kQuad && p.vec4 != 0;
+    switch (p.weight_format) {
+      case FORGE_WEIGHT_FP32:
+        load_quad_f32(static_cast<const float*>(p.weight), idx[q], n[q], vec[q], w[q]);
+        break;
+      case FORGE_WEIGHT_BF16_MASTER:
+        load_quad_f32(p.master, idx[q], n[q], vec[q], w[q]);
+        break;
+      default:
+        load_quad_bf16(static_cast<const uint16_t*>(p.weight), idx[q], n[q], vec[q], w[q]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < FORGE_MAX_STATES; ++i) {
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      if (i < k.num_states) {
+        load_state_quad(p, i, k.state_signed[i] != 0, row[q], col[q], idx[q], n[q], vec[q],
+                        s[i][q]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e) s[i][q][e] = 0.0f;
+      }
+    }
+  }
+
+  unsigned keep[kQ];  // bit e of keep[q]: element e of quad q was skipped (non-finite gradient)
+  apply_quads_resolved<kQ>(k, want_sq, n, g, w, s, keep, totals);
+
+#pragma unroll
+  for (int i = 0; i < FORGE_MAX_STATES; ++i)
+#pragma unroll
+    for (int q = 0; q < kQ; ++q)
+      if (i < k.num_states)
+        store_state_quad(p, i, k.state_signed[i] != 0, row[q], col[q], idx[q], n[q], vec[q],
+                         keep[q], lane16, true, k.sr_key[1 + i], s[i][q]);
+
+#pragma unroll
+  for (int q = 0; q < kQ; ++q) {
+    switch (p.weight_format) {
+      case FORGE_WEIGHT_FP32:
+        store_quad_f32(static_cast<float*>(p.weight), idx[q], n[q], vec[q], keep[q], w[q]);
+        break;
+      case FORGE_WEIGHT_BF16:
+      case FORGE_WEIGHT_BF16_MASTER: {
+        uint16_t h[kQuad];
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e) h[e] = bf16_nearest(w[q][e]);
+        store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
+        if (p.weight_format == FORGE_WEIGHT_BF16_MASTER)
+          store_quad_f32(p.master, idx[q], n[q], vec[q], keep[q], w[q]);
+        break;
+      }
+      default: {  // FORGE_WEIGHT_BF16_STOCHASTIC
+        uint16_t h[kQuad];
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e)
+          h[e] = bf16_stochastic(w[q][e],
+                                 rng_bits(k.sr_key[0], static_cast<uint64_t>(idx[q] + e)));
+        store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
+      }
+    }
+  }
+}
+
+// ---- the by-products, once per CTA -------------------------------------------------------
+// Warp shuffles, then one shared-memory slot per warp, then one atomic per CTA and
+// output. Every thread of the CTA must call this (it has a __syncthreads).
+template <int kThreads>
+__device__ __forceinline__ void flush_totals(StepTotals t, double* grad_sq_sum,
+                                             unsigned long long* nonfinite_count) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ double s_sq[kWarps];
+  __shared__ unsigned int s_nf[kWarps];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    t.grad_sq_sum += __shfl_xor_sync(0xFFFFFFFFu, t.grad_sq_sum, offset);
+    t.nonfinite += __shfl_xor_sync(0xFFFFFFFFu, t.nonfinite, offset);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    s_sq[warp] = t.grad_sq_sum;
+    s_nf[warp] = t.nonfinite;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sq = 0.0;
+    unsigned long long nf = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      sq += s_sq[w];
+      nf += s_nf[w];
+    }
+    if (grad_sq_sum != nullptr && sq != 0.0) atomicAdd(grad_sq_sum, sq);
+    if (nonfinite_count != nullptr && nf != 0) atomicAdd(nonfinite_count, nf);
+  }
+}
+
+}  // namespace cuda
+}  // namespace forge

@@ -1,0 +1,192 @@
+// test_gpu_elementwise.cpp — forge_elementwise_step and the state entry points
+// (forge_state_init, forge_state_to_fp32, forge_state_from_fp32) on the CUDA backend
+// against the CPU backend. No summation is involved, so everything is bit for bit, on
+// random data, for every rule × weight format × state format and gradient dtype.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/formats.h"
+#include "gpu_test_util.h"
+#include "gpu_tolerances.h"
+
+namespace fgt {
+namespace {
+
+constexpr forge_weight_format kWeightFormats[] = {FORGE_WEIGHT_FP32, FORGE_WEIGHT_BF16,
+                                                  FORGE_WEIGHT_BF16_STOCHASTIC,
+                                                  FORGE_WEIGHT_BF16_MASTER};
+constexpr forge_state_format kStateFormats[] = {FORGE_STATE_FP32, FORGE_STATE_BF16,
+                                                FORGE_STATE_BF16_STOCHASTIC,
+                                                FORGE_STATE_INT8_BLOCK64};
+
+// A [rows, cols] gradient of the given dtype, N(0, 1) with a NaN and two infinities.
+std::vector<uint8_t> make_grad(int64_t rows, int64_t cols, forge_dtype dtype, uint64_t seed) {
+  Operand g = make_operand(rows, cols, dtype, cols, 0, Fill::kNormal, seed);
+  g.set(0, 3, NAN);
+  g.set(rows / 2, cols - 1, INFINITY);
+  g.set(rows - 1, 0, -INFINITY);
+  return g.bytes;
+}
+
+forge_elementwise_args elementwise_args(const void* grad, forge_dtype dtype, const forge_param& p,
+                                        const forge_hparams& hp, forge_device device, double* sq,
+                                        int64_t* nonfinite) {
+  forge_elementwise_args a{};
+  a.abi_version = FORGE_ABI_VERSION;
+  a.device = device;
+  a.grad = grad;
+  a.grad_dtype = dtype;
+  a.param = p;
+  a.hparams = hp;
+  a.outputs.grad_sq_sum = sq;
+  a.outputs.nonfinite_count = nonfinite;
+  return a;
+}
+
+using ElementwiseParam = std::tuple<int, forge_weight_format, forge_state_format>;
+class ElementwiseExact : public ::testing::TestWithParam<ElementwiseParam> {};
+
+TEST_P(ElementwiseExact, MatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  const auto [rule_index, wf, sf] = GetParam();
+  forge_hparams hp = rule_cases()[rule_index].hp;
+  // 37 rows × 300 columns: 5 int8 blocks per row, the last one partial (44 columns).
+  const int64_t rows = 37, cols = 300;
+  HostParam cpu = make_param(rows, cols, wf, sf, hp, 900 + rule_index);
+  DeviceParam gpu;
+  gpu.upload(cpu);
+  DeviceBuffer grad(static_cast<size_t>(rows * cols) * 4), outputs(16);
+  for (forge_dtype dtype : {FORGE_DTYPE_FP32, FORGE_DTYPE_BF16, FORGE_DTYPE_FP16}) {
+    const std::vector<uint8_t> g = make_grad(rows, cols, dtype, 100 + dtype);
+    double want_sq = 0;
+    int64_t want_nf = 0;
+    forge_elementwise_args a = elementwise_args(g.data(), dtype, cpu.view(), hp, cpu_device(),
+                                                &want_sq, &want_nf);
+    FORGE_OK(forge_elementwise_step(&a));
+
+    grad.upload(g.data(), g.size());
+    outputs.fill(0);
+    auto* sq = static_cast<double*>(outputs.data());
+    auto* nf = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(outputs.data()) + 8);
+    a = elementwise_args(grad.data(), dtype, gpu.view(cpu), hp, gpu_device(), sq, nf);
+    FORGE_OK(forge_elementwise_step(&a));
+    CUDA_OK(cudaDeviceSynchronize());
+    double got_sq = 0;
+    int64_t got_nf = 0;
+    CUDA_OK(cudaMemcpy(&got_sq, sq, 8, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&got_nf, nf, 8, cudaMemcpyDeviceToHost));
+
+    ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "grad " << dtype_name(dtype);
+    EXPECT_EQ(want_nf, 3);
+    EXPECT_EQ(want_nf, got_nf);
+    EXPECT_NEAR(want_sq, got_sq, kGradSqSumRel * want_sq);
+    hp.step += 1;
+  }
+  EXPECT_TRUE(gpu.guards_intact());
+  EXPECT_TRUE(grad.guards_intact());
+  EXPECT_TRUE(outputs.guards_intact());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllRulesAllFormats, ElementwiseExact,
+    ::testing::Combine(::testing::Range(0, static_cast<int>(rule_cases().size())),
+                       ::testing::ValuesIn(kWeightFormats), ::testing::ValuesIn(kStateFormats)),
+    [](const ::testing::TestParamInfo<ElementwiseParam>& info) {
+      return std::string(rule_cases()[std::get<0>(info.param)].name) + "_" +
+             weight_format_name(std::get<1>(info.param)) + "_" +
+             state_format_name(std::get<2>(info.param));
+    });
+
+// Big enough for the grid-stride loop to wrap (more (row, block) pairs than resident warps).
+TEST(ElementwiseLarge, GridStrideMatchesCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp = rule_cases()[3].hp;  // AdamW
+  const int64_t rows = 3001, cols = 4100;
+  HostParam cpu = make_param(rows, cols, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, hp, 5);
+  DeviceParam gpu;
+  gpu.upload(cpu);
+  const std::vector<uint8_t> g = make_grad(rows, cols, FORGE_DTYPE_BF16, 6);
+  forge_elementwise_args a =
+      elementwise_args(g.data(), FORGE_DTYPE_BF16, cpu.view(), hp, cpu_device(), nullptr, nullptr);
+  FORGE_OK(forge_elementwise_step(&a));
+  DeviceBuffer grad(g.size());
+  grad.upload(g.data(), g.size());
+  a = elementwise_args(grad.data(), FORGE_DTYPE_BF16, gpu.view(cpu), hp, gpu_device(), nullptr, nullptr);
+  FORGE_OK(forge_elementwise_step(&a));
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bits(cpu, gpu.download(cpu)));
+  EXPECT_TRUE(gpu.guards_intact());
+}
+
+// ---- state entry points -------------------------------------------------------------------------
+
+using StateParam = std::tuple<forge_state_format, int>;  // format, rule (0 AdamW, 1 Adagrad)
+class StateOps : public ::testing::TestWithParam<StateParam> {};
+
+TEST_P(StateOps, InitFromToMatchCpu) {
+  FORGE_REQUIRE_GPU();
+  const auto [sf, which] = GetParam();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(which == 0 ? FORGE_RULE_ADAMW : FORGE_RULE_ADAGRAD, &hp));
+  hp.initial_accumulator_value = 0.3;
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {19, 130}, {64, 4096}}) {
+    HostParam cpu = make_param(rows, cols, FORGE_WEIGHT_FP32, sf, hp, 17);
+    DeviceParam gpu;
+    gpu.upload(cpu);
+    // Poison every state on the device first: init must overwrite all of it.
+    for (int i = 0; i < cpu.layout.num_states; ++i) {
+      gpu.state[i].fill(0xFF);
+      gpu.absmax[i].fill(0xFF);
+    }
+    forge_param cp = cpu.view(), gp = gpu.view(cpu);
+    FORGE_OK(forge_state_init(&cp, &hp, cpu_device()));
+    FORGE_OK(forge_state_init(&gp, &hp, gpu_device()));
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "state_init " << rows << "x" << cols;
+
+    const int64_t n = rows * cols;
+    std::mt19937_64 rng(rows * 7 + cols);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    DeviceBuffer values(static_cast<size_t>(n) * 4), out(static_cast<size_t>(n) * 4);
+    for (int i = 0; i < cpu.layout.num_states; ++i) {
+      std::vector<float> v(n);
+      for (auto& x : v) x = cpu.layout.is_signed[i] ? normal(rng) : std::fabs(normal(rng)) * 1e-3f;
+      v[0] = 0.0f;
+      if (n > 2) v[n / 2] = NAN;  // ignored by the absmax, encoded the same way on both
+      FORGE_OK(forge_state_from_fp32(&cp, &hp, i, v.data(), cpu_device()));
+      values.upload(v.data(), 4 * n);
+      FORGE_OK(forge_state_from_fp32(&gp, &hp, i, static_cast<const float*>(values.data()), gpu_device()));
+      CUDA_OK(cudaDeviceSynchronize());
+      ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "from_fp32 state " << i;
+
+      std::vector<float> want(n), got(n);
+      FORGE_OK(forge_state_to_fp32(&cp, &hp, i, want.data(), cpu_device()));
+      out.fill(0xFF);  // NaN everywhere: every element must be written
+      FORGE_OK(forge_state_to_fp32(&gp, &hp, i, static_cast<float*>(out.data()), gpu_device()));
+      CUDA_OK(cudaDeviceSynchronize());
+      out.download(got.data(), 4 * n);
+      ASSERT_EQ(0, std::memcmp(want.data(), got.data(), 4 * n)) << "to_fp32 state " << i;
+    }
+    EXPECT_TRUE(gpu.guards_intact());
+    EXPECT_TRUE(values.guards_intact());
+    EXPECT_TRUE(out.guards_intact());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, StateOps,
+                         ::testing::Combine(::testing::ValuesIn(kStateFormats),
+                                            ::testing::Values(0, 1)),
+                         [](const ::testing::TestParamInfo<StateParam>& info) {
+                           return std::string(state_format_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) == 0 ? "_AdamW" : "_Adagrad");
+                         });
+
+}  // namespace
+}  // namespace fgt

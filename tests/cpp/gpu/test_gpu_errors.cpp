@@ -1,0 +1,145 @@
+// test_gpu_errors.cpp — the CUDA backend's failure paths return codes and messages (never
+// abort), leave outputs untouched, and leave the library usable; and its stream handling:
+// a non-default stream, and two host threads stepping on two streams at once (each with
+// its own split-K workspace), both correct.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu_test_util.h"
+
+namespace fgt {
+namespace {
+
+forge_wgrad_args step_args(const DeviceBuffer& x, const DeviceBuffer& dy, int64_t tokens,
+                           int64_t rows, int64_t cols, const forge_param& p,
+                           const forge_hparams& hp, forge_device device) {
+  forge_wgrad_args a{};
+  a.abi_version = FORGE_ABI_VERSION;
+  a.device = device;
+  a.tokens = tokens;
+  a.x = x.data();
+  a.x_dtype = FORGE_DTYPE_BF16;
+  a.ldx = cols;
+  a.dy = dy.data();
+  a.dy_dtype = FORGE_DTYPE_BF16;
+  a.lddy = rows;
+  a.param = p;
+  a.hparams = hp;
+  return a;
+}
+
+TEST(GpuErrors, BadDeviceIndexIsAnErrorNotAnAbort) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  const int64_t rows = 32, cols = 64, tokens = 16;
+  HostParam host = make_param(rows, cols, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, hp, 1);
+  DeviceParam gpu;
+  gpu.upload(host);
+  DeviceBuffer x(tokens * cols * 2), dy(tokens * rows * 2);
+  x.fill(0x3F);
+  dy.fill(0x3F);
+  int count = 0;
+  CUDA_OK(cudaGetDeviceCount(&count));
+
+  forge_device bad = gpu_device();
+  bad.index = count + 7;
+  forge_wgrad_args a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, bad);
+  EXPECT_EQ(FORGE_ERR_DEVICE, forge_wgrad_step(&a));
+  EXPECT_NE(std::string(forge_last_error()).find("cudaSetDevice"), std::string::npos)
+      << forge_last_error();
+  forge_param p = gpu.view(host);
+  EXPECT_EQ(FORGE_ERR_DEVICE, forge_state_init(&p, &hp, bad));
+
+  // Nothing was written, and the next call on a good device works.
+  EXPECT_TRUE(same_bits(host, gpu.download(host)));
+  a.device = gpu_device();
+  EXPECT_EQ(FORGE_OK, forge_wgrad_step(&a)) << forge_last_error();
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaSuccess, cudaGetLastError());
+  int current = -1;
+  CUDA_OK(cudaGetDevice(&current));
+  EXPECT_EQ(0, current);
+}
+
+TEST(GpuErrors, InvalidArgumentsOnACudaDeviceWriteNothing) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  const int64_t rows = 32, cols = 64, tokens = 16;
+  HostParam host = make_param(rows, cols, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, hp, 2);
+  DeviceParam gpu;
+  gpu.upload(host);
+  DeviceBuffer x(tokens * cols * 2), dy(tokens * rows * 2);
+  x.fill(0x3F);
+  dy.fill(0x3F);
+  forge_wgrad_args a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, gpu_device());
+  a.x = nullptr;
+  EXPECT_EQ(FORGE_ERR_INVALID_ARGUMENT, forge_wgrad_step(&a));
+  a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, gpu_device());
+  a.ldx = cols - 1;
+  EXPECT_EQ(FORGE_ERR_INVALID_ARGUMENT, forge_wgrad_step(&a));
+  a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, gpu_device());
+  a.param.state_absmax[1] = nullptr;
+  EXPECT_EQ(FORGE_ERR_INVALID_ARGUMENT, forge_wgrad_step(&a));
+  a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, gpu_device());
+  a.device.index = -1;
+  EXPECT_EQ(FORGE_ERR_INVALID_ARGUMENT, forge_wgrad_step(&a));
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bits(host, gpu.download(host)));
+  EXPECT_TRUE(gpu.guards_intact());
+}
+
+// Two host threads, two streams, split-K shapes (one workspace per stream), at once.
+TEST(GpuStreams, ConcurrentStreamsMatchCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  constexpr int kThreads = 2;
+  const int64_t rows = 64, cols = 192, tokens = 6000;
+  std::vector<HostParam> cpu;
+  std::vector<DeviceParam> gpu(kThreads);
+  std::vector<Operand> xs, dys;
+  for (int t = 0; t < kThreads; ++t) {
+    cpu.push_back(make_param(rows, cols, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64, hp, 40 + t));
+    gpu[t].upload(cpu[t]);
+    xs.push_back(make_operand(tokens, cols, FORGE_DTYPE_BF16, cols, 0, Fill::kInteger, 60 + t));
+    dys.push_back(make_operand(tokens, rows, FORGE_DTYPE_BF16, rows, 0, Fill::kInteger, 70 + t));
+  }
+  std::vector<std::string> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        cudaStream_t stream = nullptr;
+        CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        forge_hparams h = hp;
+        for (int step = 0; step < 4; ++step) {
+          wgrad_gpu(xs[t], dys[t], h, cpu[t], gpu[t], nullptr, stream);
+          h.step += 1;
+        }
+        CUDA_OK(cudaStreamDestroy(stream));
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_TRUE(errors[t].empty()) << errors[t];
+    forge_hparams h = hp;
+    for (int step = 0; step < 4; ++step) {
+      wgrad_cpu(xs[t], dys[t], h, cpu[t], nullptr);
+      h.step += 1;
+    }
+    EXPECT_TRUE(same_bits(cpu[t], gpu[t].download(cpu[t]))) << "thread " << t;
+  }
+}
+
+}  // namespace
+}  // namespace fgt

@@ -1,0 +1,92 @@
+// test_gpu_int8_map.cu — the CUDA backend's fast int8 dynamic map (src/cuda/update.cuh:
+// int8_level_fast, int8_nearest_level_fast, int8_decode_fast, int8_encode_fast) against
+// formats.h's reference functions, run on the device: every code, every float in [0, 2]
+// (all 2^30 + 2^23 bit patterns), special values, and 2^24 random (x, absmax) pairs.
+// Bit for bit; any difference would break CPU/GPU equality of int8 states.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "core/formats.h"
+#include "cuda/update.cuh"
+#include "gpu_test_util.h"
+
+namespace fgt {
+namespace {
+
+__global__ void compare_decode(unsigned long long* mismatches) {
+  const int code = threadIdx.x;  // one block of 256 threads: every code
+  for (int is_signed = 0; is_signed < 2; ++is_signed) {
+    const float want = forge::int8_decode(static_cast<uint8_t>(code), is_signed != 0);
+    const float got = forge::cuda::int8_decode_fast(static_cast<uint8_t>(code), is_signed != 0);
+    if (__float_as_uint(want) != __float_as_uint(got)) atomicAdd(mismatches, 1ull);
+  }
+}
+
+// Every float whose bits lie in [first, first + count).
+__global__ void compare_nearest(uint32_t first, uint32_t count, unsigned long long* mismatches) {
+  unsigned long long bad = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const float a = __uint_as_float(first + static_cast<uint32_t>(i));
+    const int tops[2] = {forge::kInt8SignedTop, forge::kInt8UnsignedTop};
+    for (int top : tops)
+      if (forge::int8_nearest_level(a, top) != forge::cuda::int8_nearest_level_fast(a, top)) ++bad;
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+__device__ uint32_t mix(uint64_t z) { return static_cast<uint32_t>(forge::mix64(z) >> 32); }
+
+// Random x (any bit pattern: NaN, infinities, subnormals included) against an absmax that is
+// |x| scaled up a little, or another random bit pattern.
+__global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
+  unsigned long long bad = 0;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+    const float x = __uint_as_float(mix(2 * uint64_t(i)));
+    const uint32_t r = mix(2 * uint64_t(i) + 1);
+    const float absmax = (r & 3) ? fabsf(x) * (1.0f + static_cast<float>(r >> 24) / 64.0f)
+                                 : __uint_as_float(r);
+    for (int is_signed = 0; is_signed < 2; ++is_signed)
+      if (forge::int8_encode(x, absmax, is_signed != 0) !=
+          forge::cuda::int8_encode_fast(x, absmax, is_signed != 0))
+        ++bad;
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+unsigned long long run_and_count(void (*launch)(unsigned long long*)) {
+  unsigned long long* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, sizeof(unsigned long long)));
+  CUDA_OK(cudaMemset(d, 0, sizeof(unsigned long long)));
+  launch(d);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  unsigned long long h = 0;
+  CUDA_OK(cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaFree(d));
+  return h;
+}
+
+TEST(Int8MapFast, DecodeEveryCode) {
+  FORGE_REQUIRE_GPU();
+  EXPECT_EQ(0ull, run_and_count([](unsigned long long* m) { compare_decode<<<1, 256>>>(m); }));
+}
+
+TEST(Int8MapFast, NearestLevelEveryFloatInZeroToTwo) {
+  FORGE_REQUIRE_GPU();
+  // [+0, 2.0]: all 0x40000000 + 1 patterns, plus negatives near 0, NaNs and infinities.
+  EXPECT_EQ(0ull, run_and_count([](unsigned long long* m) {
+              compare_nearest<<<1024, 256>>>(0u, 0x40000001u, m);
+              compare_nearest<<<64, 256>>>(0x80000000u, 1u << 16, m);
+              compare_nearest<<<64, 256>>>(0x7F800000u, 1u << 16, m);
+              compare_nearest<<<64, 256>>>(0xFF800000u, 1u << 16, m);
+            }));
+}
+
+TEST(Int8MapFast, EncodeRandomPairs) {
+  FORGE_REQUIRE_GPU();
+  EXPECT_EQ(0ull, run_and_count([](unsigned long long* m) { compare_encode<<<1024, 256>>>(1u << 24, m); }));
+}
+
+}  // namespace
+}  // namespace fgt

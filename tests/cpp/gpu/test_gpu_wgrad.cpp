@@ -1,0 +1,373 @@
+// test_gpu_wgrad.cpp — forge_wgrad_step on the CUDA backend against the CPU backend (the
+// specification), through the public C ABI: every rule × weight format × state format bit
+// for bit, odd shapes, strided / unaligned / mixed-dtype inputs, several steps in a row,
+// non-finite gradients, split-K, random inputs within the bands of gpu_tolerances.h, and
+// guard bands around every buffer (nothing written outside a tensor).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "gpu_tolerances.h"
+
+namespace fgt {
+namespace {
+
+constexpr forge_weight_format kWeightFormats[] = {FORGE_WEIGHT_FP32, FORGE_WEIGHT_BF16,
+                                                  FORGE_WEIGHT_BF16_STOCHASTIC,
+                                                  FORGE_WEIGHT_BF16_MASTER};
+constexpr forge_state_format kStateFormats[] = {FORGE_STATE_FP32, FORGE_STATE_BF16,
+                                                FORGE_STATE_BF16_STOCHASTIC,
+                                                FORGE_STATE_INT8_BLOCK64};
+
+struct Shape {
+  int64_t rows, cols, tokens;
+};
+
+std::string shape_string(const Shape& s) {
+  return std::to_string(s.rows) + "x" + std::to_string(s.cols) + " T=" + std::to_string(s.tokens);
+}
+
+int num_sms() {
+  int n = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0));
+  return n;
+}
+
+// Runs `steps` fused steps on the CPU and the GPU from the same parameter, integer-valued
+// contiguous (or as given) inputs, and checks bit equality after every step.
+void expect_bit_exact_run(const Shape& s, forge_hparams hp, forge_weight_format wf,
+                          forge_state_format sf, int steps, forge_dtype x_dtype,
+                          forge_dtype dy_dtype, int64_t ldx_extra, int64_t lddy_extra,
+                          int64_t x_offset, int64_t dy_offset, uint64_t seed) {
+  HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, seed);
+  DeviceParam gpu;
+  gpu.upload(cpu);
+  for (int step = 0; step < steps; ++step) {
+    const Operand x = make_operand(s.tokens, s.cols, x_dtype, s.cols + ldx_extra, x_offset,
+                                   Fill::kInteger, seed * 31 + 2 * step);
+    const Operand dy = make_operand(s.tokens, s.rows, dy_dtype, s.rows + lddy_extra, dy_offset,
+                                    Fill::kInteger, seed * 31 + 2 * step + 1);
+    StepOutputs want, got;
+    wgrad_cpu(x, dy, hp, cpu, &want);
+    wgrad_gpu(x, dy, hp, cpu, gpu, &got);
+    ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << shape_string(s) << ", step " << hp.step;
+    EXPECT_EQ(want.nonfinite, got.nonfinite) << shape_string(s);
+    // Exact too: squares of multiples of 2^-6 below 2^11 sum exactly in double.
+    EXPECT_EQ(want.grad_sq_sum, got.grad_sq_sum) << shape_string(s);
+    hp.step += 1;
+  }
+  EXPECT_TRUE(gpu.guards_intact()) << shape_string(s);
+}
+
+// ---- every rule × weight format × state format, bit for bit ------------------------------
+
+using ExactParam = std::tuple<int, forge_weight_format, forge_state_format>;
+class WgradExact : public ::testing::TestWithParam<ExactParam> {};
+
+TEST_P(WgradExact, MatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  const auto [rule_index, wf, sf] = GetParam();
+  const RuleCase& rc = rule_cases()[rule_index];
+  // One tile-straddling shape (2 × 2 tiles, a partial int8 block, T not a multiple of 32)
+  // and one that goes through split-K (2 tiles, 35 k-tiles -> 4 splits).
+  for (const Shape& s : {Shape{129, 200, 67}, Shape{96, 160, 1100}})
+    expect_bit_exact_run(s, rc.hp, wf, sf, 3, FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 0, 0, 0, 0,
+                         1000 + rule_index);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllRulesAllFormats, WgradExact,
+    ::testing::Combine(::testing::Range(0, static_cast<int>(rule_cases().size())),
+                       ::testing::ValuesIn(kWeightFormats), ::testing::ValuesIn(kStateFormats)),
+    [](const ::testing::TestParamInfo<ExactParam>& info) {
+      return std::string(rule_cases()[std::get<0>(info.param)].name) + "_" +
+             weight_format_name(std::get<1>(info.param)) + "_" +
+             state_format_name(std::get<2>(info.param));
+    });
+
+// ---- odd shapes ---------------------------------------------------------------------------
+
+using ShapeParam = std::tuple<int64_t, int64_t, int64_t>;
+class WgradOddShapes : public ::testing::TestWithParam<ShapeParam> {};
+
+TEST_P(WgradOddShapes, MatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  const auto [rows, cols, tokens] = GetParam();
+  const Shape s{rows, cols, tokens};
+  forge_hparams adamw{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &adamw));
+  adamw.seed = 99;
+  // The most intricate storage (stochastic bf16 W, int8 states) and the plainest.
+  expect_bit_exact_run(s, adamw, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 2,
+                       FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 0, 0, 0, 0, 7);
+  expect_bit_exact_run(s, adamw, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, 2, FORGE_DTYPE_BF16,
+                       FORGE_DTYPE_BF16, 0, 0, 0, 0, 8);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    OutInT, WgradOddShapes,
+    ::testing::Combine(::testing::Values<int64_t>(1, 17, 129, 1000),
+                       ::testing::Values<int64_t>(1, 17, 129, 1000),
+                       ::testing::Values<int64_t>(1, 17, 4097)),
+    [](const ::testing::TestParamInfo<ShapeParam>& info) {
+      return "out" + std::to_string(std::get<0>(info.param)) + "_in" +
+             std::to_string(std::get<1>(info.param)) + "_T" + std::to_string(std::get<2>(info.param));
+    });
+
+// ---- input layouts and dtypes -------------------------------------------------------------
+
+struct InputCase {
+  const char* name;
+  forge_dtype x_dtype, dy_dtype;
+  int64_t ldx_extra, lddy_extra, x_offset, dy_offset;
+};
+
+constexpr InputCase kInputCases[] = {
+    {"bf16", FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 0, 0, 0, 0},
+    {"fp16", FORGE_DTYPE_FP16, FORGE_DTYPE_FP16, 0, 0, 0, 0},
+    {"fp32", FORGE_DTYPE_FP32, FORGE_DTYPE_FP32, 0, 0, 0, 0},
+    {"bf16x_fp32dy", FORGE_DTYPE_BF16, FORGE_DTYPE_FP32, 0, 0, 0, 0},
+    {"fp16x_bf16dy", FORGE_DTYPE_FP16, FORGE_DTYPE_BF16, 0, 0, 0, 0},
+    {"bf16_strided_aligned", FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 8, 16, 0, 0},
+    {"bf16_strided_unaligned", FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 3, 5, 0, 0},
+    {"bf16_base_misaligned", FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 8, 8, 1, 4},
+    {"fp16_strided_misaligned", FORGE_DTYPE_FP16, FORGE_DTYPE_FP16, 1, 7, 3, 0},
+    {"fp32_strided", FORGE_DTYPE_FP32, FORGE_DTYPE_FP32, 5, 2, 1, 0},
+};
+
+class WgradInputs : public ::testing::TestWithParam<InputCase> {};
+
+TEST_P(WgradInputs, MatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  const InputCase& c = GetParam();
+  forge_hparams adamw{}, sgd{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &adamw));
+  FORGE_OK(forge_hparams_default(FORGE_RULE_SGD_MOMENTUM, &sgd));
+  adamw.seed = 5;
+  for (const Shape& s : {Shape{130, 257, 300}, Shape{40, 72, 2000}}) {
+    expect_bit_exact_run(s, adamw, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64, 2,
+                         c.x_dtype, c.dy_dtype, c.ldx_extra, c.lddy_extra, c.x_offset,
+                         c.dy_offset, 11);
+    expect_bit_exact_run(s, sgd, FORGE_WEIGHT_FP32, FORGE_STATE_BF16, 2, c.x_dtype, c.dy_dtype,
+                         c.ldx_extra, c.lddy_extra, c.x_offset, c.dy_offset, 12);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, WgradInputs, ::testing::ValuesIn(kInputCases),
+                         [](const ::testing::TestParamInfo<InputCase>& info) {
+                           return std::string(info.param.name);
+                         });
+
+// ---- non-finite gradient elements ---------------------------------------------------------
+
+using FormatParam = std::tuple<forge_weight_format, forge_state_format>;
+class WgradNonFinite : public ::testing::TestWithParam<FormatParam> {};
+
+TEST_P(WgradNonFinite, SkippedAndCountedLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  const auto [wf, sf] = GetParam();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  for (const Shape& s : {Shape{129, 200, 67}, Shape{96, 160, 1100}}) {
+    HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 77);
+    DeviceParam gpu;
+    gpu.upload(cpu);
+    for (int step = 0; step < 2; ++step) {
+      Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 40 + step);
+      Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 50 + step);
+      // Row 5 of dW NaN; column 9 ±Inf or NaN (Inf · 0); column 20 Inf - Inf = NaN.
+      dy.set(3, 5, NAN);
+      x.set(7, 9, INFINITY);
+      x.set(10, 20, -INFINITY);
+      x.set(11, 20, INFINITY);
+      StepOutputs want, got;
+      wgrad_cpu(x, dy, hp, cpu, &want);
+      wgrad_gpu(x, dy, hp, cpu, gpu, &got);
+      const HostParam after = gpu.download(cpu);
+      ASSERT_TRUE(same_bits(cpu, after)) << shape_string(s);
+      EXPECT_GE(want.nonfinite, s.rows + s.cols);
+      EXPECT_EQ(want.nonfinite, got.nonfinite) << shape_string(s);
+      EXPECT_EQ(want.grad_sq_sum, got.grad_sq_sum) << shape_string(s);
+      for (float w : decoded(after, "weight", hp)) ASSERT_TRUE(std::isfinite(w));
+      hp.step += 1;
+    }
+    EXPECT_TRUE(gpu.guards_intact());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, WgradNonFinite,
+                         ::testing::Combine(::testing::ValuesIn(kWeightFormats),
+                                            ::testing::ValuesIn(kStateFormats)),
+                         [](const ::testing::TestParamInfo<FormatParam>& info) {
+                           return std::string(weight_format_name(std::get<0>(info.param))) + "_" +
+                                  state_format_name(std::get<1>(info.param));
+                         });
+
+// ---- split-K ----------------------------------------------------------------------------------
+
+TEST(WgradSplitK, SmallLayerLongSequenceMatchesCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  // 1 tile and 256 k-tiles (32 splits); 6 tiles and 94 k-tiles (11 splits); 1 tile of a
+  // 1-row layer.
+  for (const Shape& s : {Shape{64, 64, 8192}, Shape{200, 300, 3000}, Shape{1, 100, 5000}}) {
+    expect_bit_exact_run(s, hp, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 2, FORGE_DTYPE_BF16,
+                         FORGE_DTYPE_BF16, 0, 0, 0, 0, 21);
+    expect_bit_exact_run(s, hp, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, 2, FORGE_DTYPE_FP32,
+                         FORGE_DTYPE_FP32, 0, 0, 0, 0, 22);
+  }
+}
+
+TEST(WgradSplitK, DeterministicOnRandomInputs) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  for (const Shape& s : {Shape{64, 64, 8192}, Shape{200, 300, 3000}}) {
+    const HostParam start = make_param(s.rows, s.cols, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp, 3);
+    const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kNormal, 1);
+    const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kNormal, 2);
+    DeviceParam a, b;
+    a.upload(start);
+    b.upload(start);
+    wgrad_gpu(x, dy, hp, start, a, nullptr);
+    wgrad_gpu(x, dy, hp, start, b, nullptr);
+    EXPECT_TRUE(same_bits(a.download(start), b.download(start))) << shape_string(s);
+  }
+}
+
+// ---- random inputs ------------------------------------------------------------------------------
+
+// dW itself, read back through SGD with lr = 1 from W = 0 in fp32 (w_new = 0 - 1 · g, exact),
+// against a float64 reference.
+using DwParam = std::tuple<forge_dtype, int>;
+class WgradDw : public ::testing::TestWithParam<DwParam> {};
+
+TEST_P(WgradDw, MatchesFloat64Reference) {
+  FORGE_REQUIRE_GPU();
+  const auto [dtype, shape_index] = GetParam();
+  const Shape shapes[] = {{256, 384, 4097}, {64, 96, 4097}, {300, 130, 33}};
+  const Shape s = shapes[shape_index];
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_SGD, &hp));
+  hp.lr = 1.0;
+  hp.weight_decay = 0.0;
+  HostParam zero = make_param(s.rows, s.cols, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp, 1);
+  std::fill(zero.weight.begin(), zero.weight.end(), 0);
+  const Operand x = make_operand(s.tokens, s.cols, dtype, s.cols, 0, Fill::kNormal, 31);
+  const Operand dy = make_operand(s.tokens, s.rows, dtype, s.rows, 0, Fill::kNormal, 32);
+  DeviceParam gpu;
+  gpu.upload(zero);
+  wgrad_gpu(x, dy, hp, zero, gpu, nullptr);
+  const std::vector<float> w = decoded(gpu.download(zero), "weight", hp);
+  std::vector<double> ref(s.rows * s.cols, 0.0);
+  std::vector<double> xr(s.cols);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    for (int64_t c = 0; c < s.cols; ++c) xr[c] = x.get(t, c);
+    for (int64_t r = 0; r < s.rows; ++r) {
+      const double d = dy.get(t, r);
+      double* row = ref.data() + r * s.cols;
+      for (int64_t c = 0; c < s.cols; ++c) row[c] += d * xr[c];
+    }
+  }
+  double err2 = 0, ref2 = 0, max_err = 0, max_ref = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double e = -static_cast<double>(w[i]) - ref[i];
+    err2 += e * e;
+    ref2 += ref[i] * ref[i];
+    max_err = std::max(max_err, std::fabs(e));
+    max_ref = std::max(max_ref, std::fabs(ref[i]));
+  }
+  EXPECT_LE(std::sqrt(err2 / ref2), kDwRelFrobenius) << shape_string(s);
+  EXPECT_LE(max_err, kDwMaxAbsRelToMax * max_ref) << shape_string(s);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Inputs, WgradDw,
+    ::testing::Combine(::testing::Values(FORGE_DTYPE_BF16, FORGE_DTYPE_FP16, FORGE_DTYPE_FP32),
+                       ::testing::Values(0, 1, 2)),
+    [](const ::testing::TestParamInfo<DwParam>& info) {
+      return std::string(dtype_name(std::get<0>(info.param))) + "_shape" +
+             std::to_string(std::get<1>(info.param));
+    });
+
+// fp32 inputs without split-K: the SIMT kernel adds the rounded products in token order,
+// like the CPU, so the step is bit-identical even on random inputs.
+TEST(WgradFp32, BitExactOnRandomInputsWithoutSplitK) {
+  FORGE_REQUIRE_GPU();
+  // At least as many tiles as SMs: no split-K.
+  int64_t side = 128;
+  while ((side / 128) * (side / 128) < num_sms()) side += 128;
+  const Shape s{side + 3, side - 5, 200};
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  HostParam cpu = make_param(s.rows, s.cols, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, hp, 4);
+  DeviceParam gpu;
+  gpu.upload(cpu);
+  for (int step = 0; step < 2; ++step) {
+    const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_FP32, s.cols, 0, Fill::kNormal, 60 + step);
+    const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_FP32, s.rows, 0, Fill::kNormal, 70 + step);
+    wgrad_cpu(x, dy, hp, cpu, nullptr);
+    wgrad_gpu(x, dy, hp, cpu, gpu, nullptr);
+    ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << shape_string(s);
+    hp.step += 1;
+  }
+}
+
+// Every rule on random bf16 inputs: within the per-format bands of gpu_tolerances.h.
+struct FormatPair {
+  forge_weight_format wf;
+  forge_state_format sf;
+};
+constexpr FormatPair kRandomFormats[] = {{FORGE_WEIGHT_BF16, FORGE_STATE_BF16},
+                                         {FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32},
+                                         {FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64},
+                                         {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC}};
+
+using RandomParam = std::tuple<int, int>;
+class WgradRandom : public ::testing::TestWithParam<RandomParam> {};
+
+TEST_P(WgradRandom, WithinTolerance) {
+  FORGE_REQUIRE_GPU();
+  const auto [rule_index, format_index] = GetParam();
+  const RuleCase& rc = rule_cases()[rule_index];
+  const FormatPair f = kRandomFormats[format_index];
+  for (const Shape& s : {Shape{129, 200, 4097}, Shape{96, 160, 2000}}) {
+    forge_hparams hp = rc.hp;
+    HostParam cpu = make_param(s.rows, s.cols, f.wf, f.sf, hp, 500 + rule_index);
+    DeviceParam gpu;
+    gpu.upload(cpu);
+    for (int step = 0; step < 3; ++step) {
+      const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kNormal, 80 + step);
+      const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kNormal, 90 + step);
+      StepOutputs want, got;
+      wgrad_cpu(x, dy, hp, cpu, &want);
+      wgrad_gpu(x, dy, hp, cpu, gpu, &got);
+      const HostParam after = gpu.download(cpu);
+      ASSERT_TRUE(close_enough(cpu, after, hp)) << shape_string(s) << ", step " << hp.step;
+      EXPECT_NEAR(want.grad_sq_sum, got.grad_sq_sum, 10 * kDwRelFrobenius * want.grad_sq_sum);
+      EXPECT_EQ(want.nonfinite, got.nonfinite);
+      // Both sides continue from the CPU's state, so the bands do not compound.
+      gpu.upload(cpu);
+      hp.step += 1;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RulesFormats, WgradRandom,
+    ::testing::Combine(::testing::Range(0, static_cast<int>(rule_cases().size())),
+                       ::testing::Range(0, 4)),
+    [](const ::testing::TestParamInfo<RandomParam>& info) {
+      const FormatPair f = kRandomFormats[std::get<1>(info.param)];
+      return std::string(rule_cases()[std::get<0>(info.param)].name) + "_" +
+             weight_format_name(f.wf) + "_" + state_format_name(f.sf);
+    });
+
+}  // namespace
+}  // namespace fgt
