@@ -2,6 +2,7 @@
 # gpu_python.sh — the Python-side proof, run on one GPU machine (H200, torch + transformers):
 #   1. builds libforge with its CUDA backend into build-gpu/ (incremental) unless
 #      FORGE_LIBRARY already names one;
+#   1b. the Python test suite on CUDA (pytest tests/python -m cuda, PYTEST_BUDGET_S);
 #   2. forge-bench --suite anchors: peak memory and step time of the ../shared/ANCHORS.md
 #      cases and issue 5's targets, most important first, within a time budget;
 #   3. forge-bench --parity: ~100M model, bf16, PARITY_STEPS steps of real text (the
@@ -51,6 +52,12 @@ print('torch', torch.__version__, torch.cuda.get_device_name(), 'libforge', forg
   say "environment check failed"
   exit 1
 fi
+
+# 1b. The Python suite's GPU tests (the CPU ones run in CI).
+say "pytest tests/python (CUDA tests only, limit ${PYTEST_BUDGET_S:-120}s)"
+timeout "${PYTEST_BUDGET_S:-120}" $PY -m pytest tests/python -q -x -k "cuda" -p no:cacheprovider \
+  -o console_output_style=classic 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+say "pytest finished (status ${PIPESTATUS[0]})"
 
 # 2. The benchmark: what is left of the budget after keeping PARITY_RESERVE for stage 3.
 bench_budget=$((TOTAL - $(elapsed) - PARITY_RESERVE - 20))
