@@ -75,6 +75,65 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
+// ---- the kernels -----------------------------------------------------------------------------
+//
+// The specialized bf16-input wgrad kernels: the epilogue's rule and formats are compile-time
+// constants (update.cuh, UpdateSpec); any other configuration runs the generic kernel.
+// NOTE: each entry is one more copy of the main loop + a lean epilogue (~3-4 s of ptxas per
+// architecture): only the configurations worth it are listed.
+using WgradKernelFn = void (*)(WgradParams);
+using SpecMatchFn = bool (*)(const RuleScalars&, int, int);
+struct WgradKernel {
+  WgradKernelFn fn;
+  SpecMatchFn matches;  // nullptr: the generic kernels
+  const char* name;
+};
+
+#define FORGE_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                          \
+  WgradKernel {                                                               \
+    wgrad_mma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,                 \
+        spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_mma<bf16, " NAME ">" \
+  }
+
+const WgradKernel kSpecKernels[] = {
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_FP32, "adamw, bf16, fp32"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16, "adamw, bf16 sr, bf16"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, "adamw, bf16 sr, int8"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP32, "adamw, bf16 sr, fp32"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_BF16, "adamw, bf16 + master, bf16"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64, "adamw, bf16 + master, int8"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32, "adamw, bf16 + master, fp32"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_LION, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "lion, bf16, bf16"),
+    FORGE_SPEC_KERNEL(FORGE_RULE_SGD, FORGE_WEIGHT_BF16, kAny, "sgd, bf16"),
+};
+#undef FORGE_SPEC_KERNEL
+
+const WgradKernel kGenericKernels[] = {
+    {wgrad_mma_kernel<false>, nullptr, "wgrad_mma<bf16>"},
+    {wgrad_mma_kernel<true>, nullptr, "wgrad_mma<fp16>"},
+    {wgrad_simt_kernel, nullptr, "wgrad_simt"},
+};
+
+// The bf16-input kernel for (k, weight format, state format): a specialized one if listed.
+WgradKernelFn pick_bf16_kernel(const RuleScalars& k, int weight_format, int state_format) {
+  for (const WgradKernel& kernel : kSpecKernels)
+    if (kernel.matches(k, weight_format, state_format)) return kernel.fn;
+  return wgrad_mma_kernel<false>;
+}
+
+// update.cuh's stochastic rounding computes rng_bits(key, i) as
+// rng_hash_bits(key + i * kRngIndexMul): checked here once against rng.h itself.
+bool rng_split_matches() {
+  const uint64_t keys[] = {0ull, 0x0123456789ABCDEFull, ~0ull};
+  const uint64_t indices[] = {0ull, 1ull, 12345678901ull, ~0ull};
+  for (uint64_t key : keys)
+    for (uint64_t i : indices)
+      if (rng_bits(key, i) != rng_hash_bits(key + i * kRngIndexMul)) return false;
+  return true;
+}
+
 // Per-device facts and one-time kernel attributes, cached (thread-safe).
 struct DeviceInfo {
   int num_sms = 0;
@@ -88,34 +147,35 @@ forge_status device_info(int index, DeviceInfo* out) {
   std::lock_guard<std::mutex> lock(g_device_mutex);
   DeviceInfo& info = g_devices[index];
   if (!info.kernels_configured) {
+    if (!rng_split_matches())
+      return fail(FORGE_ERR_INTERNAL, "CUDA: update.cuh's kRngIndexMul differs from rng.h");
     FORGE_CUDA_TRY(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index));
     const int bytes = static_cast<int>(kWgradSmemBytes);
-    struct Kernel {
-      const void* fn;
-      const char* name;
-    };
-    const Kernel kernels[] = {{reinterpret_cast<const void*>(wgrad_mma_kernel<false>), "wgrad_mma<bf16>"},
-                              {reinterpret_cast<const void*>(wgrad_mma_kernel<true>), "wgrad_mma<fp16>"},
-                              {reinterpret_cast<const void*>(wgrad_simt_kernel), "wgrad_simt"}};
     const bool verbose = std::getenv("FORGE_CUDA_VERBOSE") != nullptr;
-    for (const Kernel& kernel : kernels) {
-      FORGE_CUDA_TRY(cudaFuncSetAttribute(kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    auto configure = [&](const WgradKernel& kernel) -> forge_status {
+      const void* const fn = reinterpret_cast<const void*>(kernel.fn);
+      FORGE_CUDA_TRY(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
       // NOTE: ask for the largest shared-memory carveout, so two 68 KiB CTAs fit per SM
       // (the driver may otherwise pick a smaller carveout and run one).
-      FORGE_CUDA_TRY(cudaFuncSetAttribute(kernel.fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+      FORGE_CUDA_TRY(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
                                           cudaSharedmemCarveoutMaxShared));
       if (verbose) {
         int ctas = 0;
         cudaFuncAttributes attr{};
-        FORGE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel.fn, kThreads, kWgradSmemBytes));
-        FORGE_CUDA_TRY(cudaFuncGetAttributes(&attr, kernel.fn));
+        FORGE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fn, kThreads, kWgradSmemBytes));
+        FORGE_CUDA_TRY(cudaFuncGetAttributes(&attr, fn));
         std::fprintf(stderr,
                      "forge cuda: device %d, %d SMs: %s: %d CTAs/SM of %d threads, %d registers, "
                      "%zu B local, %zu B static + %zu B dynamic shared\n",
                      index, info.num_sms, kernel.name, ctas, kThreads, attr.numRegs,
                      attr.localSizeBytes, attr.sharedSizeBytes, kWgradSmemBytes);
       }
-    }
+      return FORGE_OK;
+    };
+    for (const WgradKernel& kernel : kGenericKernels)
+      if (forge_status s = configure(kernel)) return s;
+    for (const WgradKernel& kernel : kSpecKernels)
+      if (forge_status s = configure(kernel)) return s;
     info.kernels_configured = true;
   }
   *out = info;
@@ -248,13 +308,13 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   StepTotals totals{0.0, 0u};
   for (int64_t base = warp * 2; base < pairs; base += warps * 2) {
     const BlockCursor c = block_cursor(p, base + lane / 16, pairs, lane16);
-    int64_t row[1] = {c.row}, col[1] = {c.col};
+    const int64_t idx = c.row * p.cols + c.col;  // grad: [rows, cols], contiguous
+    int64_t row[1] = {c.row}, col[1] = {c.col}, idxs[1] = {idx};
     int n[1] = {c.n};
     float g[1][kQuad];
-    const int64_t idx = c.row * p.cols + c.col;  // grad: [rows, cols], contiguous
 #pragma unroll
     for (int e = 0; e < kQuad; ++e) g[0][e] = e < c.n ? load_input(grad, grad_dtype, idx + e) : 0.0f;
-    update_quads<1>(k, p, row, col, n, lane16, grad_sq_sum != nullptr, g, totals);
+    update_quads<1>(k, p, row, col, idxs, n, lane16, grad_sq_sum != nullptr, g, totals);
   }
   if (grad_sq_sum != nullptr || nonfinite_count != nullptr)
     flush_totals<kElementwiseThreads>(totals, grad_sq_sum, nonfinite_count);
@@ -386,7 +446,8 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
 
   const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
   if (a.x_dtype == FORGE_DTYPE_BF16 && a.dy_dtype == FORGE_DTYPE_BF16) {
-    wgrad_mma_kernel<false><<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
+    const WgradKernelFn kernel = pick_bf16_kernel(k, param.weight_format, param.state_format);
+    kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   } else if (a.x_dtype == FORGE_DTYPE_FP16 && a.dy_dtype == FORGE_DTYPE_FP16) {
     wgrad_mma_kernel<true><<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   } else {

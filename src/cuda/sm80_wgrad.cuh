@@ -244,16 +244,50 @@ __device__ __forceinline__ bool reduce_split_k(const WgradParams& a, float* sC, 
 // The optimizer update of tile (m0, n0) from its fp32 gradient in sC ([kBM][kLdC]).
 // Thread t owns rows t/16 + 16·j and, in each, the quads at columns 4·(t%16) and
 // 64 + 4·(t%16): the 16 lanes of a half-warp cover each 64-column int8 block of a row.
+template <class Spec>
 __device__ __forceinline__ void update_tile(const WgradParams& a, const float* sC, int64_t m0,
                                             int64_t n0, StepTotals& totals) {
   constexpr int kQ = 2;  // quads in flight per thread: the two column halves of a row
   const int lane16 = threadIdx.x % 16, rsub = threadIdx.x / 16;
   const int64_t rows = a.p.rows, cols = a.p.cols;
+  const bool want_sq = a.want_sq != 0;
+  // NOTE: the element offset row * cols + col of the thread's first quad, stepped by
+  // kRowsPerPass rows per pass: one 64-bit add per pass, no multiply per quad.
+  int64_t idx0 = (m0 + rsub) * cols + n0 + lane16 * kQuad;
+  const int64_t idx_step = kRowsPerPass * cols;
+  // NOTE: interior tiles (all of them on the Llama shapes) run the kFull variant: whole
+  // vector quads, no per-element range checks. Only specialized kernels carry it; the
+  // generic kernel keeps one (checked) copy to hold its compile time.
+  const bool full = !Spec::kGeneric && m0 + kBM <= rows && n0 + kBN <= cols && a.p.vec4 != 0;
+  if (full) {
 #pragma unroll 1
-  for (int pass = 0; pass < kBM / kRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, idx0 += idx_step) {
+      const int r = pass * kRowsPerPass + rsub;
+      int64_t row[kQ], col[kQ], idx[kQ];
+      int n[kQ];
+      float g[kQ][kQuad];
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) {
+        const int c = q * (kBN / 2) + lane16 * kQuad;
+        row[q] = m0 + r;
+        col[q] = n0 + c;
+        idx[q] = idx0 + q * (kBN / 2);
+        n[q] = kQuad;
+        const float4 v = *reinterpret_cast<const float4*>(&sC[r * kLdC + c]);
+        g[q][0] = v.x;
+        g[q][1] = v.y;
+        g[q][2] = v.z;
+        g[q][3] = v.w;
+      }
+      update_quads<kQ, Spec, true>(a.k, a.p, row, col, idx, n, lane16, want_sq, g, totals);
+    }
+    return;
+  }
+#pragma unroll 1
+  for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, idx0 += idx_step) {
     if (m0 + pass * kRowsPerPass >= rows) break;  // uniform across the CTA
     const int r = pass * kRowsPerPass + rsub;
-    int64_t row[kQ], col[kQ];
+    int64_t row[kQ], col[kQ], idx[kQ];
     int n[kQ];
     float g[kQ][kQuad];
 #pragma unroll
@@ -261,6 +295,7 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
       const int c = q * (kBN / 2) + lane16 * kQuad;
       row[q] = m0 + r;
       col[q] = n0 + c;
+      idx[q] = idx0 + q * (kBN / 2);
       n[q] = row[q] < rows && col[q] < cols ? static_cast<int>(min64(kQuad, cols - col[q])) : 0;
       const float4 v = *reinterpret_cast<const float4*>(&sC[r * kLdC + c]);
       g[q][0] = v.x;
@@ -268,17 +303,18 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
       g[q][2] = v.z;
       g[q][3] = v.w;
     }
-    update_quads<kQ>(a.k, a.p, row, col, n, lane16, a.want_sq != 0, g, totals);
+    update_quads<kQ, Spec, false>(a.k, a.p, row, col, idx, n, lane16, want_sq, g, totals);
   }
 }
 
 // After the main loop: sC holds the CTA's fp32 tile. Split-K reduction (if any), the update,
 // the by-products.
+template <class Spec>
 __device__ __forceinline__ void finish_tile(const WgradParams& a, float* sC, int64_t m0,
                                             int64_t n0) {
   if (a.splits > 1 && !reduce_split_k(a, sC, blockIdx.x, blockIdx.z)) return;
   StepTotals totals{0.0, 0u};
-  update_tile(a, sC, m0, n0, totals);
+  update_tile<Spec>(a, sC, m0, n0, totals);
   if (a.grad_sq_sum != nullptr || a.nonfinite_count != nullptr)
     flush_totals<kThreads>(totals, a.grad_sq_sum, a.nonfinite_count);
 }
@@ -318,7 +354,8 @@ __device__ __forceinline__ void load_operand_stage(uint16_t* stage, const uint16
   }
 }
 
-template <bool kFp16>
+// Spec: the epilogue's compile-time configuration (update.cuh); GenericSpec for any.
+template <bool kFp16, class Spec = GenericSpec>
 __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParams a) {
   extern __shared__ __align__(128) unsigned char smem[];
   uint16_t* const sA = reinterpret_cast<uint16_t*>(smem);  // [kStages][kBK][kLdS] dY, m fastest
@@ -336,6 +373,10 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
   const uint16_t* const dy = static_cast<const uint16_t*>(a.dy);  // [T, M], ld = lddy
   const uint16_t* const x = static_cast<const uint16_t*>(a.x);    // [T, N], ld = ldx
 
+  // NOTE: tried and reverted (bench/NOTES.md, v3): per-thread cp.async cursors stepped per
+  // k-tile instead of load_operand_stage's 64-bit t * ld + col; the extra live registers
+  // next to the 64 accumulators made ptxas spill 40-48 B on sm_90a.
+  const uint32_t sA_addr = smem_addr(sA), sB_addr = smem_addr(sB);
   auto load_stage = [&](int stage, int64_t kt) {
     load_operand_stage(sA + stage * kStageHalves, dy, a.lddy, a.tokens, a.p.rows, m0, kt * kBK,
                        a.vec_dy != 0);
@@ -372,8 +413,8 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
     cp_async_commit();
     if (a.prefetch && it == max(nk - kPrefetchLead, 0)) prefetch_update_operands(a, m0, n0);
 
-    const uint32_t a_base = smem_addr(sA + (it % kStages) * kStageHalves);
-    const uint32_t b_base = smem_addr(sB + (it % kStages) * kStageHalves);
+    const uint32_t a_base = sA_addr + (it % kStages) * kStageHalves * sizeof(uint16_t);
+    const uint32_t b_base = sB_addr + (it % kStages) * kStageHalves * sizeof(uint16_t);
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t af[kMmaM][4], bf[kMmaN][2];
@@ -412,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
           make_float2(acc[i][j][2], acc[i][j][3]);
     }
   __syncthreads();
-  finish_tile(a, sC, m0, n0);
+  finish_tile<Spec>(a, sC, m0, n0);
 }
 
 // ---- the fp32 / mixed-dtype kernel --------------------------------------------------------------
@@ -508,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_simt_kernel(const WgradPara
           make_float4(acc[i][4 * h], acc[i][4 * h + 1], acc[i][4 * h + 2], acc[i][4 * h + 3]);
   }
   __syncthreads();
-  finish_tile(a, sC, m0, n0);
+  finish_tile<GenericSpec>(a, sC, m0, n0);
 }
 
 }  // namespace cuda

@@ -14,6 +14,13 @@
 // and the same non-finite policy: a skipped element keeps its weight and fp32/bf16 states,
 // and its int8 states are re-encoded from their decoded old value against the block's new
 // absmax, exactly as store_state does.
+//
+// Compile-time specialization (UpdateSpec): the hot configurations (AdamW, Lion, SGD on bf16
+// weights with bf16 / int8 / fp32 states) get their rule, weight format, state format, state
+// count and int8 signedness as template constants, so every run-time switch of the generic
+// path folds away; GenericSpec (all kAny) is the run-time path every other configuration
+// takes. Both call the same forge::apply_rule and formats.h functions: only the dispatch
+// differs, never an fp32 operation.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,6 +39,60 @@ constexpr int kGroupLanes = FORGE_INT8_BLOCK / kQuad;  // lanes per int8 block: 
 static_assert(kGroupLanes == 16, "a half-warp owns one int8 block");
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---- compile-time specialization ------------------------------------------------------------
+
+constexpr int kAny = -1;  // "read it from the run-time RuleScalars / ParamView"
+
+// States a rule keeps and whether state i is signed (int8 map): hparams.cpp's state_layout()
+// for the rules that have an UpdateSpec. The host (spec_matches) checks them against the
+// RuleScalars before it picks a specialized kernel, so a disagreement falls back to the
+// generic path instead of computing something else.
+__host__ __device__ constexpr int spec_num_states(int rule) {
+  return rule == FORGE_RULE_ADAMW ? 2 : rule == FORGE_RULE_LION ? 1 : 0;
+}
+__host__ __device__ constexpr bool spec_state_signed(int rule, int i) {
+  return (rule == FORGE_RULE_ADAMW || rule == FORGE_RULE_LION) && i == 0;
+}
+
+// kRule / kWeightFormat / kStateFormat: forge_rule / forge_weight_format /
+// forge_state_format values, or kAny. A specialized spec (kRule != kAny) also assumes
+// maximize == 0 and wd_coupled == 0 (AdamW with decoupled decay, Lion, SGD without decay):
+// apply_rule's two branches on them then fold away. spec_matches() checks all of it.
+template <int kRuleT, int kWeightFormatT, int kStateFormatT>
+struct UpdateSpec {
+  static constexpr int kRule = kRuleT;
+  static constexpr int kWeightFormat = kWeightFormatT;
+  static constexpr int kStateFormat = kStateFormatT;
+  static constexpr bool kGeneric = kRuleT == kAny;
+  static_assert(kGeneric == (kWeightFormatT == kAny), "specialize everything or nothing");
+  static constexpr int kNumStates = kGeneric ? FORGE_MAX_STATES : spec_num_states(kRuleT);
+};
+using GenericSpec = UpdateSpec<kAny, kAny, kAny>;
+
+// Whether Spec computes exactly what the generic path would for this (k, p).
+template <class Spec>
+__host__ __device__ inline bool spec_matches(const RuleScalars& k, int weight_format,
+                                             int state_format) {
+  if (Spec::kGeneric) return true;
+  if (k.rule != Spec::kRule || weight_format != Spec::kWeightFormat) return false;
+  if (k.maximize != 0 || k.wd_coupled != 0.0f) return false;
+  if (k.num_states != Spec::kNumStates) return false;
+  if (Spec::kNumStates > 0 && state_format != Spec::kStateFormat) return false;
+  for (int i = 0; i < Spec::kNumStates; ++i)
+    if ((k.state_signed[i] != 0) != spec_state_signed(Spec::kRule, i)) return false;
+  return true;
+}
+
+// rng_bits(key, index) == rng_hash_bits(key + index * kRngIndexMul), rng.h's own formula
+// split in two so that a quad computes key + index * kRngIndexMul once and steps it by
+// kRngIndexMul per element (unsigned 64-bit arithmetic wraps: the same bits).
+// NOTE: the constant must stay rng.h's; the CPU/GPU stochastic-rounding tests compare
+// every bit, and cuda_backend.cu checks the split against rng_bits() once per process.
+constexpr uint64_t kRngIndexMul = 0x9E3779B97F4A7C15ull;
+__host__ __device__ __forceinline__ uint32_t rng_hash_bits(uint64_t key_plus_index_mul) {
+  return static_cast<uint32_t>(mix64(key_plus_index_mul) >> 32);
+}
 
 // Everything a kernel needs to know about the parameter being updated. Built on the
 // host from forge_param; `vec4` says 4-element vector accesses are legal (cols % 4 == 0
@@ -206,10 +267,12 @@ __device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool 
 
 // ---- state i of a quad, in fp32 ----------------------------------------------------------
 
+// kStateFormat: the state format as a compile-time constant, or kAny (p.state_format).
+template <int kStateFormat = kAny>
 __device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool is_signed,
                                                 int64_t row, int64_t col, int64_t idx, int n,
                                                 bool vec, float (&v)[kQuad]) {
-  switch (p.state_format) {
+  switch (kStateFormat != kAny ? kStateFormat : p.state_format) {
     case FORGE_STATE_FP32:
       load_quad_f32(static_cast<const float*>(p.state[i]), idx, n, vec, v);
       break;
@@ -232,22 +295,26 @@ __device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool 
 // FORGE_STATE_BF16_STOCHASTIC (a step passes true and its key; state conversions pass
 // false = nearest, as the CPU does). For int8 every lane of the warp must call this
 // (absmax shuffle).
+template <int kStateFormat = kAny>
 __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool is_signed,
                                                  int64_t row, int64_t col, int64_t idx, int n,
                                                  bool vec, unsigned keep, int lane16,
                                                  bool stochastic, uint64_t sr_key,
                                                  const float (&v)[kQuad]) {
-  switch (p.state_format) {
+  const int format = kStateFormat != kAny ? kStateFormat : p.state_format;
+  switch (format) {
     case FORGE_STATE_FP32:
       store_quad_f32(static_cast<float*>(p.state[i]), idx, n, vec, keep, v);
       break;
     case FORGE_STATE_BF16:
     case FORGE_STATE_BF16_STOCHASTIC: {
       uint16_t h[kQuad];
-      if (stochastic && p.state_format == FORGE_STATE_BF16_STOCHASTIC) {
+      if (stochastic && format == FORGE_STATE_BF16_STOCHASTIC) {
+        // NOTE: rng_bits(sr_key, idx + e) with the 64-bit multiply done once per quad.
+        uint64_t z = sr_key + static_cast<uint64_t>(idx) * kRngIndexMul;
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e)
-          h[e] = bf16_stochastic(v[e], rng_bits(sr_key, static_cast<uint64_t>(idx + e)));
+        for (int e = 0; e < kQuad; ++e, z += kRngIndexMul)
+          h[e] = bf16_stochastic(v[e], rng_hash_bits(z));
       } else {
 #pragma unroll
         for (int e = 0; e < kQuad; ++e) h[e] = bf16_nearest(v[e]);
@@ -327,13 +394,23 @@ __device__ __forceinline__ void apply_quads(const RuleScalars& r, bool want_sq, 
     return;                                                 \
   }
 
-template <int kQ>
+template <int kQ, class Spec>
 __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool want_sq,
                                                      const int (&n)[kQ],
                                                      const float (&g)[kQ][kQuad],
                                                      float (&w)[kQ][kQuad],
                                                      float (&s)[FORGE_MAX_STATES][kQ][kQuad],
                                                      unsigned (&keep)[kQ], StepTotals& totals) {
+  if constexpr (!Spec::kGeneric) {
+    // The host checked spec_matches(): rule == Spec::kRule, maximize == 0, wd_coupled == 0.
+    // As constants they fold apply_rule's switch and its two run-time branches.
+    RuleScalars r = k;
+    r.rule = Spec::kRule;
+    r.maximize = 0;
+    r.wd_coupled = 0.0f;
+    apply_quads<kQ>(r, want_sq, n, g, w, s, keep, totals);
+    return;
+  }
   switch (k.rule) {
     case FORGE_RULE_SGD: FORGE_RULE_BRANCH(FORGE_RULE_SGD, 0, -1, -1)
     case FORGE_RULE_SGD_MOMENTUM: FORGE_RULE_BRANCH(FORGE_RULE_SGD_MOMENTUM, 0, -1, -1)
@@ -364,27 +441,37 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
 //
 // Quad q: row row[q], columns [col[q], col[q] + n[q]) with n[q] in 0..4 (0: nothing of this
 // lane is in range, but the lane still takes part in the int8 shuffles); col[q] % 4 == 0 and
-// (col[q] % 64) / 4 == lane16, the lane's index in its half-warp. g[q][e] is the fp32
-// gradient of column col[q] + e. Every lane of the warp must call this with the same k, p.
+// (col[q] % 64) / 4 == lane16, the lane's index in its half-warp; idx[q] = row[q] * p.cols +
+// col[q] (the caller computes it, usually by stepping a per-thread offset). g[q][e] is the
+// fp32 gradient of column col[q] + e. Every lane of the warp must call this with the same
+// k, p.
+//
+// Spec: the compile-time configuration (GenericSpec: everything from k and p at run time).
+// kFull: every quad is whole (n[q] == 4) and p.vec4 != 0, so every access is one vector and
+// the per-element range checks disappear (interior tiles).
 //
 // NOTE: kQ > 1 batches the quads phase by phase (all loads, then the rule, then all stores)
 // so kQ quads' worth of loads are in flight at once: the fused epilogue is latency-bound
 // otherwise (one quad is only ~24 B of loads per thread). The compiler cannot reorder the
 // loads of one quad past the stores of another by itself (same arrays, run-time indices).
-template <int kQ>
+template <int kQ, class Spec = GenericSpec, bool kFull = false>
 __device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamView& p,
                                              const int64_t (&row)[kQ], const int64_t (&col)[kQ],
-                                             const int (&n)[kQ], int lane16, bool want_sq,
+                                             const int64_t (&idx)[kQ], const int (&n_in)[kQ],
+                                             int lane16, bool want_sq,
                                              const float (&g)[kQ][kQuad], StepTotals& totals) {
-  int64_t idx[kQ];
+  constexpr int kSF = Spec::kStateFormat;
+  const int weight_format = Spec::kGeneric ? p.weight_format : Spec::kWeightFormat;
+  const int num_states = Spec::kGeneric ? k.num_states : Spec::kNumStates;
+  int n[kQ];
   bool vec[kQ];
   float w[kQ][kQuad];
   float s[FORGE_MAX_STATES][kQ][kQuad];
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
-    idx[q] = row[q] * p.cols + col[q];
-    vec[q] = n[q] == kQuad && p.vec4 != 0;
-    switch (p.weight_format) {
+    n[q] = kFull ? kQuad : n_in[q];
+    vec[q] = kFull || (n[q] == kQuad && p.vec4 != 0);
+    switch (weight_format) {
       case FORGE_WEIGHT_FP32:
         load_quad_f32(static_cast<const float*>(p.weight), idx[q], n[q], vec[q], w[q]);
         break;
@@ -397,11 +484,12 @@ __device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamVi
   }
 #pragma unroll
   for (int i = 0; i < FORGE_MAX_STATES; ++i) {
+    const bool is_signed =
+        Spec::kGeneric ? k.state_signed[i] != 0 : spec_state_signed(Spec::kRule, i);
 #pragma unroll
     for (int q = 0; q < kQ; ++q) {
-      if (i < k.num_states) {
-        load_state_quad(p, i, k.state_signed[i] != 0, row[q], col[q], idx[q], n[q], vec[q],
-                        s[i][q]);
+      if (i < num_states) {
+        load_state_quad<kSF>(p, i, is_signed, row[q], col[q], idx[q], n[q], vec[q], s[i][q]);
       } else {
 #pragma unroll
         for (int e = 0; e < kQuad; ++e) s[i][q][e] = 0.0f;
@@ -410,19 +498,22 @@ __device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamVi
   }
 
   unsigned keep[kQ];  // bit e of keep[q]: element e of quad q was skipped (non-finite gradient)
-  apply_quads_resolved<kQ>(k, want_sq, n, g, w, s, keep, totals);
+  apply_quads_resolved<kQ, Spec>(k, want_sq, n, g, w, s, keep, totals);
 
 #pragma unroll
-  for (int i = 0; i < FORGE_MAX_STATES; ++i)
+  for (int i = 0; i < FORGE_MAX_STATES; ++i) {
+    const bool is_signed =
+        Spec::kGeneric ? k.state_signed[i] != 0 : spec_state_signed(Spec::kRule, i);
 #pragma unroll
     for (int q = 0; q < kQ; ++q)
-      if (i < k.num_states)
-        store_state_quad(p, i, k.state_signed[i] != 0, row[q], col[q], idx[q], n[q], vec[q],
-                         keep[q], lane16, true, k.sr_key[1 + i], s[i][q]);
+      if (i < num_states)
+        store_state_quad<kSF>(p, i, is_signed, row[q], col[q], idx[q], n[q], vec[q], keep[q],
+                              lane16, true, k.sr_key[1 + i], s[i][q]);
+  }
 
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
-    switch (p.weight_format) {
+    switch (weight_format) {
       case FORGE_WEIGHT_FP32:
         store_quad_f32(static_cast<float*>(p.weight), idx[q], n[q], vec[q], keep[q], w[q]);
         break;
@@ -432,16 +523,17 @@ __device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamVi
 #pragma unroll
         for (int e = 0; e < kQuad; ++e) h[e] = bf16_nearest(w[q][e]);
         store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
-        if (p.weight_format == FORGE_WEIGHT_BF16_MASTER)
+        if (weight_format == FORGE_WEIGHT_BF16_MASTER)
           store_quad_f32(p.master, idx[q], n[q], vec[q], keep[q], w[q]);
         break;
       }
       default: {  // FORGE_WEIGHT_BF16_STOCHASTIC
         uint16_t h[kQuad];
+        // NOTE: rng_bits(sr_key[0], idx + e) with the 64-bit multiply done once per quad.
+        uint64_t z = k.sr_key[0] + static_cast<uint64_t>(idx[q]) * kRngIndexMul;
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e)
-          h[e] = bf16_stochastic(w[q][e],
-                                 rng_bits(k.sr_key[0], static_cast<uint64_t>(idx[q] + e)));
+        for (int e = 0; e < kQuad; ++e, z += kRngIndexMul)
+          h[e] = bf16_stochastic(w[q][e], rng_hash_bits(z));
         store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
       }
     }

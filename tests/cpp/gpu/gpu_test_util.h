@@ -18,6 +18,14 @@
 
 namespace fgt {
 
+// Every weight and state format, for the sweeps.
+constexpr forge_weight_format kWeightFormats[] = {FORGE_WEIGHT_FP32, FORGE_WEIGHT_BF16,
+                                                  FORGE_WEIGHT_BF16_STOCHASTIC,
+                                                  FORGE_WEIGHT_BF16_MASTER};
+constexpr forge_state_format kStateFormats[] = {FORGE_STATE_FP32, FORGE_STATE_BF16,
+                                                FORGE_STATE_BF16_STOCHASTIC,
+                                                FORGE_STATE_INT8_BLOCK64};
+
 // True when a CUDA device is present. GPU tests skip themselves otherwise (the CPU-only CI
 // machine builds and lists them, never runs them); scripts/gpu_check.sh fails on skips.
 bool gpu_available();

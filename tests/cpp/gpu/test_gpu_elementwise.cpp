@@ -19,13 +19,6 @@
 namespace fgt {
 namespace {
 
-constexpr forge_weight_format kWeightFormats[] = {FORGE_WEIGHT_FP32, FORGE_WEIGHT_BF16,
-                                                  FORGE_WEIGHT_BF16_STOCHASTIC,
-                                                  FORGE_WEIGHT_BF16_MASTER};
-constexpr forge_state_format kStateFormats[] = {FORGE_STATE_FP32, FORGE_STATE_BF16,
-                                                FORGE_STATE_BF16_STOCHASTIC,
-                                                FORGE_STATE_INT8_BLOCK64};
-
 // A [rows, cols] gradient of the given dtype, N(0, 1) with a NaN and two infinities.
 std::vector<uint8_t> make_grad(int64_t rows, int64_t cols, forge_dtype dtype, uint64_t seed) {
   Operand g = make_operand(rows, cols, dtype, cols, 0, Fill::kNormal, seed);

@@ -17,13 +17,6 @@
 namespace fgt {
 namespace {
 
-constexpr forge_weight_format kWeightFormats[] = {FORGE_WEIGHT_FP32, FORGE_WEIGHT_BF16,
-                                                  FORGE_WEIGHT_BF16_STOCHASTIC,
-                                                  FORGE_WEIGHT_BF16_MASTER};
-constexpr forge_state_format kStateFormats[] = {FORGE_STATE_FP32, FORGE_STATE_BF16,
-                                                FORGE_STATE_BF16_STOCHASTIC,
-                                                FORGE_STATE_INT8_BLOCK64};
-
 struct Shape {
   int64_t rows, cols, tokens;
 };
