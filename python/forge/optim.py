@@ -112,6 +112,7 @@ class _Slot:
         self.signature = None       # (rule, names of states) the states were made for
         self.handles: List[Any] = []
         self.acc_node = None        # W's AccumulateGrad node, held so its hook lives
+        self.marker: Optional[torch.Tensor] = None  # stand-in dW of this backward (see below)
         self.modules: List[nn.Linear] = []
         self.warned_multi_use = False
 
@@ -519,6 +520,10 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                 ref = weakref.ref(slot)
                 slot.handles.append(slot.acc_node.register_prehook(
                     lambda grads, ref=ref: _weight_grad_ready(ref, grads)))
+                # Fallback: torch 2.4's non-reentrant checkpoint runs W's AccumulateGrad
+                # without its pre-hooks (but with its post-hooks); see _on_weight_grad_done.
+                slot.handles.append(slot.acc_node.register_hook(
+                    lambda grad_inputs, grad_outputs, ref=ref: _weight_grad_done(ref)))
                 for m in mods:
                     _linear.patch(m, slot)
                     slot.modules.append(m)
@@ -557,15 +562,26 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             for px, _, pdy, _, _ in slot.pending + [(x2, ldx, dy2, lddy, stream)]:
                 slot.partial = _add_dw(slot.partial, px, pdy)
             slot.pending.clear()
-        return None
+        if slot.uses > 1:
+            return None
+        # NOTE: W's AccumulateGrad pre-hook is where the fused step runs, and torch 2.4's
+        # non-reentrant checkpoint skips that hook when dW is None. So the first use of W in
+        # a backward returns a defined stand-in: one zero expanded to W's shape (no memory).
+        # The hook knows it by identity and drops it; a sum with a dW from another use is a
+        # new tensor and takes the materialized path, as it must.
+        slot.marker = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        return slot.marker
 
     def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
         """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
         if self._accumulate_grad:
             return None  # the Linear returned dW; autograd accumulates it into .grad
-        outside = grads[0] if grads else None
+        arrived = grads[0] if grads else None
+        outside = None if arrived is None or arrived is slot.marker else arrived
+        slot.marker = None
+        consumed = (None,) if arrived is not None else None  # nothing reaches .grad
         if not slot.pending and slot.partial is None and outside is None:
-            return None
+            return consumed
         if slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
         uses = slot.uses + (1 if outside is not None else 0)
@@ -594,7 +610,22 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         slot.pending.clear()
         slot.partial = None
         slot.uses = 0
-        return (None,) if outside is not None else None
+        return consumed
+
+    def _on_weight_grad_done(self, slot: _Slot) -> None:
+        """W's AccumulateGrad post-hook. Normally the pre-hook has already run the update
+        and nothing is left; where the pre-hook was skipped (torch 2.4, non-reentrant
+        checkpoint) the stand-in dW (and any dW from a use outside the Linear) has been
+        accumulated into W.grad: take it back out and run the update from here."""
+        if self._accumulate_grad or (not slot.pending and slot.partial is None):
+            return
+        arrived = slot.param.grad
+        slot.param.grad = None  # W never keeps a .grad
+        # The stand-in was copied (a dense zero tensor); an all-zero sum is no outside use.
+        if arrived is not None and not bool(arrived.any()):
+            arrived = None
+        slot.marker = None  # what arrived is the sum, never the stand-in itself
+        self._on_weight_grad_ready(slot, (arrived,))
 
     def _on_param_grad_ready(self, slot: _Slot) -> None:
         p = slot.param
@@ -781,6 +812,13 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                 self._lib.elementwise_step(args)
         st["step"] = step
         slot.updated_at = self._step_id
+
+
+def _weight_grad_done(ref) -> None:
+    slot = ref()
+    opt = slot.opt_ref() if slot is not None else None
+    if opt is not None and opt._attached:
+        opt._on_weight_grad_done(slot)
 
 
 def _weight_grad_ready(ref, grads):
