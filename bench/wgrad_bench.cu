@@ -79,12 +79,23 @@ __device__ __forceinline__ uint16_t to_bf16(float f) {
 }
 __device__ __forceinline__ float from_bf16(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 
-// Uniform in ±scale, never 0 (non-zero inputs: zeros run faster and hide bugs).
-__global__ void fill_bf16(uint16_t* p, int64_t n, uint64_t seed, float scale) {
+// Uniform in ±scale (or in (0, scale] when `positive`: second moments), never 0 (non-zero
+// inputs: zeros run faster and hide bugs).
+__global__ void fill_bf16(uint16_t* p, int64_t n, uint64_t seed, float scale, bool positive = false) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float u = (hash32(seed * 0x9E3779B97F4A7C15ull + i) + 0.5f) * (1.0f / 4294967296.0f);
-    p[i] = to_bf16(scale * (2.0f * u - 1.0f) + (u < 0.5f ? -1e-3f : 1e-3f) * scale);
+    p[i] = positive ? to_bf16(scale * (u + 0.01f))
+                    : to_bf16(scale * (2.0f * u - 1.0f) + (u < 0.5f ? -1e-3f : 1e-3f) * scale);
   }
+}
+
+// Counts the non-finite bf16 values of p: a benchmark whose weights went NaN times the
+// library's exact fallback path, not the step users run.
+__global__ void count_nonfinite_bf16(const uint16_t* p, int64_t n, unsigned long long* count) {
+  unsigned long long c = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    c += (p[i] & 0x7F80u) == 0x7F80u;
+  if (c) atomicAdd(count, c);
 }
 __global__ void fill_f32(float* p, int64_t n, uint64_t seed, float scale, bool positive) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -315,7 +326,7 @@ int main(int argc, char** argv) {
     fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
     fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
     fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
-    fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f);
+    fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
     fill_bf16<<<grid_for(n), 256>>>(g.as<uint16_t>(), n, 6, 1e-2f);
     forge_param p{};
     p.rows = s.out;
@@ -347,7 +358,7 @@ int main(int argc, char** argv) {
     fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
     fill_bf16<<<grid_for(n), 256>>>(w2.as<uint16_t>(), n, 3, 0.02f);
     fill_bf16<<<grid_for(n), 256>>>(m16.as<uint16_t>(), n, 4, 1e-3f);
-    fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 5, 1e-6f);
+    fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 5, 1e-6f, true);
     fill_f32<<<grid_for(n), 256>>>(master.as<float>(), n, 6, 0.02f, false);
     fill_f32<<<grid_for(n), 256>>>(m32.as<float>(), n, 7, 1e-3f, false);
     fill_f32<<<grid_for(n), 256>>>(v32.as<float>(), n, 8, 1e-6f, true);
@@ -451,6 +462,20 @@ int main(int argc, char** argv) {
                   r.ms[kFusedNoPrefetch], r.ms[kCublasF32], r.ms[kCublasBf16], r.ms[kUnfused],
                   r.ms[kUnfused] / r.ms[kFusedBf16]);
       std::fflush(stdout);
+    }
+    // The timed steps must have run on sane values: a NaN weight or state would make every
+    // later step take the library's exact fallback path instead of the fast one.
+    {
+      DevMem count(8);
+      CHECK_CUDA(cudaMemset(count.p, 0, 8));
+      for (const DevMem* buf : {&w, &w2, &m16, &v16})
+        count_nonfinite_bf16<<<grid_for(n), 256>>>(buf->as<uint16_t>(), n, count.as<unsigned long long>());
+      unsigned long long h = 0;
+      CHECK_CUDA(cudaMemcpy(&h, count.p, 8, cudaMemcpyDeviceToHost));
+      if (h != 0) {
+        std::fprintf(stderr, "%s: %llu non-finite weight/state values after timing: results invalid\n", s.name, h);
+        return 1;
+      }
     }
   }
 

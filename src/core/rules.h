@@ -41,14 +41,35 @@ struct RuleScalars {
   uint64_t sr_key[1 + FORGE_MAX_STATES];  // rng_key per stream: weight, state 0..2
 };
 
+// The two operations of the rules that are not a single instruction everywhere, correctly
+// rounded (IEEE 754): the rules call them through a Math policy so a backend can supply a
+// faster implementation that returns the same bits. IeeeMath is the definition; the CUDA
+// epilogue's FastMath (src/cuda/update.cuh) computes the same results branch-free where it
+// can prove them equal and otherwise reports that the element must be recomputed with
+// IeeeMath.
+struct IeeeMath {
+  // false: apply_rule returns at once on a non-finite gradient. true: it only reports it
+  // through require() and computes on (a batch-wise caller then redoes the batch).
+  static constexpr bool kDeferFiniteCheck = false;
+  FORGE_HD float div(float a, float b) { return a / b; }
+  FORGE_HD float sqrt(float x) { return sqrtf(x); }
+  FORGE_HD void require(bool) {}
+};
+
 // Applies one step to one element. `g` is the raw gradient element (dW), `w`
 // the fp32 weight, `s` the fp32 states. Returns false, touching nothing, when the
 // gradient (after grad_scale) is not finite. `g_out` receives the scaled
 // gradient (for the sum of squares).
-FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, float& g_out) {
+template <class Math>
+FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, float& g_out,
+                         Math& math) {
   g = g * k.grad_scale;
   g_out = g;
-  if (!is_finite(g)) return false;
+  if constexpr (Math::kDeferFiniteCheck) {
+    math.require(is_finite(g));
+  } else {
+    if (!is_finite(g)) return false;
+  }
   if (k.maximize) g = -g;
   if (k.wd_coupled != 0.0f) g = g + k.wd_coupled * w;  // torch: grad.add(param, alpha=wd)
   w = w * k.decay;                                    // torch: param.mul_(1 - lr * wd)
@@ -68,8 +89,8 @@ FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, floa
       const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
       s[0] = m;
       s[1] = v;
-      const float denom = sqrtf(v) / k.bc2_sqrt + k.eps;
-      w = w + k.neg_step_size * (m / denom);
+      const float denom = math.div(math.sqrt(v), k.bc2_sqrt) + k.eps;
+      w = w + k.neg_step_size * math.div(m, denom);
       break;
     }
     case FORGE_RULE_NADAM: {
@@ -77,9 +98,9 @@ FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, floa
       const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
       s[0] = m;
       s[1] = v;
-      const float denom = sqrtf(v / k.bc2) + k.eps;
-      w = w + k.nadam_coef_grad * (g / denom);
-      w = w + k.nadam_coef_avg * (m / denom);
+      const float denom = math.sqrt(math.div(v, k.bc2)) + k.eps;
+      w = w + k.nadam_coef_grad * math.div(g, denom);
+      w = w + k.nadam_coef_avg * math.div(m, denom);
       break;
     }
     case FORGE_RULE_RADAM: {
@@ -87,9 +108,9 @@ FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, floa
       const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
       s[0] = m;
       s[1] = v;
-      const float m_hat = m / k.bc1;
+      const float m_hat = math.div(m, k.bc1);
       if (k.rect_on) {
-        const float adaptive_lr = k.bc2_sqrt / (sqrtf(v) + k.eps);
+        const float adaptive_lr = math.div(k.bc2_sqrt, math.sqrt(v) + k.eps);
         w = w - m_hat * k.lr * adaptive_lr * k.rect;
       } else {
         w = w - m_hat * k.lr;
@@ -110,31 +131,36 @@ FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, floa
       if (k.centered) {
         const float ga = s[k.slot_grad_avg] + k.one_minus_alpha * (g - s[k.slot_grad_avg]);
         s[k.slot_grad_avg] = ga;
-        avg = sqrtf(sq + -1.0f * (ga * ga));  // torch: square_avg.addcmul(ga, ga, value=-1)
+        avg = math.sqrt(sq + -1.0f * (ga * ga));  // torch: square_avg.addcmul(ga, ga, value=-1)
       } else {
-        avg = sqrtf(sq);
+        avg = math.sqrt(sq);
       }
       avg = avg + k.eps;
       if (k.slot_momentum >= 0) {
-        const float buf = s[k.slot_momentum] * k.momentum + g / avg;
+        const float buf = s[k.slot_momentum] * k.momentum + math.div(g, avg);
         s[k.slot_momentum] = buf;
         w = w + k.neg_lr * buf;
       } else {
-        w = w + k.neg_lr * (g / avg);
+        w = w + k.neg_lr * math.div(g, avg);
       }
       break;
     }
     case FORGE_RULE_ADAGRAD: {
       const float sum = s[0] + g * g;
       s[0] = sum;
-      const float std = sqrtf(sum) + k.eps;
-      w = w + k.neg_lr * (g / std);
+      const float std = math.sqrt(sum) + k.eps;
+      w = w + k.neg_lr * math.div(g, std);
       break;
     }
     default:
       break;
   }
   return true;
+}
+
+FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, float& g_out) {
+  IeeeMath math;
+  return apply_rule(k, g, w, s, g_out, math);
 }
 
 }  // namespace forge

@@ -4,6 +4,8 @@
 // What lives where:
 //  - sm80_wgrad.cuh: the fused dW = dYᵀX + optimizer kernels (tensor cores for bf16/fp16,
 //    fp32 SIMT otherwise) and their split-K reduction.
+//  - sm90_wgrad.cuh: the Hopper main loop (TMA + wgmma, sm_90a) in front of the same epilogue;
+//    used on compute capability 9.0 for aligned bf16/fp16 inputs (FORGE_CUDA_WGMMA=0: never).
 //  - update.cuh: the element update every kernel shares (formats + forge::apply_rule).
 //  - this file: launch decisions (kernel, split-K), the split-K workspace cache, the device
 //    guard, error reporting, and the small element-wise kernels.
@@ -12,6 +14,8 @@
 // gradient every kernel here writes the same bits (same core functions, --fmad=false).
 // Every CUDA call is checked and reported as FORGE_ERR_DEVICE / FORGE_ERR_OUT_OF_MEMORY
 // through forge::fail (never an abort); every launch runs on forge_device.stream.
+#include <cuda.h>  // CUtensorMap and its enums; the driver itself is reached through cudart
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -25,6 +29,7 @@
 #include "backend.h"
 #include "core/status.h"
 #include "cuda/sm80_wgrad.cuh"
+#include "cuda/sm90_wgrad.cuh"
 #include "cuda/update.cuh"
 
 namespace forge {
@@ -89,26 +94,45 @@ struct WgradKernel {
   const char* name;
 };
 
-#define FORGE_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                          \
-  WgradKernel {                                                               \
-    wgrad_mma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,                 \
-        spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_mma<bf16, " NAME ">" \
-  }
-
-const WgradKernel kSpecKernels[] = {
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_FP32, "adamw, bf16, fp32"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16, "adamw, bf16 sr, bf16"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, "adamw, bf16 sr, int8"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP32, "adamw, bf16 sr, fp32"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_BF16, "adamw, bf16 + master, bf16"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64, "adamw, bf16 + master, int8"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32, "adamw, bf16 + master, fp32"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_LION, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "lion, bf16, bf16"),
-    FORGE_SPEC_KERNEL(FORGE_RULE_SGD, FORGE_WEIGHT_BF16, kAny, "sgd, bf16"),
+// The Hopper kernels take the operands' TMA descriptors as a second parameter.
+using Sm90KernelFn = void (*)(WgradParams, Sm90TensorMaps);
+struct Sm90Kernel {
+  Sm90KernelFn fn;
+  SpecMatchFn matches;  // nullptr: the generic kernels
+  const char* name;
 };
-#undef FORGE_SPEC_KERNEL
+
+// The specialized configurations, one X(rule, weight format, state format, name) each: the
+// sm80 and the sm90 tables below are both built from this list.
+#define FORGE_SPEC_LIST(X)                                                                       \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16")                   \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8")           \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_FP32, "adamw, bf16, fp32")                   \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16, "adamw, bf16 sr, bf16")     \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,                     \
+    "adamw, bf16 sr, int8")                                                                      \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP32, "adamw, bf16 sr, fp32")     \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_BF16, "adamw, bf16 + master, bf16")   \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64,                         \
+    "adamw, bf16 + master, int8")                                                                \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32, "adamw, bf16 + master, fp32")   \
+  X(FORGE_RULE_LION, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "lion, bf16, bf16")                     \
+  X(FORGE_RULE_SGD, FORGE_WEIGHT_BF16, kAny, "sgd, bf16")
+
+#define FORGE_SM80_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                      \
+  WgradKernel{wgrad_mma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,        \
+              spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_mma<bf16, " NAME ">"},
+#define FORGE_SM90_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                      \
+  Sm90Kernel{wgrad_wgmma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,       \
+             spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma<bf16, " NAME ">"},
+
+const WgradKernel kSpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM80_SPEC_KERNEL)};
+// NOTE: each entry is one more sm_90a copy of the main loop + epilogue (ptxas time); the
+// other passes compile a stub.
+const Sm90Kernel kSm90SpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_SPEC_KERNEL)};
+#undef FORGE_SM80_SPEC_KERNEL
+#undef FORGE_SM90_SPEC_KERNEL
+#undef FORGE_SPEC_LIST
 
 const WgradKernel kGenericKernels[] = {
     {wgrad_mma_kernel<false>, nullptr, "wgrad_mma<bf16>"},
@@ -116,11 +140,22 @@ const WgradKernel kGenericKernels[] = {
     {wgrad_simt_kernel, nullptr, "wgrad_simt"},
 };
 
+const Sm90Kernel kSm90GenericKernels[] = {
+    {wgrad_wgmma_kernel<false>, nullptr, "wgrad_wgmma<bf16>"},
+    {wgrad_wgmma_kernel<true>, nullptr, "wgrad_wgmma<fp16>"},
+};
+
 // The bf16-input kernel for (k, weight format, state format): a specialized one if listed.
 WgradKernelFn pick_bf16_kernel(const RuleScalars& k, int weight_format, int state_format) {
   for (const WgradKernel& kernel : kSpecKernels)
     if (kernel.matches(k, weight_format, state_format)) return kernel.fn;
   return wgrad_mma_kernel<false>;
+}
+
+Sm90KernelFn pick_bf16_sm90_kernel(const RuleScalars& k, int weight_format, int state_format) {
+  for (const Sm90Kernel& kernel : kSm90SpecKernels)
+    if (kernel.matches(k, weight_format, state_format)) return kernel.fn;
+  return wgrad_wgmma_kernel<false>;
 }
 
 // update.cuh's stochastic rounding computes rng_bits(key, i) as
@@ -137,6 +172,7 @@ bool rng_split_matches() {
 // Per-device facts and one-time kernel attributes, cached (thread-safe).
 struct DeviceInfo {
   int num_sms = 0;
+  bool wgmma = false;  // the sm_90a kernels can run here (device_info says when)
   bool kernels_configured = false;
 };
 
@@ -150,32 +186,65 @@ forge_status device_info(int index, DeviceInfo* out) {
     if (!rng_split_matches())
       return fail(FORGE_ERR_INTERNAL, "CUDA: update.cuh's kRngIndexMul differs from rng.h");
     FORGE_CUDA_TRY(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index));
-    const int bytes = static_cast<int>(kWgradSmemBytes);
     const bool verbose = std::getenv("FORGE_CUDA_VERBOSE") != nullptr;
-    auto configure = [&](const WgradKernel& kernel) -> forge_status {
-      const void* const fn = reinterpret_cast<const void*>(kernel.fn);
+    auto configure = [&](const void* fn, const char* name, size_t smem_bytes) -> forge_status {
+      const int bytes = static_cast<int>(smem_bytes);
       FORGE_CUDA_TRY(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-      // NOTE: ask for the largest shared-memory carveout, so two 68 KiB CTAs fit per SM
-      // (the driver may otherwise pick a smaller carveout and run one).
+      // NOTE: ask for the largest shared-memory carveout, so two CTAs (68 KiB sm80, 97 KiB
+      // sm90) fit per SM (the driver may otherwise pick a smaller carveout and run one).
       FORGE_CUDA_TRY(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
                                           cudaSharedmemCarveoutMaxShared));
       if (verbose) {
         int ctas = 0;
         cudaFuncAttributes attr{};
-        FORGE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fn, kThreads, kWgradSmemBytes));
+        FORGE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fn, kThreads, smem_bytes));
         FORGE_CUDA_TRY(cudaFuncGetAttributes(&attr, fn));
         std::fprintf(stderr,
                      "forge cuda: device %d, %d SMs: %s: %d CTAs/SM of %d threads, %d registers, "
                      "%zu B local, %zu B static + %zu B dynamic shared\n",
-                     index, info.num_sms, kernel.name, ctas, kThreads, attr.numRegs,
-                     attr.localSizeBytes, attr.sharedSizeBytes, kWgradSmemBytes);
+                     index, info.num_sms, name, ctas, kThreads, attr.numRegs,
+                     attr.localSizeBytes, attr.sharedSizeBytes, smem_bytes);
       }
       return FORGE_OK;
     };
     for (const WgradKernel& kernel : kGenericKernels)
-      if (forge_status s = configure(kernel)) return s;
+      if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
+                                     kWgradSmemBytes))
+        return s;
     for (const WgradKernel& kernel : kSpecKernels)
-      if (forge_status s = configure(kernel)) return s;
+      if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
+                                     kWgradSmemBytes))
+        return s;
+    // The Hopper kernels: only on compute capability 9.0 (sm_90a code runs nowhere else), and
+    // only when the code loaded for this device is the sm_90a build of them. The stub that
+    // every other pass compiles has no static shared memory; the real kernel has (its
+    // mbarriers), so sharedSizeBytes tells the two apart, also in a "90;90a" build.
+    int major = 0, minor = 0;
+    FORGE_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
+    FORGE_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index));
+    if (major == 9 && minor == 0) {
+      cudaFuncAttributes attr{};
+      const cudaError_t e =
+          cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kSm90GenericKernels[0].fn));
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();  // no loadable code for it: the sm80 kernels it is
+      } else {
+        info.wgmma = attr.binaryVersion == 90 && attr.sharedSizeBytes > 0;
+      }
+      if (verbose)
+        std::fprintf(stderr, "forge cuda: device %d: sm_90a wgmma kernels %s\n", index,
+                     info.wgmma ? "available" : "not in this build");
+    }
+    if (info.wgmma) {
+      for (const Sm90Kernel& kernel : kSm90GenericKernels)
+        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
+                                       kSm90SmemBytes))
+          return s;
+      for (const Sm90Kernel& kernel : kSm90SpecKernels)
+        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
+                                       kSm90SmemBytes))
+          return s;
+    }
     info.kernels_configured = true;
   }
   *out = info;
@@ -273,6 +342,61 @@ ParamView make_param_view(const forge_param& p, int num_states) {
 bool epilogue_prefetch_enabled() {
   const char* v = std::getenv("FORGE_CUDA_EPILOGUE_PREFETCH");
   return !(v && v[0] == '0');
+}
+
+// Environment switch: FORGE_CUDA_WGMMA=0 keeps the sm80 kernels on Hopper too (A/B
+// benchmarks, and the test suite on both paths). Default on.
+bool wgmma_enabled() {
+  const char* v = std::getenv("FORGE_CUDA_WGMMA");
+  return !(v && v[0] == '0');
+}
+
+// ---- TMA descriptors (sm90) ------------------------------------------------------------------------
+
+// cuTensorMapEncodeTiled, from the driver through cudart (no -lcuda), looked up once.
+forge_status tensor_map_encoder(PFN_cuTensorMapEncodeTiled_v12000* out) {
+  static std::once_flag once;
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static cudaError_t error = cudaSuccess;
+  static cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSuccess;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                             cudaEnableDefault, &query);
+    if (error != cudaSuccess) (void)cudaGetLastError();
+    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  if (error != cudaSuccess)
+    return fail(FORGE_ERR_DEVICE, "CUDA: cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled) "
+                "failed: %s", cudaGetErrorString(error));
+  if (query != cudaDriverEntryPointSuccess || fn == nullptr)
+    return fail(FORGE_ERR_DEVICE, "CUDA: the driver has no cuTensorMapEncodeTiled (query result %d)",
+                static_cast<int>(query));
+  *out = fn;
+  return FORGE_OK;
+}
+
+// The TMA descriptor of a [tokens, extent] 16-bit operand (row-major, ld elements per token):
+// dims {extent, tokens}, boxes of 64 columns × kSm90BK tokens, 128B swizzle, zero fill out of
+// range (T not a multiple of 64, extent not a multiple of 128).
+forge_status encode_operand_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map,
+                                const void* base, int dtype, int64_t extent, int64_t tokens,
+                                int64_t ld, const char* what) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(extent), static_cast<cuuint64_t>(tokens)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};  // bytes, dim 1
+  const cuuint32_t box[2] = {kSm90BoxCols, kSm90BK};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(
+      map, dtype == FORGE_DTYPE_FP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      2, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return fail(FORGE_ERR_DEVICE,
+                "CUDA: cuTensorMapEncodeTiled(%s: %lld x %lld, ld %lld) failed: CUresult %d", what,
+                static_cast<long long>(tokens), static_cast<long long>(extent),
+                static_cast<long long>(ld), static_cast<int>(r));
+  return FORGE_OK;
 }
 
 // ---- element-wise kernels ------------------------------------------------------------------------
@@ -399,18 +523,33 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   if (tiles > INT32_MAX)
     return fail(FORGE_ERR_UNSUPPORTED, "CUDA: param %lld x %lld has more than 2^31 tiles",
                 static_cast<long long>(param.rows), static_cast<long long>(param.cols));
-  const int64_t ktiles = (a.tokens + kBK - 1) / kBK;
 
-  // Split-K: only when the tiles alone leave SMs idle, at least kMinKTilesPerSplit k-tiles
-  // (256 tokens) per split so the partial round trip (2 × 64 KiB per CTA) stays small next
-  // to the split's GEMM work, and never more partials than workspace slots (= SMs).
+  // The Hopper main loop (TMA + wgmma) when this device runs it and the inputs suit TMA:
+  // bf16/bf16 or fp16/fp16, 16 B aligned bases, row strides a multiple of 16 B, and
+  // coordinates within TMA's signed 32-bit range. Anything else: the sm80 kernels.
+  const bool bf16_inputs = a.x_dtype == FORGE_DTYPE_BF16 && a.dy_dtype == FORGE_DTYPE_BF16;
+  const bool fp16_inputs = a.x_dtype == FORGE_DTYPE_FP16 && a.dy_dtype == FORGE_DTYPE_FP16;
+  constexpr int64_t kTmaCoordMax = INT32_MAX - 2 * kBM;
+  const bool use_wgmma = info.wgmma && (bf16_inputs || fp16_inputs) && wgmma_enabled() &&
+                         aligned16(a.x) && aligned16(a.dy) && a.ldx % 8 == 0 &&
+                         a.lddy % 8 == 0 && param.rows <= kTmaCoordMax &&
+                         param.cols <= kTmaCoordMax && a.tokens <= kTmaCoordMax;
+
+  // Tokens per k-tile: each kernel's own pipeline stage (split-K counts in k-tiles).
+  const int64_t bk = use_wgmma ? kSm90BK : kBK;
+  const int64_t ktiles = (a.tokens + bk - 1) / bk;
+
+  // Split-K: only when the tiles alone leave SMs idle, at least kMinSplitTokens tokens per
+  // split so the partial round trip (2 × 64 KiB per CTA) stays small next to the split's
+  // GEMM work, and never more partials than workspace slots (= SMs).
   // NOTE: the bound tiles × splits ≤ SMs is what keeps the workspace O(SMs × tile).
-  constexpr int64_t kMinKTilesPerSplit = 8;
+  constexpr int64_t kMinSplitTokens = 256;
+  const int64_t min_ktiles_per_split = kMinSplitTokens / bk;
   constexpr int64_t kMaxSplits = 64;
   int64_t splits = 1;
-  if (tiles < info.num_sms && ktiles >= 2 * kMinKTilesPerSplit) {
+  if (tiles < info.num_sms && ktiles >= 2 * min_ktiles_per_split) {
     splits = info.num_sms / tiles;
-    splits = splits < ktiles / kMinKTilesPerSplit ? splits : ktiles / kMinKTilesPerSplit;
+    splits = splits < ktiles / min_ktiles_per_split ? splits : ktiles / min_ktiles_per_split;
     splits = splits < kMaxSplits ? splits : kMaxSplits;
     if (splits < 1) splits = 1;
   }
@@ -445,10 +584,25 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   }
 
   const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
-  if (a.x_dtype == FORGE_DTYPE_BF16 && a.dy_dtype == FORGE_DTYPE_BF16) {
+  if (use_wgmma) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (forge_status s = tensor_map_encoder(&encode)) return s;
+    Sm90TensorMaps maps;
+    std::memset(&maps, 0, sizeof(maps));
+    if (forge_status s = encode_operand_map(encode, &maps.dy, a.dy, a.dy_dtype, param.rows,
+                                            a.tokens, a.lddy, "dy"))
+      return s;
+    if (forge_status s = encode_operand_map(encode, &maps.x, a.x, a.x_dtype, param.cols,
+                                            a.tokens, a.ldx, "x"))
+      return s;
+    const Sm90KernelFn kernel =
+        fp16_inputs ? wgrad_wgmma_kernel<true>
+                    : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format);
+    kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
+  } else if (bf16_inputs) {
     const WgradKernelFn kernel = pick_bf16_kernel(k, param.weight_format, param.state_format);
     kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
-  } else if (a.x_dtype == FORGE_DTYPE_FP16 && a.dy_dtype == FORGE_DTYPE_FP16) {
+  } else if (fp16_inputs) {
     wgrad_mma_kernel<true><<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   } else {
     wgrad_simt_kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);

@@ -259,6 +259,67 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
   // vector quads, no per-element range checks. Only specialized kernels carry it; the
   // generic kernel keeps one (checked) copy to hold its compile time.
   const bool full = !Spec::kGeneric && m0 + kBM <= rows && n0 + kBN <= cols && a.p.vec4 != 0;
+  // NOTE: software-pipelined: the weight and states of pass + 1 are loaded (raw) before
+  // pass is updated, so each thread keeps one pass of loads in flight during its arithmetic
+  // instead of waiting on memory at the top of every pass. Only where one batch fits in
+  // 12 registers (bf16 weight with bf16 or int8 states): with fp32 states or an fp32
+  // master, the extra registers made ptxas spill 20-100 B next to the accumulators.
+  constexpr bool kPipelined = !Spec::kGeneric && raw_quads_words<Spec, kQ>() <= 12;
+  if constexpr (kPipelined) {
+    if (full) {
+      RawQuads<Spec, kQ> next;
+      {
+        int64_t row[kQ], col[kQ], idx[kQ];
+#pragma unroll
+        for (int q = 0; q < kQ; ++q) {
+          row[q] = m0 + rsub;
+          col[q] = n0 + q * (kBN / 2) + lane16 * kQuad;
+          idx[q] = idx0 + q * (kBN / 2);
+        }
+        next.load(a.p, row, col, idx);
+      }
+#pragma unroll 1
+      for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, idx0 += idx_step) {
+        const int r = pass * kRowsPerPass + rsub;
+        const RawQuads<Spec, kQ> cur = next;
+        int64_t row[kQ], col[kQ], idx[kQ];
+        int n[kQ];
+        bool vec[kQ];
+        float g[kQ][kQuad];
+#pragma unroll
+        for (int q = 0; q < kQ; ++q) {
+          const int c = q * (kBN / 2) + lane16 * kQuad;
+          row[q] = m0 + r;
+          col[q] = n0 + c;
+          idx[q] = idx0 + q * (kBN / 2);
+          n[q] = kQuad;
+          vec[q] = true;
+          const float4 v = *reinterpret_cast<const float4*>(&sC[r * kLdC + c]);
+          g[q][0] = v.x;
+          g[q][1] = v.y;
+          g[q][2] = v.z;
+          g[q][3] = v.w;
+        }
+        {
+          // NOTE: unconditional (the last pass reloads its own operands, a few L1/L2 hits):
+          // under an `if` the compiler scheduled these loads after the update below.
+          const bool last = pass + 1 == kBM / kRowsPerPass;
+          int64_t row_next[kQ], idx_next[kQ];
+#pragma unroll
+          for (int q = 0; q < kQ; ++q) {
+            row_next[q] = last ? row[q] : row[q] + kRowsPerPass;
+            idx_next[q] = last ? idx[q] : idx[q] + idx_step;
+          }
+          next.load(a.p, row_next, col, idx_next);
+        }
+        float w[kQ][kQuad], s[FORGE_MAX_STATES][kQ][kQuad];
+        cur.unpack(w, s);
+        update_loaded<kQ, Spec>(a.k, a.p, row, col, idx, n, vec, lane16, want_sq, g, w, s,
+                                totals);
+      }
+      return;
+    }
+  }
   if (full) {
 #pragma unroll 1
     for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, idx0 += idx_step) {

@@ -1,0 +1,339 @@
+// sm90_wgrad.cuh — the Hopper (sm_90a) main loop of the fused weight-gradient + optimizer
+// kernel: TMA loads into a 128B-swizzled shared-memory ring, wgmma on the tensor cores.
+//
+// Same contract as wgrad_mma_kernel (sm80_wgrad.cuh): one CTA owns one kBM × kBN = 128 × 128
+// tile of dW = dYᵀ·X, sums tokens [kt0·64, (kt0 + nk)·64) of it in fp32 registers, stages the
+// tile in shared memory (sC, [kBM][kLdC] floats, exactly the sm80 kernel's layout) and hands it
+// to the same finish_tile<Spec> (split-K reduction, optimizer update, by-products). Only the
+// way the tile is summed differs; the epilogue, rules and formats are shared code.
+//
+// Why a second main loop: on the H200 the sm80 loop (cp.async + ldmatrix + mma.sync) reaches
+// ~185 TFLOP/s at T = 4096 with the tensor pipe 28% busy, because per k-tile every thread
+// recomputes 64-bit cp.async addresses and issues ldmatrix/mma.sync one 16 × 8 tile at a time
+// (bench/NOTES.md). Here one thread issues the copies (TMA: 4 instructions per 64 tokens, no
+// address math, out-of-range rows and columns zero-filled by the copy engine) and each
+// warpgroup issues 4 wgmma m64n128k16 per 64 tokens, reading both operands straight from
+// shared memory: the main loop's issue cost all but disappears, leaving the issue slots to
+// the other CTA's epilogue.
+//
+//  - 256 threads = 2 warpgroups; warpgroup g computes rows 64g..64g+63 × all 128 columns
+//    (64 fp32 accumulators per thread, like the sm80 kernel), two CTAs per SM.
+//  - Both operands have T as the slow dimension, so in shared memory both are "MN-major"
+//    (transposed in wgmma terms): a stage holds, per operand, two TMA boxes of 64 tokens ×
+//    64 columns (128 B rows, 128B swizzle), i.e. the canonical MN-major SW128 layout:
+//    swizzle atoms of 8 tokens × 64 columns (1 KiB), atoms along K at 1 KiB (the descriptor's
+//    stride byte offset), the two 64-column halves of B at 8 KiB (its leading byte offset).
+//  - Pipeline: kSm90Stages stages, full[s] (TMA transaction bytes) and empty[s] (one arrival
+//    per warpgroup once its wgmmas that read stage s are complete) mbarriers; thread 0 is
+//    also the producer. One wgmma batch stays in flight (commit / wait_group 1).
+//
+// Built only for sm_90a (wgmma needs the arch-specific target); every other pass gets a
+// stub that traps, and the host (cuda_backend.cu) launches this kernel only on a compute
+// capability 9.0 device whose loaded code is sm_90a, for bf16/bf16 or fp16/fp16 inputs with
+// 16 B aligned bases and ld % 8 == 0 (the TMA stride rule).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (types only: the driver is reached through cudart)
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda/sm80_wgrad.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FORGE_SM90A_DEVICE_PASS 1
+#endif
+
+namespace forge {
+namespace cuda {
+
+// NOTE: 64 tokens × 3 stages, not 32 × 6 (same shared memory, 5 stages in flight instead of
+// 2): measured 0.291 vs 0.350 ms on 4096² at T = 4096 (bench/NOTES.md, v5).
+constexpr int kSm90BK = 64;        // tokens per stage: 4 wgmma k-steps of 16
+constexpr int kSm90Stages = 3;
+constexpr int kSm90BoxCols = 64;   // columns per TMA box: 64 halves = one 128 B swizzle row
+constexpr int kSm90BoxBytes = kSm90BK * kSm90BoxCols * 2;  // 8 KiB: [64 tokens][64 cols] 16-bit
+constexpr int kSm90StageBytes = 4 * kSm90BoxBytes;        // dY: 2 boxes, X: 2 boxes = 32 KiB
+constexpr int kSm90Align = 1024;   // the SW128 atom: TMA and the wgmma descriptors assume it
+// NOTE: 3 stages × 32 KiB = 96 KiB (+ 1 KiB for the alignment) so that two CTAs fit per SM:
+// one CTA's ALU-bound epilogue then runs beside the other's wgmma main loop. The ring is
+// reused as sC (68 KiB) after the main loop.
+constexpr size_t kSm90RingBytes = size_t(kSm90Stages) * kSm90StageBytes;
+constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90Align;
+// NOTE: the L2 prefetch of the epilogue's operands is issued this many 64-token k-tiles
+// before the main loop ends: 192 tokens, the sm80 kernel's 6 × 32.
+constexpr int kSm90PrefetchLead = 192 / kSm90BK;
+static_assert(kBM == 2 * kSm90BoxCols && kBN == 2 * kSm90BoxCols, "two boxes per operand");
+static_assert(kSm90SmemBytes <= 100 * 1024, "two CTAs per SM (228 KiB, 1 KiB reserved each)");
+static_assert(kThreads == 256, "two warpgroups");
+
+// The two operands' TMA descriptors, encoded on the host (cuTensorMapEncodeTiled) and passed
+// by value as a __grid_constant__ kernel parameter.
+struct Sm90TensorMaps {
+  CUtensorMap dy;  // dY: [T, M] row-major, ld = lddy; dims {M, T}, box {64, 64}, SW128
+  CUtensorMap x;   // X:  [T, N] row-major, ld = ldx;  dims {N, T}, box {64, 64}, SW128
+};
+
+#if defined(FORGE_SM90A_DEVICE_PASS)
+
+// ---- PTX wrappers (sm_90a) ------------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
+// Waits until phase `parity` of the barrier has completed.
+// NOTE: debug builds (no NDEBUG) and builds with FORGE_CUDA_WATCHDOG trap after 10 s of
+// waiting, so a pipeline bug ends the launch with an error instead of hanging the GPU.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if !defined(NDEBUG) || defined(FORGE_CUDA_WATCHDOG)
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t start = global_timer_ns();
+  while (!mbar_try_wait(bar, parity))
+    if (global_timer_ns() - start > 10000000000ull) __trap();
+#else
+  while (!mbar_try_wait(bar, parity)) {
+  }
+#endif
+}
+
+// One TMA box (64 columns × 64 tokens) at (col, token) of `map` into shared memory at `dst`;
+// completes `bytes` on `bar`. Out-of-range elements are written as zeros.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int32_t col, int32_t token) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(token)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma
+// (it emits no instruction).
+__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor of an MN-major, 128B-swizzled operand (PTX ISA "Matrix
+// Descriptor Format"): bits 0-13 start address >> 4; 16-29 leading byte offset >> 4 (for
+// MN-major swizzled layouts: from one 64-element swizzle atom to the next along M or N);
+// 32-45 stride byte offset >> 4 (from one 8-row group along K to the next); 49-51 base
+// offset (0: every atom starts 1 KiB aligned); 62-63 layout (1 = 128B swizzle).
+__device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32) |
+         (1ull << 62);
+}
+
+#define FORGE_ACC8(i)                                                                   \
+  "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),       \
+      "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FORGE_WGMMA_M64N128K16(TYPE)                                                    \
+  asm volatile(                                                                         \
+      "{\n"                                                                             \
+      ".reg .pred p;\n"                                                                 \
+      "setp.ne.b32 p, %66, 0;\n"                                                        \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n"                 \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}," \
+      " %64, %65, p, 1, 1, 1, 1;\n"                                                     \
+      "}\n"                                                                             \
+      : FORGE_ACC8(0), FORGE_ACC8(8), FORGE_ACC8(16), FORGE_ACC8(24), FORGE_ACC8(32),   \
+        FORGE_ACC8(40), FORGE_ACC8(48), FORGE_ACC8(56)                                  \
+      : "l"(desc_a), "l"(desc_b), "n"(1))
+
+// d[64] += A (64 × 16, MN-major in shared memory) · B (16 × 128, MN-major): both operands
+// transposed (the two trailing 1s: tnspA, tnspB), scale-d = 1 (accumulate).
+template <bool kFp16>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a,
+                                                 uint64_t desc_b) {
+  if constexpr (kFp16) {
+    FORGE_WGMMA_M64N128K16("f16");
+  } else {
+    FORGE_WGMMA_M64N128K16("bf16");
+  }
+}
+#undef FORGE_WGMMA_M64N128K16
+#undef FORGE_ACC8
+
+#endif  // FORGE_SM90A_DEVICE_PASS
+
+// ---- the kernel ---------------------------------------------------------------------------------
+
+// Spec: the epilogue's compile-time configuration (update.cuh); GenericSpec for any.
+template <bool kFp16, class Spec = GenericSpec>
+__global__ void __launch_bounds__(kThreads, 2)
+    wgrad_wgmma_kernel(const WgradParams a, const __grid_constant__ Sm90TensorMaps maps) {
+#if defined(FORGE_SM90A_DEVICE_PASS)
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t s_full[kSm90Stages];   // TMA bytes of stage s landed
+  __shared__ __align__(8) uint64_t s_empty[kSm90Stages];  // both warpgroups done reading s
+  // NOTE: aligned by hand: static shared memory (the barriers, the epilogue's reductions)
+  // precedes the dynamic part, so its start is not necessarily 1 KiB aligned.
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  const uint32_t ring = (raw_addr + kSm90Align - 1) & ~uint32_t(kSm90Align - 1);
+  // ring: [kSm90Stages][dY box 0, dY box 1, X box 0, X box 1], each [64 tokens][64 cols] SW128
+  float* const sC = reinterpret_cast<float*>(smem_raw + (ring - raw_addr));  // [kBM][kLdC] after
+  const uint32_t full0 = smem_addr(&s_full[0]), empty0 = smem_addr(&s_empty[0]);
+
+  const int warpgroup = threadIdx.x / 128;
+  int tm, tn;
+  tile_coords(a, blockIdx.x, tm, tn);
+  const int64_t m0 = static_cast<int64_t>(tm) * kBM, n0 = static_cast<int64_t>(tn) * kBN;
+  const int64_t ktiles = (a.tokens + kSm90BK - 1) / kSm90BK;
+  const int64_t kt0 = static_cast<int64_t>(blockIdx.z) * a.ktiles_per_split;
+  const int nk = static_cast<int>(min64(a.ktiles_per_split, ktiles - kt0));
+
+  // Producer (thread 0): the four boxes of k-tile kt into stage `stage`.
+  auto issue_stage = [&](int stage, int64_t kt) {
+    const uint32_t bar = full0 + 8 * stage;
+    const uint32_t dst = ring + stage * kSm90StageBytes;
+    const int32_t token = static_cast<int32_t>(kt * kSm90BK);
+    mbar_arrive_expect_tx(bar, kSm90StageBytes);
+    tma_load_2d(dst, &maps.dy, bar, static_cast<int32_t>(m0), token);
+    tma_load_2d(dst + kSm90BoxBytes, &maps.dy, bar, static_cast<int32_t>(m0) + kSm90BoxCols,
+                token);
+    tma_load_2d(dst + 2 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0), token);
+    tma_load_2d(dst + 3 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0) + kSm90BoxCols,
+                token);
+  };
+
+  if (threadIdx.x == 0) {
+    tma_prefetch_descriptor(&maps.dy);
+    tma_prefetch_descriptor(&maps.x);
+#pragma unroll
+    for (int s = 0; s < kSm90Stages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 2);  // one arrival per warpgroup
+    }
+    // The initialized barriers must be visible to the copy engine (the async proxy).
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#pragma unroll
+    for (int s = 0; s < kSm90Stages; ++s)
+      if (s < nk) issue_stage(s, kt0 + s);
+  }
+  __syncthreads();
+
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+
+  // Descriptors of k-step 0 of stage 0; a k-step of 16 tokens is 2 KiB further, a stage
+  // kSm90StageBytes. A: this warpgroup's 64 rows = dY box `warpgroup` (one atom along M; the
+  // leading byte offset is unused). B: both X boxes, 8 KiB apart (the leading byte offset).
+  const uint64_t desc_a0 =
+      sw128_mn_desc(ring + warpgroup * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
+  const uint64_t desc_b0 = sw128_mn_desc(ring + 2 * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
+  const int prefetch_at = a.prefetch ? max(nk - kSm90PrefetchLead, 0) : -1;
+
+  int stage = 0;
+  uint32_t phase = 0;
+#pragma unroll 1
+  for (int it = 0; it < nk; ++it) {
+    mbar_wait(full0 + 8 * stage, phase);  // k-tile `it` has landed in `stage`
+    fence_accumulators(acc);
+    wgmma_fence();
+    const uint64_t stage_off = static_cast<uint64_t>(stage * kSm90StageBytes) >> 4;
+#pragma unroll
+    for (int kk = 0; kk < kSm90BK / 16; ++kk) {
+      const uint64_t k_off = static_cast<uint64_t>(kk * 16 * 128) >> 4;  // 16 token rows
+      wgmma_m64n128k16<kFp16>(acc, desc_a0 + stage_off + k_off, desc_b0 + stage_off + k_off);
+    }
+    wgmma_commit();
+    // NOTE: keep this k-tile's batch in flight; the previous one is complete after this,
+    // so its stage goes back to the producer.
+    wgmma_wait<1>();
+    fence_accumulators(acc);
+    if (it > 0) {
+      const int prev = stage == 0 ? kSm90Stages - 1 : stage - 1;
+      if (threadIdx.x % 128 == 0) mbar_arrive(empty0 + 8 * prev);
+      if (threadIdx.x == 0 && it - 1 + kSm90Stages < nk) {
+        // Both warpgroups must be done with k-tile it - 1 before its stage is overwritten.
+        mbar_wait(empty0 + 8 * prev, static_cast<uint32_t>((it - 1) / kSm90Stages) & 1u);
+        issue_stage(prev, kt0 + it - 1 + kSm90Stages);
+      }
+      __syncwarp();
+    }
+    if (it == prefetch_at) prefetch_update_operands(a, m0, n0);
+    if (++stage == kSm90Stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+  __syncthreads();  // every wgmma has read its stage: the ring becomes sC
+
+  // wgmma accumulator layout (m64nNk16, f32): warp w of the warpgroup, lane l holds rows
+  // 16w + l/4 and 16w + l/4 + 8; for each 8-column block j, acc[4j], acc[4j + 1] are
+  // (row l/4, columns 8j + 2(l%4) + {0, 1}) and acc[4j + 2], acc[4j + 3] the same columns
+  // 8 rows down. The same float2 pattern as the sm80 fragments: no bank conflicts at kLdC.
+  const int lane = threadIdx.x % 32, warp_in_group = (threadIdx.x / 32) % 4;
+  const int r = warpgroup * 64 + warp_in_group * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < kBN / 8; ++j) {
+    const int c = j * 8 + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(&sC[r * kLdC + c]) = make_float2(acc[4 * j], acc[4 * j + 1]);
+    *reinterpret_cast<float2*>(&sC[(r + 8) * kLdC + c]) =
+        make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+  }
+  __syncthreads();
+  finish_tile<Spec>(a, sC, m0, n0);
+#else
+  // Not an sm_90a pass: the host never launches this kernel here (cuda_backend.cu).
+  (void)a;
+  (void)maps;
+  __trap();
+#endif
+}
+
+}  // namespace cuda
+}  // namespace forge

@@ -1,0 +1,219 @@
+// test_gpu_fast_math.cu — the fused epilogue's branch-free fast paths (src/cuda/update.cuh:
+// FastMath::div, FastMath::sqrt, bf16x2_nearest_nonnan) against the reference they replace,
+// on the device, bit for bit:
+//  - sqrt: every float. Inside FastMath's domain the result must equal IEEE sqrt (__fsqrt_rn);
+//    outside it FastMath must decline (ok = false).
+//  - div: 2^30 random (a, b) pairs with exponents drawn across the whole domain and beyond,
+//    every b mantissa against fixed a, and special values. Inside the domain the result must
+//    equal IEEE division (__fdiv_rn); outside it FastMath must decline.
+//  - bf16x2_nearest_nonnan: every non-NaN float in both halves against formats.h's
+//    bf16_nearest.
+// Any difference would break the CPU/GPU bit equality of the fused step.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "core/formats.h"
+#include "core/rng.h"
+#include "cuda/update.cuh"
+#include "gpu_test_util.h"
+
+namespace fgt {
+namespace {
+
+using forge::cuda::FastMath;
+
+struct Counts {
+  unsigned long long wrong;     // in the domain, a result other than the reference
+  unsigned long long declined;  // in the domain, but FastMath said no
+  unsigned long long accepted;  // outside the domain, but FastMath said yes
+  unsigned long long checked;   // in-domain cases compared
+};
+
+__device__ void add_counts(Counts* out, unsigned long long wrong, unsigned long long declined,
+                           unsigned long long accepted, unsigned long long checked) {
+  if (wrong) atomicAdd(&out->wrong, wrong);
+  if (declined) atomicAdd(&out->declined, declined);
+  if (accepted) atomicAdd(&out->accepted, accepted);
+  if (checked) atomicAdd(&out->checked, checked);
+}
+
+// The domains, restated independently of update.cuh.
+__device__ bool sqrt_domain(float x) {  // positive normal >= 2^-101, finite
+  return x >= 0x1p-101f && x <= 3.40282347e38f;
+}
+__device__ bool div_domain(float x) {
+  const float a = fabsf(x);
+  return a >= 0x1p-62f && a < 0x1p62f;
+}
+
+__global__ void check_sqrt_all(Counts* out) {
+  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const float x = __uint_as_float(static_cast<uint32_t>(i));
+    FastMath m;
+    const float got = m.sqrt(x);
+    if (sqrt_domain(x)) {
+      ++checked;
+      if (!m.ok) ++declined;
+      else if (__float_as_uint(got) != __float_as_uint(__fsqrt_rn(x))) ++wrong;
+    } else if (m.ok) {
+      ++accepted;
+    }
+  }
+  add_counts(out, wrong, declined, accepted, checked);
+}
+
+__device__ uint32_t hash32(uint64_t z) { return static_cast<uint32_t>(forge::mix64(z) >> 32); }
+
+// A float with a random sign and mantissa and a biased exponent drawn from [lo, hi].
+__device__ float random_float(uint64_t z, int lo, int hi) {
+  const uint32_t r = hash32(z), e = hash32(z ^ 0x5bd1e995ull);
+  const uint32_t exp = static_cast<uint32_t>(lo) + e % static_cast<uint32_t>(hi - lo + 1);
+  return __uint_as_float((r & 0x807FFFFFu) | (exp << 23));
+}
+
+__device__ void check_div_case(float a, float b, unsigned long long& wrong,
+                               unsigned long long& declined, unsigned long long& accepted,
+                               unsigned long long& checked) {
+  FastMath m;
+  const float got = m.div(a, b);
+  if (div_domain(a) && div_domain(b)) {
+    ++checked;
+    if (!m.ok) ++declined;
+    else if (__float_as_uint(got) != __float_as_uint(__fdiv_rn(a, b))) ++wrong;
+  } else if (m.ok) {
+    ++accepted;
+  }
+}
+
+// Random pairs: most with exponents inside the domain (every combination of extremes is
+// reached), some from anywhere (zeros, subnormals, infinities, NaN: must be declined).
+__global__ void check_div_random(uint64_t count, uint64_t seed, Counts* out) {
+  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const uint64_t z = seed + 4 * i;
+    float a, b;
+    if ((i & 7) == 7) {
+      a = __uint_as_float(hash32(z));
+      b = __uint_as_float(hash32(z + 1));
+    } else {
+      a = random_float(z, 60, 193);  // the domain is [65, 188]: a few out on each side
+      b = random_float(z + 1, 60, 193);
+    }
+    check_div_case(a, b, wrong, declined, accepted, checked);
+  }
+  add_counts(out, wrong, declined, accepted, checked);
+}
+
+// Every mantissa of b (both signs, a spread of exponents) against pseudo-random a: the
+// reciprocal estimate is exercised at every input it can see.
+__global__ void check_div_mantissas(uint64_t seed, Counts* out) {
+  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 23);
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const int exps[] = {65, 100, 127, 150, 188};
+    for (int e : exps) {
+      const float b = __uint_as_float((static_cast<uint32_t>(e) << 23) | static_cast<uint32_t>(i));
+      for (int j = 0; j < 4; ++j) {
+        const float a = random_float(seed + 8 * i + j, 65, 188);
+        check_div_case(a, b, wrong, declined, accepted, checked);
+        check_div_case(-a, b, wrong, declined, accepted, checked);
+      }
+    }
+  }
+  add_counts(out, wrong, declined, accepted, checked);
+}
+
+__global__ void check_div_special(Counts* out) {
+  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  const float v[] = {0.0f, -0.0f, 1.0f, -1.0f, 0x1p-62f, -0x1p-62f, 0x1.fffffep61f, 0x1p62f,
+                     0x1.fffffep-63f, 1e-45f, 1e-40f, 3.4e38f, INFINITY, -INFINITY, NAN,
+                     1e-8f, 3.0f, 7.0f, 0.1f};
+  const int n = sizeof(v) / sizeof(v[0]);
+  for (int i = threadIdx.x; i < n * n; i += blockDim.x)
+    check_div_case(v[i / n], v[i % n], wrong, declined, accepted, checked);
+  add_counts(out, wrong, declined, accepted, checked);
+}
+
+__global__ void check_bf16x2_all(unsigned long long* wrong_out, unsigned long long* checked_out) {
+  unsigned long long wrong = 0, checked = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const float lo = __uint_as_float(static_cast<uint32_t>(i));
+    if (lo != lo) continue;
+    // the high half sees every value too, paired with a different low one
+    const float hi = __uint_as_float(static_cast<uint32_t>(i) ^ 0x80000001u);
+    if (hi != hi) continue;
+    const uint32_t got = forge::cuda::bf16x2_nearest_nonnan(lo, hi);
+    const uint32_t want = static_cast<uint32_t>(forge::bf16_nearest(lo)) |
+                          (static_cast<uint32_t>(forge::bf16_nearest(hi)) << 16);
+    ++checked;
+    if (got != want) ++wrong;
+  }
+  if (wrong) atomicAdd(wrong_out, wrong);
+  atomicAdd(checked_out, checked);
+}
+
+template <class Launch>
+Counts run_counts(Launch launch) {
+  Counts* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, sizeof(Counts)));
+  CUDA_OK(cudaMemset(d, 0, sizeof(Counts)));
+  launch(d);
+  CUDA_OK(cudaGetLastError());
+  Counts h{};
+  CUDA_OK(cudaMemcpy(&h, d, sizeof(Counts), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaFree(d));
+  return h;
+}
+
+TEST(FastMath, SqrtEqualsIeeeOnEveryFloatOfItsDomain) {
+  FORGE_REQUIRE_GPU();
+  const Counts c = run_counts([](Counts* d) { check_sqrt_all<<<1024, 256>>>(d); });
+  // [2^-101, FLT_MAX]: exponents 26..254, every mantissa
+  EXPECT_EQ(c.checked, (254ull - 26 + 1) << 23);
+  EXPECT_EQ(c.wrong, 0u);
+  EXPECT_EQ(c.declined, 0u);
+  EXPECT_EQ(c.accepted, 0u);
+}
+
+TEST(FastMath, DivEqualsIeeeInItsDomain) {
+  FORGE_REQUIRE_GPU();
+  const uint64_t seed = (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
+  const Counts r = run_counts([&](Counts* d) { check_div_random<<<1024, 256>>>(1ull << 30, seed, d); });
+  EXPECT_GT(r.checked, 1ull << 28) << "seed " << seed;
+  EXPECT_EQ(r.wrong, 0u) << "seed " << seed;
+  EXPECT_EQ(r.declined, 0u) << "seed " << seed;
+  EXPECT_EQ(r.accepted, 0u) << "seed " << seed;
+  const Counts m = run_counts([&](Counts* d) { check_div_mantissas<<<1024, 256>>>(seed, d); });
+  EXPECT_EQ(m.checked, (1ull << 23) * 5 * 8);
+  EXPECT_EQ(m.wrong, 0u) << "seed " << seed;
+  EXPECT_EQ(m.declined, 0u);
+  const Counts s = run_counts([](Counts* d) { check_div_special<<<1, 256>>>(d); });
+  EXPECT_GT(s.checked, 0u);
+  EXPECT_EQ(s.wrong, 0u);
+  EXPECT_EQ(s.declined, 0u);
+  EXPECT_EQ(s.accepted, 0u);
+}
+
+TEST(FastMath, Bf16x2EqualsFormatsOnEveryNonNanFloat) {
+  FORGE_REQUIRE_GPU();
+  unsigned long long* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, 2 * sizeof(unsigned long long)));
+  CUDA_OK(cudaMemset(d, 0, 2 * sizeof(unsigned long long)));
+  check_bf16x2_all<<<1024, 256>>>(d, d + 1);
+  CUDA_OK(cudaGetLastError());
+  unsigned long long h[2] = {0, 0};
+  CUDA_OK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaFree(d));
+  EXPECT_EQ(h[0], 0u);
+  // 2^32 patterns minus the NaNs of either half (2 · (2^24 - 2) each, overlapping)
+  EXPECT_GT(h[1], (1ull << 32) - (1ull << 26));
+}
+
+}  // namespace
+}  // namespace fgt
