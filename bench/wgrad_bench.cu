@@ -5,8 +5,9 @@
 //  (b) cuBLAS dW = dYᵀX alone (bf16 in; fp32 out, and bf16 out);
 //  (c) cuBLAS (bf16 out) + a separate vectorized AdamW pass over bf16 W, m, v — the
 //      unfused step (what torch does with bf16 grads and a fused AdamW).
-// Also: (a-bf16) with the epilogue's L2 prefetch off, and (a-bf16) at T = 32 (the GEMM all
-// but gone: what the epilogue alone costs), to say where the time goes.
+// Also: (a) with stochastic rounding of the bf16 weight and states (forge.optim.AdamW's
+// default), and (a-bf16) at T = 32 (the GEMM all but gone: what the epilogue alone costs),
+// to say where the time goes. FORGE_CUDA_WGMMA=0 times the portable sm80 kernels on Hopper.
 //
 // --profile launches a few kernels for Nsight Compute instead (see main()).
 //
@@ -217,15 +218,15 @@ constexpr Shape kShapes[] = {{"q_proj/o_proj", 4096, 4096, 2},
 constexpr int64_t kTokens[] = {512, 2048, 4096};
 constexpr int kLayers = 32;
 
-enum Variant { kFusedBf16, kFusedInt8, kFusedMaster, kCublasF32, kCublasBf16, kUnfused, kFusedNoPrefetch, kVariants };
+enum Variant { kFusedBf16, kFusedInt8, kFusedMaster, kCublasF32, kCublasBf16, kUnfused, kFusedSr, kVariants };
 const char* kVariantNames[] = {"fused_adamw_bf16_states", "fused_adamw_int8_states", "fused_adamw_fp32_master",
                                "cublas_dw_fp32_out", "cublas_dw_bf16_out", "unfused_cublas_plus_adamw_bf16",
-                               "fused_adamw_bf16_states_no_l2_prefetch"};
+                               "fused_adamw_bf16_sr_weight_bf16_sr_states"};
 
 // Minimum bytes each variant moves per parameter element, and its input bytes.
 double param_bytes(int v) {
   switch (v) {
-    case kFusedBf16: case kFusedNoPrefetch: return 12;       // W, m, v bf16: read + write
+    case kFusedBf16: case kFusedSr: return 12;       // W, m, v bf16: read + write
     case kFusedInt8: return 4 + 4 + 2 * 2 * 4.0 / 64;        // W bf16 r+w, 2 codes r+w, 2 absmax r+w
     case kFusedMaster: return 2 + 8 + 16;                    // W bf16 write, master r+w, m, v fp32 r+w
     case kCublasF32: return 4;
@@ -394,6 +395,10 @@ int main(int argc, char** argv) {
       CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 1, tmp.as<float>(), cuda_device()));
       CHECK_CUDA(cudaDeviceSynchronize());
     }
+    // forge.optim.AdamW's default: stochastic rounding of the bf16 weight and bf16 states.
+    forge_param psr = p16;
+    psr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
+    psr.state_format = FORGE_STATE_BF16_STOCHASTIC;
     pz.weight_format = FORGE_WEIGHT_FP32;
     pz.weight = zero.p;
     pz.state_format = FORGE_STATE_FP32;
@@ -447,9 +452,7 @@ int main(int argc, char** argv) {
       r.ms[kFusedBf16] = timer.median_ms(iters, [&] { fused(p16, tokens); });
       r.ms[kFusedInt8] = timer.median_ms(iters, [&] { fused(p8, tokens); });
       r.ms[kFusedMaster] = timer.median_ms(iters, [&] { fused(pm, tokens); });
-      setenv("FORGE_CUDA_EPILOGUE_PREFETCH", "0", 1);
-      r.ms[kFusedNoPrefetch] = timer.median_ms(iters, [&] { fused(p16, tokens); });
-      unsetenv("FORGE_CUDA_EPILOGUE_PREFETCH");
+      r.ms[kFusedSr] = timer.median_ms(iters, [&] { fused(psr, tokens); });
       r.ms[kCublasF32] = timer.median_ms(iters, [&] { run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, tokens, s); });
       r.ms[kCublasBf16] = timer.median_ms(iters, [&] { run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s); });
       r.ms[kUnfused] = timer.median_ms(iters, [&] {
@@ -457,9 +460,9 @@ int main(int argc, char** argv) {
         adamw_bf16<<<grid_for(n / 8), 256>>>(grad16.as<uint4>(), w.as<uint4>(), m16.as<uint4>(), v16.as<uint4>(), n / 8, as);
       });
       results.push_back(r);
-      std::printf("%-18s T=%-5lld fused bf16 %.3f ms | int8 %.3f | master %.3f | no-prefetch %.3f | cuBLAS f32 %.3f bf16 %.3f | unfused %.3f | speedup %.2fx\n",
+      std::printf("%-18s T=%-5lld fused bf16 %.3f ms | int8 %.3f | master %.3f | bf16 sr %.3f | cuBLAS f32 %.3f bf16 %.3f | unfused %.3f | speedup %.2fx\n",
                   s.name, static_cast<long long>(tokens), r.ms[kFusedBf16], r.ms[kFusedInt8], r.ms[kFusedMaster],
-                  r.ms[kFusedNoPrefetch], r.ms[kCublasF32], r.ms[kCublasBf16], r.ms[kUnfused],
+                  r.ms[kFusedSr], r.ms[kCublasF32], r.ms[kCublasBf16], r.ms[kUnfused],
                   r.ms[kUnfused] / r.ms[kFusedBf16]);
       std::fflush(stdout);
     }
@@ -491,7 +494,7 @@ int main(int argc, char** argv) {
         " warm-ups, L2 flushed before each call; bf16 inputs, bf16 W, AdamW\n";
   md += "- TFLOP/s = 2·out·in·T / t; GB/s = (T·(out + in)·2 B + bytes per parameter × out·in) / t\n";
   md += "- epilogue-only = the fused step at T = 32 (GEMM negligible): AdamW bf16 states / SGD, no states\n\n";
-  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | bf16, no L2 prefetch ms | epilogue-only ms AdamW / SGD | dW check |\n";
+  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | epilogue-only ms AdamW / SGD | dW check |\n";
   md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   std::string json = "{\n  \"date\": \"" + std::string(date) + "\",\n  \"gpu\": \"" + prop.name +
                      "\",\n  \"sms\": " + std::to_string(g_sms) + ",\n  \"command\": \"" + command +
@@ -508,7 +511,7 @@ int main(int argc, char** argv) {
           ", " + fmt("%.0f", gbs(kFusedBf16)) + ") | " + fmt("%.3f", r.ms[kFusedInt8]) + " | " + fmt("%.3f", r.ms[kFusedMaster]) +
           " | " + fmt("%.3f", r.ms[kCublasF32]) + " (" + fmt("%.0f", tf(r.ms[kCublasF32])) + ") | " +
           fmt("%.3f", r.ms[kCublasBf16]) + " | " + fmt("%.3f", r.ms[kUnfused]) + " | **" +
-          fmt("%.2f", r.ms[kUnfused] / r.ms[kFusedBf16]) + "×** | " + fmt("%.3f", r.ms[kFusedNoPrefetch]) + " | " +
+          fmt("%.2f", r.ms[kUnfused] / r.ms[kFusedBf16]) + "×** | " + fmt("%.3f", r.ms[kFusedSr]) + " | " +
           fmt("%.3f", r.epilogue_ms) + " / " + fmt("%.3f", r.epilogue_sgd_ms) + " | " +
           fmt("%.1e", r.dw_rel_error) + " |\n";
     for (int v = 0; v < kVariants; ++v) {
