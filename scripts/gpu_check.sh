@@ -7,7 +7,8 @@
 #      the benchmark (bench/wgrad_bench: fused step vs cuBLAS + unfused AdamW) on both paths,
 #   3. compute-sanitizer memcheck and racecheck on a representative subset of the GPU tests,
 #   4. ctest -L cpu (the CPU suite, against the library built with CUDA),
-# writing logs and results under $OUT (default ./out) and printing a summary table last.
+# writing results under $OUT (default ./out: summary.md, bench.md/json, bench-sm80.md, and the
+# logs packed in logs.tgz) and printing a summary table last.
 # `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
 # Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 512 and 4096) and on
 # the unfused AdamW pass, writing $OUT/ncu.txt.
@@ -186,7 +187,12 @@ fi
   printf '%s\n' "${SUMMARY[@]}"
   echo "| total | | $(elapsed) s |"
 } >"$OUT/summary.md"
+# NOTE: the device tool returns at most 8 files from $OUT: keep the tables, pack the logs.
+[ -f "$OUT/sm80/bench.md" ] && cp "$OUT/sm80/bench.md" "$OUT/bench-sm80.md"
+(cd "$OUT" && tar czf logs.tgz --ignore-failed-read build.log ctest_gpu.log ctest_gpu_sm80.log \
+  ctest_cpu.log sanitizer.log bench.log sm80 ncu.txt 2>/dev/null &&
+  rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_cpu.log sanitizer.log bench.log sm80)
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
-[ -f "$OUT/sm80/bench.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/sm80/bench.md" | tail -4; }
+[ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
 echo
 cat "$OUT/summary.md"
