@@ -14,7 +14,9 @@
 # forge-parity-*.{json,png} and the full log gpu_python.log. Copy the first six into
 # bench/results/ to commit them.
 # Knobs (environment): OUT, PYTHON (python3), TOTAL_BUDGET_S (540), PARITY_STEPS (1000),
-# PARITY_RESERVE_S (200: kept for the parity stage), BENCH_ARGS (extra forge-bench args).
+# PARITY_RESERVE_S (200: kept for the parity stage), PARITY_NOISE_RUNS (1: torch runs with
+# perturbed initial weights that measure the noise floor, ~50 s each on the H200),
+# BENCH_ARGS (extra forge-bench args).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -76,6 +78,7 @@ parity_budget=$((TOTAL - $(elapsed) - 10))
 if ((parity_budget > 30)); then
   say "forge-bench --parity, ${PARITY_STEPS} steps (hard limit ${parity_budget}s)"
   timeout "$parity_budget" $PY -m forge.bench --parity --parity-steps "$PARITY_STEPS" \
+    --parity-noise-runs "${PARITY_NOISE_RUNS:-1}" \
     --out "$OUT" --parity-work-dir /tmp/forge-parity 2>&1 | tee -a "$LOG" |
     grep --line-buffered -E '^forge-train: (model|done|error)|^parity|^  (forge|torch|report)'
   say "parity finished (status ${PIPESTATUS[0]}; 124 = cut by the time limit)"

@@ -514,21 +514,32 @@ def write_results(out_dir: str, info: dict, rows: List[dict]) -> Dict[str, str]:
 # on the ~100M model in bf16, same seed and batches; mean |Δloss| over the last half.
 PARITY_LIMITS = {"forge-bf16-sr": 1e-3, "forge-int8": 1e-2}
 PARITY_REFERENCE = "torch-adamw-fused"
-# A fourth run gives the scale of the noise: torch against itself with every initial weight
-# moved by about one bf16 rounding step (relative 2^-8 · N(0,1), rounded back to bf16). Two
-# bf16 runs whose roundings differ anywhere drift apart like this, so FORGE's numbers are
-# shown next to this floor.
+# Noise runs give the scale of the noise: torch against itself with every initial weight
+# moved by about one bf16 rounding step (relative 2^-8 · N(0,1), rounded back to bf16), one
+# noise seed per run (--parity-noise-runs). Two bf16 runs whose roundings differ anywhere
+# drift apart like this (measured on the H200: torch vs perturbed torch 0.038 nats mean
+# |Δloss|, against the issue's 0.001 limit), so each FORGE comparison also says whether it
+# lies within the largest torch-vs-torch distance measured ("noise floor").
 NOISE_RUN = "torch-adamw-fused-perturbed"
 NOISE_SCALE = 2.0 ** -8
+NOISE_SEED = 12345
 SMOOTH_WINDOW = 50
+
+
+def noise_run_names(count: int) -> List[str]:
+    """torch-adamw-fused-perturbed, torch-adamw-fused-perturbed-2, ..."""
+    return [NOISE_RUN if i == 0 else f"{NOISE_RUN}-{i + 1}" for i in range(count)]
 
 
 def parity_report(args, info: dict) -> int:
     from forge import train as forge_train
+    if args.parity_noise_runs < 0:
+        raise BenchError(f"--parity-noise-runs: must be >= 0, got {args.parity_noise_runs}")
+    noise_runs = noise_run_names(args.parity_noise_runs)
     runs = {PARITY_REFERENCE: ["--baseline", "torch"],
             "forge-bf16-sr": ["--state-format", "bf16", "--stochastic-rounding"],
-            "forge-int8": ["--state-format", "int8", "--stochastic-rounding"],
-            NOISE_RUN: ["--baseline", "torch"]}
+            "forge-int8": ["--state-format", "int8", "--stochastic-rounding"]}
+    runs.update({name: ["--baseline", "torch"] for name in noise_runs})
     common = ["--model", args.parity_model, "--bf16", "--steps", str(args.parity_steps),
               "--seq-len", str(args.parity_seq_len), "--batch-size", str(args.parity_batch_size),
               "--lr", str(args.parity_lr), "--betas", "0.9", "0.95", "--weight-decay", "0.1",
@@ -540,14 +551,17 @@ def parity_report(args, info: dict) -> int:
     stem = os.path.join(args.out, result_stem(info, "parity"))
     curves = {}
     report = {"environment": info, "settings": common, "limits": PARITY_LIMITS,
-              "reference": PARITY_REFERENCE, "noise_run": f"{NOISE_RUN}: initial weights "
-              f"scaled by (1 + {NOISE_SCALE:g}·N(0,1))", "runs": {}, "comparisons": {}}
+              "reference": PARITY_REFERENCE, "noise_runs": {
+                  name: f"initial weights scaled by (1 + {NOISE_SCALE:g}·N(0,1)), noise seed "
+                        f"{NOISE_SEED + i}" for i, name in enumerate(noise_runs)},
+              "runs": {}, "comparisons": {}}
     for name, extra in runs.items():
         fargs, explicit = forge_train.parse_args(
             common + extra + ["--out", os.path.join(args.parity_work_dir, name)])
         t0 = time.perf_counter()
         try:
-            with _perturbed_init(NOISE_SCALE if name == NOISE_RUN else 0.0):
+            noise = noise_runs.index(name) if name in noise_runs else -1
+            with _perturbed_init(NOISE_SCALE if noise >= 0 else 0.0, NOISE_SEED + noise):
                 result = forge_train.train(fargs, explicit)
         except forge_train.TrainError as e:
             report["runs"][name] = {"error": str(e)}
@@ -560,10 +574,17 @@ def parity_report(args, info: dict) -> int:
                                 "peak_memory_gib": round(result.peak_memory / 2**30, 2),
                                 "losses": result.losses}
         ref = curves.get(PARITY_REFERENCE)
-        for other in list(PARITY_LIMITS) + [NOISE_RUN]:
+        for other in list(PARITY_LIMITS) + noise_runs:
             if ref is not None and other in curves:
                 report["comparisons"][other] = compare_curves(ref, curves[other],
                                                               PARITY_LIMITS.get(other))
+        floor = [report["comparisons"][n]["mean_abs_diff_last_half"] for n in noise_runs
+                 if n in report["comparisons"]]
+        for other in PARITY_LIMITS:
+            c = report["comparisons"].get(other)
+            if c is not None and floor:
+                c["noise_floor"] = floor
+                c["within_noise_floor"] = c["mean_abs_diff_last_half"] <= max(floor)
         with open(stem + ".json", "w") as f:  # after every run: a cut-short job keeps it
             json.dump(report, f, indent=1)
         _plot_parity(curves, stem + ".png", info, args)
@@ -576,10 +597,11 @@ def parity_report(args, info: dict) -> int:
 
 
 class _perturbed_init:
-    """Scales every initial weight by (1 + scale·N(0,1)) (seeded), for the noise run."""
+    """Scales every initial weight by (1 + scale·N(0,1)) (seeded), for the noise runs."""
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, seed: int = NOISE_SEED):
         self.scale = scale
+        self.seed = seed
 
     def __enter__(self):
         from forge import models as forge_models
@@ -587,7 +609,7 @@ class _perturbed_init:
         if self.scale:
             def build(*a, **k):
                 model, kind, max_seq = self.original(*a, **k)
-                g = torch.Generator().manual_seed(12345)
+                g = torch.Generator().manual_seed(self.seed)
                 with torch.no_grad():
                     for p in model.parameters():
                         noise = torch.randn(p.shape, generator=g).to(p.device)
@@ -624,9 +646,14 @@ def parity_line(c: dict) -> str:
     smooth = next(v for k, v in c.items() if k.startswith("mean_abs_diff_") and "average" in k)
     verdict = "" if c.get("limit") is None else \
         f" (limit {c['limit']}: {'PASS' if c['pass'] else 'FAIL'})"
+    floor = ""
+    if c.get("noise_floor"):
+        floor = (f"; torch-vs-torch noise floor ({len(c['noise_floor'])} runs) max "
+                 f"{max(c['noise_floor']):.5f}: "
+                 f"{'within' if c['within_noise_floor'] else 'ABOVE'}")
     return (f"mean |dloss| over last half {c['mean_abs_diff_last_half']:.5f} nats{verdict}; "
             f"mean gap {c['mean_loss_gap_last_half']:+.5f}; smoothed {smooth:.5f}; "
-            f"{c['steps']} steps")
+            f"{c['steps']} steps{floor}")
 
 
 def _plot_parity(curves: Dict[str, List[float]], path: str, info: dict, args) -> None:
@@ -700,6 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--parity-batch-size", type=int, default=8)
     g.add_argument("--parity-lr", type=float, default=6e-4)
     g.add_argument("--parity-data", nargs="+", help="text files/dirs (default: built-in corpus)")
+    g.add_argument("--parity-noise-runs", type=int, default=1,
+                   help="torch runs with perturbed initial weights (one noise seed each) that "
+                        "measure the run-to-run noise floor (default 1)")
     g.add_argument("--parity-work-dir", default=os.path.join("runs", "parity"),
                    help="where the training runs keep their metrics")
     return p

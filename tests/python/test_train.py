@@ -197,14 +197,31 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
     from forge import bench
     assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "4",
                        "--parity-seq-len", "16", "--parity-batch-size", "2", "--device", "cpu",
-                       "--out", str(tmp_path / "out"),
+                       "--parity-noise-runs", "2", "--out", str(tmp_path / "out"),
                        "--parity-work-dir", str(tmp_path / "runs")]) == 0
     report_file = next(f for f in os.listdir(tmp_path / "out") if f.endswith(".json"))
     with open(tmp_path / "out" / report_file) as f:
         report = json.load(f)
-    assert set(report["comparisons"]) == {"forge-bf16-sr", "forge-int8", bench.NOISE_RUN}
+    noise = bench.noise_run_names(2)
+    assert noise == [bench.NOISE_RUN, bench.NOISE_RUN + "-2"]
+    assert set(report["comparisons"]) == {"forge-bf16-sr", "forge-int8", *noise}
     for c in report["comparisons"].values():
         assert c["steps"] == 4 and c["mean_abs_diff_last_half"] >= 0
+    # two noise seeds: two different perturbed runs, both measured as the floor
+    runs = report["runs"]
+    assert runs[noise[0]]["losses"] != runs[noise[1]]["losses"]
+    floor = [report["comparisons"][n]["mean_abs_diff_last_half"] for n in noise]
+    for name in ("forge-bf16-sr", "forge-int8"):
+        c = report["comparisons"][name]
+        assert c["noise_floor"] == floor
+        assert c["within_noise_floor"] == (c["mean_abs_diff_last_half"] <= max(floor))
+
+
+def test_bench_parity_rejects_negative_noise_runs(tmp_path, capsys):
+    from forge import bench
+    assert bench.main(["--parity", "--parity-model", "tiny", "--device", "cpu",
+                       "--parity-noise-runs", "-1", "--out", str(tmp_path)]) == 2
+    assert "--parity-noise-runs" in capsys.readouterr().err
 
 
 def test_bench_rejects_unknown_model(capsys):
