@@ -128,6 +128,57 @@ FORGE_HD int int8_nearest_level(float a, int top) {
   return lo;
 }
 
+// ---- the same map, computed directly (what the backends run) ----------------------------
+//
+// int8_level_value / int8_nearest_level above are the definition: a switch + ldexpf, and an
+// 8-step binary search of ~300 dependent instructions. The two functions below return the
+// same values by direct computation, branch-free but for the range checks, with IEEE-exact
+// operations only (selects, exponent bits, exact comparisons, the reference's own
+// subtractions), so they give the same bits on the CPU and the GPU.
+// tests/cpp/test_formats.cpp compares them with the reference on every float in [0, 1] and
+// every level; tests/cpp/gpu/test_gpu_int8_map.cu does the same on the device.
+
+// == int8_level_value(level, top) for 0 <= level <= top <= 255.
+FORGE_HD float int8_level_value_direct(int level, int top) {
+  const int d = top - level;
+  const int i = d & 7;
+  // NOTE: selects, not a switch: on the GPU a switch on a per-lane value diverges.
+  const float f01 = (i & 1) ? int8_level_fraction(1) : int8_level_fraction(0);
+  const float f23 = (i & 1) ? int8_level_fraction(3) : int8_level_fraction(2);
+  const float f45 = (i & 1) ? int8_level_fraction(5) : int8_level_fraction(4);
+  const float f67 = (i & 1) ? int8_level_fraction(7) : int8_level_fraction(6);
+  const float f = (i & 4) ? ((i & 2) ? f67 : f45) : ((i & 2) ? f23 : f01);
+  // 2^-(d >> 3) from its exponent bits (d >> 3 <= 31: a normal float), so f * scale is exact
+  // and equals ldexpf(f, -(d >> 3)).
+  const float scale = bits_float(static_cast<uint32_t>(127 - (d >> 3)) << 23);
+  return level == 0 ? 0.0f : f * scale;
+}
+
+// == int8_nearest_level(a, top). For a in [2^E, 2^(E+1)) (E <= -1) the levels in that
+// octave are 2^E (d = -8E) and f_i · 2^(E+1) for i = 7..1 (d = -8E - (8 - i)); with the
+// mantissa m = a · 2^-E in [1, 2), a >= f_i · 2^(E+1) exactly when m >= 2 f_i (both sides
+// scaled by the same power of two), so the largest level <= a has d = -8E - j, where j counts
+// the thresholds 2 f_7 < ... < 2 f_1 that m reaches. Then the reference's tie rule, with the
+// reference's own float operations.
+FORGE_HD int int8_nearest_level_direct(float a, int top) {
+  if (!(a > 0.0f)) return 0;      // 0, negatives (never), NaN: the binary search ends at 0
+  if (a >= 1.0f) return top;      // level_value(top) == 1 <= a
+  const uint32_t u = float_bits(a);
+  const int e = static_cast<int>(u >> 23) - 127;  // subnormals: -127, far below any level
+  const float m = bits_float((u & 0x7FFFFFu) | 0x3F800000u);
+  int j = 0;
+  for (int i = 1; i < 8; ++i) j += m >= 2.0f * int8_level_fraction(i) ? 1 : 0;
+  const int d = -8 * e - j;
+  int lo = top - d;
+  if (lo < 0) lo = 0;             // below level 1: only level 0 (value 0) is <= a
+  if (lo < top) {
+    const float below = int8_level_value_direct(lo, top);
+    const float above = int8_level_value_direct(lo + 1, top);
+    if (above - a < a - below) return lo + 1;
+  }
+  return lo;
+}
+
 FORGE_HD float int8_decode(uint8_t code, bool is_signed) {
   if (is_signed) {
     const float mag = int8_level_value(code & 0x7F, kInt8SignedTop);

@@ -208,41 +208,17 @@ __device__ __forceinline__ float group_max(float v) {
 // ---- the int8 dynamic map, fast and bit-identical ------------------------------------------
 //
 // formats.h's int8_level_value() scales with ldexpf and int8_nearest_level() binary-searches
-// 8 levels deep: ~300 dependent instructions per encoded element, which made the int8
-// epilogue 5.7x slower than bf16 (measured). These compute the same bits:
-//  - level_value: ldexpf(f, -k) with f = int8_level_fraction(d & 7) in [0.54, 1] and
-//    k = d >> 3 <= 31 is exact (the result is a normal float), and so is f * 2^-k, with
-//    2^-k built from its exponent bits. The 8 fractions are formats.h's own constants.
-//  - nearest_level: the largest L with level_value(L) <= a, found from a log2 estimate and
-//    corrected by exact comparisons against level_value (levels strictly increase, so that
-//    L is unique and equal to the binary search's), then formats.h's tie rule.
-// tests/cpp/gpu/test_gpu_int8_map.cu checks both against formats.h for every code and every
-// float in [0, 1], NaN and infinities.
+// 8 levels deep: ~300 dependent instructions per encoded element. The device runs formats.h's
+// direct forms (int8_level_value_direct, int8_nearest_level_direct: exponent bits and 7
+// exact comparisons, no loop), which return the same bits.
+// tests/cpp/gpu/test_gpu_int8_map.cu checks them on the device against formats.h for every
+// code and every float in [0, 2], NaN and infinities (test_formats.cpp does it on the CPU).
 __device__ __forceinline__ float int8_level_fast(int level, int top) {
-  const int d = top - level;
-  const int i = d & 7;
-  // NOTE: selects, not formats.h's switch: a switch on a per-lane value diverges.
-  const float f01 = (i & 1) ? int8_level_fraction(1) : int8_level_fraction(0);
-  const float f23 = (i & 1) ? int8_level_fraction(3) : int8_level_fraction(2);
-  const float f45 = (i & 1) ? int8_level_fraction(5) : int8_level_fraction(4);
-  const float f67 = (i & 1) ? int8_level_fraction(7) : int8_level_fraction(6);
-  const float f = (i & 4) ? ((i & 2) ? f67 : f45) : ((i & 2) ? f23 : f01);
-  const float scale = __uint_as_float(static_cast<uint32_t>(127 - (d >> 3)) << 23);
-  return level == 0 ? 0.0f : f * scale;
+  return int8_level_value_direct(level, top);
 }
 
 __device__ __forceinline__ int int8_nearest_level_fast(float a, int top) {
-  if (!(a > 0.0f)) return 0;  // 0, negative (never), NaN: the binary search also ends at 0
-  float est = static_cast<float>(top) + floorf(8.0f * __log2f(a));
-  est = fminf(fmaxf(est, 0.0f), static_cast<float>(top));
-  int lo = static_cast<int>(est);
-  while (lo > 0 && int8_level_fast(lo, top) > a) --lo;
-  while (lo < top && int8_level_fast(lo + 1, top) <= a) ++lo;
-  if (lo < top) {
-    const float below = int8_level_fast(lo, top), above = int8_level_fast(lo + 1, top);
-    if (above - a < a - below) return lo + 1;
-  }
-  return lo;
+  return int8_nearest_level_direct(a, top);
 }
 
 // == formats.h int8_decode / int8_encode, bit for bit.
@@ -254,15 +230,20 @@ __device__ __forceinline__ float int8_decode_fast(uint8_t code, bool is_signed) 
   return int8_level_fast(code, kInt8UnsignedTop);
 }
 
-__device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool is_signed) {
+// int8_encode given the ratio a = |x| / absmax (IEEE division) already computed.
+__device__ __forceinline__ uint8_t int8_encode_ratio(float x, float a, float absmax,
+                                                     bool is_signed) {
   if (!(absmax > 0.0f)) return 0;
-  const float a = fabsf(x) / absmax;
   if (is_signed) {
     const int level = int8_nearest_level_fast(a, kInt8SignedTop);
     return static_cast<uint8_t>(level == 0 ? 0 : ((x < 0.0f ? 0x80 : 0) | level));
   }
   if (x <= 0.0f) return 0;
   return static_cast<uint8_t>(int8_nearest_level_fast(a, kInt8UnsignedTop));
+}
+
+__device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool is_signed) {
+  return int8_encode_ratio(x, fabsf(x) / absmax, absmax, is_signed);
 }
 
 // ---- branch-free fast paths that return the reference bits ---------------------------------
@@ -396,9 +377,26 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
         if (e < n) amax = fmaxf(amax, fabsf(v[e]));
       amax = group_max(amax);
       if (n > 0) {
+        // NOTE: the 4 ratios |x| / absmax branch-free (FastMath, exact in its domain; an exact
+        // zero needs no division), one IEEE fallback for the quad when any is outside.
+        float ratio[kQuad];
+        FastMath math;
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e) {
+          const float num = fabsf(v[e]);
+          const bool zero = num == 0.0f;
+          FastMath one;
+          const float r = one.div(zero ? 1.0f : num, amax);
+          math.require(zero | one.ok);
+          ratio[e] = zero ? 0.0f : r;
+        }
+        if (!math.ok) {
+#pragma unroll
+          for (int e = 0; e < kQuad; ++e) ratio[e] = fabsf(v[e]) / amax;
+        }
         uint8_t c[kQuad];
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e) c[e] = int8_encode_fast(v[e], amax, is_signed);
+        for (int e = 0; e < kQuad; ++e) c[e] = int8_encode_ratio(v[e], ratio[e], amax, is_signed);
         store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx, n, vec, c);
         // lane 0 of the group holds the block's first column, so it is in range whenever
         // any column of the block is

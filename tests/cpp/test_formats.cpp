@@ -79,6 +79,63 @@ TEST(Int8Map, LevelsAreMonotonicAndSelfConsistent) {
   EXPECT_EQ(int8_encode(5.0f, 0.0f, false), 0);  // all-zero block
 }
 
+// The direct forms the backends run (formats.h: int8_level_value_direct,
+// int8_nearest_level_direct) against the definition. Every level value; every float of the
+// octaves where the maps have their top, their bottom, and one in between (each octave holds
+// the same 8 fractions scaled by a power of two, and the bottom is where the clamp to level 0
+// and the level-0 tie happen); ±256 floats around every level value and every midpoint of two
+// levels (where the results change); fresh random floats over [0, 2]; and special values.
+// The GPU suite (test_gpu_int8_map.cu) covers every float in [0, 2] on the device.
+TEST(Int8Map, DirectFormsEqualTheDefinition) {
+  const int tops[2] = {kInt8SignedTop, kInt8UnsignedTop};
+  int64_t checked = 0;
+  auto expect_same = [&](float a, int top) {
+    ++checked;
+    const int want = int8_nearest_level(a, top), got = int8_nearest_level_direct(a, top);
+    if (want != got) {
+      ADD_FAILURE() << "a = " << a << " (bits 0x" << std::hex << float_bits(a) << std::dec
+                    << "), top " << top << ": definition " << want << ", direct " << got;
+      return false;
+    }
+    return true;
+  };
+  for (int top : tops)
+    for (int level = 0; level <= top; ++level)
+      ASSERT_EQ(float_bits(int8_level_value(level, top)),
+                float_bits(int8_level_value_direct(level, top)))
+          << "level " << level << ", top " << top;
+  // whole octaves [2^e, 2^(e+1)): top of both maps, bottom of the signed map (2^-15.75), of
+  // the unsigned map (2^-31.75), one in between
+  for (int e : {-1, -16, -17, -32, -33, -9}) {
+    const uint32_t first = static_cast<uint32_t>(127 + e) << 23;
+    for (uint32_t u = first; u < first + (1u << 23); ++u)
+      for (int top : tops)
+        if (!expect_same(bits_float(u), top)) return;
+  }
+  for (int top : tops)
+    for (int level = 0; level <= top; ++level) {
+      const float v = int8_level_value(level, top);
+      const float mid = level < top ? 0.5f * (v + int8_level_value(level + 1, top)) : v;
+      for (float center : {v, mid})
+        for (int k = -256; k <= 256; ++k) {
+          const int64_t u = static_cast<int64_t>(float_bits(center)) + k;
+          if (u >= 0 && !expect_same(bits_float(static_cast<uint32_t>(u)), top)) return;
+        }
+    }
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  for (int i = 0; i < 2000000; ++i) {
+    const float a = bits_float(static_cast<uint32_t>(rng.gen() % 0x40000001u));  // [0, 2]
+    if (!expect_same(a, tops[i & 1])) return;
+  }
+  for (float a : {0.0f, -0.0f, -1.0f, 1.0f, 2.0f, 1e-45f, 1e-38f, 3.4e38f, INFINITY, -INFINITY,
+                  NAN})
+    for (int top : tops)
+      if (!expect_same(a, top)) return;
+  EXPECT_GT(checked, int64_t(6) * 2 * (1 << 23));
+}
+
 TEST(Int8Map, BlockRoundTripErrorBound) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
