@@ -66,7 +66,9 @@ bench_budget=$((TOTAL - $(elapsed) - PARITY_RESERVE - 20))
 if ((bench_budget > 30)); then
   say "forge-bench --suite anchors (budget ${bench_budget}s)"
   # shellcheck disable=SC2086
-  timeout $((bench_budget + 60)) $PY -m forge.bench --suite anchors --time-budget "$bench_budget" \
+  # FORGE_CUDA_VERBOSE: the log says which wgrad kernel each configuration ran (a generic
+  # kernel where a specialized one was expected is a performance bug).
+  FORGE_CUDA_VERBOSE=1 timeout $((bench_budget + 60)) $PY -m forge.bench --suite anchors --time-budget "$bench_budget" \
     --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" | grep --line-buffered -E '^\[[0-9]+/|error'
   say "forge-bench finished (status ${PIPESTATUS[0]})"
 else
@@ -92,3 +94,5 @@ say "done in $(elapsed)s; files in $OUT:"
 ls -1 "$OUT"
 echo
 $PY -m forge.bench --summarize "$OUT" 2>&1 | tee -a "$LOG"
+echo "wgrad kernels the benchmark ran:"
+grep -h "wgrad step runs" "$LOG" | sort -u | head -20

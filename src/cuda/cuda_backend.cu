@@ -24,6 +24,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
+#include <string>
 #include <utility>
 
 #include "backend.h"
@@ -155,16 +157,42 @@ const Sm90Kernel kSm90GenericKernels[] = {
 };
 
 // The bf16-input kernel for (k, weight format, state format): a specialized one if listed.
-WgradKernelFn pick_bf16_kernel(const RuleScalars& k, int weight_format, int state_format) {
+// `name` receives its name (for the FORGE_CUDA_VERBOSE log).
+WgradKernelFn pick_bf16_kernel(const RuleScalars& k, int weight_format, int state_format,
+                               const char** name) {
   for (const WgradKernel& kernel : kSpecKernels)
-    if (kernel.matches(k, weight_format, state_format)) return kernel.fn;
-  return wgrad_mma_kernel<false>;
+    if (kernel.matches(k, weight_format, state_format)) {
+      *name = kernel.name;
+      return kernel.fn;
+    }
+  *name = kGenericKernels[0].name;
+  return kGenericKernels[0].fn;
 }
 
-Sm90KernelFn pick_bf16_sm90_kernel(const RuleScalars& k, int weight_format, int state_format) {
+Sm90KernelFn pick_bf16_sm90_kernel(const RuleScalars& k, int weight_format, int state_format,
+                                   const char** name) {
   for (const Sm90Kernel& kernel : kSm90SpecKernels)
-    if (kernel.matches(k, weight_format, state_format)) return kernel.fn;
-  return wgrad_wgmma_kernel<false>;
+    if (kernel.matches(k, weight_format, state_format)) {
+      *name = kernel.name;
+      return kernel.fn;
+    }
+  *name = kSm90GenericKernels[0].name;
+  return kSm90GenericKernels[0].fn;
+}
+
+// FORGE_CUDA_VERBOSE: says once per (kernel, rule, weight format, state format, split-K) which
+// kernel a step runs, so a configuration that falls back to a generic kernel is visible.
+void log_kernel_choice(const char* kernel, const RuleScalars& k, int weight_format,
+                       int state_format, int64_t splits) {
+  static const bool verbose = std::getenv("FORGE_CUDA_VERBOSE") != nullptr;
+  if (!verbose) return;
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  char line[256];
+  std::snprintf(line, sizeof(line), "%s for rule %d, weight format %d, state format %d%s", kernel,
+                k.rule, weight_format, state_format, splits > 1 ? ", split-K" : "");
+  std::lock_guard<std::mutex> lock(mutex);
+  if (seen.insert(line).second) std::fprintf(stderr, "forge cuda: wgrad step runs %s\n", line);
 }
 
 // update.cuh's stochastic rounding computes rng_bits(key, i) as
@@ -604,16 +632,23 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     if (forge_status s = encode_operand_map(encode, &maps.x, a.x, a.x_dtype, param.cols,
                                             a.tokens, a.ldx, "x"))
       return s;
+    const char* name = kSm90GenericKernels[1].name;
     const Sm90KernelFn kernel =
-        fp16_inputs ? wgrad_wgmma_kernel<true>
-                    : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format);
+        fp16_inputs ? kSm90GenericKernels[1].fn
+                    : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format, &name);
+    log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
     kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
   } else if (bf16_inputs) {
-    const WgradKernelFn kernel = pick_bf16_kernel(k, param.weight_format, param.state_format);
+    const char* name = nullptr;
+    const WgradKernelFn kernel =
+        pick_bf16_kernel(k, param.weight_format, param.state_format, &name);
+    log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
     kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   } else if (fp16_inputs) {
+    log_kernel_choice(kGenericKernels[1].name, k, param.weight_format, param.state_format, splits);
     wgrad_mma_kernel<true><<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   } else {
+    log_kernel_choice(kGenericKernels[2].name, k, param.weight_format, param.state_format, splits);
     wgrad_simt_kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   }
   FORGE_CUDA_TRY(cudaGetLastError());
