@@ -619,36 +619,43 @@ struct RawQuads {
   static constexpr int kWF = Spec::kWeightFormat, kSF = Spec::kStateFormat;
   static constexpr int kNS = Spec::kNumStates > 0 ? Spec::kNumStates : 1;
   static constexpr bool kWeight32 = kWF == FORGE_WEIGHT_FP32 || kWF == FORGE_WEIGHT_BF16_MASTER;
-  static constexpr int kStateWords = kSF == FORGE_STATE_FP32 ? 4 : kSF == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
+  static constexpr int kStateWords =
+      kSF == FORGE_STATE_FP32 ? 4 : kSF == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
+  static constexpr int kAbsmaxWords = kSF == FORGE_STATE_INT8_BLOCK64 ? 1 : 0;
   // Registers one batch holds while in flight.
   static constexpr int kWords =
-      kQ * ((kWeight32 ? 4 : 2) + Spec::kNumStates * (kStateWords + (kSF == FORGE_STATE_INT8_BLOCK64)));
-  uint32_t w[kQ][kWeight32 ? 4 : 2];       // fp32 words or bf16 pairs
-  uint32_t s[kNS][kQ][kStateWords];        // fp32 words, bf16 pairs or 4 int8 codes
-  float absmax[kNS][kQ];                   // int8 only
+      kQ * ((kWeight32 ? 4 : 2) + Spec::kNumStates * (kStateWords + kAbsmaxWords));
+  uint32_t w[kQ][kWeight32 ? 4 : 2];  // fp32 words or bf16 pairs
+  uint32_t s[kNS][kQ][kStateWords];   // fp32 words, bf16 pairs or 4 int8 codes
+  float absmax[kNS][kQ];              // int8 only
 
   __device__ __forceinline__ void load(const ParamView& p, const int64_t (&row)[kQ],
                                        const int64_t (&col)[kQ], const int64_t (&idx)[kQ]) {
 #pragma unroll
     for (int q = 0; q < kQ; ++q) {
       if constexpr (kWeight32) {
-        const float* base = kWF == FORGE_WEIGHT_FP32 ? static_cast<const float*>(p.weight) : p.master;
+        const float* base =
+            kWF == FORGE_WEIGHT_FP32 ? static_cast<const float*>(p.weight) : p.master;
         const uint4 v = *reinterpret_cast<const uint4*>(base + idx[q]);
         w[q][0] = v.x; w[q][1] = v.y; w[q][2] = v.z; w[q][3] = v.w;
       } else {
-        const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.weight) + idx[q]);
+        const uint16_t* base = static_cast<const uint16_t*>(p.weight);
+        const uint2 v = *reinterpret_cast<const uint2*>(base + idx[q]);
         w[q][0] = v.x; w[q][1] = v.y;
       }
 #pragma unroll
       for (int i = 0; i < Spec::kNumStates; ++i) {
         if constexpr (kSF == FORGE_STATE_FP32) {
-          const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const float*>(p.state[i]) + idx[q]);
+          const float* base = static_cast<const float*>(p.state[i]);
+          const uint4 v = *reinterpret_cast<const uint4*>(base + idx[q]);
           s[i][q][0] = v.x; s[i][q][1] = v.y; s[i][q][2] = v.z; s[i][q][3] = v.w;
         } else if constexpr (kSF == FORGE_STATE_INT8_BLOCK64) {
-          s[i][q][0] = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(p.state[i]) + idx[q]);
+          const uint8_t* base = static_cast<const uint8_t*>(p.state[i]);
+          s[i][q][0] = *reinterpret_cast<const uint32_t*>(base + idx[q]);
           absmax[i][q] = p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK];
         } else {
-          const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.state[i]) + idx[q]);
+          const uint16_t* base = static_cast<const uint16_t*>(p.state[i]);
+          const uint2 v = *reinterpret_cast<const uint2*>(base + idx[q]);
           s[i][q][0] = v.x; s[i][q][1] = v.y;
         }
       }
@@ -678,7 +685,8 @@ struct RawQuads {
             sf[i][q][e] = __uint_as_float(s[i][q][e]);
           } else if constexpr (kSF == FORGE_STATE_INT8_BLOCK64) {
             const uint8_t code = static_cast<uint8_t>(s[i][q][0] >> (8 * e));
-            sf[i][q][e] = int8_decode_fast(code, spec_state_signed(Spec::kRule, i)) * absmax[i][q];
+            const bool is_signed = spec_state_signed(Spec::kRule, i);
+            sf[i][q][e] = int8_decode_fast(code, is_signed) * absmax[i][q];
           } else {
             sf[i][q][e] = bf16_to_float(static_cast<uint16_t>(s[i][q][e / 2] >> (16 * (e % 2))));
           }
