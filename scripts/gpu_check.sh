@@ -131,6 +131,18 @@ if ((build_rc == 0)); then
     "$(($(elapsed) - t0)) s"
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_sm80.log" | head -30
 
+  # The experimental persistent Hopper kernel (FORGE_CUDA_PERSISTENT=1), with its grid capped
+  # at 3 CTAs so that every test layer runs several tiles per CTA.
+  t0=$(elapsed)
+  log "ctest -L gpu, persistent kernel (FORGE_CUDA_PERSISTENT=1, 3 CTAs)"
+  FORGE_CUDA_PERSISTENT=1 FORGE_CUDA_PERSISTENT_CTAS=3 OMP_NUM_THREADS=2 \
+    timeout "$(limit 120 100)" ctest --test-dir "$BUILD" -L gpu -j 8 \
+    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradRandom' \
+    --output-on-failure --timeout 120 >"$OUT/ctest_gpu_persistent.log" 2>&1
+  row "ctest -L gpu (persistent kernel, Wgrad subset)" \
+    "$(ctest_result "$OUT/ctest_gpu_persistent.log")" "$(($(elapsed) - t0)) s"
+  grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_persistent.log" | head -10
+
   t0=$(elapsed)
   log "benchmark (default path, then FORGE_CUDA_WGMMA=0 into $OUT/sm80)"
   FORGE_CUDA_VERBOSE=1 timeout "$(limit 150 80)" "$BUILD/bench/wgrad_bench" --out "$OUT" \
@@ -140,6 +152,9 @@ if ((build_rc == 0)); then
   FORGE_CUDA_WGMMA=0 timeout "$(limit 150 70)" "$BUILD/bench/wgrad_bench" --out "$OUT/sm80" \
     >"$OUT/sm80/bench.log" 2>&1
   bench80_rc=$?
+  mkdir -p "$OUT/persistent"
+  FORGE_CUDA_PERSISTENT=1 timeout "$(limit 150 60)" "$BUILD/bench/wgrad_bench" --out "$OUT/persistent" \
+    >"$OUT/persistent/bench.log" 2>&1
   row benchmark "$([ $bench_rc = 0 ] && echo ok || echo "FAILED rc=$bench_rc (bench.log)"); sm80 path $([ $bench80_rc = 0 ] && echo ok || echo "FAILED rc=$bench80_rc")" \
     "$(($(elapsed) - t0)) s"
 
@@ -189,10 +204,14 @@ fi
 } >"$OUT/summary.md"
 # NOTE: the device tool returns at most 8 files from $OUT: keep the tables, pack the logs.
 [ -f "$OUT/sm80/bench.md" ] && cp "$OUT/sm80/bench.md" "$OUT/bench-sm80.md"
+[ -f "$OUT/persistent/bench.md" ] && cp "$OUT/persistent/bench.md" "$OUT/bench-persistent.md"
 (cd "$OUT" && tar czf logs.tgz --ignore-failed-read build.log ctest_gpu.log ctest_gpu_sm80.log \
-  ctest_cpu.log sanitizer.log bench.log sm80 ncu.txt 2>/dev/null &&
-  rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_cpu.log sanitizer.log bench.log sm80)
+  ctest_gpu_persistent.log ctest_cpu.log sanitizer.log bench.log sm80 persistent ncu.txt \
+  2>/dev/null &&
+  rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_gpu_persistent.log ctest_cpu.log \
+    sanitizer.log bench.log sm80 persistent)
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
+[ -f "$OUT/bench-persistent.md" ] && { echo; echo "## persistent kernel (FORGE_CUDA_PERSISTENT=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-persistent.md" | tail -4; }
 echo
 cat "$OUT/summary.md"

@@ -145,6 +145,26 @@ const Sm90Kernel kSm90SpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_SPEC_KERNEL)};
 #undef FORGE_SM90_SPEC_KERNEL
 #undef FORGE_SPEC_LIST
 
+// The persistent, warp-specialized Hopper kernels (sm90_wgrad.cuh; opt-in, experimental):
+// the generic ones and the configurations forge.optim runs most.
+#define FORGE_PERSISTENT_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                             \
+  Sm90Kernel{wgrad_wgmma_persistent_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,         \
+             spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_persistent<bf16, " NAME ">"},
+const Sm90Kernel kPersistentSpecKernels[] = {
+    FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16,
+                                 "adamw, bf16, bf16")
+    FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
+                                 FORGE_STATE_BF16_STOCHASTIC, "adamw, bf16 sr, bf16 sr")
+    FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64,
+                                 "adamw, bf16, int8")
+    FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
+                                 FORGE_STATE_INT8_BLOCK64, "adamw, bf16 sr, int8")};
+#undef FORGE_PERSISTENT_SPEC_KERNEL
+const Sm90Kernel kPersistentGenericKernels[] = {
+    {wgrad_wgmma_persistent_kernel<false>, nullptr, "wgrad_wgmma_persistent<bf16>"},
+    {wgrad_wgmma_persistent_kernel<true>, nullptr, "wgrad_wgmma_persistent<fp16>"},
+};
+
 const WgradKernel kGenericKernels[] = {
     {wgrad_mma_kernel<false>, nullptr, "wgrad_mma<bf16>"},
     {wgrad_mma_kernel<true>, nullptr, "wgrad_mma<fp16>"},
@@ -178,6 +198,19 @@ Sm90KernelFn pick_bf16_sm90_kernel(const RuleScalars& k, int weight_format, int 
     }
   *name = kSm90GenericKernels[0].name;
   return kSm90GenericKernels[0].fn;
+}
+
+Sm90KernelFn pick_persistent_kernel(const RuleScalars& k, int weight_format, int state_format,
+                                    bool fp16, const char** name) {
+  if (!fp16)
+    for (const Sm90Kernel& kernel : kPersistentSpecKernels)
+      if (kernel.matches(k, weight_format, state_format)) {
+        *name = kernel.name;
+        return kernel.fn;
+      }
+  const Sm90Kernel& generic = kPersistentGenericKernels[fp16 ? 1 : 0];
+  *name = generic.name;
+  return generic.fn;
 }
 
 // FORGE_CUDA_VERBOSE: says once per (kernel, rule, weight format, state format, split-K) which
@@ -224,7 +257,8 @@ forge_status device_info(int index, DeviceInfo* out) {
       return fail(FORGE_ERR_INTERNAL, "CUDA: update.cuh's kRngIndexMul differs from rng.h");
     FORGE_CUDA_TRY(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index));
     const bool verbose = std::getenv("FORGE_CUDA_VERBOSE") != nullptr;
-    auto configure = [&](const void* fn, const char* name, size_t smem_bytes) -> forge_status {
+    auto configure = [&](const void* fn, const char* name, size_t smem_bytes,
+                         int threads = kThreads) -> forge_status {
       const int bytes = static_cast<int>(smem_bytes);
       FORGE_CUDA_TRY(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
       // NOTE: ask for the largest shared-memory carveout, so two CTAs (68 KiB sm80, 97 KiB
@@ -234,12 +268,12 @@ forge_status device_info(int index, DeviceInfo* out) {
       if (verbose) {
         int ctas = 0;
         cudaFuncAttributes attr{};
-        FORGE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fn, kThreads, smem_bytes));
+        FORGE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fn, threads, smem_bytes));
         FORGE_CUDA_TRY(cudaFuncGetAttributes(&attr, fn));
         std::fprintf(stderr,
                      "forge cuda: device %d, %d SMs: %s: %d CTAs/SM of %d threads, %d registers, "
                      "%zu B local, %zu B static + %zu B dynamic shared\n",
-                     index, info.num_sms, name, ctas, kThreads, attr.numRegs,
+                     index, info.num_sms, name, ctas, threads, attr.numRegs,
                      attr.localSizeBytes, attr.sharedSizeBytes, smem_bytes);
       }
       return FORGE_OK;
@@ -280,6 +314,15 @@ forge_status device_info(int index, DeviceInfo* out) {
       for (const Sm90Kernel& kernel : kSm90SpecKernels)
         if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
                                        kSm90SmemBytes))
+          return s;
+      // (configured whether or not FORGE_CUDA_PERSISTENT is set now: it is read per step)
+      for (const Sm90Kernel& kernel : kPersistentGenericKernels)
+        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
+                                       kPersistentSmemBytes, kPersistentThreads))
+          return s;
+      for (const Sm90Kernel& kernel : kPersistentSpecKernels)
+        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
+                                       kPersistentSmemBytes, kPersistentThreads))
           return s;
     }
     info.kernels_configured = true;
@@ -379,6 +422,22 @@ ParamView make_param_view(const forge_param& p, int num_states) {
 bool epilogue_prefetch_enabled() {
   const char* v = std::getenv("FORGE_CUDA_EPILOGUE_PREFETCH");
   return !(v && v[0] == '0');
+}
+
+// Environment switch: FORGE_CUDA_PERSISTENT=1 runs the persistent, warp-specialized Hopper
+// kernel (sm90_wgrad.cuh) where it applies (the wgmma path without split-K). Experimental:
+// off by default until it has been measured (bench/NOTES.md, v7).
+bool persistent_enabled() {
+  const char* v = std::getenv("FORGE_CUDA_PERSISTENT");
+  return v != nullptr && v[0] == '1';
+}
+
+// Test knob: FORGE_CUDA_PERSISTENT_CTAS=n caps the persistent grid at n CTAs, so that small
+// test layers also run several tiles per CTA (0 or unset: one CTA per SM).
+int64_t persistent_cta_cap() {
+  const char* v = std::getenv("FORGE_CUDA_PERSISTENT_CTAS");
+  const long long n = v != nullptr ? std::atoll(v) : 0;
+  return n > 0 ? n : 0;
 }
 
 // Environment switch: FORGE_CUDA_WGMMA=0 keeps the sm80 kernels on Hopper too (A/B
@@ -632,6 +691,19 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     if (forge_status s = encode_operand_map(encode, &maps.x, a.x, a.x_dtype, param.cols,
                                             a.tokens, a.ldx, "x"))
       return s;
+    if (splits == 1 && persistent_enabled()) {
+      // One CTA per SM, each looping over tiles (tiles j·SMs + blockIdx.x).
+      const char* name = nullptr;
+      const Sm90KernelFn kernel = pick_persistent_kernel(k, param.weight_format,
+                                                         param.state_format, fp16_inputs, &name);
+      log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
+      int64_t ctas = tiles < info.num_sms ? tiles : info.num_sms;
+      if (const int64_t cap = persistent_cta_cap()) ctas = ctas < cap ? ctas : cap;
+      kernel<<<static_cast<unsigned>(ctas), kPersistentThreads, kPersistentSmemBytes, stream>>>(
+          w, maps);
+      FORGE_CUDA_TRY(cudaGetLastError());
+      return FORGE_OK;
+    }
     const char* name = kSm90GenericKernels[1].name;
     const Sm90KernelFn kernel =
         fp16_inputs ? kSm90GenericKernels[1].fn

@@ -162,11 +162,13 @@ __device__ __forceinline__ void prefetch_row_l2(const void* base, int elem_bytes
   prefetch_l2(start + bytes - 1);
 }
 
+// `tid`: the calling thread's index among the threads that share the work (threadIdx.x, or
+// its index inside the update warpgroups of the persistent kernel).
 __device__ __forceinline__ void prefetch_update_operands(const WgradParams& a, int64_t m0,
-                                                         int64_t n0) {
+                                                         int64_t n0, int tid) {
   const ParamView& p = a.p;
-  const int64_t row = m0 + threadIdx.x;
-  if (threadIdx.x >= kBM || row >= p.rows) return;
+  const int64_t row = m0 + tid;
+  if (tid >= kBM || row >= p.rows) return;
   const int64_t count = min64(kBN, p.cols - n0);
   const int64_t idx = row * p.cols + n0;
   switch (p.weight_format) {
@@ -244,11 +246,12 @@ __device__ __forceinline__ bool reduce_split_k(const WgradParams& a, float* sC, 
 // The optimizer update of tile (m0, n0) from its fp32 gradient in sC ([kBM][kLdC]).
 // Thread t owns rows t/16 + 16·j and, in each, the quads at columns 4·(t%16) and
 // 64 + 4·(t%16): the 16 lanes of a half-warp cover each 64-column int8 block of a row.
+// `tid` in [0, kThreads): the thread's index among the kThreads that update the tile.
 template <class Spec>
 __device__ __forceinline__ void update_tile(const WgradParams& a, const float* sC, int64_t m0,
-                                            int64_t n0, StepTotals& totals) {
+                                            int64_t n0, StepTotals& totals, int tid) {
   constexpr int kQ = 2;  // quads in flight per thread: the two column halves of a row
-  const int lane16 = threadIdx.x % 16, rsub = threadIdx.x / 16;
+  const int lane16 = tid % 16, rsub = tid / 16;
   const int64_t rows = a.p.rows, cols = a.p.cols;
   const bool want_sq = a.want_sq != 0;
   // NOTE: the element offset row * cols + col of the thread's first quad, stepped by
@@ -375,7 +378,7 @@ __device__ __forceinline__ void finish_tile(const WgradParams& a, float* sC, int
                                             int64_t n0) {
   if (a.splits > 1 && !reduce_split_k(a, sC, blockIdx.x, blockIdx.z)) return;
   StepTotals totals{0.0, 0u};
-  update_tile<Spec>(a, sC, m0, n0, totals);
+  update_tile<Spec>(a, sC, m0, n0, totals, threadIdx.x);
   if (a.grad_sq_sum != nullptr || a.nonfinite_count != nullptr)
     flush_totals<kThreads>(totals, a.grad_sq_sum, a.nonfinite_count);
 }
@@ -472,7 +475,8 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
     __syncthreads();               // ... everyone's, and stage it - 1 is free again
     if (it + kStages - 1 < nk) load_stage((it + kStages - 1) % kStages, kt0 + it + kStages - 1);
     cp_async_commit();
-    if (a.prefetch && it == max(nk - kPrefetchLead, 0)) prefetch_update_operands(a, m0, n0);
+    if (a.prefetch && it == max(nk - kPrefetchLead, 0))
+      prefetch_update_operands(a, m0, n0, threadIdx.x);
 
     const uint32_t a_base = sA_addr + (it % kStages) * kStageHalves * sizeof(uint16_t);
     const uint32_t b_base = sB_addr + (it % kStages) * kStageHalves * sizeof(uint16_t);

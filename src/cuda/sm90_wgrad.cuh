@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       __syncwarp();
     }
-    if (it == prefetch_at) prefetch_update_operands(a, m0, n0);
+    if (it == prefetch_at) prefetch_update_operands(a, m0, n0, threadIdx.x);
     if (++stage == kSm90Stages) {
       stage = 0;
       phase ^= 1u;
@@ -329,6 +329,183 @@ __global__ void __launch_bounds__(kThreads, 2)
   finish_tile<Spec>(a, sC, m0, n0);
 #else
   // Not an sm_90a pass: the host never launches this kernel here (cuda_backend.cu).
+  (void)a;
+  (void)maps;
+  __trap();
+#endif
+}
+
+// ---- the persistent, warp-specialized variant (opt-in: FORGE_CUDA_PERSISTENT=1) ---------------
+//
+// EXPERIMENTAL, not yet run on a GPU (bench/NOTES.md, v7). The kernel above serializes each
+// CTA's update after its main loop; its two CTAs per SM overlap only when they happen to be
+// out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
+// tiles with the roles fixed: warpgroups 0-1 run the TMA + wgmma main loop of tile j + 1
+// while warpgroups 2-3 run the update of tile j from sC, so the update always overlaps the
+// tensor cores. The same main loop (thread 0 is also the producer, its k-tile counter running
+// on across tiles so the next tile's first stages load during the current tile's hand-off)
+// and the same update (update_tile) as the kernel above; sC no longer aliases the ring.
+// Only without split-K (splits == 1).
+constexpr int kPersistentThreads = 512;   // warpgroups 0-1: main loop; 2-3: the update
+constexpr int kPersistentStages = 4;
+constexpr int kPersistentUpdateBarrier = 1;  // named barrier of the update warpgroups
+constexpr int kPersistentMathRegisters = 104;     // per thread, warpgroups 0-1 (setmaxnreg)
+constexpr int kPersistentUpdateRegisters = 152;   // per thread, warpgroups 2-3
+static_assert(2 * kPersistentMathRegisters + 2 * kPersistentUpdateRegisters == 4 * 128,
+              "the register file: 512 threads x 128 registers at launch");
+constexpr size_t kPersistentRingBytes = size_t(kPersistentStages) * kSm90StageBytes;
+constexpr size_t kPersistentSmemBytes = kPersistentRingBytes + kEpilogueBytes + kSm90Align;
+static_assert(kPersistentSmemBytes <= 227 * 1024, "one CTA per SM");
+static_assert(kPersistentThreads - 2 * 128 == kThreads, "update_tile's thread count");
+
+template <bool kFp16, class Spec = GenericSpec>
+__global__ void __launch_bounds__(kPersistentThreads, 1)
+    wgrad_wgmma_persistent_kernel(const WgradParams a, const __grid_constant__ Sm90TensorMaps maps) {
+#if defined(FORGE_SM90A_DEVICE_PASS)
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t s_full[kPersistentStages];   // TMA bytes of stage s landed
+  __shared__ __align__(8) uint64_t s_empty[kPersistentStages];  // both math warpgroups done
+  __shared__ __align__(8) uint64_t s_c_full;   // sC holds tile j (256 math-thread arrivals)
+  __shared__ __align__(8) uint64_t s_c_empty;  // the update of tile j has read sC (256 arrivals)
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  const uint32_t ring = (raw_addr + kSm90Align - 1) & ~uint32_t(kSm90Align - 1);
+  float* const sC =  // [kBM][kLdC], after the ring
+      reinterpret_cast<float*>(smem_raw + (ring - raw_addr) + kPersistentRingBytes);
+  const uint32_t full0 = smem_addr(&s_full[0]), empty0 = smem_addr(&s_empty[0]);
+  const uint32_t c_full = smem_addr(&s_c_full), c_empty = smem_addr(&s_c_empty);
+
+  const int tiles = a.tiles_m * a.tiles_n;
+  const int my_tiles =
+      static_cast<int>(blockIdx.x) < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int nk = static_cast<int>((a.tokens + kSm90BK - 1) / kSm90BK);
+  const int64_t items = static_cast<int64_t>(my_tiles) * nk;  // k-tiles this CTA loads
+  auto tile_origin = [&](int j, int64_t& m0, int64_t& n0) {
+    int tm, tn;
+    tile_coords(a, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x), tm, tn);
+    m0 = static_cast<int64_t>(tm) * kBM;
+    n0 = static_cast<int64_t>(tn) * kBN;
+  };
+
+  // Producer (thread 0): k-tile item h = j * nk + kt of this CTA into stage h % kStages.
+  auto issue_item = [&](int64_t h) {
+    int64_t m0, n0;
+    tile_origin(static_cast<int>(h / nk), m0, n0);
+    const int stage = static_cast<int>(h % kPersistentStages);
+    const uint32_t bar = full0 + 8 * stage;
+    const uint32_t dst = ring + stage * kSm90StageBytes;
+    const int32_t token = static_cast<int32_t>((h % nk) * kSm90BK);
+    mbar_arrive_expect_tx(bar, kSm90StageBytes);
+    tma_load_2d(dst, &maps.dy, bar, static_cast<int32_t>(m0), token);
+    tma_load_2d(dst + kSm90BoxBytes, &maps.dy, bar, static_cast<int32_t>(m0) + kSm90BoxCols,
+                token);
+    tma_load_2d(dst + 2 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0), token);
+    tma_load_2d(dst + 3 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0) + kSm90BoxCols,
+                token);
+  };
+
+  if (threadIdx.x == 0) {
+    tma_prefetch_descriptor(&maps.dy);
+    tma_prefetch_descriptor(&maps.x);
+#pragma unroll
+    for (int s = 0; s < kPersistentStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 2);  // one arrival per math warpgroup
+    }
+    mbar_init(c_full, 256);
+    mbar_init(c_empty, 256);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    for (int64_t h = 0; h < kPersistentStages && h < items; ++h) issue_item(h);
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  // NOTE: 512 threads × 128 registers fill the register file; the main loop needs ~100 (64
+  // accumulators), the update more (at 128 it spilled 32-88 B): 2 × 104 + 2 × 152 = 4 × 128.
+  if (warpgroup < 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPersistentMathRegisters));
+    // ---- main loop: warpgroup g sums rows 64g..64g+63 of each tile --------------------------
+    // Both math warpgroups release item h (its stage) once their wgmmas reading it are done;
+    // thread 0 then refills that stage with item h + kStages.
+    auto release = [&](int64_t h) {
+      const int stage = static_cast<int>(h % kPersistentStages);
+      if (threadIdx.x % 128 == 0) mbar_arrive(empty0 + 8 * stage);
+      if (threadIdx.x == 0 && h + kPersistentStages < items) {
+        mbar_wait(empty0 + 8 * stage, static_cast<uint32_t>(h / kPersistentStages) & 1u);
+        issue_item(h + kPersistentStages);
+      }
+      __syncwarp();
+    };
+    const uint64_t desc_a0 =
+        sw128_mn_desc(ring + warpgroup * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
+    const uint64_t desc_b0 = sw128_mn_desc(ring + 2 * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
+    const int lane = threadIdx.x % 32, warp_in_group = (threadIdx.x / 32) % 4;
+    const int r = warpgroup * 64 + warp_in_group * 16 + lane / 4;
+    int64_t h = 0;
+#pragma unroll 1
+    for (int j = 0; j < my_tiles; ++j) {
+      float acc[64];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+#pragma unroll 1
+      for (int it = 0; it < nk; ++it, ++h) {
+        const int stage = static_cast<int>(h % kPersistentStages);
+        mbar_wait(full0 + 8 * stage, static_cast<uint32_t>(h / kPersistentStages) & 1u);
+        fence_accumulators(acc);
+        wgmma_fence();
+        const uint64_t stage_off = static_cast<uint64_t>(stage * kSm90StageBytes) >> 4;
+#pragma unroll
+        for (int kk = 0; kk < kSm90BK / 16; ++kk) {
+          const uint64_t k_off = static_cast<uint64_t>(kk * 16 * 128) >> 4;
+          wgmma_m64n128k16<kFp16>(acc, desc_a0 + stage_off + k_off,
+                                  desc_b0 + stage_off + k_off);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous item's batch is complete: release its stage
+        fence_accumulators(acc);
+        if (it > 0) release(h - 1);
+      }
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+      release(h - 1);  // the tile's last item
+      // Hand the tile over: wait until the update has read the previous one out of sC.
+      if (j > 0) mbar_wait(c_empty, static_cast<uint32_t>(j - 1) & 1u);
+#pragma unroll
+      for (int jj = 0; jj < kBN / 8; ++jj) {
+        const int c = jj * 8 + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(&sC[r * kLdC + c]) = make_float2(acc[4 * jj], acc[4 * jj + 1]);
+        *reinterpret_cast<float2*>(&sC[(r + 8) * kLdC + c]) =
+            make_float2(acc[4 * jj + 2], acc[4 * jj + 3]);
+      }
+      mbar_arrive(c_full);  // release: this thread's sC writes are visible to the waiter
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPersistentUpdateRegisters));
+    // ---- the update: warpgroups 2-3 ----------------------------------------------------------
+    const int tid = threadIdx.x - 256;
+    StepTotals totals{0.0, 0u};
+    int64_t m0 = 0, n0 = 0;
+    if (my_tiles > 0) tile_origin(0, m0, n0);
+    if (a.prefetch && my_tiles > 0) prefetch_update_operands(a, m0, n0, tid);
+#pragma unroll 1
+    for (int j = 0; j < my_tiles; ++j) {
+      int64_t next_m0 = 0, next_n0 = 0;
+      // NOTE: the next tile's weight and states go to L2 while this one is updated.
+      if (j + 1 < my_tiles) {
+        tile_origin(j + 1, next_m0, next_n0);
+        if (a.prefetch) prefetch_update_operands(a, next_m0, next_n0, tid);
+      }
+      mbar_wait(c_full, static_cast<uint32_t>(j) & 1u);
+      update_tile<Spec>(a, sC, m0, n0, totals, tid);
+      mbar_arrive(c_empty);  // every read of sC by this thread is done
+      m0 = next_m0;
+      n0 = next_n0;
+    }
+    if (a.grad_sq_sum != nullptr || a.nonfinite_count != nullptr)
+      flush_totals<kThreads, kPersistentUpdateBarrier>(totals, a.grad_sq_sum,
+                                                        a.nonfinite_count, tid);
+  }
+#else
   (void)a;
   (void)maps;
   __trap();

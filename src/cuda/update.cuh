@@ -837,10 +837,13 @@ __device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamVi
 
 // ---- the by-products, once per CTA -------------------------------------------------------
 // Warp shuffles, then one shared-memory slot per warp, then one atomic per CTA and
-// output. Every thread of the CTA must call this (it has a __syncthreads).
-template <int kThreads>
+// output. Every one of the kThreads threads must call this: with kBarrier == 0 they are the
+// whole CTA (__syncthreads, tid = threadIdx.x); otherwise they are the warps that share named
+// barrier kBarrier, tid their index among them.
+template <int kThreads, int kBarrier = 0>
 __device__ __forceinline__ void flush_totals(StepTotals t, double* grad_sq_sum,
-                                             unsigned long long* nonfinite_count) {
+                                             unsigned long long* nonfinite_count,
+                                             int tid = -1) {
   constexpr int kWarps = kThreads / 32;
   __shared__ double s_sq[kWarps];
   __shared__ unsigned int s_nf[kWarps];
@@ -849,13 +852,18 @@ __device__ __forceinline__ void flush_totals(StepTotals t, double* grad_sq_sum,
     t.grad_sq_sum += __shfl_xor_sync(0xFFFFFFFFu, t.grad_sq_sum, offset);
     t.nonfinite += __shfl_xor_sync(0xFFFFFFFFu, t.nonfinite, offset);
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (kBarrier == 0) tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
   if (lane == 0) {
     s_sq[warp] = t.grad_sq_sum;
     s_nf[warp] = t.nonfinite;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  if constexpr (kBarrier == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
+  }
+  if (tid == 0) {
     double sq = 0.0;
     unsigned long long nf = 0;
 #pragma unroll
