@@ -152,6 +152,22 @@ __device__ __forceinline__ void tile_coords(const WgradParams& a, int tile, int&
   tn = in_group / group_m;
 }
 
+// This CTA's work in a one-tile-per-CTA launch: the origin (m0, n0) of tile blockIdx.x and
+// its split's (blockIdx.z) k-tiles [kt0, kt0 + nk) of kTokens tokens each.
+struct CtaWork {
+  int64_t m0, n0, kt0;
+  int nk;
+};
+template <int kTokens>
+__device__ __forceinline__ CtaWork cta_work(const WgradParams& a) {
+  int tm, tn;
+  tile_coords(a, blockIdx.x, tm, tn);
+  const int64_t ktiles = (a.tokens + kTokens - 1) / kTokens;
+  const int64_t kt0 = static_cast<int64_t>(blockIdx.z) * a.ktiles_per_split;
+  return CtaWork{static_cast<int64_t>(tm) * kBM, static_cast<int64_t>(tn) * kBN, kt0,
+                 static_cast<int>(min64(a.ktiles_per_split, ktiles - kt0))};
+}
+
 // Prefetches into L2 what the epilogue of tile (m0, n0) will read: the weight (or master)
 // and the states. One tile row per thread.
 __device__ __forceinline__ void prefetch_row_l2(const void* base, int elem_bytes, int64_t idx,
@@ -243,6 +259,27 @@ __device__ __forceinline__ bool reduce_split_k(const WgradParams& a, float* sC, 
   return true;
 }
 
+// Tile row r in sC as this thread's kQ quads: their rows, columns, element offsets (from the
+// thread's row offset idx0) and fp32 gradients.
+template <int kQ>
+__device__ __forceinline__ void pass_quads(const float* sC, int r, int64_t m0, int64_t n0,
+                                           int64_t idx0, int lane16, int64_t (&row)[kQ],
+                                           int64_t (&col)[kQ], int64_t (&idx)[kQ],
+                                           float (&g)[kQ][kQuad]) {
+#pragma unroll
+  for (int q = 0; q < kQ; ++q) {
+    const int c = q * (kBN / 2) + lane16 * kQuad;
+    row[q] = m0 + r;
+    col[q] = n0 + c;
+    idx[q] = idx0 + q * (kBN / 2);
+    const float4 v = *reinterpret_cast<const float4*>(&sC[r * kLdC + c]);
+    g[q][0] = v.x;
+    g[q][1] = v.y;
+    g[q][2] = v.z;
+    g[q][3] = v.w;
+  }
+}
+
 // The optimizer update of tile (m0, n0) from its fp32 gradient in sC ([kBM][kLdC]).
 // Thread t owns rows t/16 + 16·j and, in each, the quads at columns 4·(t%16) and
 // 64 + 4·(t%16): the 16 lanes of a half-warp cover each 64-column int8 block of a row.
@@ -286,22 +323,14 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
         const int r = pass * kRowsPerPass + rsub;
         const RawQuads<Spec, kQ> cur = next;
         int64_t row[kQ], col[kQ], idx[kQ];
+        float g[kQ][kQuad];
+        pass_quads<kQ>(sC, r, m0, n0, idx0, lane16, row, col, idx, g);
         int n[kQ];
         bool vec[kQ];
-        float g[kQ][kQuad];
 #pragma unroll
         for (int q = 0; q < kQ; ++q) {
-          const int c = q * (kBN / 2) + lane16 * kQuad;
-          row[q] = m0 + r;
-          col[q] = n0 + c;
-          idx[q] = idx0 + q * (kBN / 2);
           n[q] = kQuad;
           vec[q] = true;
-          const float4 v = *reinterpret_cast<const float4*>(&sC[r * kLdC + c]);
-          g[q][0] = v.x;
-          g[q][1] = v.y;
-          g[q][2] = v.z;
-          g[q][3] = v.w;
         }
         {
           // NOTE: unconditional (the last pass reloads its own operands, a few L1/L2 hits):
@@ -328,21 +357,11 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
     for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, idx0 += idx_step) {
       const int r = pass * kRowsPerPass + rsub;
       int64_t row[kQ], col[kQ], idx[kQ];
-      int n[kQ];
       float g[kQ][kQuad];
+      pass_quads<kQ>(sC, r, m0, n0, idx0, lane16, row, col, idx, g);
+      int n[kQ];
 #pragma unroll
-      for (int q = 0; q < kQ; ++q) {
-        const int c = q * (kBN / 2) + lane16 * kQuad;
-        row[q] = m0 + r;
-        col[q] = n0 + c;
-        idx[q] = idx0 + q * (kBN / 2);
-        n[q] = kQuad;
-        const float4 v = *reinterpret_cast<const float4*>(&sC[r * kLdC + c]);
-        g[q][0] = v.x;
-        g[q][1] = v.y;
-        g[q][2] = v.z;
-        g[q][3] = v.w;
-      }
+      for (int q = 0; q < kQ; ++q) n[q] = kQuad;
       update_quads<kQ, Spec, true>(a.k, a.p, row, col, idx, n, lane16, want_sq, g, totals);
     }
     return;
@@ -352,21 +371,12 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
     if (m0 + pass * kRowsPerPass >= rows) break;  // uniform across the CTA
     const int r = pass * kRowsPerPass + rsub;
     int64_t row[kQ], col[kQ], idx[kQ];
-    int n[kQ];
     float g[kQ][kQuad];
+    pass_quads<kQ>(sC, r, m0, n0, idx0, lane16, row, col, idx, g);
+    int n[kQ];
 #pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      const int c = q * (kBN / 2) + lane16 * kQuad;
-      row[q] = m0 + r;
-      col[q] = n0 + c;
-      idx[q] = idx0 + q * (kBN / 2);
+    for (int q = 0; q < kQ; ++q)
       n[q] = row[q] < rows && col[q] < cols ? static_cast<int>(min64(kQuad, cols - col[q])) : 0;
-      const float4 v = *reinterpret_cast<const float4*>(&sC[r * kLdC + c]);
-      g[q][0] = v.x;
-      g[q][1] = v.y;
-      g[q][2] = v.z;
-      g[q][3] = v.w;
-    }
     update_quads<kQ, Spec, false>(a.k, a.p, row, col, idx, n, lane16, want_sq, g, totals);
   }
 }
@@ -428,12 +438,9 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warp_m = warp % 2, warp_n = warp / 2;
-  int tm, tn;
-  tile_coords(a, blockIdx.x, tm, tn);
-  const int64_t m0 = static_cast<int64_t>(tm) * kBM, n0 = static_cast<int64_t>(tn) * kBN;
-  const int64_t ktiles = (a.tokens + kBK - 1) / kBK;
-  const int64_t kt0 = static_cast<int64_t>(blockIdx.z) * a.ktiles_per_split;
-  const int nk = static_cast<int>(min64(a.ktiles_per_split, ktiles - kt0));
+  const CtaWork work = cta_work<kBK>(a);
+  const int64_t m0 = work.m0, n0 = work.n0, kt0 = work.kt0;
+  const int nk = work.nk;
   const uint16_t* const dy = static_cast<const uint16_t*>(a.dy);  // [T, M], ld = lddy
   const uint16_t* const x = static_cast<const uint16_t*>(a.x);    // [T, N], ld = ldx
 
@@ -551,12 +558,9 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_simt_kernel(const WgradPara
   float* const sB = sA + 2 * kBK * kLdF;             // [2][kBK][kLdF] X, n fastest
   float* const sC = reinterpret_cast<float*>(smem);  // [kBM][kLdC] after the main loop
 
-  int tm, tn;
-  tile_coords(a, blockIdx.x, tm, tn);
-  const int64_t m0 = static_cast<int64_t>(tm) * kBM, n0 = static_cast<int64_t>(tn) * kBN;
-  const int64_t ktiles = (a.tokens + kBK - 1) / kBK;
-  const int64_t kt0 = static_cast<int64_t>(blockIdx.z) * a.ktiles_per_split;
-  const int nk = static_cast<int>(min64(a.ktiles_per_split, ktiles - kt0));
+  const CtaWork work = cta_work<kBK>(a);
+  const int64_t m0 = work.m0, n0 = work.n0, kt0 = work.kt0;
+  const int nk = work.nk;
 
   auto load_stage = [&](int stage, int64_t kt) {
     load_operand_stage_f32(sA + stage * kBK * kLdF, a.dy, a.dy_dtype, a.lddy, a.tokens,

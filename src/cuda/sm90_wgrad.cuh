@@ -203,6 +203,51 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
 #undef FORGE_WGMMA_M64N128K16
 #undef FORGE_ACC8
 
+// The four TMA boxes of one stage: dY columns [m0, m0 + 128) and X columns [n0, n0 + 128) of
+// tokens [token, token + 64), into the stage at `dst`, completing on `bar`.
+__device__ __forceinline__ void issue_stage_loads(const Sm90TensorMaps& maps, uint32_t dst,
+                                                  uint32_t bar, int64_t m0, int64_t n0,
+                                                  int32_t token) {
+  mbar_arrive_expect_tx(bar, kSm90StageBytes);
+  tma_load_2d(dst, &maps.dy, bar, static_cast<int32_t>(m0), token);
+  tma_load_2d(dst + kSm90BoxBytes, &maps.dy, bar, static_cast<int32_t>(m0) + kSm90BoxCols,
+              token);
+  tma_load_2d(dst + 2 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0), token);
+  tma_load_2d(dst + 3 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0) + kSm90BoxCols,
+              token);
+}
+
+// acc += this warpgroup's 64 rows × 128 columns of one stage (64 tokens: 4 wgmma k-steps).
+// desc_a0 / desc_b0: the descriptors of k-step 0 of stage 0.
+template <bool kFp16>
+__device__ __forceinline__ void wgmma_stage(float (&acc)[64], uint64_t desc_a0,
+                                            uint64_t desc_b0, int stage) {
+  const uint64_t stage_off = static_cast<uint64_t>(stage * kSm90StageBytes) >> 4;
+#pragma unroll
+  for (int kk = 0; kk < kSm90BK / 16; ++kk) {
+    const uint64_t k_off = static_cast<uint64_t>(kk * 16 * 128) >> 4;  // 16 token rows
+    wgmma_m64n128k16<kFp16>(acc, desc_a0 + stage_off + k_off, desc_b0 + stage_off + k_off);
+  }
+}
+
+// The warpgroup's accumulators into sC ([kBM][kLdC]). wgmma accumulator layout (m64nNk16,
+// f32): warp w of the warpgroup, lane l holds rows 16w + l/4 and 16w + l/4 + 8; for each
+// 8-column block j, acc[4j], acc[4j + 1] are (row l/4, columns 8j + 2(l%4) + {0, 1}) and
+// acc[4j + 2], acc[4j + 3] the same columns 8 rows down. The same float2 pattern as the sm80
+// fragments: no bank conflicts at kLdC.
+__device__ __forceinline__ void store_accumulators(float* sC, const float (&acc)[64],
+                                                   int warpgroup) {
+  const int lane = threadIdx.x % 32, warp_in_group = (threadIdx.x / 32) % 4;
+  const int r = warpgroup * 64 + warp_in_group * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < kBN / 8; ++j) {
+    const int c = j * 8 + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(&sC[r * kLdC + c]) = make_float2(acc[4 * j], acc[4 * j + 1]);
+    *reinterpret_cast<float2*>(&sC[(r + 8) * kLdC + c]) =
+        make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+  }
+}
+
 #endif  // FORGE_SM90A_DEVICE_PASS
 
 // ---- the kernel ---------------------------------------------------------------------------------
@@ -224,25 +269,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t full0 = smem_addr(&s_full[0]), empty0 = smem_addr(&s_empty[0]);
 
   const int warpgroup = threadIdx.x / 128;
-  int tm, tn;
-  tile_coords(a, blockIdx.x, tm, tn);
-  const int64_t m0 = static_cast<int64_t>(tm) * kBM, n0 = static_cast<int64_t>(tn) * kBN;
-  const int64_t ktiles = (a.tokens + kSm90BK - 1) / kSm90BK;
-  const int64_t kt0 = static_cast<int64_t>(blockIdx.z) * a.ktiles_per_split;
-  const int nk = static_cast<int>(min64(a.ktiles_per_split, ktiles - kt0));
+  const CtaWork work = cta_work<kSm90BK>(a);
+  const int64_t m0 = work.m0, n0 = work.n0, kt0 = work.kt0;
+  const int nk = work.nk;
 
   // Producer (thread 0): the four boxes of k-tile kt into stage `stage`.
   auto issue_stage = [&](int stage, int64_t kt) {
-    const uint32_t bar = full0 + 8 * stage;
-    const uint32_t dst = ring + stage * kSm90StageBytes;
-    const int32_t token = static_cast<int32_t>(kt * kSm90BK);
-    mbar_arrive_expect_tx(bar, kSm90StageBytes);
-    tma_load_2d(dst, &maps.dy, bar, static_cast<int32_t>(m0), token);
-    tma_load_2d(dst + kSm90BoxBytes, &maps.dy, bar, static_cast<int32_t>(m0) + kSm90BoxCols,
-                token);
-    tma_load_2d(dst + 2 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0), token);
-    tma_load_2d(dst + 3 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0) + kSm90BoxCols,
-                token);
+    issue_stage_loads(maps, ring + stage * kSm90StageBytes, full0 + 8 * stage, m0, n0,
+                      static_cast<int32_t>(kt * kSm90BK));
   };
 
   if (threadIdx.x == 0) {
@@ -281,12 +315,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     mbar_wait(full0 + 8 * stage, phase);  // k-tile `it` has landed in `stage`
     fence_accumulators(acc);
     wgmma_fence();
-    const uint64_t stage_off = static_cast<uint64_t>(stage * kSm90StageBytes) >> 4;
-#pragma unroll
-    for (int kk = 0; kk < kSm90BK / 16; ++kk) {
-      const uint64_t k_off = static_cast<uint64_t>(kk * 16 * 128) >> 4;  // 16 token rows
-      wgmma_m64n128k16<kFp16>(acc, desc_a0 + stage_off + k_off, desc_b0 + stage_off + k_off);
-    }
+    wgmma_stage<kFp16>(acc, desc_a0, desc_b0, stage);
     wgmma_commit();
     // NOTE: keep this k-tile's batch in flight; the previous one is complete after this,
     // so its stage goes back to the producer.
@@ -311,20 +340,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   wgmma_wait<0>();
   fence_accumulators(acc);
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
-
-  // wgmma accumulator layout (m64nNk16, f32): warp w of the warpgroup, lane l holds rows
-  // 16w + l/4 and 16w + l/4 + 8; for each 8-column block j, acc[4j], acc[4j + 1] are
-  // (row l/4, columns 8j + 2(l%4) + {0, 1}) and acc[4j + 2], acc[4j + 3] the same columns
-  // 8 rows down. The same float2 pattern as the sm80 fragments: no bank conflicts at kLdC.
-  const int lane = threadIdx.x % 32, warp_in_group = (threadIdx.x / 32) % 4;
-  const int r = warpgroup * 64 + warp_in_group * 16 + lane / 4;
-#pragma unroll
-  for (int j = 0; j < kBN / 8; ++j) {
-    const int c = j * 8 + 2 * (lane % 4);
-    *reinterpret_cast<float2*>(&sC[r * kLdC + c]) = make_float2(acc[4 * j], acc[4 * j + 1]);
-    *reinterpret_cast<float2*>(&sC[(r + 8) * kLdC + c]) =
-        make_float2(acc[4 * j + 2], acc[4 * j + 3]);
-  }
+  store_accumulators(sC, acc, warpgroup);
   __syncthreads();
   finish_tile<Spec>(a, sC, m0, n0);
 #else
@@ -391,16 +407,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     int64_t m0, n0;
     tile_origin(static_cast<int>(h / nk), m0, n0);
     const int stage = static_cast<int>(h % kPersistentStages);
-    const uint32_t bar = full0 + 8 * stage;
-    const uint32_t dst = ring + stage * kSm90StageBytes;
-    const int32_t token = static_cast<int32_t>((h % nk) * kSm90BK);
-    mbar_arrive_expect_tx(bar, kSm90StageBytes);
-    tma_load_2d(dst, &maps.dy, bar, static_cast<int32_t>(m0), token);
-    tma_load_2d(dst + kSm90BoxBytes, &maps.dy, bar, static_cast<int32_t>(m0) + kSm90BoxCols,
-                token);
-    tma_load_2d(dst + 2 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0), token);
-    tma_load_2d(dst + 3 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0) + kSm90BoxCols,
-                token);
+    issue_stage_loads(maps, ring + stage * kSm90StageBytes, full0 + 8 * stage, m0, n0,
+                      static_cast<int32_t>((h % nk) * kSm90BK));
   };
 
   if (threadIdx.x == 0) {
@@ -439,8 +447,6 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     const uint64_t desc_a0 =
         sw128_mn_desc(ring + warpgroup * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
     const uint64_t desc_b0 = sw128_mn_desc(ring + 2 * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
-    const int lane = threadIdx.x % 32, warp_in_group = (threadIdx.x / 32) % 4;
-    const int r = warpgroup * 64 + warp_in_group * 16 + lane / 4;
     int64_t h = 0;
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
@@ -453,13 +459,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
         mbar_wait(full0 + 8 * stage, static_cast<uint32_t>(h / kPersistentStages) & 1u);
         fence_accumulators(acc);
         wgmma_fence();
-        const uint64_t stage_off = static_cast<uint64_t>(stage * kSm90StageBytes) >> 4;
-#pragma unroll
-        for (int kk = 0; kk < kSm90BK / 16; ++kk) {
-          const uint64_t k_off = static_cast<uint64_t>(kk * 16 * 128) >> 4;
-          wgmma_m64n128k16<kFp16>(acc, desc_a0 + stage_off + k_off,
-                                  desc_b0 + stage_off + k_off);
-        }
+        wgmma_stage<kFp16>(acc, desc_a0, desc_b0, stage);
         wgmma_commit();
         wgmma_wait<1>();  // the previous item's batch is complete: release its stage
         fence_accumulators(acc);
@@ -470,13 +470,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       release(h - 1);  // the tile's last item
       // Hand the tile over: wait until the update has read the previous one out of sC.
       if (j > 0) mbar_wait(c_empty, static_cast<uint32_t>(j - 1) & 1u);
-#pragma unroll
-      for (int jj = 0; jj < kBN / 8; ++jj) {
-        const int c = jj * 8 + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(&sC[r * kLdC + c]) = make_float2(acc[4 * jj], acc[4 * jj + 1]);
-        *reinterpret_cast<float2*>(&sC[(r + 8) * kLdC + c]) =
-            make_float2(acc[4 * jj + 2], acc[4 * jj + 3]);
-      }
+      store_accumulators(sC, acc, warpgroup);
       mbar_arrive(c_full);  // release: this thread's sC writes are visible to the waiter
     }
   } else {
