@@ -251,7 +251,7 @@ __device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool 
 // NOTE: nvcc compiles an IEEE division or square root to a fast path plus a range check that
 // branches to an out-of-line slow path. Each of those branches ends a basic block, so the
 // ~8 independent elements a thread updates cannot be interleaved: the epilogue ran one
-// element's dependent chain at a time (ncu: IPC 1.1, top stall "fixed-latency dependency").
+// element's dependent chain at a time (ncu's top stall: "fixed-latency dependency").
 // FastMath runs the same fast-path instructions without the branch, over a domain where they
 // provably give the IEEE result, and records whether every operand was in that domain; the
 // caller redoes the whole batch with IeeeMath when one was not (rare: see the domains).
@@ -739,10 +739,10 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
             totals.grad_sq_sum += gd * gd;
           }
     }
-    // NOTE: int8 states: one store path for both outcomes. Its encoder is ~2k instructions
-    // of unrolled code per state; a second copy pushed the hot loop out of the instruction
-    // cache (measured: the int8 fused step 2.9x slower). Other formats: a dedicated store
-    // path with no skip masks and hardware bf16 rounding.
+    // NOTE: int8 states: one store path for both outcomes, so the encoder's code is there
+    // once (a duplicated copy doubled the hot loop; the run that measured it 2.9x slower had
+    // NaN weights, so that cause was not isolated: bench/results/2026-11-29-h200-v6-steps).
+    // Other formats: a dedicated store path with no skip masks and hardware bf16 rounding.
     if constexpr (Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64) {
       if (fast) {
 #pragma unroll
