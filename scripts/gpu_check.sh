@@ -13,7 +13,9 @@
 # Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 512 and 4096) and on
 # the unfused AdamW pass, writing $OUT/ncu.txt.
 # Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
-# (default 500). GoogleTest comes from the system, or is built from build-deps/googletest
+# (default 500). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
+# benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_LEADS="512 4096" adds a
+# benchmark run per epilogue-prefetch lead in tokens (FORGE_CUDA_PREFETCH_LEAD), logs packed. GoogleTest comes from the system, or is built from build-deps/googletest
 # when the machine has none (copy /usr/src/googletest there and carry build-deps).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,6 +25,8 @@ mkdir -p "$OUT"
 BUILD=$ROOT/build-gpu
 ARCHS=${FORGE_GPU_ARCHS:-90a}
 BUDGET=${FORGE_GPU_CHECK_BUDGET:-500}
+QUICK=${FORGE_GPU_CHECK_QUICK:-0}
+LEADS=${FORGE_GPU_CHECK_LEADS:-}
 JOBS=$(nproc)
 START=$(date +%s)
 SUMMARY=()
@@ -53,14 +57,16 @@ if [ "${1:-}" = profile ]; then
     exit 1
   }
   log "profile: ncu ($NCU)"
-  timeout 300 "$NCU" --clock-control none --kernel-name regex:'wgrad_mma|adamw' --launch-skip 1 \
+  # The fused step's kernel (whichever the environment selects: FORGE_CUDA_PERSISTENT=1 profiles
+  # the persistent one) at T = 512 and 4096 after a warm-up at T = 32, then the unfused pass.
+  timeout "${FORGE_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name regex:'wgrad|adamw' --launch-skip 1 \
     --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section ComputeWorkloadAnalysis --section InstructionStats \
     --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
     "$BUILD/bench/wgrad_bench" --profile >"$OUT/ncu.txt" 2>&1
   echo "ncu rc=$? after $(elapsed) s"
-  grep -E "wgrad_mma|adamw|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy|Stall|inst_executed|hmma|Executed Ipc" "$OUT/ncu.txt" | head -80
+  grep -E "wgrad|adamw|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy|Stall|inst_executed|hmma|Executed Ipc" "$OUT/ncu.txt" | head -80
   exit 0
 fi
 
@@ -120,6 +126,7 @@ if ((build_rc == 0)); then
   row "ctest -L gpu" "$(ctest_result "$OUT/ctest_gpu.log")" "$(($(elapsed) - t0)) s"
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu.log" | head -30
 
+  if [ "$QUICK" != 1 ]; then
   # The portable mma.sync kernels again (on a Hopper GPU the suite above ran the wgmma main
   # loop): the bit-exact and shape/layout tests, which reach every kernel variant.
   t0=$(elapsed)
@@ -142,22 +149,34 @@ if ((build_rc == 0)); then
   row "ctest -L gpu (persistent kernel, Wgrad subset)" \
     "$(ctest_result "$OUT/ctest_gpu_persistent.log")" "$(($(elapsed) - t0)) s"
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_persistent.log" | head -10
+  fi
 
   t0=$(elapsed)
   log "benchmark (default path, then FORGE_CUDA_WGMMA=0 into $OUT/sm80)"
   FORGE_CUDA_VERBOSE=1 timeout "$(limit 150 80)" "$BUILD/bench/wgrad_bench" --out "$OUT" \
     >"$OUT/bench.log" 2>&1
   bench_rc=$?
-  mkdir -p "$OUT/sm80"
-  FORGE_CUDA_WGMMA=0 timeout "$(limit 150 70)" "$BUILD/bench/wgrad_bench" --out "$OUT/sm80" \
-    >"$OUT/sm80/bench.log" 2>&1
-  bench80_rc=$?
-  mkdir -p "$OUT/persistent"
-  FORGE_CUDA_PERSISTENT=1 timeout "$(limit 150 60)" "$BUILD/bench/wgrad_bench" --out "$OUT/persistent" \
-    >"$OUT/persistent/bench.log" 2>&1
-  row benchmark "$([ $bench_rc = 0 ] && echo ok || echo "FAILED rc=$bench_rc (bench.log)"); sm80 path $([ $bench80_rc = 0 ] && echo ok || echo "FAILED rc=$bench80_rc")" \
+  others=""
+  for lead in $LEADS; do
+    mkdir -p "$OUT/lead$lead"
+    FORGE_CUDA_PREFETCH_LEAD=$lead timeout "$(limit 60 40)" "$BUILD/bench/wgrad_bench" \
+      --out "$OUT/lead$lead" >"$OUT/lead$lead/bench.log" 2>&1
+    others="$others; prefetch lead $lead rc=$?"
+  done
+  if [ "$QUICK" != 1 ]; then
+    mkdir -p "$OUT/sm80"
+    FORGE_CUDA_WGMMA=0 timeout "$(limit 150 70)" "$BUILD/bench/wgrad_bench" --out "$OUT/sm80" \
+      >"$OUT/sm80/bench.log" 2>&1
+    others="$others; sm80 path rc=$?"
+    mkdir -p "$OUT/persistent"
+    FORGE_CUDA_PERSISTENT=1 timeout "$(limit 150 60)" "$BUILD/bench/wgrad_bench" --out "$OUT/persistent" \
+      >"$OUT/persistent/bench.log" 2>&1
+    others="$others; persistent rc=$?"
+  fi
+  row benchmark "$([ $bench_rc = 0 ] && echo ok || echo "FAILED rc=$bench_rc (bench.log)")$others" \
     "$(($(elapsed) - t0)) s"
 
+  if [ "$QUICK" != 1 ]; then
   # ---- 3. compute-sanitizer ------------------------------------------------------------------
   # One bf16 tensor-core path per storage family, split-K, odd shapes and unaligned inputs
   # (element-load fallback), non-finite gradients, fp32/mixed SIMT, elementwise and state
@@ -191,6 +210,7 @@ if ((build_rc == 0)); then
   OMP_NUM_THREADS=2 timeout "$(limit 120 5)" ctest --test-dir "$BUILD" -L cpu -j 8 \
     --output-on-failure >"$OUT/ctest_cpu.log" 2>&1
   row "ctest -L cpu" "$(ctest_result "$OUT/ctest_cpu.log")" "$(($(elapsed) - t0)) s"
+  fi
 fi
 
 # ---- summary (last) ---------------------------------------------------------------------------
@@ -205,13 +225,18 @@ fi
 # NOTE: the device tool returns at most 8 files from $OUT: keep the tables, pack the logs.
 [ -f "$OUT/sm80/bench.md" ] && cp "$OUT/sm80/bench.md" "$OUT/bench-sm80.md"
 [ -f "$OUT/persistent/bench.md" ] && cp "$OUT/persistent/bench.md" "$OUT/bench-persistent.md"
+LEAD_DIRS=$(cd "$OUT" && ls -d lead* 2>/dev/null)
 (cd "$OUT" && tar czf logs.tgz --ignore-failed-read build.log ctest_gpu.log ctest_gpu_sm80.log \
   ctest_gpu_persistent.log ctest_cpu.log sanitizer.log bench.log sm80 persistent ncu.txt \
-  2>/dev/null &&
+  $LEAD_DIRS 2>/dev/null &&
   rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_gpu_persistent.log ctest_cpu.log \
-    sanitizer.log bench.log sm80 persistent)
+    sanitizer.log bench.log sm80 persistent $LEAD_DIRS)
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
+for lead in $LEADS; do
+  echo; echo "## prefetch lead $lead tokens, Llama-3.1-8B totals (full table in logs.tgz)"
+  tar xzf "$OUT/logs.tgz" -O "lead$lead/bench.md" 2>/dev/null | grep -A5 "all 224 linear layers" | tail -4
+done
 [ -f "$OUT/bench-persistent.md" ] && { echo; echo "## persistent kernel (FORGE_CUDA_PERSISTENT=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-persistent.md" | tail -4; }
 echo
 cat "$OUT/summary.md"

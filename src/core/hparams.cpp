@@ -245,8 +245,7 @@ RuleScalars make_rule_scalars(const forge_hparams& hp) {
     default:
       break;
   }
-  for (uint32_t s = 0; s < 1 + FORGE_MAX_STATES; ++s)
-    k.sr_key[s] = rng_key(hp.seed, static_cast<uint64_t>(hp.step), s);
+  k.sr_key = rng_key(hp.seed, static_cast<uint64_t>(hp.step));
   return k;
 }
 

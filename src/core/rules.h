@@ -38,7 +38,7 @@ struct RuleScalars {
   float alpha, one_minus_alpha;           // RMSprop
   float momentum;        // RMSprop, SGD-momentum (nesterov term)
   float buf_keep, buf_take;  // SGD-momentum: buf = buf * buf_keep + g * buf_take
-  uint64_t sr_key[1 + FORGE_MAX_STATES];  // rng_key per stream: weight, state 0..2
+  uint64_t sr_key;       // rng_key(seed, step): stochastic rounding's draws this step
 };
 
 // The two operations of the rules that are not a single instruction everywhere, correctly

@@ -65,10 +65,10 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
 
 // Writes n fp32 values to state `i`. Elements with keep[e] set are left as they
 // are (fp32/bf16), or re-encoded from their loaded value against the block's new
-// absmax (int8, where the block shares one scale). `sr_key` (nullable) selects
-// stochastic rounding for FORGE_STATE_BF16_STOCHASTIC.
+// absmax (int8, where the block shares one scale). `draw` (nullable: n rng_draw values)
+// selects stochastic rounding for FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
 void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
-                 const float* in, const bool* keep, const uint64_t* sr_key) {
+                 const float* in, const bool* keep, const uint64_t* draw) {
   const int64_t base = row * p.cols + col0;
   switch (p.state_format) {
     case FORGE_STATE_FP32: {
@@ -80,10 +80,10 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
     case FORGE_STATE_BF16:
     case FORGE_STATE_BF16_STOCHASTIC: {
       uint16_t* s = static_cast<uint16_t*>(p.state[i]) + base;
-      const bool stochastic = sr_key && p.state_format == FORGE_STATE_BF16_STOCHASTIC;
+      const bool stochastic = draw && p.state_format == FORGE_STATE_BF16_STOCHASTIC;
       for (int e = 0; e < n; ++e) {
         if (keep && keep[e]) continue;
-        s[e] = stochastic ? bf16_stochastic(in[e], rng_bits(*sr_key, base + e))
+        s[e] = stochastic ? bf16_stochastic(in[e], rng_stream_bits(draw[e], 1 + i))
                           : bf16_nearest(in[e]);
       }
       break;
@@ -140,8 +140,10 @@ void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int
     for (int i = 0; i < k.num_states; ++i) s[i][e] = st[i];
   }
 
+  uint64_t draw[kSegment];  // stochastic rounding's bits, one draw per element
+  for (int e = 0; e < n; ++e) draw[e] = rng_draw(k.sr_key, static_cast<uint64_t>(base + e));
   for (int i = 0; i < k.num_states; ++i)
-    store_state(p, i, k.state_signed[i], row, col0, n, s[i], skipped, &k.sr_key[1 + i]);
+    store_state(p, i, k.state_signed[i], row, col0, n, s[i], skipped, draw);
   switch (p.weight_format) {
     case FORGE_WEIGHT_FP32: {
       float* wf = static_cast<float*>(p.weight) + base;
@@ -162,7 +164,7 @@ void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int
     case FORGE_WEIGHT_BF16_STOCHASTIC: {
       uint16_t* wb = static_cast<uint16_t*>(p.weight) + base;
       for (int e = 0; e < n; ++e)
-        if (!skipped[e]) wb[e] = bf16_stochastic(w[e], rng_bits(k.sr_key[0], base + e));
+        if (!skipped[e]) wb[e] = bf16_stochastic(w[e], rng_stream_bits(draw[e], 0));
       break;
     }
   }

@@ -228,17 +228,6 @@ void log_kernel_choice(const char* kernel, const RuleScalars& k, int weight_form
   if (seen.insert(line).second) std::fprintf(stderr, "forge cuda: wgrad step runs %s\n", line);
 }
 
-// update.cuh's stochastic rounding computes rng_bits(key, i) as
-// rng_hash_bits(key + i * kRngIndexMul): checked here once against rng.h itself.
-bool rng_split_matches() {
-  const uint64_t keys[] = {0ull, 0x0123456789ABCDEFull, ~0ull};
-  const uint64_t indices[] = {0ull, 1ull, 12345678901ull, ~0ull};
-  for (uint64_t key : keys)
-    for (uint64_t i : indices)
-      if (rng_bits(key, i) != rng_hash_bits(key + i * kRngIndexMul)) return false;
-  return true;
-}
-
 // Per-device facts and one-time kernel attributes, cached (thread-safe).
 struct DeviceInfo {
   int num_sms = 0;
@@ -253,8 +242,6 @@ forge_status device_info(int index, DeviceInfo* out) {
   std::lock_guard<std::mutex> lock(g_device_mutex);
   DeviceInfo& info = g_devices[index];
   if (!info.kernels_configured) {
-    if (!rng_split_matches())
-      return fail(FORGE_ERR_INTERNAL, "CUDA: update.cuh's kRngIndexMul differs from rng.h");
     FORGE_CUDA_TRY(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index));
     const bool verbose = std::getenv("FORGE_CUDA_VERBOSE") != nullptr;
     auto configure = [&](const void* fn, const char* name, size_t smem_bytes,
@@ -418,10 +405,17 @@ ParamView make_param_view(const forge_param& p, int num_states) {
   return v;
 }
 
-// Environment switch for benchmarking the epilogue's L2 prefetch (default on).
+// Environment switches for benchmarking the epilogue's L2 prefetch: FORGE_CUDA_EPILOGUE_PREFETCH=0
+// turns it off, FORGE_CUDA_PREFETCH_LEAD=tokens moves it (default kPrefetchLeadTokens before
+// the main loop's end).
 bool epilogue_prefetch_enabled() {
   const char* v = std::getenv("FORGE_CUDA_EPILOGUE_PREFETCH");
   return !(v && v[0] == '0');
+}
+int prefetch_lead_tokens() {
+  const char* v = std::getenv("FORGE_CUDA_PREFETCH_LEAD");
+  const int lead = v ? std::atoi(v) : kPrefetchLeadTokens;
+  return lead > 0 ? lead : kPrefetchLeadTokens;
 }
 
 // Environment switch: FORGE_CUDA_PERSISTENT=1 runs the persistent, warp-specialized Hopper
@@ -567,7 +561,9 @@ __global__ void __launch_bounds__(kElementwiseThreads)
 #pragma unroll
       for (int e = 0; e < kQuad; ++e)
         v[e] = op == kStateFill ? value : (e < c.n ? in[idx + e] : 0.0f);
-      store_state_quad(p, 0, is_signed, c.row, c.col, idx, c.n, false, 0u, lane16, false, 0, v);
+      const uint64_t no_draw[kQuad] = {};
+      store_state_quad(p, 0, is_signed, c.row, c.col, idx, c.n, false, 0u, lane16, false, no_draw,
+                       v);
     }
   }
 }
@@ -667,6 +663,7 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   w.splits = static_cast<int32_t>(splits);
   w.ktiles_per_split = static_cast<int32_t>(per);
   w.prefetch = splits == 1 && epilogue_prefetch_enabled();
+  w.prefetch_lead = prefetch_lead_tokens();
   w.want_sq = a.outputs.grad_sq_sum != nullptr;
   w.grad_sq_sum = a.outputs.grad_sq_sum;
   w.nonfinite_count = reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count);

@@ -56,9 +56,11 @@ constexpr int kLdF = kBM + 4;             // fp32 shared rows of the SIMT kernel
 constexpr int kTileElems = kBM * kBN;
 constexpr int kRowsPerPass = kThreads / (kBN / kQuad / 2);  // 16: a thread owns 2 quads of a row
 constexpr int kGroupM = 16;               // tile rasterization: 16 tile-rows per group
-// NOTE: issue the L2 prefetch of the tile's weight and states this many k-tiles before the
-// main loop ends, so the epilogue's loads hit L2 instead of waiting on HBM.
-constexpr int kPrefetchLead = 6;
+// NOTE: issue the L2 prefetch of the tile's weight and states this many tokens before the
+// main loop ends, so the epilogue's loads hit L2 instead of waiting on HBM (the default of
+// WgradParams::prefetch_lead; FORGE_CUDA_PREFETCH_LEAD overrides it for benchmarking).
+constexpr int kPrefetchLeadTokens = 192;
+
 
 constexpr size_t kPipeBytes = size_t(kStages) * 2 * kStageHalves * sizeof(uint16_t);
 constexpr size_t kEpilogueBytes = size_t(kBM) * kLdC * sizeof(float);
@@ -80,6 +82,7 @@ struct WgradParams {
   int32_t tiles_m, tiles_n;
   int32_t splits, ktiles_per_split;
   int32_t prefetch;          // L2 prefetch of the epilogue's operands
+  int32_t prefetch_lead;     // ... issued this many tokens before the main loop ends
   int32_t want_sq;           // grad_sq_sum != nullptr
   float* workspace;          // [tiles · splits][kBM][kBN] fp32 partials (splits > 1)
   unsigned int* counters;    // [tiles] arrivals per tile, 0 between launches
@@ -88,6 +91,14 @@ struct WgradParams {
   ParamView p;               // W: [M, N]
   RuleScalars k;
 };
+
+// The k-tile of a CTA's main loop (nk k-tiles of kTokens) at which the prefetch is issued;
+// -1: none.
+template <int kTokens>
+__device__ __forceinline__ int prefetch_ktile(const WgradParams& a, int nk) {
+  if (!a.prefetch) return -1;
+  return max(nk - (a.prefetch_lead + kTokens - 1) / kTokens, 0);
+}
 
 // ---- PTX wrappers ----------------------------------------------------------------------------
 
@@ -475,6 +486,7 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
     if (s < nk) load_stage(s, kt0 + s);
     cp_async_commit();
   }
+  const int prefetch_at = prefetch_ktile<kBK>(a, nk);
 
 #pragma unroll 1
   for (int it = 0; it < nk; ++it) {
@@ -482,8 +494,7 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
     __syncthreads();               // ... everyone's, and stage it - 1 is free again
     if (it + kStages - 1 < nk) load_stage((it + kStages - 1) % kStages, kt0 + it + kStages - 1);
     cp_async_commit();
-    if (a.prefetch && it == max(nk - kPrefetchLead, 0))
-      prefetch_update_operands(a, m0, n0, threadIdx.x);
+    if (it == prefetch_at) prefetch_update_operands(a, m0, n0, threadIdx.x);
 
     const uint32_t a_base = sA_addr + (it % kStages) * kStageHalves * sizeof(uint16_t);
     const uint32_t b_base = sB_addr + (it % kStages) * kStageHalves * sizeof(uint16_t);

@@ -59,9 +59,6 @@ constexpr int kSm90Align = 1024;   // the SW128 atom: TMA and the wgmma descript
 // reused as sC (68 KiB) after the main loop.
 constexpr size_t kSm90RingBytes = size_t(kSm90Stages) * kSm90StageBytes;
 constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90Align;
-// NOTE: the L2 prefetch of the epilogue's operands is issued this many 64-token k-tiles
-// before the main loop ends: 192 tokens, the sm80 kernel's 6 × 32.
-constexpr int kSm90PrefetchLead = 192 / kSm90BK;
 static_assert(kBM == 2 * kSm90BoxCols && kBN == 2 * kSm90BoxCols, "two boxes per operand");
 static_assert(kSm90SmemBytes <= 100 * 1024, "two CTAs per SM (228 KiB, 1 KiB reserved each)");
 static_assert(kThreads == 256, "two warpgroups");
@@ -306,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint64_t desc_a0 =
       sw128_mn_desc(ring + warpgroup * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
   const uint64_t desc_b0 = sw128_mn_desc(ring + 2 * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
-  const int prefetch_at = a.prefetch ? max(nk - kSm90PrefetchLead, 0) : -1;
+  const int prefetch_at = prefetch_ktile<kSm90BK>(a, nk);
 
   int stage = 0;
   uint32_t phase = 0;

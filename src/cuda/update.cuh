@@ -10,7 +10,7 @@
 //
 // Bit-exactness with the CPU (cpu_backend.cpp, update_segment/store_state): same fp32
 // operations in the same order (the library is built with --fmad=false), the same format
-// functions (formats.h), the same stochastic-rounding bits rng_bits(key, row * cols + col),
+// functions (formats.h), the same stochastic-rounding bits rng_draw(key, row * cols + col),
 // and the same non-finite policy: a skipped element keeps its weight and fp32/bf16 states,
 // and its int8 states are re-encoded from their decoded old value against the block's new
 // absmax, exactly as store_state does.
@@ -84,14 +84,13 @@ __host__ __device__ inline bool spec_matches(const RuleScalars& k, int weight_fo
   return true;
 }
 
-// rng_bits(key, index) == rng_hash_bits(key + index * kRngIndexMul), rng.h's own formula
-// split in two so that a quad computes key + index * kRngIndexMul once and steps it by
-// kRngIndexMul per element (unsigned 64-bit arithmetic wraps: the same bits).
-// NOTE: the constant must stay rng.h's; the CPU/GPU stochastic-rounding tests compare
-// every bit, and cuda_backend.cu checks the split against rng_bits() once per process.
-constexpr uint64_t kRngIndexMul = 0x9E3779B97F4A7C15ull;
-__host__ __device__ __forceinline__ uint32_t rng_hash_bits(uint64_t key_plus_index_mul) {
-  return static_cast<uint32_t>(mix64(key_plus_index_mul) >> 32);
+// The stochastic-rounding draws of a quad: rng_draw(key, idx + e) for its 4 elements.
+// NOTE: the 64-bit multiply once per quad, then stepped by kRngIndexMul (rng.h allows it);
+// one draw serves the weight and every state of the element.
+__device__ __forceinline__ void quad_draws(uint64_t key, int64_t idx, uint64_t (&draw)[kQuad]) {
+  uint64_t z = key + static_cast<uint64_t>(idx) * kRngIndexMul;
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e, z += kRngIndexMul) draw[e] = mix64(z);
 }
 
 // Everything a kernel needs to know about the parameter being updated. Built on the
@@ -330,9 +329,9 @@ __device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool 
   }
 }
 
-// Stores state i of a quad. `stochastic` selects stochastic rounding with `sr_key` for
-// FORGE_STATE_BF16_STOCHASTIC (a step passes true and its key; state conversions pass
-// false = nearest, as the CPU does). For int8 every lane of the warp must call this
+// Stores state i of a quad. `stochastic` selects stochastic rounding with stream 1 + i of
+// `draw` (quad_draws) for FORGE_STATE_BF16_STOCHASTIC (a step passes true and its draws;
+// state conversions pass false = nearest, as the CPU does). For int8 every lane of the warp must call this
 // (absmax shuffle).
 // kNonNan: every value is known not to be NaN (the fast epilogue path), so bf16 nearest
 // rounding may use the hardware conversion.
@@ -340,7 +339,8 @@ template <int kStateFormat = kAny, bool kNonNan = false>
 __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool is_signed,
                                                  int64_t row, int64_t col, int64_t idx, int n,
                                                  bool vec, unsigned keep, int lane16,
-                                                 bool stochastic, uint64_t sr_key,
+                                                 bool stochastic,
+                                                 const uint64_t (&draw)[kQuad],
                                                  const float (&v)[kQuad]) {
   const int format = kStateFormat != kAny ? kStateFormat : p.state_format;
   switch (format) {
@@ -351,11 +351,8 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
     case FORGE_STATE_BF16_STOCHASTIC: {
       uint16_t h[kQuad];
       if (stochastic && format == FORGE_STATE_BF16_STOCHASTIC) {
-        // NOTE: rng_bits(sr_key, idx + e) with the 64-bit multiply done once per quad.
-        uint64_t z = sr_key + static_cast<uint64_t>(idx) * kRngIndexMul;
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e, z += kRngIndexMul)
-          h[e] = bf16_stochastic(v[e], rng_hash_bits(z));
+        for (int e = 0; e < kQuad; ++e) h[e] = bf16_stochastic(v[e], rng_stream_bits(draw[e], 1 + i));
       } else if (kNonNan) {
 #pragma unroll
         for (int e = 0; e < kQuad; e += 2) {
@@ -557,19 +554,22 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   constexpr int kSF = Spec::kStateFormat;
   const int weight_format = Spec::kGeneric ? p.weight_format : Spec::kWeightFormat;
   const int num_states = Spec::kGeneric ? k.num_states : Spec::kNumStates;
-#pragma unroll
-  for (int i = 0; i < FORGE_MAX_STATES; ++i) {
-    const bool is_signed =
-        Spec::kGeneric ? k.state_signed[i] != 0 : spec_state_signed(Spec::kRule, i);
-#pragma unroll
-    for (int q = 0; q < kQ; ++q)
-      if (i < num_states)
-        store_state_quad<kSF, kNonNan>(p, i, is_signed, row[q], col[q], idx[q], n[q], vec[q],
-                                       keep[q], lane16, true, k.sr_key[1 + i], s[i][q]);
-  }
-
+  const int state_format = Spec::kGeneric ? p.state_format : kSF;
+  // Folds to a constant for a specialized Spec (no draws at all without stochastic rounding).
+  const bool draws = weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
+                     (num_states > 0 && state_format == FORGE_STATE_BF16_STOCHASTIC);
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
+    uint64_t draw[kQuad] = {};
+    if (draws) quad_draws(k.sr_key, idx[q], draw);
+#pragma unroll
+    for (int i = 0; i < FORGE_MAX_STATES; ++i) {
+      const bool is_signed =
+          Spec::kGeneric ? k.state_signed[i] != 0 : spec_state_signed(Spec::kRule, i);
+      if (i < num_states)
+        store_state_quad<kSF, kNonNan>(p, i, is_signed, row[q], col[q], idx[q], n[q], vec[q],
+                                       keep[q], lane16, true, draw, s[i][q]);
+    }
     switch (weight_format) {
       case FORGE_WEIGHT_FP32:
         store_quad_f32(static_cast<float*>(p.weight), idx[q], n[q], vec[q], keep[q], w[q]);
@@ -595,11 +595,8 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
       }
       default: {  // FORGE_WEIGHT_BF16_STOCHASTIC
         uint16_t h[kQuad];
-        // NOTE: rng_bits(sr_key[0], idx + e) with the 64-bit multiply done once per quad.
-        uint64_t z = k.sr_key[0] + static_cast<uint64_t>(idx[q]) * kRngIndexMul;
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e, z += kRngIndexMul)
-          h[e] = bf16_stochastic(w[q][e], rng_hash_bits(z));
+        for (int e = 0; e < kQuad; ++e) h[e] = bf16_stochastic(w[q][e], rng_stream_bits(draw[e], 0));
         store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
       }
     }

@@ -38,7 +38,7 @@ TEST(Fp16, EveryBitPatternDecodesExactly) {
   }
 }
 
-TEST(StochasticRounding, UnbiasedMeanWithinBound) {
+TEST(StochasticRounding, UnbiasedMeanWithinBoundOnEveryStream) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
   Rng rng(seed);
@@ -48,16 +48,46 @@ TEST(StochasticRounding, UnbiasedMeanWithinBound) {
     const float lo = bf16_to_float(static_cast<uint16_t>(float_bits(x) >> 16));
     const float hi = bf16_to_float(static_cast<uint16_t>((float_bits(x) >> 16) + 1));
     const double ulp = std::fabs(double(hi) - double(lo));
-    const uint64_t key = rng_key(rng.gen(), 1 + trial, 0);
-    double sum = 0;
-    for (int i = 0; i < kDraws; ++i) {
-      const float r = bf16_to_float(bf16_stochastic(x, rng_bits(key, i)));
-      ASSERT_TRUE(r == lo || r == hi) << "x=" << x << " r=" << r;
-      sum += r;
+    const uint64_t key = rng_key(rng.gen(), 1 + trial);
+    for (int stream = 0; stream < kRngStreams; ++stream) {
+      double sum = 0;
+      for (int i = 0; i < kDraws; ++i) {
+        const uint32_t bits = rng_stream_bits(rng_draw(key, i), stream);
+        const float r = bf16_to_float(bf16_stochastic(x, bits));
+        ASSERT_TRUE(r == lo || r == hi) << "x=" << x << " r=" << r;
+        sum += r;
+      }
+      const double mean = sum / kDraws;
+      EXPECT_NEAR(mean, x, kSrMeanSigmas * ulp / (2.0 * std::sqrt(double(kDraws))))
+          << "x=" << x << " stream " << stream;
     }
-    const double mean = sum / kDraws;
-    EXPECT_NEAR(mean, x, kSrMeanSigmas * ulp / (2.0 * std::sqrt(double(kDraws)))) << "x=" << x;
   }
+}
+
+// The streams of one draw round the weight and the states of the same element: their bits
+// must be uncorrelated with each other (and with the next element's).
+TEST(StochasticRounding, StreamsOfOneDrawAreUncorrelated) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const int kDraws = 200000;
+  const uint64_t key = rng_key(rng.gen(), 7);
+  auto unit = [](uint32_t bits) { return (bits + 0.5) / 65536.0 - 0.5; };  // uniform, mean 0
+  for (int a = 0; a < kRngStreams; ++a)
+    for (int b = 0; b < kRngStreams; ++b) {
+      double sum_ab = 0, sum_aa = 0, sum_bb = 0;
+      for (int i = 0; i < kDraws; ++i) {
+        const double x = unit(rng_stream_bits(rng_draw(key, i), a));
+        // stream b of the same element, or (a == b) stream a of the next element
+        const double y = unit(rng_stream_bits(rng_draw(key, i + (a == b ? 1 : 0)), b));
+        sum_ab += x * y;
+        sum_aa += x * x;
+        sum_bb += y * y;
+      }
+      const double r = sum_ab / std::sqrt(sum_aa * sum_bb);
+      // |r| of independent uniforms has standard deviation 1 / sqrt(N); kSrMeanSigmas of them.
+      EXPECT_LT(std::fabs(r), kSrMeanSigmas / std::sqrt(double(kDraws))) << "streams " << a << ", " << b;
+    }
 }
 
 TEST(StochasticRounding, ExactValuesStayExact) {
