@@ -303,6 +303,13 @@ __device__ __forceinline__ uint32_t bf16x2_nearest_nonnan(float lo, float hi) {
   return packed;
 }
 
+// formats.h's bf16_stochastic for a value known not to be NaN: the same bits without its
+// infinity/NaN test (an infinity plus at most 0xFFFF stays that infinity; NaN is the only
+// input whose sum could carry out of the exponent).
+__device__ __forceinline__ uint16_t bf16_stochastic_nonnan(float x, uint32_t random16) {
+  return static_cast<uint16_t>((__float_as_uint(x) + (random16 & 0xFFFFu)) >> 16);
+}
+
 // ---- state i of a quad, in fp32 ----------------------------------------------------------
 
 // kStateFormat: the state format as a compile-time constant, or kAny (p.state_format).
@@ -352,7 +359,9 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
       uint16_t h[kQuad];
       if (stochastic && format == FORGE_STATE_BF16_STOCHASTIC) {
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e) h[e] = bf16_stochastic(v[e], rng_stream_bits(draw[e], 1 + i));
+        for (int e = 0; e < kQuad; ++e)
+          h[e] = kNonNan ? bf16_stochastic_nonnan(v[e], rng_stream_bits(draw[e], 1 + i))
+                         : bf16_stochastic(v[e], rng_stream_bits(draw[e], 1 + i));
       } else if (kNonNan) {
 #pragma unroll
         for (int e = 0; e < kQuad; e += 2) {
@@ -596,7 +605,9 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
       default: {  // FORGE_WEIGHT_BF16_STOCHASTIC
         uint16_t h[kQuad];
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e) h[e] = bf16_stochastic(w[q][e], rng_stream_bits(draw[e], 0));
+        for (int e = 0; e < kQuad; ++e)
+          h[e] = kNonNan ? bf16_stochastic_nonnan(w[q][e], rng_stream_bits(draw[e], 0))
+                         : bf16_stochastic(w[q][e], rng_stream_bits(draw[e], 0));
         store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
       }
     }

@@ -205,6 +205,9 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
     noise = bench.noise_run_names(2)
     assert noise == [bench.NOISE_RUN, bench.NOISE_RUN + "-2"]
     assert set(report["comparisons"]) == {"forge-bf16-sr", "forge-int8", *noise}
+    # run order: a call cut short keeps the bf16 comparison beside a noise floor
+    assert list(report["runs"]) == [bench.PARITY_REFERENCE, "forge-bf16-sr", noise[0],
+                                    "forge-int8", noise[1]]
     for c in report["comparisons"].values():
         assert c["steps"] == 4 and c["mean_abs_diff_last_half"] >= 0
     # two noise seeds: two different perturbed runs, both measured as the floor

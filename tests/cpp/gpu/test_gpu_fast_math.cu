@@ -158,6 +158,23 @@ __global__ void check_bf16x2_all(unsigned long long* wrong_out, unsigned long lo
   atomicAdd(checked_out, checked);
 }
 
+// Every non-NaN float, each with a random 16-bit draw and with the two extremes 0 and 0xFFFF.
+__global__ void check_sr_nonnan_all(unsigned long long* wrong_out, unsigned long long* checked_out) {
+  unsigned long long wrong = 0, checked = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const float x = __uint_as_float(static_cast<uint32_t>(i));
+    if (x != x) continue;
+    const uint32_t draws[3] = {hash32(i), 0u, 0xFFFFu};
+    for (uint32_t r : draws) {
+      ++checked;
+      if (forge::cuda::bf16_stochastic_nonnan(x, r) != forge::bf16_stochastic(x, r)) ++wrong;
+    }
+  }
+  if (wrong) atomicAdd(wrong_out, wrong);
+  atomicAdd(checked_out, checked);
+}
+
 template <class Launch>
 Counts run_counts(Launch launch) {
   Counts* d = nullptr;
@@ -213,6 +230,20 @@ TEST(FastMath, Bf16x2EqualsFormatsOnEveryNonNanFloat) {
   EXPECT_EQ(h[0], 0u);
   // 2^32 patterns minus the NaNs of either half (2 · (2^24 - 2) each, overlapping)
   EXPECT_GT(h[1], (1ull << 32) - (1ull << 26));
+}
+
+TEST(FastMath, StochasticNonNanEqualsFormatsOnEveryNonNanFloat) {
+  FORGE_REQUIRE_GPU();
+  unsigned long long* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, 2 * sizeof(unsigned long long)));
+  CUDA_OK(cudaMemset(d, 0, 2 * sizeof(unsigned long long)));
+  check_sr_nonnan_all<<<1024, 256>>>(d, d + 1);
+  CUDA_OK(cudaGetLastError());
+  unsigned long long h[2] = {0, 0};
+  CUDA_OK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaFree(d));
+  EXPECT_EQ(h[0], 0u);
+  EXPECT_EQ(h[1], 3 * ((1ull << 32) - 2 * ((1ull << 23) - 1)));  // every non-NaN float, 3 draws
 }
 
 }  // namespace
