@@ -63,7 +63,8 @@ if [ "${1:-}" = profile ]; then
     --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section ComputeWorkloadAnalysis --section InstructionStats \
-    --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+    --section SourceCounters \
+    --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
     "$BUILD/bench/wgrad_bench" --profile >"$OUT/ncu.txt" 2>&1
   echo "ncu rc=$? after $(elapsed) s"
   grep -E "wgrad|adamw|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy|Stall|inst_executed|hmma|Executed Ipc" "$OUT/ncu.txt" | head -80
