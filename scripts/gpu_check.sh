@@ -51,7 +51,7 @@ if [ "${1:-}" = profile ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   log "profile: build the benchmark"
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
-    -DFORGE_BUILD_TESTS=OFF >"$OUT/build.log" 2>&1 &&
+    -DFORGE_BUILD_TESTS=OFF -DFORGE_BUILD_BENCH=ON >"$OUT/build.log" 2>&1 &&
     cmake --build "$BUILD" --target wgrad_bench -j "$JOBS" >>"$OUT/build.log" 2>&1 || {
     tail -30 "$OUT/build.log"
     exit 1

@@ -435,6 +435,11 @@ def summarize(directory: str) -> int:
         lines.append(f"parity ({os.path.basename(parities[-1])}):")
         for name, c in report["comparisons"].items():
             lines.append(f"  {name}: {parity_line(c)}")
+        # reports written before the spread existed: computed from their loss curves
+        spread = report.get("spread") or parity_spread(
+            {n: r["losses"] for n, r in report["runs"].items() if "losses" in r},
+            [report.get("reference", PARITY_REFERENCE)] + list(report.get("noise_runs", {})))
+        lines.extend(f"  {line}" for line in spread_lines(spread))
         for name, r in report["runs"].items():
             lines.append(f"  run {name}: " + (f"error: {r['error']}" if "error" in r else
                          f"{r['seconds']} s, final loss {r['final_loss']:.4f}, "
@@ -517,9 +522,10 @@ PARITY_REFERENCE = "torch-adamw-fused"
 # Noise runs give the scale of the noise: torch against itself with every initial weight
 # moved by about one bf16 rounding step (relative 2^-8 · N(0,1), rounded back to bf16), one
 # noise seed per run (--parity-noise-runs). Two bf16 runs whose roundings differ anywhere
-# drift apart like this (measured on the H200: torch vs perturbed torch 0.038 nats mean
-# |Δloss|, against the issue's 0.001 limit), so each FORGE comparison also says whether it
-# lies within the largest torch-vs-torch distance measured ("noise floor").
+# drift apart like this (measured on the H200, 1000 steps: torch vs perturbed torch 0.010
+# and 0.047 nats mean |Δloss| for two noise seeds, against the issue's 0.001 limit), so each
+# FORGE comparison also says whether it lies within the largest torch-vs-torch distance
+# measured ("noise floor"), and parity_spread compares every run with every torch run.
 NOISE_RUN = "torch-adamw-fused-perturbed"
 NOISE_SCALE = 2.0 ** -8
 NOISE_SEED = 12345
@@ -588,6 +594,7 @@ def parity_report(args, info: dict) -> int:
             if c is not None and floor:
                 c["noise_floor"] = floor
                 c["within_noise_floor"] = c["mean_abs_diff_last_half"] <= max(floor)
+        report["spread"] = parity_spread(curves, [PARITY_REFERENCE] + noise_runs)
         with open(stem + ".json", "w") as f:  # after every run: a cut-short job keeps it
             json.dump(report, f, indent=1)
         _plot_parity(curves, stem + ".png", info, args)
@@ -595,8 +602,50 @@ def parity_report(args, info: dict) -> int:
           f"torch.optim.AdamW(fused=True)):")
     for name, c in report["comparisons"].items():
         print(f"  {name}: {parity_line(c)}")
+    for line in spread_lines(report.get("spread")):
+        print(f"  {line}")
     print(f"  report: {stem}.json, {stem}.png", flush=True)
     return 0
+
+
+def parity_spread(curves: Dict[str, List[float]], torch_runs: List[str]) -> dict:
+    """The reference is one torch run among several that differ only in bf16-step noise of
+    their initial weights; any one of them may sit at the edge of that spread. So beside the
+    issue's measure (against the reference alone) this compares every run with every torch
+    run: `torch_pairs` is the mean |Δloss| over the last half of each pair of torch runs,
+    and each FORGE run gets its distance to every torch run, their mean, and whether that
+    mean lies within the largest torch-vs-torch distance (`within_torch_spread`)."""
+    present = [n for n in torch_runs if n in curves]
+
+    def dist(a: str, b: str) -> float:
+        return compare_curves(curves[a], curves[b], None)["mean_abs_diff_last_half"]
+
+    pairs = {f"{a} vs {b}": dist(a, b)
+             for i, a in enumerate(present) for b in present[i + 1:]}
+    result = {"torch_pairs": pairs, "forge": {}}
+    for name in curves:
+        if name in torch_runs or not present:
+            continue
+        to_torch = {t: dist(name, t) for t in present}
+        mean = sum(to_torch.values()) / len(to_torch)
+        entry = {"to_torch_runs": to_torch, "mean_to_torch_runs": mean}
+        if pairs:
+            entry["within_torch_spread"] = mean <= max(pairs.values())
+        result["forge"][name] = entry
+    return result
+
+
+def spread_lines(spread: Optional[dict]) -> List[str]:
+    if not spread or not spread.get("torch_pairs"):
+        return []
+    pairs = spread["torch_pairs"]
+    lines = [f"torch vs torch ({len(pairs)} pairs): mean |dloss| over last half "
+             f"{min(pairs.values()):.5f} .. {max(pairs.values()):.5f} nats"]
+    for name, e in spread["forge"].items():
+        lines.append(f"{name} vs each torch run: mean {e['mean_to_torch_runs']:.5f} nats "
+                     f"({', '.join(f'{v:.5f}' for v in e['to_torch_runs'].values())}): "
+                     f"{'within' if e.get('within_torch_spread') else 'ABOVE'} the torch spread")
+    return lines
 
 
 class _perturbed_init:

@@ -205,6 +205,8 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
     noise = bench.noise_run_names(2)
     assert noise == [bench.NOISE_RUN, bench.NOISE_RUN + "-2"]
     assert set(report["comparisons"]) == {"forge-bf16-sr", "forge-int8", *noise}
+    assert len(report["spread"]["torch_pairs"]) == 3  # reference and two noise runs
+    assert set(report["spread"]["forge"]) == {"forge-bf16-sr", "forge-int8"}
     # run order: a call cut short keeps the bf16 comparison beside a noise floor
     assert list(report["runs"]) == [bench.PARITY_REFERENCE, "forge-bf16-sr", noise[0],
                                     "forge-int8", noise[1]]
@@ -218,6 +220,25 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
         c = report["comparisons"][name]
         assert c["noise_floor"] == floor
         assert c["within_noise_floor"] == (c["mean_abs_diff_last_half"] <= max(floor))
+
+
+def test_bench_parity_spread_compares_with_every_torch_run():
+    from forge import bench
+    torch_runs = [bench.PARITY_REFERENCE, bench.NOISE_RUN]
+    curves = {bench.PARITY_REFERENCE: [1.0] * 10, bench.NOISE_RUN: [1.1] * 10,
+              "near": [1.05] * 10, "far": [1.3] * 10}
+    spread = bench.parity_spread(curves, torch_runs)
+    assert spread["torch_pairs"] == {f"{bench.PARITY_REFERENCE} vs {bench.NOISE_RUN}":
+                                     pytest.approx(0.1)}
+    near, far = spread["forge"]["near"], spread["forge"]["far"]
+    assert near["to_torch_runs"] == {bench.PARITY_REFERENCE: pytest.approx(0.05),
+                                     bench.NOISE_RUN: pytest.approx(0.05)}
+    assert near["within_torch_spread"] is True
+    assert far["mean_to_torch_runs"] == pytest.approx(0.25)
+    assert far["within_torch_spread"] is False
+    # one torch run: distances, but no spread to be within
+    alone = bench.parity_spread({bench.PARITY_REFERENCE: [1.0] * 4, "x": [1.2] * 4}, torch_runs)
+    assert alone["torch_pairs"] == {} and "within_torch_spread" not in alone["forge"]["x"]
 
 
 def test_bench_parity_rejects_negative_noise_runs(tmp_path, capsys):
