@@ -532,8 +532,8 @@ int main(int argc, char** argv) {
 
   // Whole-model estimate: the 224 linear layers of Llama-3.1-8B (32 decoder layers).
   md += "\n## Llama-3.1-8B, all 224 linear layers (sum of the per-layer medians × occurrences)\n\n";
-  md += "| T | fused bf16 ms | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) |\n";
-  md += "| --- | --- | --- | --- | --- | --- | --- |\n";
+  md += "| T | fused bf16 ms | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- | --- |\n";
   bool first_t = true;
   for (int64_t tokens : kTokens) {
     double tot[kVariants] = {};
@@ -546,11 +546,13 @@ int main(int argc, char** argv) {
     if (found != 4) continue;
     md += "| " + std::to_string(tokens) + " | " + fmt("%.1f", tot[kFusedBf16]) + " | " + fmt("%.1f", tot[kFusedInt8]) +
           " | " + fmt("%.1f", tot[kFusedMaster]) + " | " + fmt("%.1f", tot[kCublasF32]) + " | " +
-          fmt("%.1f", tot[kUnfused]) + " | " + fmt("%.2f", tot[kUnfused] / tot[kFusedBf16]) + "× |\n";
+          fmt("%.1f", tot[kUnfused]) + " | " + fmt("%.2f", tot[kUnfused] / tot[kFusedBf16]) + "× | " +
+          fmt("%.1f", tot[kFusedSr]) + " |\n";
     json += std::string(first_t ? "" : ",") + "\n    \"" + std::to_string(tokens) + "\": {\"fused_bf16\": " +
             fmt("%.3f", tot[kFusedBf16]) + ", \"fused_int8\": " + fmt("%.3f", tot[kFusedInt8]) +
             ", \"fused_master\": " + fmt("%.3f", tot[kFusedMaster]) + ", \"cublas_fp32_out\": " +
-            fmt("%.3f", tot[kCublasF32]) + ", \"unfused\": " + fmt("%.3f", tot[kUnfused]) + "}";
+            fmt("%.3f", tot[kCublasF32]) + ", \"unfused\": " + fmt("%.3f", tot[kUnfused]) +
+            ", \"fused_sr\": " + fmt("%.3f", tot[kFusedSr]) + "}";
     first_t = false;
   }
   json += "\n  }\n}\n";

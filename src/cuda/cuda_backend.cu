@@ -420,7 +420,7 @@ int prefetch_lead_tokens() {
 
 // Environment switch: FORGE_CUDA_PERSISTENT=1 runs the persistent, warp-specialized Hopper
 // kernel (sm90_wgrad.cuh) where it applies (the wgmma path without split-K). Experimental:
-// off by default until it has been measured (bench/NOTES.md, v7).
+// off by default: correct, but slower than the two-CTA kernel (bench/NOTES.md, v7).
 bool persistent_enabled() {
   const char* v = std::getenv("FORGE_CUDA_PERSISTENT");
   return v != nullptr && v[0] == '1';

@@ -350,7 +350,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // ---- the persistent, warp-specialized variant (opt-in: FORGE_CUDA_PERSISTENT=1) ---------------
 //
-// EXPERIMENTAL, not yet run on a GPU (bench/NOTES.md, v7). The kernel above serializes each
+// EXPERIMENTAL: correct on the H200 but slower than the kernel above (bench/NOTES.md, v7: its
+// main loop runs at ~60% of that kernel's rate, latency-bound with one CTA per SM). The kernel above serializes each
 // CTA's update after its main loop; its two CTAs per SM overlap only when they happen to be
 // out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
 // tiles with the roles fixed: warpgroups 0-1 run the TMA + wgmma main loop of tile j + 1
