@@ -14,7 +14,7 @@
 # forge-parity-*.{json,png} and the full log gpu_python.log. Copy the first six into
 # bench/results/ to commit them.
 # Knobs (environment): OUT, PYTHON (python3), TOTAL_BUDGET_S (540), PYTEST_BUDGET_S (120; 0
-# skips pytest), PARITY_STEPS (1000),
+# skips pytest), SKIP_PARITY (0; 1 skips stage 3), PARITY_STEPS (1000),
 # PARITY_RESERVE_S (200: kept for the parity stage), PARITY_NOISE_RUNS (1: torch runs with
 # perturbed initial weights that measure the noise floor, ~50 s each on the H200),
 # BENCH_ARGS (extra forge-bench args).
@@ -80,6 +80,7 @@ fi
 
 # 3. Convergence parity with whatever time is left (the report is rewritten after each run).
 parity_budget=$((TOTAL - $(elapsed) - 10))
+[ "${SKIP_PARITY:-0}" = 1 ] && parity_budget=0
 if ((parity_budget > 30)); then
   say "forge-bench --parity, ${PARITY_STEPS} steps (hard limit ${parity_budget}s)"
   timeout "$parity_budget" $PY -m forge.bench --parity --parity-steps "$PARITY_STEPS" \
