@@ -141,7 +141,9 @@ void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int
   }
 
   uint64_t draw[kSegment];  // stochastic rounding's bits, one draw per element
-  for (int e = 0; e < n; ++e) draw[e] = rng_draw(k.sr_key, static_cast<uint64_t>(base + e));
+  if (p.weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
+      (k.num_states > 0 && p.state_format == FORGE_STATE_BF16_STOCHASTIC))
+    for (int e = 0; e < n; ++e) draw[e] = rng_draw(k.sr_key, static_cast<uint64_t>(base + e));
   for (int i = 0; i < k.num_states; ++i)
     store_state(p, i, k.state_signed[i], row, col0, n, s[i], skipped, draw);
   switch (p.weight_format) {
