@@ -33,7 +33,9 @@ FORGE_HD uint64_t rng_key(uint64_t seed, uint64_t step) {
 // A backend may compute key + index * kRngIndexMul once per group of consecutive elements and
 // step it by kRngIndexMul per element (unsigned arithmetic wraps: the same draws).
 constexpr uint64_t kRngIndexMul = 0x9E3779B97F4A7C15ull;
-FORGE_HD uint64_t rng_draw(uint64_t key, uint64_t index) { return mix64(key + index * kRngIndexMul); }
+FORGE_HD uint64_t rng_draw(uint64_t key, uint64_t index) {
+  return mix64(key + index * kRngIndexMul);
+}
 
 // Stream 0 is the weight, stream 1 + i is optimizer state i: each takes its own 16 bits.
 constexpr int kRngStreams = 4;

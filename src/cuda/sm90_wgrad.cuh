@@ -351,14 +351,15 @@ __global__ void __launch_bounds__(kThreads, 2)
 // ---- the persistent, warp-specialized variant (opt-in: FORGE_CUDA_PERSISTENT=1) ---------------
 //
 // EXPERIMENTAL: correct on the H200 but slower than the kernel above (bench/NOTES.md, v7: its
-// main loop runs at ~60% of that kernel's rate, latency-bound with one CTA per SM). The kernel above serializes each
-// CTA's update after its main loop; its two CTAs per SM overlap only when they happen to be
-// out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
-// tiles with the roles fixed: warpgroups 0-1 run the TMA + wgmma main loop of tile j + 1
-// while warpgroups 2-3 run the update of tile j from sC, so the update always overlaps the
-// tensor cores. The same main loop (thread 0 is also the producer, its k-tile counter running
-// on across tiles so the next tile's first stages load during the current tile's hand-off)
-// and the same update (update_tile) as the kernel above; sC no longer aliases the ring.
+// main loop runs at ~60% of that kernel's rate, latency-bound with one CTA per SM).
+// The kernel above serializes each CTA's update after its main loop; its two CTAs per SM
+// overlap only when they happen to be out of phase, and tiles of equal work keep them in
+// phase. Here one CTA per SM loops over tiles with the roles fixed: warpgroups 0-1 run the
+// TMA + wgmma main loop of tile j + 1 while warpgroups 2-3 run the update of tile j from sC,
+// so the update always overlaps the tensor cores. The same main loop (thread 0 is also the
+// producer, its k-tile counter running on across tiles so the next tile's first stages load
+// during the current tile's hand-off) and the same update (update_tile) as the kernel above;
+// sC no longer aliases the ring.
 // Only without split-K (splits == 1).
 constexpr int kPersistentThreads = 512;   // warpgroups 0-1: main loop; 2-3: the update
 constexpr int kPersistentStages = 4;

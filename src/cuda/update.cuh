@@ -338,10 +338,10 @@ __device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool 
 
 // Stores state i of a quad. `stochastic` selects stochastic rounding with stream 1 + i of
 // `draw` (quad_draws) for FORGE_STATE_BF16_STOCHASTIC (a step passes true and its draws;
-// state conversions pass false = nearest, as the CPU does). For int8 every lane of the warp must call this
-// (absmax shuffle).
+// state conversions pass false = nearest, as the CPU does). For int8 every lane of the warp
+// must call this (absmax shuffle).
 // kNonNan: every value is known not to be NaN (the fast epilogue path), so bf16 nearest
-// rounding may use the hardware conversion.
+// rounding may use the hardware conversion and stochastic rounding skips its NaN test.
 template <int kStateFormat = kAny, bool kNonNan = false>
 __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool is_signed,
                                                  int64_t row, int64_t col, int64_t idx, int n,

@@ -86,7 +86,8 @@ TEST(StochasticRounding, StreamsOfOneDrawAreUncorrelated) {
       }
       const double r = sum_ab / std::sqrt(sum_aa * sum_bb);
       // |r| of independent uniforms has standard deviation 1 / sqrt(N); kSrMeanSigmas of them.
-      EXPECT_LT(std::fabs(r), kSrMeanSigmas / std::sqrt(double(kDraws))) << "streams " << a << ", " << b;
+      EXPECT_LT(std::fabs(r), kSrMeanSigmas / std::sqrt(double(kDraws)))
+          << "streams " << a << ", " << b;
     }
 }
 

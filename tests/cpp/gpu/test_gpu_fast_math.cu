@@ -159,7 +159,8 @@ __global__ void check_bf16x2_all(unsigned long long* wrong_out, unsigned long lo
 }
 
 // Every non-NaN float, each with a random 16-bit draw and with the two extremes 0 and 0xFFFF.
-__global__ void check_sr_nonnan_all(unsigned long long* wrong_out, unsigned long long* checked_out) {
+__global__ void check_sr_nonnan_all(unsigned long long* wrong_out,
+                                    unsigned long long* checked_out) {
   unsigned long long wrong = 0, checked = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
        i += uint64_t(gridDim.x) * blockDim.x) {
