@@ -438,7 +438,8 @@ def summarize(directory: str) -> int:
         # reports written before the spread existed: computed from their loss curves
         spread = report.get("spread") or parity_spread(
             {n: r["losses"] for n, r in report["runs"].items() if "losses" in r},
-            [report.get("reference", PARITY_REFERENCE)] + list(report.get("noise_runs", {})))
+            [report.get("reference", PARITY_REFERENCE)] +
+            [n for n in report["runs"] if n.startswith(NOISE_RUN)])
         lines.extend(f"  {line}" for line in spread_lines(spread))
         for name, r in report["runs"].items():
             lines.append(f"  run {name}: " + (f"error: {r['error']}" if "error" in r else
@@ -639,7 +640,8 @@ def spread_lines(spread: Optional[dict]) -> List[str]:
     if not spread or not spread.get("torch_pairs"):
         return []
     pairs = spread["torch_pairs"]
-    lines = [f"torch vs torch ({len(pairs)} pairs): mean |dloss| over last half "
+    lines = [f"torch vs torch ({len(pairs)} pair{'' if len(pairs) == 1 else 's'}): "
+             f"mean |dloss| over last half "
              f"{min(pairs.values()):.5f} .. {max(pairs.values()):.5f} nats"]
     for name, e in spread["forge"].items():
         lines.append(f"{name} vs each torch run: mean {e['mean_to_torch_runs']:.5f} nats "
