@@ -15,8 +15,10 @@
 # Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
 # (default 500). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
 # benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_LEADS="512 4096" adds a
-# benchmark run per epilogue-prefetch lead in tokens (FORGE_CUDA_PREFETCH_LEAD), logs packed. GoogleTest comes from the system, or is built from build-deps/googletest
-# when the machine has none (copy /usr/src/googletest there and carry build-deps).
+# benchmark run per epilogue-prefetch lead in tokens (FORGE_CUDA_PREFETCH_LEAD), logs packed;
+# FORGE_GPU_CHECK_STAGED=1 adds the staged-update tests and benchmark to the quick mode.
+# GoogleTest comes from the system, or is built from build-deps/googletest when the machine
+# has none (copy /usr/src/googletest there and carry build-deps).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -27,6 +29,7 @@ ARCHS=${FORGE_GPU_ARCHS:-90a}
 BUDGET=${FORGE_GPU_CHECK_BUDGET:-500}
 QUICK=${FORGE_GPU_CHECK_QUICK:-0}
 LEADS=${FORGE_GPU_CHECK_LEADS:-}
+STAGED=${FORGE_GPU_CHECK_STAGED:-0}
 JOBS=$(nproc)
 START=$(date +%s)
 SUMMARY=()
@@ -152,6 +155,19 @@ if ((build_rc == 0)); then
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_persistent.log" | head -10
   fi
 
+  if [ "$QUICK" != 1 ] || [ "$STAGED" = 1 ]; then
+  # The experimental staged update (FORGE_CUDA_STAGED_EPILOGUE=1): the Wgrad tests whose
+  # layers have interior tiles on a specialized kernel.
+  t0=$(elapsed)
+  log "ctest -L gpu, staged update (FORGE_CUDA_STAGED_EPILOGUE=1)"
+  FORGE_CUDA_STAGED_EPILOGUE=1 OMP_NUM_THREADS=2 timeout "$(limit 120 90)" ctest --test-dir "$BUILD" \
+    -L gpu -j 8 -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradRandom|WgradSplitK' \
+    --output-on-failure --timeout 120 >"$OUT/ctest_gpu_staged.log" 2>&1
+  row "ctest -L gpu (staged update, Wgrad subset)" \
+    "$(ctest_result "$OUT/ctest_gpu_staged.log")" "$(($(elapsed) - t0)) s"
+  grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_staged.log" | head -10
+  fi
+
   t0=$(elapsed)
   log "benchmark (default path, then FORGE_CUDA_WGMMA=0 into $OUT/sm80)"
   FORGE_CUDA_VERBOSE=1 timeout "$(limit 150 80)" "$BUILD/bench/wgrad_bench" --out "$OUT" \
@@ -173,6 +189,12 @@ if ((build_rc == 0)); then
     FORGE_CUDA_PERSISTENT=1 timeout "$(limit 150 60)" "$BUILD/bench/wgrad_bench" --out "$OUT/persistent" \
       >"$OUT/persistent/bench.log" 2>&1
     others="$others; persistent rc=$?"
+  fi
+  if [ "$QUICK" != 1 ] || [ "$STAGED" = 1 ]; then
+    mkdir -p "$OUT/staged"
+    FORGE_CUDA_STAGED_EPILOGUE=1 timeout "$(limit 60 50)" "$BUILD/bench/wgrad_bench" --out "$OUT/staged" \
+      >"$OUT/staged/bench.log" 2>&1
+    others="$others; staged rc=$?"
   fi
   row benchmark "$([ $bench_rc = 0 ] && echo ok || echo "FAILED rc=$bench_rc (bench.log)")$others" \
     "$(($(elapsed) - t0)) s"
@@ -204,6 +226,21 @@ if ((build_rc == 0)); then
     row "compute-sanitizer $tool" "rc=$rc; ${summary_line:-no summary}; ${ran:-no pass line}" \
       "$(($(elapsed) - t0)) s"
   done
+  # The staged update's shared-memory buffers (each thread reads only what it copied).
+  t0=$(elapsed)
+  STAGED_FILTER='*WgradExact*/AdamW_Wbf16_Sbf16:*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/Lion_Wbf16sr_Sbf16sr'
+  for tool in memcheck racecheck; do
+    log "compute-sanitizer --tool $tool, staged update"
+    echo "===== staged: compute-sanitizer --tool $tool --gtest_filter=$STAGED_FILTER" >>"$OUT/sanitizer.log"
+    FORGE_CUDA_STAGED_EPILOGUE=1 OMP_NUM_THREADS=$JOBS timeout "$(limit 60 15)" "$SANITIZER" --tool $tool \
+      --error-exitcode 99 "$BUILD/tests/cpp/gpu/forge_gpu_tests" --gtest_filter="$STAGED_FILTER" \
+      >>"$OUT/sanitizer.log" 2>&1
+    rc=$?
+    summary_line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tail -1)
+    ran=$(grep -oE "\[  PASSED  \] [0-9]+ test" "$OUT/sanitizer.log" | tail -1)
+    row "compute-sanitizer $tool (staged update)" "rc=$rc; ${summary_line:-no summary}; ${ran:-no pass line}" \
+      "$(($(elapsed) - t0)) s"
+  done
 
   # ---- 4. CPU tests --------------------------------------------------------------------------
   t0=$(elapsed)
@@ -226,18 +263,20 @@ fi
 # NOTE: the device tool returns at most 8 files from $OUT: keep the tables, pack the logs.
 [ -f "$OUT/sm80/bench.md" ] && cp "$OUT/sm80/bench.md" "$OUT/bench-sm80.md"
 [ -f "$OUT/persistent/bench.md" ] && cp "$OUT/persistent/bench.md" "$OUT/bench-persistent.md"
+[ -f "$OUT/staged/bench.md" ] && cp "$OUT/staged/bench.md" "$OUT/bench-staged.md"
 LEAD_DIRS=$(cd "$OUT" && ls -d lead* 2>/dev/null)
 (cd "$OUT" && tar czf logs.tgz --ignore-failed-read build.log ctest_gpu.log ctest_gpu_sm80.log \
-  ctest_gpu_persistent.log ctest_cpu.log sanitizer.log bench.log sm80 persistent ncu.txt \
-  $LEAD_DIRS 2>/dev/null &&
-  rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_gpu_persistent.log ctest_cpu.log \
-    sanitizer.log bench.log sm80 persistent $LEAD_DIRS)
+  ctest_gpu_persistent.log ctest_gpu_staged.log ctest_cpu.log sanitizer.log bench.log sm80 \
+  persistent staged ncu.txt $LEAD_DIRS 2>/dev/null &&
+  rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_gpu_persistent.log ctest_gpu_staged.log \
+    ctest_cpu.log sanitizer.log bench.log sm80 persistent staged $LEAD_DIRS)
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
 for lead in $LEADS; do
   echo; echo "## prefetch lead $lead tokens, Llama-3.1-8B totals (full table in logs.tgz)"
   tar xzf "$OUT/logs.tgz" -O "lead$lead/bench.md" 2>/dev/null | grep -A5 "all 224 linear layers" | tail -4
 done
+[ -f "$OUT/bench-staged.md" ] && { echo; echo "## staged update (FORGE_CUDA_STAGED_EPILOGUE=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-staged.md" | tail -4; }
 [ -f "$OUT/bench-persistent.md" ] && { echo; echo "## persistent kernel (FORGE_CUDA_PERSISTENT=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-persistent.md" | tail -4; }
 echo
 cat "$OUT/summary.md"

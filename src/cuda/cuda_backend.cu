@@ -294,13 +294,14 @@ forge_status device_info(int index, DeviceInfo* out) {
                      info.wgmma ? "available" : "not in this build");
     }
     if (info.wgmma) {
+      // (the limit allows the staged variant's larger launch; a launch asks for what it uses)
       for (const Sm90Kernel& kernel : kSm90GenericKernels)
         if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                       kSm90SmemBytes))
+                                       kSm90StagedSmemBytes))
           return s;
       for (const Sm90Kernel& kernel : kSm90SpecKernels)
         if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                       kSm90SmemBytes))
+                                       kSm90StagedSmemBytes))
           return s;
       // (configured whether or not FORGE_CUDA_PERSISTENT is set now: it is read per step)
       for (const Sm90Kernel& kernel : kPersistentGenericKernels)
@@ -416,6 +417,14 @@ int prefetch_lead_tokens() {
   const char* v = std::getenv("FORGE_CUDA_PREFETCH_LEAD");
   const int lead = v ? std::atoi(v) : kPrefetchLeadTokens;
   return lead > 0 ? lead : kPrefetchLeadTokens;
+}
+
+// Environment switch: FORGE_CUDA_STAGED_EPILOGUE=1 makes the (non-persistent) wgmma kernel
+// stage the update's operands in shared memory (sm80_wgrad.cuh, StagedQuads). Experimental:
+// off by default until it has run on a GPU (bench/NOTES.md, v9).
+bool staged_epilogue_enabled() {
+  const char* v = std::getenv("FORGE_CUDA_STAGED_EPILOGUE");
+  return v != nullptr && v[0] == '1';
 }
 
 // Environment switch: FORGE_CUDA_PERSISTENT=1 runs the persistent, warp-specialized Hopper
@@ -706,7 +715,9 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
         fp16_inputs ? kSm90GenericKernels[1].fn
                     : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format, &name);
     log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
-    kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
+    w.staged_update = staged_epilogue_enabled() ? 1 : 0;
+    kernel<<<grid, kThreads, w.staged_update ? kSm90StagedSmemBytes : kSm90SmemBytes, stream>>>(
+        w, maps);
   } else if (bf16_inputs) {
     const char* name = nullptr;
     const WgradKernelFn kernel =

@@ -59,6 +59,11 @@ constexpr int kSm90Align = 1024;   // the SW128 atom: TMA and the wgmma descript
 // reused as sC (68 KiB) after the main loop.
 constexpr size_t kSm90RingBytes = size_t(kSm90Stages) * kSm90StageBytes;
 constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90Align;
+// With FORGE_CUDA_STAGED_EPILOGUE=1 (sm80_wgrad.cuh, StagedQuads): the staging buffers after
+// sC, in the ring's space once the main loop is done.
+constexpr size_t kSm90StagedSmemBytes =
+    kMax2(kSm90RingBytes, kEpilogueBytes + kStageBuffers * kStageBufferMaxBytes) + kSm90Align;
+static_assert(kSm90StagedSmemBytes <= 112 * 1024, "still two CTAs per SM");
 static_assert(kBM == 2 * kSm90BoxCols && kBN == 2 * kSm90BoxCols, "two boxes per operand");
 static_assert(kSm90SmemBytes <= 100 * 1024, "two CTAs per SM (228 KiB, 1 KiB reserved each)");
 static_assert(kThreads == 256, "two warpgroups");
@@ -339,7 +344,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
   store_accumulators(sC, acc, warpgroup);
   __syncthreads();
-  finish_tile<Spec>(a, sC, m0, n0);
+  unsigned char* const update_stage =
+      a.staged_update ? reinterpret_cast<unsigned char*>(sC) + kEpilogueBytes : nullptr;
+  finish_tile<Spec>(a, sC, m0, n0, update_stage);
 #else
   // Not an sm_90a pass: the host never launches this kernel here (cuda_backend.cu).
   (void)a;
