@@ -160,6 +160,22 @@ const Sm90Kernel kPersistentSpecKernels[] = {
     FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
                                  FORGE_STATE_INT8_BLOCK64, "adamw, bf16 sr, int8")};
 #undef FORGE_PERSISTENT_SPEC_KERNEL
+// The experimental staged-update variants (FORGE_CUDA_STAGED_EPILOGUE=1; sm80_wgrad.cuh,
+// StagedQuads) of the configurations forge.optim runs most; any other runs the kernel above.
+#define FORGE_STAGED_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                                 \
+  Sm90Kernel{wgrad_wgmma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>, true>,              \
+             spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_staged<bf16, " NAME ">"},
+const Sm90Kernel kStagedSpecKernels[] = {
+    FORGE_STAGED_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16,
+                             "adamw, bf16, bf16")
+    FORGE_STAGED_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
+                             FORGE_STATE_BF16_STOCHASTIC, "adamw, bf16 sr, bf16 sr")
+    FORGE_STAGED_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64,
+                             "adamw, bf16, int8")
+    FORGE_STAGED_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
+                             FORGE_STATE_INT8_BLOCK64, "adamw, bf16 sr, int8")};
+#undef FORGE_STAGED_SPEC_KERNEL
+
 const Sm90Kernel kPersistentGenericKernels[] = {
     {wgrad_wgmma_persistent_kernel<false>, nullptr, "wgrad_wgmma_persistent<bf16>"},
     {wgrad_wgmma_persistent_kernel<true>, nullptr, "wgrad_wgmma_persistent<fp16>"},
@@ -294,12 +310,16 @@ forge_status device_info(int index, DeviceInfo* out) {
                      info.wgmma ? "available" : "not in this build");
     }
     if (info.wgmma) {
-      // (the limit allows the staged variant's larger launch; a launch asks for what it uses)
       for (const Sm90Kernel& kernel : kSm90GenericKernels)
         if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                       kSm90StagedSmemBytes))
+                                       kSm90SmemBytes))
           return s;
       for (const Sm90Kernel& kernel : kSm90SpecKernels)
+        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
+                                       kSm90SmemBytes))
+          return s;
+      // (configured whether or not FORGE_CUDA_STAGED_EPILOGUE is set now: it is read per step)
+      for (const Sm90Kernel& kernel : kStagedSpecKernels)
         if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
                                        kSm90StagedSmemBytes))
           return s;
@@ -419,9 +439,10 @@ int prefetch_lead_tokens() {
   return lead > 0 ? lead : kPrefetchLeadTokens;
 }
 
-// Environment switch: FORGE_CUDA_STAGED_EPILOGUE=1 makes the (non-persistent) wgmma kernel
-// stage the update's operands in shared memory (sm80_wgrad.cuh, StagedQuads). Experimental:
-// off by default until it has run on a GPU (bench/NOTES.md, v9).
+// Environment switch: FORGE_CUDA_STAGED_EPILOGUE=1 runs the staged-update variant of the
+// (non-persistent) wgmma kernel where one is built (kStagedSpecKernels): the update's operands
+// go through shared memory (sm80_wgrad.cuh, StagedQuads). Experimental: off by default until
+// it has run on a GPU (bench/NOTES.md, v9).
 bool staged_epilogue_enabled() {
   const char* v = std::getenv("FORGE_CUDA_STAGED_EPILOGUE");
   return v != nullptr && v[0] == '1';
@@ -714,10 +735,17 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     const Sm90KernelFn kernel =
         fp16_inputs ? kSm90GenericKernels[1].fn
                     : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format, &name);
+    if (!fp16_inputs && staged_epilogue_enabled()) {
+      for (const Sm90Kernel& staged : kStagedSpecKernels)
+        if (staged.matches(k, param.weight_format, param.state_format)) {
+          log_kernel_choice(staged.name, k, param.weight_format, param.state_format, splits);
+          staged.fn<<<grid, kThreads, kSm90StagedSmemBytes, stream>>>(w, maps);
+          FORGE_CUDA_TRY(cudaGetLastError());
+          return FORGE_OK;
+        }
+    }
     log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
-    w.staged_update = staged_epilogue_enabled() ? 1 : 0;
-    kernel<<<grid, kThreads, w.staged_update ? kSm90StagedSmemBytes : kSm90SmemBytes, stream>>>(
-        w, maps);
+    kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
   } else if (bf16_inputs) {
     const char* name = nullptr;
     const WgradKernelFn kernel =

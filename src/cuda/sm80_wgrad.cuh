@@ -83,7 +83,6 @@ struct WgradParams {
   int32_t splits, ktiles_per_split;
   int32_t prefetch;          // L2 prefetch of the epilogue's operands
   int32_t prefetch_lead;     // ... issued this many tokens before the main loop ends
-  int32_t staged_update;     // the wgmma kernel stages the update's operands in shared memory
   int32_t want_sq;           // grad_sq_sum != nullptr
   float* workspace;          // [tiles · splits][kBM][kBN] fp32 partials (splits > 1)
   unsigned int* counters;    // [tiles] arrivals per tile, 0 between launches
@@ -301,7 +300,7 @@ __device__ __forceinline__ void pass_quads(const float* sC, int r, int64_t m0, i
 
 // ---- the update's operands staged in shared memory (opt-in) -------------------------------
 //
-// EXPERIMENTAL (FORGE_CUDA_STAGED_EPILOGUE=1, the wgmma kernel only; bench/NOTES.md, v9). The
+// EXPERIMENTAL (FORGE_CUDA_STAGED_EPILOGUE=1: the kStaged wgmma kernels; bench/NOTES.md, v9). The
 // register-pipelined update below keeps one pass of operands in flight (RawQuads: 12 KiB per
 // CTA), and ncu finds it bound by that load latency at 16 warps per SM (run 11). Here each
 // thread copies its own quads of the next kStageBuffers - 1 passes into shared memory with

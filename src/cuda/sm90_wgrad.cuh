@@ -255,7 +255,10 @@ __device__ __forceinline__ void store_accumulators(float* sC, const float (&acc)
 // ---- the kernel ---------------------------------------------------------------------------------
 
 // Spec: the epilogue's compile-time configuration (update.cuh); GenericSpec for any.
-template <bool kFp16, class Spec = GenericSpec>
+// kStaged: the experimental shared-memory staging of the update's operands (StagedQuads,
+// FORGE_CUDA_STAGED_EPILOGUE=1), a separate instantiation so the default kernels stay as
+// measured.
+template <bool kFp16, class Spec = GenericSpec, bool kStaged = false>
 __global__ void __launch_bounds__(kThreads, 2)
     wgrad_wgmma_kernel(const WgradParams a, const __grid_constant__ Sm90TensorMaps maps) {
 #if defined(FORGE_SM90A_DEVICE_PASS)
@@ -344,8 +347,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
   store_accumulators(sC, acc, warpgroup);
   __syncthreads();
+  // kStaged: StagedQuads' buffers after sC (the launch gives kSm90StagedSmemBytes).
   unsigned char* const update_stage =
-      a.staged_update ? reinterpret_cast<unsigned char*>(sC) + kEpilogueBytes : nullptr;
+      kStaged ? reinterpret_cast<unsigned char*>(sC) + kEpilogueBytes : nullptr;
   finish_tile<Spec>(a, sC, m0, n0, update_stage);
 #else
   // Not an sm_90a pass: the host never launches this kernel here (cuda_backend.cu).
