@@ -351,26 +351,55 @@ struct StagedQuads {
   }
 
   // The raw words this thread copied into `buf` (generic pointer to the buffer).
+  // NOTE: one vector load per plane (the thread's kQ chunks are adjacent): a warp then reads
+  // a contiguous span, where word-by-word loads at a 16-byte stride would conflict 4 ways.
   __device__ __forceinline__ static Raw read(const unsigned char* buf, int tid) {
     Raw r;
+    uint32_t wv[kQ * kWBytes / 4];
+    load_words(buf + tid * kQ * kWBytes, wv);
 #pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      const int slot = tid * kQ + q;
-      const uint32_t* wsrc = reinterpret_cast<const uint32_t*>(buf + slot * kWBytes);
+    for (int q = 0; q < kQ; ++q)
 #pragma unroll
-      for (int j = 0; j < kWBytes / 4; ++j) r.w[q][j] = wsrc[j];
+      for (int j = 0; j < kWBytes / 4; ++j) r.w[q][j] = wv[q * (kWBytes / 4) + j];
 #pragma unroll
-      for (int i = 0; i < kNS; ++i) {
-        const uint32_t* ssrc = reinterpret_cast<const uint32_t*>(
-            buf + kStatePlane + (i * kThreads * kQ + slot) * kSBytes);
+    for (int i = 0; i < kNS; ++i) {
+      uint32_t sv[kQ * kSBytes / 4];
+      load_words(buf + kStatePlane + (i * kThreads + tid) * kQ * kSBytes, sv);
 #pragma unroll
-        for (int j = 0; j < kSBytes / 4; ++j) r.s[i][q][j] = ssrc[j];
-        if constexpr (kInt8)
-          r.absmax[i][q] = *reinterpret_cast<const float*>(
-              buf + kAbsmaxPlane + (i * kThreads * kQ + slot) * 4);
+      for (int q = 0; q < kQ; ++q)
+#pragma unroll
+        for (int j = 0; j < kSBytes / 4; ++j) r.s[i][q][j] = sv[q * (kSBytes / 4) + j];
+      if constexpr (kInt8) {
+        uint32_t av[kQ];
+        load_words(buf + kAbsmaxPlane + (i * kThreads + tid) * kQ * 4, av);
+#pragma unroll
+        for (int q = 0; q < kQ; ++q) r.absmax[i][q] = __uint_as_float(av[q]);
       }
     }
     return r;
+  }
+
+ private:
+  // kN words from shared memory at `src` (aligned to the vector used: 16, 8 or 4 bytes).
+  template <int kN>
+  __device__ __forceinline__ static void load_words(const unsigned char* src,
+                                                    uint32_t (&out)[kN]) {
+    if constexpr (kN % 4 == 0) {
+#pragma unroll
+      for (int j = 0; j < kN; j += 4) {
+        const uint4 v = reinterpret_cast<const uint4*>(src)[j / 4];
+        out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
+      }
+    } else if constexpr (kN % 2 == 0) {
+#pragma unroll
+      for (int j = 0; j < kN; j += 2) {
+        const uint2 v = reinterpret_cast<const uint2*>(src)[j / 2];
+        out[j] = v.x; out[j + 1] = v.y;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) out[j] = reinterpret_cast<const uint32_t*>(src)[j];
+    }
   }
 };
 
