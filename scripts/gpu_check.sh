@@ -211,35 +211,28 @@ if ((build_rc == 0)); then
   : >"$OUT/sanitizer.log"
   SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
     /usr/local/cuda/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
-  for tool in memcheck racecheck; do
+  # One sanitizer run: sanitize LABEL TOOL FILTER CAP RESERVE [VAR=value ...] (environment).
+  sanitize() {
+    local label=$1 tool=$2 filter=$3 cap=$4 reserve=$5 t0 rc summary_line ran
+    shift 5
     t0=$(elapsed)
-    filter=$MEMCHECK_FILTER
-    cap=150 reserve=60
-    [ $tool = racecheck ] && filter=$RACECHECK_FILTER && cap=120 reserve=25
-    log "compute-sanitizer --tool $tool"
-    echo "===== compute-sanitizer --tool $tool --gtest_filter=$filter" >>"$OUT/sanitizer.log"
-    OMP_NUM_THREADS=$JOBS timeout "$(limit $cap $reserve)" "$SANITIZER" --tool $tool --error-exitcode 99 \
-      "$BUILD/tests/cpp/gpu/forge_gpu_tests" --gtest_filter="$filter" >>"$OUT/sanitizer.log" 2>&1
-    rc=$?
-    summary_line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tail -1)
-    ran=$(grep -oE "\[  PASSED  \] [0-9]+ test" "$OUT/sanitizer.log" | tail -1)
-    row "compute-sanitizer $tool" "rc=$rc; ${summary_line:-no summary}; ${ran:-no pass line}" \
-      "$(($(elapsed) - t0)) s"
-  done
-  # The staged update's shared-memory buffers (each thread reads only what it copied).
-  t0=$(elapsed)
-  STAGED_FILTER='*WgradExact*/AdamW_Wbf16_Sbf16:*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/AdamW_Wbf16sr_Sbf16sr'
-  for tool in memcheck racecheck; do
-    log "compute-sanitizer --tool $tool, staged update"
-    echo "===== staged: compute-sanitizer --tool $tool --gtest_filter=$STAGED_FILTER" >>"$OUT/sanitizer.log"
-    FORGE_CUDA_STAGED_EPILOGUE=1 OMP_NUM_THREADS=$JOBS timeout "$(limit 60 15)" "$SANITIZER" --tool $tool \
-      --error-exitcode 99 "$BUILD/tests/cpp/gpu/forge_gpu_tests" --gtest_filter="$STAGED_FILTER" \
+    log "compute-sanitizer --tool $tool${label:+, $label}"
+    echo "===== ${label:+$label: }compute-sanitizer --tool $tool --gtest_filter=$filter" >>"$OUT/sanitizer.log"
+    env "$@" OMP_NUM_THREADS=$JOBS timeout "$(limit "$cap" "$reserve")" "$SANITIZER" --tool "$tool" \
+      --error-exitcode 99 "$BUILD/tests/cpp/gpu/forge_gpu_tests" --gtest_filter="$filter" \
       >>"$OUT/sanitizer.log" 2>&1
     rc=$?
     summary_line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.log" | tail -1)
     ran=$(grep -oE "\[  PASSED  \] [0-9]+ test" "$OUT/sanitizer.log" | tail -1)
-    row "compute-sanitizer $tool (staged update)" "rc=$rc; ${summary_line:-no summary}; ${ran:-no pass line}" \
-      "$(($(elapsed) - t0)) s"
+    row "compute-sanitizer $tool${label:+ ($label)}" \
+      "rc=$rc; ${summary_line:-no summary}; ${ran:-no pass line}" "$(($(elapsed) - t0)) s"
+  }
+  sanitize "" memcheck "$MEMCHECK_FILTER" 150 60
+  sanitize "" racecheck "$RACECHECK_FILTER" 120 25
+  # The staged update's shared-memory buffers (each thread reads only what it copied).
+  STAGED_FILTER='*WgradExact*/AdamW_Wbf16_Sbf16:*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/AdamW_Wbf16sr_Sbf16sr'
+  for tool in memcheck racecheck; do
+    sanitize "staged update" "$tool" "$STAGED_FILTER" 60 15 FORGE_CUDA_STAGED_EPILOGUE=1
   done
 
   # ---- 4. CPU tests --------------------------------------------------------------------------

@@ -145,36 +145,31 @@ const Sm90Kernel kSm90SpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_SPEC_KERNEL)};
 #undef FORGE_SM90_SPEC_KERNEL
 #undef FORGE_SPEC_LIST
 
+// The configurations forge.optim runs most, the ones the experimental kernels below are built
+// for (each entry is one more sm_90a compile of a kernel).
+#define FORGE_HOT_SPEC_LIST(X)                                                                   \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16")                   \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC,                  \
+    "adamw, bf16 sr, bf16 sr")                                                                   \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8")           \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,                     \
+    "adamw, bf16 sr, int8")
+
 // The persistent, warp-specialized Hopper kernels (sm90_wgrad.cuh; opt-in, experimental):
-// the generic ones and the configurations forge.optim runs most.
+// the generic ones (below) and the hot configurations.
 #define FORGE_PERSISTENT_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                             \
   Sm90Kernel{wgrad_wgmma_persistent_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,         \
              spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_persistent<bf16, " NAME ">"},
-const Sm90Kernel kPersistentSpecKernels[] = {
-    FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16,
-                                 "adamw, bf16, bf16")
-    FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
-                                 FORGE_STATE_BF16_STOCHASTIC, "adamw, bf16 sr, bf16 sr")
-    FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64,
-                                 "adamw, bf16, int8")
-    FORGE_PERSISTENT_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
-                                 FORGE_STATE_INT8_BLOCK64, "adamw, bf16 sr, int8")};
+const Sm90Kernel kPersistentSpecKernels[] = {FORGE_HOT_SPEC_LIST(FORGE_PERSISTENT_SPEC_KERNEL)};
 #undef FORGE_PERSISTENT_SPEC_KERNEL
 // The experimental staged-update variants (FORGE_CUDA_STAGED_EPILOGUE=1; sm80_wgrad.cuh,
-// StagedQuads) of the configurations forge.optim runs most; any other runs the kernel above.
+// StagedQuads) of the hot configurations; any other runs the kernel above.
 #define FORGE_STAGED_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                                 \
   Sm90Kernel{wgrad_wgmma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>, true>,              \
              spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_staged<bf16, " NAME ">"},
-const Sm90Kernel kStagedSpecKernels[] = {
-    FORGE_STAGED_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16,
-                             "adamw, bf16, bf16")
-    FORGE_STAGED_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
-                             FORGE_STATE_BF16_STOCHASTIC, "adamw, bf16 sr, bf16 sr")
-    FORGE_STAGED_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64,
-                             "adamw, bf16, int8")
-    FORGE_STAGED_SPEC_KERNEL(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC,
-                             FORGE_STATE_INT8_BLOCK64, "adamw, bf16 sr, int8")};
+const Sm90Kernel kStagedSpecKernels[] = {FORGE_HOT_SPEC_LIST(FORGE_STAGED_SPEC_KERNEL)};
 #undef FORGE_STAGED_SPEC_KERNEL
+#undef FORGE_HOT_SPEC_LIST
 
 const Sm90Kernel kPersistentGenericKernels[] = {
     {wgrad_wgmma_persistent_kernel<false>, nullptr, "wgrad_wgmma_persistent<bf16>"},
@@ -192,41 +187,40 @@ const Sm90Kernel kSm90GenericKernels[] = {
     {wgrad_wgmma_kernel<true>, nullptr, "wgrad_wgmma<fp16>"},
 };
 
+// The entry of `table` whose Spec matches (k, weight format, state format), or nullptr.
+template <class Kernel, size_t kN>
+const Kernel* find_spec_kernel(const Kernel (&table)[kN], const RuleScalars& k,
+                               int weight_format, int state_format) {
+  for (const Kernel& kernel : table)
+    if (kernel.matches(k, weight_format, state_format)) return &kernel;
+  return nullptr;
+}
+
 // The bf16-input kernel for (k, weight format, state format): a specialized one if listed.
 // `name` receives its name (for the FORGE_CUDA_VERBOSE log).
 WgradKernelFn pick_bf16_kernel(const RuleScalars& k, int weight_format, int state_format,
                                const char** name) {
-  for (const WgradKernel& kernel : kSpecKernels)
-    if (kernel.matches(k, weight_format, state_format)) {
-      *name = kernel.name;
-      return kernel.fn;
-    }
-  *name = kGenericKernels[0].name;
-  return kGenericKernels[0].fn;
+  const WgradKernel* kernel = find_spec_kernel(kSpecKernels, k, weight_format, state_format);
+  if (kernel == nullptr) kernel = &kGenericKernels[0];
+  *name = kernel->name;
+  return kernel->fn;
 }
 
 Sm90KernelFn pick_bf16_sm90_kernel(const RuleScalars& k, int weight_format, int state_format,
                                    const char** name) {
-  for (const Sm90Kernel& kernel : kSm90SpecKernels)
-    if (kernel.matches(k, weight_format, state_format)) {
-      *name = kernel.name;
-      return kernel.fn;
-    }
-  *name = kSm90GenericKernels[0].name;
-  return kSm90GenericKernels[0].fn;
+  const Sm90Kernel* kernel = find_spec_kernel(kSm90SpecKernels, k, weight_format, state_format);
+  if (kernel == nullptr) kernel = &kSm90GenericKernels[0];
+  *name = kernel->name;
+  return kernel->fn;
 }
 
 Sm90KernelFn pick_persistent_kernel(const RuleScalars& k, int weight_format, int state_format,
                                     bool fp16, const char** name) {
-  if (!fp16)
-    for (const Sm90Kernel& kernel : kPersistentSpecKernels)
-      if (kernel.matches(k, weight_format, state_format)) {
-        *name = kernel.name;
-        return kernel.fn;
-      }
-  const Sm90Kernel& generic = kPersistentGenericKernels[fp16 ? 1 : 0];
-  *name = generic.name;
-  return generic.fn;
+  const Sm90Kernel* kernel =
+      fp16 ? nullptr : find_spec_kernel(kPersistentSpecKernels, k, weight_format, state_format);
+  if (kernel == nullptr) kernel = &kPersistentGenericKernels[fp16 ? 1 : 0];
+  *name = kernel->name;
+  return kernel->fn;
 }
 
 // FORGE_CUDA_VERBOSE: says once per (kernel, rule, weight format, state format, split-K) which
@@ -735,14 +729,15 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     const Sm90KernelFn kernel =
         fp16_inputs ? kSm90GenericKernels[1].fn
                     : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format, &name);
-    if (!fp16_inputs && staged_epilogue_enabled()) {
-      for (const Sm90Kernel& staged : kStagedSpecKernels)
-        if (staged.matches(k, param.weight_format, param.state_format)) {
-          log_kernel_choice(staged.name, k, param.weight_format, param.state_format, splits);
-          staged.fn<<<grid, kThreads, kSm90StagedSmemBytes, stream>>>(w, maps);
-          FORGE_CUDA_TRY(cudaGetLastError());
-          return FORGE_OK;
-        }
+    const Sm90Kernel* staged =
+        !fp16_inputs && staged_epilogue_enabled()
+            ? find_spec_kernel(kStagedSpecKernels, k, param.weight_format, param.state_format)
+            : nullptr;
+    if (staged != nullptr) {
+      log_kernel_choice(staged->name, k, param.weight_format, param.state_format, splits);
+      staged->fn<<<grid, kThreads, kSm90StagedSmemBytes, stream>>>(w, maps);
+      FORGE_CUDA_TRY(cudaGetLastError());
+      return FORGE_OK;
     }
     log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
     kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);

@@ -403,6 +403,26 @@ struct StagedQuads {
   }
 };
 
+// The update of one pass of whole quads whose raw operands `cur` are at hand (the pipelined
+// and the staged loops of update_tile): row, col, idx and g come from pass_quads.
+template <class Spec, int kQ>
+__device__ __forceinline__ void update_raw_pass(const WgradParams& a, const RawQuads<Spec, kQ>& cur,
+                                                const int64_t (&row)[kQ], const int64_t (&col)[kQ],
+                                                const int64_t (&idx)[kQ],
+                                                const float (&g)[kQ][kQuad], int lane16,
+                                                bool want_sq, StepTotals& totals) {
+  int n[kQ];
+  bool vec[kQ];
+#pragma unroll
+  for (int q = 0; q < kQ; ++q) {
+    n[q] = kQuad;
+    vec[q] = true;
+  }
+  float w[kQ][kQuad], s[FORGE_MAX_STATES][kQ][kQuad];
+  cur.unpack(w, s);
+  update_loaded<kQ, Spec>(a.k, a.p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
+}
+
 // The optimizer update of tile (m0, n0) from its fp32 gradient in sC ([kBM][kLdC]).
 // Thread t owns rows t/16 + 16·j and, in each, the quads at columns 4·(t%16) and
 // 64 + 4·(t%16): the 16 lanes of a half-warp cover each 64-column int8 block of a row.
@@ -462,21 +482,10 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
         cp_async_wait<kStageBuffers - 1>();  // this pass's group has landed
         const RawQuads<Spec, kQ> cur =
             Staged::read(stage + (pass % kStageBuffers) * Staged::kBufferBytes, tid);
-        const int r = pass * kRowsPerPass + rsub;
         int64_t row[kQ], col[kQ], idx[kQ];
         float g[kQ][kQuad];
-        pass_quads<kQ>(sC, r, m0, n0, idx0, lane16, row, col, idx, g);
-        int n[kQ];
-        bool vec[kQ];
-#pragma unroll
-        for (int q = 0; q < kQ; ++q) {
-          n[q] = kQuad;
-          vec[q] = true;
-        }
-        float w[kQ][kQuad], s[FORGE_MAX_STATES][kQ][kQuad];
-        cur.unpack(w, s);
-        update_loaded<kQ, Spec>(a.k, a.p, row, col, idx, n, vec, lane16, want_sq, g, w, s,
-                                totals);
+        pass_quads<kQ>(sC, pass * kRowsPerPass + rsub, m0, n0, idx0, lane16, row, col, idx, g);
+        update_raw_pass<Spec, kQ>(a, cur, row, col, idx, g, lane16, want_sq, totals);
       }
       return;
     }
@@ -499,13 +508,6 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
         int64_t row[kQ], col[kQ], idx[kQ];
         float g[kQ][kQuad];
         pass_quads<kQ>(sC, r, m0, n0, idx0, lane16, row, col, idx, g);
-        int n[kQ];
-        bool vec[kQ];
-#pragma unroll
-        for (int q = 0; q < kQ; ++q) {
-          n[q] = kQuad;
-          vec[q] = true;
-        }
         {
           // NOTE: unconditional (the last pass reloads its own operands, a few L1/L2 hits):
           // under an `if` the compiler scheduled these loads after the update below.
@@ -518,10 +520,7 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
           }
           next.load(a.p, row_next, col, idx_next);
         }
-        float w[kQ][kQuad], s[FORGE_MAX_STATES][kQ][kQuad];
-        cur.unpack(w, s);
-        update_loaded<kQ, Spec>(a.k, a.p, row, col, idx, n, vec, lane16, want_sq, g, w, s,
-                                totals);
+        update_raw_pass<Spec, kQ>(a, cur, row, col, idx, g, lane16, want_sq, totals);
       }
       return;
     }

@@ -139,7 +139,7 @@ __global__ void check_div_special(Counts* out) {
   add_counts(out, wrong, declined, accepted, checked);
 }
 
-__global__ void check_bf16x2_all(unsigned long long* wrong_out, unsigned long long* checked_out) {
+__global__ void check_bf16x2_all(Counts* out) {
   unsigned long long wrong = 0, checked = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
        i += uint64_t(gridDim.x) * blockDim.x) {
@@ -154,13 +154,11 @@ __global__ void check_bf16x2_all(unsigned long long* wrong_out, unsigned long lo
     ++checked;
     if (got != want) ++wrong;
   }
-  if (wrong) atomicAdd(wrong_out, wrong);
-  atomicAdd(checked_out, checked);
+  add_counts(out, wrong, 0, 0, checked);
 }
 
 // Every non-NaN float, each with a random 16-bit draw and with the two extremes 0 and 0xFFFF.
-__global__ void check_sr_nonnan_all(unsigned long long* wrong_out,
-                                    unsigned long long* checked_out) {
+__global__ void check_sr_nonnan_all(Counts* out) {
   unsigned long long wrong = 0, checked = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
        i += uint64_t(gridDim.x) * blockDim.x) {
@@ -172,8 +170,7 @@ __global__ void check_sr_nonnan_all(unsigned long long* wrong_out,
       if (forge::cuda::bf16_stochastic_nonnan(x, r) != forge::bf16_stochastic(x, r)) ++wrong;
     }
   }
-  if (wrong) atomicAdd(wrong_out, wrong);
-  atomicAdd(checked_out, checked);
+  add_counts(out, wrong, 0, 0, checked);
 }
 
 template <class Launch>
@@ -220,31 +217,17 @@ TEST(FastMath, DivEqualsIeeeInItsDomain) {
 
 TEST(FastMath, Bf16x2EqualsFormatsOnEveryNonNanFloat) {
   FORGE_REQUIRE_GPU();
-  unsigned long long* d = nullptr;
-  CUDA_OK(cudaMalloc(&d, 2 * sizeof(unsigned long long)));
-  CUDA_OK(cudaMemset(d, 0, 2 * sizeof(unsigned long long)));
-  check_bf16x2_all<<<1024, 256>>>(d, d + 1);
-  CUDA_OK(cudaGetLastError());
-  unsigned long long h[2] = {0, 0};
-  CUDA_OK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaFree(d));
-  EXPECT_EQ(h[0], 0u);
+  const Counts c = run_counts([](Counts* d) { check_bf16x2_all<<<1024, 256>>>(d); });
+  EXPECT_EQ(c.wrong, 0u);
   // 2^32 patterns minus the NaNs of either half (2 · (2^24 - 2) each, overlapping)
-  EXPECT_GT(h[1], (1ull << 32) - (1ull << 26));
+  EXPECT_GT(c.checked, (1ull << 32) - (1ull << 26));
 }
 
 TEST(FastMath, StochasticNonNanEqualsFormatsOnEveryNonNanFloat) {
   FORGE_REQUIRE_GPU();
-  unsigned long long* d = nullptr;
-  CUDA_OK(cudaMalloc(&d, 2 * sizeof(unsigned long long)));
-  CUDA_OK(cudaMemset(d, 0, 2 * sizeof(unsigned long long)));
-  check_sr_nonnan_all<<<1024, 256>>>(d, d + 1);
-  CUDA_OK(cudaGetLastError());
-  unsigned long long h[2] = {0, 0};
-  CUDA_OK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaFree(d));
-  EXPECT_EQ(h[0], 0u);
-  EXPECT_EQ(h[1], 3 * ((1ull << 32) - 2 * ((1ull << 23) - 1)));  // every non-NaN float, 3 draws
+  const Counts c = run_counts([](Counts* d) { check_sr_nonnan_all<<<1024, 256>>>(d); });
+  EXPECT_EQ(c.wrong, 0u);
+  EXPECT_EQ(c.checked, 3 * ((1ull << 32) - 2 * ((1ull << 23) - 1)));  // every non-NaN float, 3 draws
 }
 
 }  // namespace
