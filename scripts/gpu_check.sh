@@ -14,8 +14,9 @@
 # the unfused AdamW pass, writing $OUT/ncu.txt.
 # Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
 # (default 500). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
-# benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_LEADS="512 4096" adds a
-# benchmark run per epilogue-prefetch lead in tokens (FORGE_CUDA_PREFETCH_LEAD), logs packed;
+# benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_TESTS=0 skips the tests
+# too (a benchmark-only call); FORGE_GPU_CHECK_SWEEP="FORGE_CUDA_GROUP_M=1 FORGE_CUDA_PREFETCH_LEAD=512"
+# adds one benchmark run per VAR=value setting (its totals printed, its tables in logs.tgz);
 # FORGE_GPU_CHECK_STAGED=1 adds the staged-update tests and benchmark to the quick mode.
 # GoogleTest comes from the system, or is built from build-deps/googletest when the machine
 # has none (copy /usr/src/googletest there and carry build-deps).
@@ -28,7 +29,8 @@ BUILD=$ROOT/build-gpu
 ARCHS=${FORGE_GPU_ARCHS:-90a}
 BUDGET=${FORGE_GPU_CHECK_BUDGET:-500}
 QUICK=${FORGE_GPU_CHECK_QUICK:-0}
-LEADS=${FORGE_GPU_CHECK_LEADS:-}
+TESTS=${FORGE_GPU_CHECK_TESTS:-1}
+SWEEP=${FORGE_GPU_CHECK_SWEEP:-}
 STAGED=${FORGE_GPU_CHECK_STAGED:-0}
 JOBS=$(nproc)
 START=$(date +%s)
@@ -120,8 +122,12 @@ ctest_result() {
   echo "$((total - failed))/$total passed, $failed failed, $skipped skipped"
 }
 
+# The directory under $OUT of one sweep setting VAR=value.
+sweep_dir() { echo "sweep-${1//[^A-Za-z0-9_]/-}"; }
+
 if ((build_rc == 0)); then
   # ---- 2. GPU tests, then the benchmark -----------------------------------------------------
+  if [ "$TESTS" != 0 ]; then
   t0=$(elapsed)
   log "ctest -L gpu"
   # NOTE: 8 test processes share the GPU; each CPU reference gets 2 OpenMP threads.
@@ -129,8 +135,9 @@ if ((build_rc == 0)); then
     --output-on-failure --timeout 300 >"$OUT/ctest_gpu.log" 2>&1
   row "ctest -L gpu" "$(ctest_result "$OUT/ctest_gpu.log")" "$(($(elapsed) - t0)) s"
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu.log" | head -30
+  fi
 
-  if [ "$QUICK" != 1 ]; then
+  if [ "$QUICK" != 1 ] && [ "$TESTS" != 0 ]; then
   # The portable mma.sync kernels again (on a Hopper GPU the suite above ran the wgmma main
   # loop): the bit-exact and shape/layout tests, which reach every kernel variant.
   t0=$(elapsed)
@@ -155,7 +162,7 @@ if ((build_rc == 0)); then
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_persistent.log" | head -10
   fi
 
-  if [ "$QUICK" != 1 ] || [ "$STAGED" = 1 ]; then
+  if { [ "$QUICK" != 1 ] || [ "$STAGED" = 1 ]; } && [ "$TESTS" != 0 ]; then
   # The experimental staged update (FORGE_CUDA_STAGED_EPILOGUE=1): the Wgrad tests whose
   # layers have interior tiles on a specialized kernel.
   t0=$(elapsed)
@@ -174,11 +181,12 @@ if ((build_rc == 0)); then
     >"$OUT/bench.log" 2>&1
   bench_rc=$?
   others=""
-  for lead in $LEADS; do
-    mkdir -p "$OUT/lead$lead"
-    FORGE_CUDA_PREFETCH_LEAD=$lead timeout "$(limit 60 40)" "$BUILD/bench/wgrad_bench" \
-      --out "$OUT/lead$lead" >"$OUT/lead$lead/bench.log" 2>&1
-    others="$others; prefetch lead $lead rc=$?"
+  for setting in $SWEEP; do
+    dir="$OUT/$(sweep_dir "$setting")"
+    mkdir -p "$dir"
+    env "$setting" timeout "$(limit 60 40)" "$BUILD/bench/wgrad_bench" --out "$dir" \
+      >"$dir/bench.log" 2>&1
+    others="$others; $setting rc=$?"
   done
   if [ "$QUICK" != 1 ]; then
     mkdir -p "$OUT/sm80"
@@ -199,7 +207,7 @@ if ((build_rc == 0)); then
   row benchmark "$([ $bench_rc = 0 ] && echo ok || echo "FAILED rc=$bench_rc (bench.log)")$others" \
     "$(($(elapsed) - t0)) s"
 
-  if [ "$QUICK" != 1 ]; then
+  if [ "$QUICK" != 1 ] && [ "$TESTS" != 0 ]; then
   # ---- 3. compute-sanitizer ------------------------------------------------------------------
   # One bf16 tensor-core path per storage family, split-K, odd shapes and unaligned inputs
   # (element-load fallback), non-finite gradients, fp32/mixed SIMT, elementwise and state
@@ -257,17 +265,18 @@ fi
 [ -f "$OUT/sm80/bench.md" ] && cp "$OUT/sm80/bench.md" "$OUT/bench-sm80.md"
 [ -f "$OUT/persistent/bench.md" ] && cp "$OUT/persistent/bench.md" "$OUT/bench-persistent.md"
 [ -f "$OUT/staged/bench.md" ] && cp "$OUT/staged/bench.md" "$OUT/bench-staged.md"
-LEAD_DIRS=$(cd "$OUT" && ls -d lead* 2>/dev/null)
+SWEEP_DIRS=$(cd "$OUT" && ls -d sweep-* 2>/dev/null)
 (cd "$OUT" && tar czf logs.tgz --ignore-failed-read build.log ctest_gpu.log ctest_gpu_sm80.log \
   ctest_gpu_persistent.log ctest_gpu_staged.log ctest_cpu.log sanitizer.log bench.log sm80 \
-  persistent staged ncu.txt $LEAD_DIRS 2>/dev/null &&
+  persistent staged ncu.txt $SWEEP_DIRS 2>/dev/null &&
   rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_gpu_persistent.log ctest_gpu_staged.log \
-    ctest_cpu.log sanitizer.log bench.log sm80 persistent staged $LEAD_DIRS)
+    ctest_cpu.log sanitizer.log bench.log sm80 persistent staged $SWEEP_DIRS)
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
-for lead in $LEADS; do
-  echo; echo "## prefetch lead $lead tokens, Llama-3.1-8B totals (full table in logs.tgz)"
-  tar xzf "$OUT/logs.tgz" -O "lead$lead/bench.md" 2>/dev/null | grep -A5 "all 224 linear layers" | tail -4
+for setting in $SWEEP; do
+  echo; echo "## $setting: Llama-3.1-8B totals and the 4096×4096 rows (full table in logs.tgz)"
+  tar xzf "$OUT/logs.tgz" -O "$(sweep_dir "$setting")/bench.md" 2>/dev/null |
+    grep -E "^\| (q_proj|512 |2048 |4096 )"
 done
 [ -f "$OUT/bench-staged.md" ] && { echo; echo "## staged update (FORGE_CUDA_STAGED_EPILOGUE=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-staged.md" | tail -4; }
 [ -f "$OUT/bench-persistent.md" ] && { echo; echo "## persistent kernel (FORGE_CUDA_PERSISTENT=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-persistent.md" | tail -4; }

@@ -6,6 +6,8 @@ PyTorch users have today, on real model shapes, and the convergence-parity repor
     forge-bench --models tiny --device cpu        # smoke test, no GPU needed
     forge-bench --parity --parity-steps 1000      # ~100M model: FORGE vs torch AdamW loss curves
     forge-bench --replot bench/results/X.json     # redraw md/csv/png from a JSON
+    forge-bench --models llama-3.1-8b --seqs 512 --ckpt off --modes forge-bf16 --profile 2
+                                                  # + GPU time by kernel category (step_profile.py)
 
 Models are built from their public configs written below (no download): transformers'
 config class, random weights, created directly on the GPU in bf16 under a device context
@@ -223,8 +225,9 @@ class Timer:
 
 
 def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.device,
-             dtype: torch.dtype) -> dict:
-    """Builds the model, runs WARMUP_STEPS + TIMED_STEPS steps; raises on OOM."""
+             dtype: torch.dtype, profile: int = 0) -> dict:
+    """Builds the model, runs WARMUP_STEPS + TIMED_STEPS steps (then `profile` steps under
+    torch.profiler when > 0); raises on OOM."""
     # Memory still held from earlier cases would inflate this case's peak: record it.
     leftover = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     model = build_model(model_name, device, dtype)
@@ -241,25 +244,31 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = make_optimizer(mode, model, device)
     try:
-        return timed_steps(model, optimizer, seq, device, n_params, weights, leftover)
+        return timed_steps(model, optimizer, seq, device, n_params, weights, leftover, profile)
     finally:
         if isinstance(optimizer, OptimizerInBackward):
             optimizer.close()
 
 
+def train_step(model, optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    """One measured step: forward, backward, optimizer; returns the loss."""
+    loss = model_loss(model, tokens)
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
 def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
-                weights: int, leftover: int) -> dict:
+                weights: int, leftover: int, profile: int = 0) -> dict:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, seq), generator=g).to(device)
     timer, times = Timer(device), []
     for i in range(WARMUP_STEPS + TIMED_STEPS):
         timer.start()
-        loss = model_loss(model, tokens)
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, optimizer, tokens)
         ms = timer.stop_ms()
         if i >= WARMUP_STEPS:
             times.append(ms)
@@ -270,10 +279,15 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
         note = "non-finite loss"
     if leftover > 2**28:
         note = f"{leftover / 2**30:.1f} GiB left over from earlier cases is in the peak"
-    return dict(status="ok", peak_gib=round(peak / 2**30, 2) if peak else None,
-                step_ms=round(step_ms, 1), tokens_per_s=round(seq / (step_ms / 1e3)),
-                params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 2),
-                note=note)
+    row = dict(status="ok", peak_gib=round(peak / 2**30, 2) if peak else None,
+               step_ms=round(step_ms, 1), tokens_per_s=round(seq / (step_ms / 1e3)),
+               params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 2),
+               note=note)
+    if profile > 0:  # after the peak and the times are taken: the profiler perturbs both
+        from forge.step_profile import profile_steps
+        row["profile"] = profile_steps(lambda: train_step(model, optimizer, tokens), profile,
+                                       device)
+    return row
 
 
 def free_memory(device: torch.device) -> None:
@@ -283,13 +297,13 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(model_name, seq, ckpt, mode, device, dtype) -> dict:
+def measure(model_name, seq, ckpt, mode, device, dtype, profile: int = 0) -> dict:
     """One row; out-of-memory and other failures are recorded, never raised."""
     row = dict(model=model_name, seq=seq, ckpt=ckpt, mode=mode)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            row.update(run_case(model_name, seq, ckpt, mode, device, dtype))
+            row.update(run_case(model_name, seq, ckpt, mode, device, dtype, profile))
         # FORGE's own warnings (e.g. a tied weight on the materialized-gradient path)
         # qualify the measurement: keep them with the row.
         forge_notes = sorted({str(w.message)[len("forge:"):].strip()[:200] for w in caught
@@ -511,6 +525,11 @@ def write_results(out_dir: str, info: dict, rows: List[dict]) -> Dict[str, str]:
         f.write(markdown(info, rows))
     png = plot(info, rows, stem + ".png")
     paths["png"] = png or "(no PNG: matplotlib not installed; rerun with --replot)"
+    if any(row.get("profile") for row in rows):
+        from forge.step_profile import markdown as profile_markdown
+        paths["profile"] = os.path.join(out_dir, result_stem(info, "profile") + ".md")
+        with open(paths["profile"], "w") as f:
+            f.write(profile_markdown(info, rows))
     return paths
 
 
@@ -769,6 +788,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=os.path.join("bench", "results"))
     p.add_argument("--time-budget", type=float, default=0, metavar="SECONDS",
                    help="skip the cases left once this much time has passed (0: no limit)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after each case's timed steps, profile STEPS more with torch.profiler: "
+                        "kernel time per step by category and the top kernels "
+                        "(forge-profile-*.md)")
     p.add_argument("--replot", metavar="JSON", help="redraw md/csv/png from a results JSON")
     p.add_argument("--summarize", metavar="DIR",
                    help="print a short summary of the newest bench and parity results in DIR")
@@ -811,6 +834,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
+        if args.profile < 0:
+            raise BenchError(f"--profile: STEPS must be >= 0, got {args.profile}")
         if args.summarize:
             return summarize(args.summarize)
         if args.replot:
@@ -849,7 +874,7 @@ def main(argv=None) -> int:
             print(f"{label}: skipped (time budget)", flush=True)
             continue
         try:
-            row = measure(model, seq, ckpt, mode, device, dtype)
+            row = measure(model, seq, ckpt, mode, device, dtype, args.profile)
         except BenchError as e:
             print(f"forge-bench: error: {e}", file=sys.stderr)
             return 2

@@ -433,6 +433,14 @@ int prefetch_lead_tokens() {
   return lead > 0 ? lead : kPrefetchLeadTokens;
 }
 
+// Benchmark knob: FORGE_CUDA_GROUP_M=n sets the tile rasterization's group height in tile-rows
+// (default kGroupM; 1 walks each tile-row left to right).
+int group_m_tiles() {
+  const char* v = std::getenv("FORGE_CUDA_GROUP_M");
+  const int n = v ? std::atoi(v) : kGroupM;
+  return n > 0 ? n : kGroupM;
+}
+
 // Environment switch: FORGE_CUDA_STAGED_EPILOGUE=1 runs the staged-update variant of the
 // (non-persistent) wgmma kernel where one is built (kStagedSpecKernels): the update's operands
 // go through shared memory (sm80_wgrad.cuh, StagedQuads). Experimental: off by default until
@@ -688,6 +696,7 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   w.ktiles_per_split = static_cast<int32_t>(per);
   w.prefetch = splits == 1 && epilogue_prefetch_enabled();
   w.prefetch_lead = prefetch_lead_tokens();
+  w.group_m = group_m_tiles();
   w.want_sq = a.outputs.grad_sq_sum != nullptr;
   w.grad_sq_sum = a.outputs.grad_sq_sum;
   w.nonfinite_count = reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count);

@@ -55,7 +55,8 @@ constexpr int kLdC = kBN + 8;
 constexpr int kLdF = kBM + 4;             // fp32 shared rows of the SIMT kernel
 constexpr int kTileElems = kBM * kBN;
 constexpr int kRowsPerPass = kThreads / (kBN / kQuad / 2);  // 16: a thread owns 2 quads of a row
-constexpr int kGroupM = 16;               // tile rasterization: 16 tile-rows per group
+constexpr int kGroupM = 16;               // tile rasterization: 16 tile-rows per group (the
+                                          // default of WgradParams::group_m)
 // NOTE: issue the L2 prefetch of the tile's weight and states this many tokens before the
 // main loop ends, so the epilogue's loads hit L2 instead of waiting on HBM (the default of
 // WgradParams::prefetch_lead; FORGE_CUDA_PREFETCH_LEAD overrides it for benchmarking).
@@ -83,6 +84,7 @@ struct WgradParams {
   int32_t splits, ktiles_per_split;
   int32_t prefetch;          // L2 prefetch of the epilogue's operands
   int32_t prefetch_lead;     // ... issued this many tokens before the main loop ends
+  int32_t group_m;           // tile rasterization: tile-rows per group (kGroupM)
   int32_t want_sq;           // grad_sq_sum != nullptr
   float* workspace;          // [tiles · splits][kBM][kBN] fp32 partials (splits > 1)
   unsigned int* counters;    // [tiles] arrivals per tile, 0 between launches
@@ -157,14 +159,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 
 // ---- tile bookkeeping ------------------------------------------------------------------------
 
-// NOTE: grouped rasterization: consecutive CTAs walk down kGroupM tile-rows before moving
+// NOTE: grouped rasterization: consecutive CTAs walk down a.group_m tile-rows before moving
 // right, so a wave of CTAs shares a few dY and X column panels in L2 instead of streaming
 // all of X once per tile-row (the 4096 × 14336 layer's X is 117 MB at T = 4096).
 __device__ __forceinline__ void tile_coords(const WgradParams& a, int tile, int& tm, int& tn) {
-  const int group_tiles = kGroupM * a.tiles_n;
+  const int group_tiles = a.group_m * a.tiles_n;
   const int group = tile / group_tiles;
-  const int first_m = group * kGroupM;
-  const int group_m = min(a.tiles_m - first_m, kGroupM);
+  const int first_m = group * a.group_m;
+  const int group_m = min(a.tiles_m - first_m, a.group_m);
   const int in_group = tile - group * group_tiles;
   tm = first_m + in_group % group_m;
   tn = in_group / group_m;
