@@ -5,10 +5,14 @@ kernel is summed per step, by category (FORGE's fused weight-gradient + update, 
 element-wise step, cuBLAS GEMMs, attention, torch's optimizer, the rest) and by kernel. The
 step's wall time minus its kernel time is time the GPU had nothing to run (launch or
 CPU bound, or kernels serialized behind the host). On a CPU run the same table holds the
-operators' self CPU time.
+operators' self CPU time. Then one more step runs under cProfile: the host's time by Python
+function (what the CPU does while the GPU waits; cProfile's own overhead inflates it).
 """
 from __future__ import annotations
 
+import cProfile
+import os
+import pstats
 import re
 from typing import Callable, Dict, List
 
@@ -24,6 +28,7 @@ CATEGORIES = [
     ("other", r""),
 ]
 TOP_KERNELS = 15
+TOP_HOST_FUNCTIONS = 15
 
 
 def category(name: str) -> str:
@@ -33,21 +38,45 @@ def category(name: str) -> str:
     return "other"  # unreachable: the last pattern matches everything
 
 
-def _self_time_us(evt, cuda: bool) -> float:
-    """The event's self time in µs: device time for a kernel, CPU time otherwise (the
-    attribute names changed across torch versions)."""
-    names = (["self_device_time_total", "self_cuda_time_total"] if cuda
-             else ["self_cpu_time_total"])
-    for name in names:
-        value = getattr(evt, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
+def _event_us(evt, cuda: bool) -> float:
+    """µs of one profiler event that counts: a kernel (or memcpy/memset) on a GPU run, an
+    operator's self CPU time on a CPU run; 0 for the rest. User annotations (such as
+    torch.optim's "Optimizer.step#AdamW.step") also appear on the GPU timeline, as ranges
+    around kernels already counted: they are skipped."""
+    on_device = evt.device_type == torch.autograd.DeviceType.CUDA
+    if on_device != cuda or getattr(evt, "is_user_annotation", False):
+        return 0.0
+    if cuda:
+        return float(evt.time_range.elapsed_us())
+    return float(evt.self_cpu_time_total)
+
+
+def host_profile(step: Callable[[], object], device: torch.device) -> dict:
+    """One step under cProfile: the host's milliseconds and the TOP_HOST_FUNCTIONS functions
+    by own time (ms per step)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, func), (_, ncalls, tottime, _, _) in stats.stats.items():
+        where = func if path == "~" else f"{os.path.basename(path)}:{line}({func})"
+        rows.append((tottime, ncalls, where))
+    rows.sort(reverse=True)
+    return dict(ms=round(stats.total_tt * 1e3, 1),
+                top=[dict(name=where[:120], ms=round(t * 1e3, 2), calls=n)
+                     for t, n, where in rows[:TOP_HOST_FUNCTIONS]])
 
 
 def profile_steps(step: Callable[[], object], steps: int, device: torch.device) -> dict:
-    """Runs `step` `steps` times under torch.profiler; returns per-step milliseconds by
-    category and for the TOP_KERNELS largest kernels, and the kernel launches per step."""
+    """Runs `step` `steps` times under torch.profiler, then once under cProfile; returns
+    per-step milliseconds by category and for the TOP_KERNELS largest kernels, the kernel
+    launches per step, and the host profile."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -59,16 +88,13 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device) 
         if cuda:
             torch.cuda.synchronize()
     kernels: Dict[str, List[float]] = {}  # name -> [µs, launches]
-    for evt in prof.key_averages():
-        is_kernel = evt.device_type == torch.autograd.DeviceType.CUDA
-        if cuda != is_kernel:
-            continue
-        us = _self_time_us(evt, cuda)
+    for evt in prof.events():
+        us = _event_us(evt, cuda)
         if us <= 0:
             continue
-        entry = kernels.setdefault(evt.key, [0.0, 0])
+        entry = kernels.setdefault(evt.name, [0.0, 0])
         entry[0] += us
-        entry[1] += evt.count
+        entry[1] += 1
     by_category: Dict[str, float] = {label: 0.0 for label, _ in CATEGORIES}
     for name, (us, _) in kernels.items():
         by_category[category(name)] += us / steps / 1e3
@@ -79,7 +105,8 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device) 
         launches=round(sum(v[1] for v in kernels.values()) / steps),
         categories={k: round(v, 3) for k, v in by_category.items()},
         top=[dict(name=name[:160], category=category(name), ms=round(us / steps / 1e3, 3),
-                  calls=round(n / steps)) for name, (us, n) in top])
+                  calls=round(n / steps)) for name, (us, n) in top],
+        host=host_profile(step, device))
 
 
 def markdown(info: dict, rows: List[dict]) -> str:
@@ -105,5 +132,10 @@ def markdown(info: dict, rows: List[dict]) -> str:
                   "| --- | --- | --- | --- |"]
         lines += [f"| `{t['name'][:100]}` | {t['category']} | {t['ms']:.2f} | {t['calls']} |"
                   for t in prof["top"]]
+        host = prof.get("host")
+        if host:
+            lines += ["", f"Host, one step under cProfile: {host['ms']} ms.", "",
+                      "| function | own ms | calls |", "| --- | --- | --- |"]
+            lines += [f"| `{h['name']}` | {h['ms']:.2f} | {h['calls']} |" for h in host["top"]]
         lines.append("")
     return "\n".join(lines)
