@@ -113,6 +113,9 @@ class _Slot:
         self.handles: List[Any] = []
         self.acc_node = None        # W's AccumulateGrad node, held so its hook lives
         self.marker: Optional[torch.Tensor] = None  # stand-in dW of this backward (see below)
+        self.stand_in: Optional[torch.Tensor] = None  # the marker, made once (a zero, expanded)
+        # (formats and data pointers, forge_param) of the last update; rebuilt on any change
+        self.param_cache: Optional[Tuple[tuple, Any]] = None
         self.modules: List[nn.Linear] = []
         self.warned_multi_use = False
 
@@ -200,6 +203,7 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         self._slots: Dict[int, _Slot] = {}
         self._step_id = 0                 # number of completed step() calls
         self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stats_outputs: Dict[torch.device, _lib.StepOutputs] = {}  # pointers into _stats
         self._last_stats: Optional[Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]]] = None
         self._attached = True
         self._attach(model, all_params, names)
@@ -270,6 +274,7 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             p.grad = None
         self._last_stats = self._stats
         self._stats = {}
+        self._stats_outputs = {}
         self._step_id += 1
         return loss
 
@@ -569,7 +574,13 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         # a backward returns a defined stand-in: one zero expanded to W's shape (no memory).
         # The hook knows it by identity and drops it; a sum with a dW from another use is a
         # new tensor and takes the materialized path, as it must.
-        slot.marker = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        # NOTE: made once per weight and reused: a fresh one cost a fill kernel and ~50 µs of
+        # host time per Linear per step on the H200's host (forge-bench --profile, run 14).
+        # Nothing writes to it: autograd copies an expanded gradient before accumulating it.
+        if slot.stand_in is None:
+            slot.stand_in = torch.zeros((), dtype=weight.dtype,
+                                        device=weight.device).expand(weight.shape)
+        slot.marker = slot.stand_in
         return slot.marker
 
     def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
@@ -588,11 +599,14 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         if len(slot.pending) == 1 and slot.partial is None and outside is None \
                 and slot.pending[0][0].size(0) > 0:
             x2, ldx, dy2, lddy, stream = slot.pending[0]
-            if stream is None:
-                self._update(slot, x=(x2, ldx), dy=(dy2, lddy))
-            else:  # NOTE: X and dY are ready on the stream backward made them on
+            # NOTE: X and dY are ready on the stream backward made them on: the step runs
+            # there. Autograd normally runs this hook on that same stream; switching streams
+            # (a context manager) only when it did not saves host time on every Linear.
+            if stream is None or stream == torch.cuda.current_stream(stream.device):
+                self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream)
+            else:
                 with torch.cuda.stream(stream):
-                    self._update(slot, x=(x2, ldx), dy=(dy2, lddy))
+                    self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream)
         else:
             if uses > 1 and not slot.warned_multi_use:
                 slot.warned_multi_use = True
@@ -728,6 +742,19 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         return st
 
     def _param_struct(self, slot: _Slot, st: Dict[str, Any]) -> _lib.Param:
+        """slot's forge_param: built once and kept while the formats, the weight and every
+        state tensor stay the same (a state replaced by load_state_dict, or by hand, has a new
+        data pointer, and the struct is rebuilt)."""
+        key = (self._weight_format(slot), self._state_format_code(), slot.param.data_ptr()) \
+            + tuple(t.data_ptr() for t in st.values() if torch.is_tensor(t))
+        cached = slot.param_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        fp = self._build_param_struct(slot, st)
+        slot.param_cache = (key, fp)
+        return fp
+
+    def _build_param_struct(self, slot: _Slot, st: Dict[str, Any]) -> _lib.Param:
         p = slot.param
         fp = _lib.Param()
         fp.rows, fp.cols = slot.rows, slot.cols
@@ -742,30 +769,39 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                 fp.state_absmax[i] = _lib.float_ptr(st[name + "_absmax"].data_ptr())
         return fp
 
-    def _device_struct(self, t: torch.Tensor) -> _lib.Device:
+    def _device_struct(self, t: torch.Tensor, stream=None) -> _lib.Device:
+        """Where a call on t runs: its CUDA device and `stream` (default: the current one),
+        or the CPU with num_threads."""
         d = _lib.Device()
         if t.device.type == "cuda":
             d.kind = _lib.DEVICE_CUDA
             d.index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-            d.stream = torch.cuda.current_stream(t.device).cuda_stream
+            if stream is None:
+                stream = torch.cuda.current_stream(t.device)
+            d.stream = stream.cuda_stream
         else:
             d.kind = _lib.DEVICE_CPU
             d.num_threads = self.num_threads or torch.get_num_threads()
         return d
 
     def _outputs(self, device: torch.device) -> _lib.StepOutputs:
-        stats = self._stats.get(device)
-        if stats is None:
-            stats = (torch.zeros((), dtype=torch.float64, device=device),
-                     torch.zeros((), dtype=torch.int64, device=device))
-            self._stats[device] = stats
+        """This step's statistics outputs on `device` (made at its first update)."""
+        out = self._stats_outputs.get(device)
+        if out is not None:
+            return out
+        stats = (torch.zeros((), dtype=torch.float64, device=device),
+                 torch.zeros((), dtype=torch.int64, device=device))
+        self._stats[device] = stats
         out = _lib.StepOutputs()
         out.grad_sq_sum = ctypes.cast(stats[0].data_ptr(), ctypes.POINTER(ctypes.c_double))
         out.nonfinite_count = ctypes.cast(stats[1].data_ptr(), ctypes.POINTER(ctypes.c_int64))
+        self._stats_outputs[device] = out
         return out
 
-    def _update(self, slot: _Slot, grad: Optional[torch.Tensor] = None, x=None, dy=None) -> None:
-        """One step of slot's parameter, from a gradient tensor or from (X, dY)."""
+    def _update(self, slot: _Slot, grad: Optional[torch.Tensor] = None, x=None, dy=None,
+                stream=None) -> None:
+        """One step of slot's parameter, from a gradient tensor or from (X, dY), on `stream`
+        (a CUDA stream; default: the current one)."""
         p = slot.param
         if p.dtype != slot.dtype or p.device != slot.device or not p.is_contiguous():
             raise RuntimeError(f"forge: parameter '{slot.name}' changed dtype, device or layout "
@@ -785,7 +821,7 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         step = st["step"] + 1
         hp = self._hparams(group, step=step, seed=self.seed + slot.index)
         param = self._param_struct(slot, st)
-        device = self._device_struct(p)
+        device = self._device_struct(p, stream)
         outputs = self._outputs(p.device)
         with torch.no_grad():
             if x is not None:
@@ -843,6 +879,8 @@ def _add_dw(acc: Optional[torch.Tensor], x2: torch.Tensor, dy2: torch.Tensor) ->
 
 
 def _as_float(value, name: str) -> float:
+    if type(value) is float:  # NOTE: the common case first: ~7 calls per update
+        return value
     if torch.is_tensor(value):
         if value.numel() != 1:
             raise ValueError(f"{name}: a tensor hyper-parameter must have one element")

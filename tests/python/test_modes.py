@@ -134,3 +134,60 @@ def test_backward_that_skips_a_weight_leaves_it_untouched():
     with pytest.warns(UserWarning, match="never reached the weight"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---- the per-Linear host fast path: objects made once and reused across steps
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_path_holds_across_steps(device, monkeypatch):
+    """The stand-in dW made once per weight still marks the fused path at every step: no
+    Linear falls back to the materialized gradient (which would warn and call _add_dw)."""
+    def no_materialized_gradient(*args):
+        raise AssertionError("a Linear took the materialized-gradient path")
+    monkeypatch.setattr(forge.optim, "_add_dw", no_materialized_gradient)
+    model = TinyTransformer().to(device)
+    opt = forge.optim.AdamW(model, lr=1e-2)
+    fused = [s for s in opt._slots.values() if s.mode == "fused"]
+    assert fused, "the tiny model has fused Linears"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a forge warning here is a failure
+        for step in range(3):
+            before = [s.param.detach().clone() for s in fused]
+            lm_loss(model, step, device).backward()
+            assert all(s.updated_at == opt._step_id for s in fused)
+            assert all(not torch.equal(b, s.param) for b, s in zip(before, fused))
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_format", ["fp32", "int8"])
+def test_replaced_state_tensor_is_the_one_updated(device, state_format):
+    """forge_param is cached per parameter while the data pointers stay; a state tensor
+    replaced by hand must be the one the next step reads and writes, not the old one."""
+    torch.manual_seed(0)
+    initial = TinyTransformer().state_dict()
+    runs = []
+    for replace in (False, True):
+        model = TinyTransformer()
+        model.load_state_dict(initial)
+        model.to(device)
+        opt = forge.optim.AdamW(model, lr=1e-2, state_format=state_format, seed=3)
+        for step in range(2):
+            lm_loss(model, step, device).backward()
+            opt.step()
+            opt.zero_grad()
+        old = {}
+        if replace:
+            for p, st in opt.state.items():
+                for key, t in list(st.items()):
+                    if torch.is_tensor(t):
+                        old[(id(p), key)] = t  # kept alive: its address is not reused
+                        st[key] = t.clone()
+                        t.fill_(7)  # the old buffer now holds garbage (int8 codes, absmax 7)
+        lm_loss(model, 2, device).backward()
+        opt.step()
+        runs.append((model, opt))
+    for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
+        assert torch.equal(a, b), f"{name}: the step used the replaced state's old buffer"
