@@ -16,8 +16,7 @@
 # (default 500). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
 # benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_TESTS=0 skips the tests
 # too (a benchmark-only call); FORGE_GPU_CHECK_SWEEP="FORGE_CUDA_GROUP_M=1 FORGE_CUDA_PREFETCH_LEAD=512"
-# adds one benchmark run per VAR=value setting (its totals printed, its tables in logs.tgz);
-# FORGE_GPU_CHECK_STAGED=1 adds the staged-update tests and benchmark to the quick mode.
+# adds one benchmark run per VAR=value setting (its totals printed, its tables in logs.tgz).
 # GoogleTest comes from the system, or is built from build-deps/googletest when the machine
 # has none (copy /usr/src/googletest there and carry build-deps).
 set -uo pipefail
@@ -31,7 +30,6 @@ BUDGET=${FORGE_GPU_CHECK_BUDGET:-500}
 QUICK=${FORGE_GPU_CHECK_QUICK:-0}
 TESTS=${FORGE_GPU_CHECK_TESTS:-1}
 SWEEP=${FORGE_GPU_CHECK_SWEEP:-}
-STAGED=${FORGE_GPU_CHECK_STAGED:-0}
 JOBS=$(nproc)
 START=$(date +%s)
 SUMMARY=()
@@ -162,19 +160,6 @@ if ((build_rc == 0)); then
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_persistent.log" | head -10
   fi
 
-  if { [ "$QUICK" != 1 ] || [ "$STAGED" = 1 ]; } && [ "$TESTS" != 0 ]; then
-  # The experimental staged update (FORGE_CUDA_STAGED_EPILOGUE=1): the Wgrad tests whose
-  # layers have interior tiles on a specialized kernel.
-  t0=$(elapsed)
-  log "ctest -L gpu, staged update (FORGE_CUDA_STAGED_EPILOGUE=1)"
-  FORGE_CUDA_STAGED_EPILOGUE=1 OMP_NUM_THREADS=2 timeout "$(limit 120 90)" ctest --test-dir "$BUILD" \
-    -L gpu -j 8 -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradRandom|WgradSplitK' \
-    --output-on-failure --timeout 120 >"$OUT/ctest_gpu_staged.log" 2>&1
-  row "ctest -L gpu (staged update, Wgrad subset)" \
-    "$(ctest_result "$OUT/ctest_gpu_staged.log")" "$(($(elapsed) - t0)) s"
-  grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_staged.log" | head -10
-  fi
-
   t0=$(elapsed)
   log "benchmark (default path, then FORGE_CUDA_WGMMA=0 into $OUT/sm80)"
   FORGE_CUDA_VERBOSE=1 timeout "$(limit 150 80)" "$BUILD/bench/wgrad_bench" --out "$OUT" \
@@ -197,12 +182,6 @@ if ((build_rc == 0)); then
     FORGE_CUDA_PERSISTENT=1 timeout "$(limit 150 60)" "$BUILD/bench/wgrad_bench" --out "$OUT/persistent" \
       >"$OUT/persistent/bench.log" 2>&1
     others="$others; persistent rc=$?"
-  fi
-  if [ "$QUICK" != 1 ] || [ "$STAGED" = 1 ]; then
-    mkdir -p "$OUT/staged"
-    FORGE_CUDA_STAGED_EPILOGUE=1 timeout "$(limit 60 50)" "$BUILD/bench/wgrad_bench" --out "$OUT/staged" \
-      >"$OUT/staged/bench.log" 2>&1
-    others="$others; staged rc=$?"
   fi
   row benchmark "$([ $bench_rc = 0 ] && echo ok || echo "FAILED rc=$bench_rc (bench.log)")$others" \
     "$(($(elapsed) - t0)) s"
@@ -237,11 +216,6 @@ if ((build_rc == 0)); then
   }
   sanitize "" memcheck "$MEMCHECK_FILTER" 150 60
   sanitize "" racecheck "$RACECHECK_FILTER" 120 25
-  # The staged update's shared-memory buffers (each thread reads only what it copied).
-  STAGED_FILTER='*WgradExact*/AdamW_Wbf16_Sbf16:*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/AdamW_Wbf16sr_Sbf16sr'
-  for tool in memcheck racecheck; do
-    sanitize "staged update" "$tool" "$STAGED_FILTER" 60 15 FORGE_CUDA_STAGED_EPILOGUE=1
-  done
 
   # ---- 4. CPU tests --------------------------------------------------------------------------
   t0=$(elapsed)
@@ -264,13 +238,12 @@ fi
 # NOTE: the device tool returns at most 8 files from $OUT: keep the tables, pack the logs.
 [ -f "$OUT/sm80/bench.md" ] && cp "$OUT/sm80/bench.md" "$OUT/bench-sm80.md"
 [ -f "$OUT/persistent/bench.md" ] && cp "$OUT/persistent/bench.md" "$OUT/bench-persistent.md"
-[ -f "$OUT/staged/bench.md" ] && cp "$OUT/staged/bench.md" "$OUT/bench-staged.md"
 SWEEP_DIRS=$(cd "$OUT" && ls -d sweep-* 2>/dev/null)
 (cd "$OUT" && tar czf logs.tgz --ignore-failed-read build.log ctest_gpu.log ctest_gpu_sm80.log \
-  ctest_gpu_persistent.log ctest_gpu_staged.log ctest_cpu.log sanitizer.log bench.log sm80 \
-  persistent staged ncu.txt $SWEEP_DIRS 2>/dev/null &&
-  rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_gpu_persistent.log ctest_gpu_staged.log \
-    ctest_cpu.log sanitizer.log bench.log sm80 persistent staged $SWEEP_DIRS)
+  ctest_gpu_persistent.log ctest_cpu.log sanitizer.log bench.log sm80 persistent ncu.txt \
+  $SWEEP_DIRS 2>/dev/null &&
+  rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_gpu_persistent.log ctest_cpu.log \
+    sanitizer.log bench.log sm80 persistent $SWEEP_DIRS)
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
 for setting in $SWEEP; do
@@ -278,7 +251,6 @@ for setting in $SWEEP; do
   tar xzf "$OUT/logs.tgz" -O "$(sweep_dir "$setting")/bench.md" 2>/dev/null |
     grep -E "^\| (q_proj|512 |2048 |4096 )"
 done
-[ -f "$OUT/bench-staged.md" ] && { echo; echo "## staged update (FORGE_CUDA_STAGED_EPILOGUE=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-staged.md" | tail -4; }
 [ -f "$OUT/bench-persistent.md" ] && { echo; echo "## persistent kernel (FORGE_CUDA_PERSISTENT=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-persistent.md" | tail -4; }
 echo
 cat "$OUT/summary.md"

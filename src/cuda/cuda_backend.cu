@@ -162,13 +162,6 @@ const Sm90Kernel kSm90SpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_SPEC_KERNEL)};
              spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_persistent<bf16, " NAME ">"},
 const Sm90Kernel kPersistentSpecKernels[] = {FORGE_HOT_SPEC_LIST(FORGE_PERSISTENT_SPEC_KERNEL)};
 #undef FORGE_PERSISTENT_SPEC_KERNEL
-// The experimental staged-update variants (FORGE_CUDA_STAGED_EPILOGUE=1; sm80_wgrad.cuh,
-// StagedQuads) of the hot configurations; any other runs the kernel above.
-#define FORGE_STAGED_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                                 \
-  Sm90Kernel{wgrad_wgmma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>, true>,              \
-             spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_staged<bf16, " NAME ">"},
-const Sm90Kernel kStagedSpecKernels[] = {FORGE_HOT_SPEC_LIST(FORGE_STAGED_SPEC_KERNEL)};
-#undef FORGE_STAGED_SPEC_KERNEL
 #undef FORGE_HOT_SPEC_LIST
 
 const Sm90Kernel kPersistentGenericKernels[] = {
@@ -312,11 +305,6 @@ forge_status device_info(int index, DeviceInfo* out) {
         if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
                                        kSm90SmemBytes))
           return s;
-      // (configured whether or not FORGE_CUDA_STAGED_EPILOGUE is set now: it is read per step)
-      for (const Sm90Kernel& kernel : kStagedSpecKernels)
-        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                       kSm90StagedSmemBytes))
-          return s;
       // (configured whether or not FORGE_CUDA_PERSISTENT is set now: it is read per step)
       for (const Sm90Kernel& kernel : kPersistentGenericKernels)
         if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
@@ -439,15 +427,6 @@ int group_m_tiles() {
   const char* v = std::getenv("FORGE_CUDA_GROUP_M");
   const int n = v ? std::atoi(v) : kGroupM;
   return n > 0 ? n : kGroupM;
-}
-
-// Environment switch: FORGE_CUDA_STAGED_EPILOGUE=1 runs the staged-update variant of the
-// (non-persistent) wgmma kernel where one is built (kStagedSpecKernels): the update's operands
-// go through shared memory (sm80_wgrad.cuh, StagedQuads). Experimental: off by default until
-// it has run on a GPU (bench/NOTES.md, v9).
-bool staged_epilogue_enabled() {
-  const char* v = std::getenv("FORGE_CUDA_STAGED_EPILOGUE");
-  return v != nullptr && v[0] == '1';
 }
 
 // Environment switch: FORGE_CUDA_PERSISTENT=1 runs the persistent, warp-specialized Hopper
@@ -738,16 +717,6 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     const Sm90KernelFn kernel =
         fp16_inputs ? kSm90GenericKernels[1].fn
                     : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format, &name);
-    const Sm90Kernel* staged =
-        !fp16_inputs && staged_epilogue_enabled()
-            ? find_spec_kernel(kStagedSpecKernels, k, param.weight_format, param.state_format)
-            : nullptr;
-    if (staged != nullptr) {
-      log_kernel_choice(staged->name, k, param.weight_format, param.state_format, splits);
-      staged->fn<<<grid, kThreads, kSm90StagedSmemBytes, stream>>>(w, maps);
-      FORGE_CUDA_TRY(cudaGetLastError());
-      return FORGE_OK;
-    }
     log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
     kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
   } else if (bf16_inputs) {

@@ -114,13 +114,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
                "r"(src_bytes)
                : "memory");
 }
-// kBytes (4, 8 or 16) global → shared, no zero fill; the address alignment is the caller's.
-template <int kBytes>
-__device__ __forceinline__ void cp_async_ca(uint32_t dst, const void* src) {
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async.ca sizes");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(kBytes)
-               : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -307,113 +300,8 @@ __device__ __forceinline__ void pass_quads(const float* sC, int r, int64_t m0, i
   }
 }
 
-// ---- the update's operands staged in shared memory (opt-in) -------------------------------
-//
-// EXPERIMENTAL (FORGE_CUDA_STAGED_EPILOGUE=1: the kStaged wgmma kernels; bench/NOTES.md, v9). The
-// register-pipelined update below keeps one pass of operands in flight (RawQuads: 12 KiB per
-// CTA), and ncu finds it bound by that load latency at 16 warps per SM (run 11). Here each
-// thread copies its own quads of the next kStageBuffers - 1 passes into shared memory with
-// cp.async, so twice the bytes are in flight without holding registers. A thread reads back
-// only what it copied itself, so no barrier is needed: cp.async.wait_group orders its copies.
-// The same raw words as RawQuads::load, then the same unpack and update: the same bits.
-constexpr int kStageBuffers = 3;
-// Per thread and buffer, at most what a pipelined RawQuads batch holds (12 words).
-constexpr size_t kStageBufferMaxBytes = size_t(kThreads) * 12 * sizeof(uint32_t);
-
-template <class Spec, int kQ>
-struct StagedQuads {
-  using Raw = RawQuads<Spec, kQ>;
-  static constexpr int kNS = Spec::kNumStates;
-  static constexpr bool kInt8 = Raw::kSF == FORGE_STATE_INT8_BLOCK64;
-  static constexpr int kWBytes = (Raw::kWeight32 ? 4 : 2) * 4;  // one quad's weight
-  static constexpr int kSBytes = Raw::kStateWords * 4;           // one quad's state i
-  static constexpr int kWElem = Raw::kWeight32 ? 4 : 2;
-  static constexpr int kSElem = Raw::kSF == FORGE_STATE_FP32 ? 4 : kInt8 ? 1 : 2;
-  // A buffer: planes [kThreads][kQ] of weight chunks, then of each state's chunks, then
-  // (int8) of each state's block absmax; a thread's kQ chunks are adjacent.
-  static constexpr int kStatePlane = kThreads * kQ * kWBytes;
-  static constexpr int kAbsmaxPlane = kStatePlane + kNS * kThreads * kQ * kSBytes;
-  static constexpr int kBufferBytes = kAbsmaxPlane + (kInt8 ? kNS * kThreads * kQ * 4 : 0);
-  static_assert(kBufferBytes == kThreads * Raw::kWords * 4, "the raw words, nothing else");
-  static_assert(kBufferBytes <= kStageBufferMaxBytes, "the shared memory set aside");
-
-  // Copies this thread's quads (RawQuads::load's sources) into buffer `buf` (shared address).
-  __device__ __forceinline__ static void issue(const ParamView& p, const int64_t (&row)[kQ],
-                                               const int64_t (&col)[kQ],
-                                               const int64_t (&idx)[kQ], uint32_t buf,
-                                               int tid) {
-    const char* w = static_cast<const char*>(
-        Raw::kWF == FORGE_WEIGHT_BF16_MASTER ? static_cast<const void*>(p.master) : p.weight);
-#pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      const int slot = tid * kQ + q;
-      cp_async_ca<kWBytes>(buf + slot * kWBytes, w + idx[q] * kWElem);
-#pragma unroll
-      for (int i = 0; i < kNS; ++i) {
-        cp_async_ca<kSBytes>(buf + kStatePlane + (i * kThreads * kQ + slot) * kSBytes,
-                             static_cast<const char*>(p.state[i]) + idx[q] * kSElem);
-        if constexpr (kInt8)
-          cp_async_ca<4>(buf + kAbsmaxPlane + (i * kThreads * kQ + slot) * 4,
-                         &p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK]);
-      }
-    }
-  }
-
-  // The raw words this thread copied into `buf` (generic pointer to the buffer).
-  // NOTE: one vector load per plane (the thread's kQ chunks are adjacent): a warp then reads
-  // a contiguous span, where word-by-word loads at a 16-byte stride would conflict 4 ways.
-  __device__ __forceinline__ static Raw read(const unsigned char* buf, int tid) {
-    Raw r;
-    uint32_t wv[kQ * kWBytes / 4];
-    load_words(buf + tid * kQ * kWBytes, wv);
-#pragma unroll
-    for (int q = 0; q < kQ; ++q)
-#pragma unroll
-      for (int j = 0; j < kWBytes / 4; ++j) r.w[q][j] = wv[q * (kWBytes / 4) + j];
-#pragma unroll
-    for (int i = 0; i < kNS; ++i) {
-      uint32_t sv[kQ * kSBytes / 4];
-      load_words(buf + kStatePlane + (i * kThreads + tid) * kQ * kSBytes, sv);
-#pragma unroll
-      for (int q = 0; q < kQ; ++q)
-#pragma unroll
-        for (int j = 0; j < kSBytes / 4; ++j) r.s[i][q][j] = sv[q * (kSBytes / 4) + j];
-      if constexpr (kInt8) {
-        uint32_t av[kQ];
-        load_words(buf + kAbsmaxPlane + (i * kThreads + tid) * kQ * 4, av);
-#pragma unroll
-        for (int q = 0; q < kQ; ++q) r.absmax[i][q] = __uint_as_float(av[q]);
-      }
-    }
-    return r;
-  }
-
- private:
-  // kN words from shared memory at `src` (aligned to the vector used: 16, 8 or 4 bytes).
-  template <int kN>
-  __device__ __forceinline__ static void load_words(const unsigned char* src,
-                                                    uint32_t (&out)[kN]) {
-    if constexpr (kN % 4 == 0) {
-#pragma unroll
-      for (int j = 0; j < kN; j += 4) {
-        const uint4 v = reinterpret_cast<const uint4*>(src)[j / 4];
-        out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
-      }
-    } else if constexpr (kN % 2 == 0) {
-#pragma unroll
-      for (int j = 0; j < kN; j += 2) {
-        const uint2 v = reinterpret_cast<const uint2*>(src)[j / 2];
-        out[j] = v.x; out[j + 1] = v.y;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kN; ++j) out[j] = reinterpret_cast<const uint32_t*>(src)[j];
-    }
-  }
-};
-
 // The update of one pass of whole quads whose raw operands `cur` are at hand (the pipelined
-// and the staged loops of update_tile): row, col, idx and g come from pass_quads.
+// loop of update_tile): row, col, idx and g come from pass_quads.
 template <class Spec, int kQ>
 __device__ __forceinline__ void update_raw_pass(const WgradParams& a, const RawQuads<Spec, kQ>& cur,
                                                 const int64_t (&row)[kQ], const int64_t (&col)[kQ],
@@ -436,12 +324,9 @@ __device__ __forceinline__ void update_raw_pass(const WgradParams& a, const RawQ
 // Thread t owns rows t/16 + 16·j and, in each, the quads at columns 4·(t%16) and
 // 64 + 4·(t%16): the 16 lanes of a half-warp cover each 64-column int8 block of a row.
 // `tid` in [0, kThreads): the thread's index among the kThreads that update the tile.
-// `stage` (nullable): kStageBuffers · kStageBufferMaxBytes of free shared memory for the
-// staged variant (StagedQuads) on interior tiles of the specs that pipeline.
 template <class Spec>
 __device__ __forceinline__ void update_tile(const WgradParams& a, const float* sC, int64_t m0,
-                                            int64_t n0, StepTotals& totals, int tid,
-                                            unsigned char* stage = nullptr) {
+                                            int64_t n0, StepTotals& totals, int tid) {
   constexpr int kQ = 2;  // quads in flight per thread: the two column halves of a row
   const int lane16 = tid % 16, rsub = tid / 16;
   const int64_t rows = a.p.rows, cols = a.p.cols;
@@ -460,44 +345,7 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
   // 12 registers (bf16 weight with bf16 or int8 states): with fp32 states or an fp32
   // master, the extra registers made ptxas spill 20-100 B next to the accumulators.
   constexpr bool kPipelined = !Spec::kGeneric && raw_quads_words<Spec, kQ>() <= 12;
-  constexpr int kPasses = kBM / kRowsPerPass;
   if constexpr (kPipelined) {
-    if (full && stage != nullptr) {
-      using Staged = StagedQuads<Spec, kQ>;
-      const uint32_t stage_addr = smem_addr(stage);
-      const int64_t idx_first = idx0;
-      // Pass `pass`'s quads into buffer pass % kStageBuffers, as one cp.async group.
-      auto issue = [&](int pass) {
-        int64_t row[kQ], col[kQ], idx[kQ];
-#pragma unroll
-        for (int q = 0; q < kQ; ++q) {
-          row[q] = m0 + pass * kRowsPerPass + rsub;
-          col[q] = n0 + q * (kBN / 2) + lane16 * kQuad;
-          idx[q] = idx_first + pass * idx_step + q * (kBN / 2);
-        }
-        Staged::issue(a.p, row, col, idx,
-                      stage_addr + (pass % kStageBuffers) * Staged::kBufferBytes, tid);
-      };
-#pragma unroll
-      for (int pass = 0; pass < kStageBuffers - 1; ++pass) {
-        issue(pass);
-        cp_async_commit();
-      }
-#pragma unroll 1
-      for (int pass = 0; pass < kPasses; ++pass, idx0 += idx_step) {
-        // Into the buffer this thread read one pass ago (its own copies: no barrier).
-        if (pass + kStageBuffers - 1 < kPasses) issue(pass + kStageBuffers - 1);
-        cp_async_commit();  // (empty at the end: the group count stays uniform)
-        cp_async_wait<kStageBuffers - 1>();  // this pass's group has landed
-        const RawQuads<Spec, kQ> cur =
-            Staged::read(stage + (pass % kStageBuffers) * Staged::kBufferBytes, tid);
-        int64_t row[kQ], col[kQ], idx[kQ];
-        float g[kQ][kQuad];
-        pass_quads<kQ>(sC, pass * kRowsPerPass + rsub, m0, n0, idx0, lane16, row, col, idx, g);
-        update_raw_pass<Spec, kQ>(a, cur, row, col, idx, g, lane16, want_sq, totals);
-      }
-      return;
-    }
     if (full) {
       RawQuads<Spec, kQ> next;
       {
@@ -565,13 +413,12 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
 
 // After the main loop: sC holds the CTA's fp32 tile. Split-K reduction (if any), the update,
 // the by-products.
-// `stage`: update_tile's (nullable).
 template <class Spec>
 __device__ __forceinline__ void finish_tile(const WgradParams& a, float* sC, int64_t m0,
-                                            int64_t n0, unsigned char* stage = nullptr) {
+                                            int64_t n0) {
   if (a.splits > 1 && !reduce_split_k(a, sC, blockIdx.x, blockIdx.z)) return;
   StepTotals totals{0.0, 0u};
-  update_tile<Spec>(a, sC, m0, n0, totals, threadIdx.x, stage);
+  update_tile<Spec>(a, sC, m0, n0, totals, threadIdx.x);
   if (a.grad_sq_sum != nullptr || a.nonfinite_count != nullptr)
     flush_totals<kThreads>(totals, a.grad_sq_sum, a.nonfinite_count);
 }

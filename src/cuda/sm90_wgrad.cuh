@@ -59,11 +59,6 @@ constexpr int kSm90Align = 1024;   // the SW128 atom: TMA and the wgmma descript
 // reused as sC (68 KiB) after the main loop.
 constexpr size_t kSm90RingBytes = size_t(kSm90Stages) * kSm90StageBytes;
 constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90Align;
-// With FORGE_CUDA_STAGED_EPILOGUE=1 (sm80_wgrad.cuh, StagedQuads): the staging buffers after
-// sC, in the ring's space once the main loop is done.
-constexpr size_t kSm90StagedSmemBytes =
-    kMax2(kSm90RingBytes, kEpilogueBytes + kStageBuffers * kStageBufferMaxBytes) + kSm90Align;
-static_assert(kSm90StagedSmemBytes <= 112 * 1024, "still two CTAs per SM");
 static_assert(kBM == 2 * kSm90BoxCols && kBN == 2 * kSm90BoxCols, "two boxes per operand");
 static_assert(kSm90SmemBytes <= 100 * 1024, "two CTAs per SM (228 KiB, 1 KiB reserved each)");
 static_assert(kThreads == 256, "two warpgroups");
@@ -255,10 +250,7 @@ __device__ __forceinline__ void store_accumulators(float* sC, const float (&acc)
 // ---- the kernel ---------------------------------------------------------------------------------
 
 // Spec: the epilogue's compile-time configuration (update.cuh); GenericSpec for any.
-// kStaged: the experimental shared-memory staging of the update's operands (StagedQuads,
-// FORGE_CUDA_STAGED_EPILOGUE=1), a separate instantiation so the default kernels stay as
-// measured.
-template <bool kFp16, class Spec = GenericSpec, bool kStaged = false>
+template <bool kFp16, class Spec = GenericSpec>
 __global__ void __launch_bounds__(kThreads, 2)
     wgrad_wgmma_kernel(const WgradParams a, const __grid_constant__ Sm90TensorMaps maps) {
 #if defined(FORGE_SM90A_DEVICE_PASS)
@@ -347,10 +339,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
   store_accumulators(sC, acc, warpgroup);
   __syncthreads();
-  // kStaged: StagedQuads' buffers after sC (the launch gives kSm90StagedSmemBytes).
-  unsigned char* const update_stage =
-      kStaged ? reinterpret_cast<unsigned char*>(sC) + kEpilogueBytes : nullptr;
-  finish_tile<Spec>(a, sC, m0, n0, update_stage);
+  finish_tile<Spec>(a, sC, m0, n0);
 #else
   // Not an sm_90a pass: the host never launches this kernel here (cuda_backend.cu).
   (void)a;
