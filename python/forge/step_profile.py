@@ -114,8 +114,8 @@ def markdown(info: dict, rows: List[dict]) -> str:
     lines = [f"# forge-bench --profile, {info['date'][:10]}, {info['gpu']}", "",
              f"torch {info['torch']}, forge {info['forge']}. Command: `{info['command']}`", "",
              "Per step, from torch.profiler over the profiled steps (after the timed ones). "
-             "wall = the case's median step time without the profiler; idle = wall − kernel "
-             "time (the GPU had nothing to run).", ""]
+             "wall = the case's median step time without the profiler; GPU idle = wall − kernel "
+             "time (the GPU had nothing to run). On a CPU run: operators' self CPU times.", ""]
     for row in rows:
         prof = row.get("profile")
         if not prof:
@@ -123,9 +123,14 @@ def markdown(info: dict, rows: List[dict]) -> str:
         wall = row.get("step_ms")
         title = f"{row['model']} seq {row['seq']}{' ckpt' if row['ckpt'] else ''} {row['mode']}"
         lines += [f"## {title}", ""]
-        idle = f", idle {wall - prof['kernel_ms']:.1f} ms" if wall is not None else ""
-        lines += [f"wall {wall} ms, kernels {prof['kernel_ms']:.1f} ms ({prof['timing']} time)"
-                  f"{idle}, {prof['launches']} launches per step", "",
+        if prof["timing"] == "device":
+            idle = f", GPU idle {wall - prof['kernel_ms']:.1f} ms" if wall is not None else ""
+            summary = (f"wall {wall} ms, kernels {prof['kernel_ms']:.1f} ms{idle}, "
+                       f"{prof['launches']} launches per step")
+        else:  # CPU run: operators' self times, no GPU to be idle
+            summary = (f"wall {wall} ms, operators' self CPU time {prof['kernel_ms']:.1f} ms, "
+                       f"{prof['launches']} operator calls per step")
+        lines += [summary, "",
                   "| category | ms per step |", "| --- | --- |"]
         lines += [f"| {k} | {v:.2f} |" for k, v in prof["categories"].items() if v > 0]
         lines += ["", "| kernel | category | ms per step | calls per step |",

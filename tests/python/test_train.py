@@ -193,6 +193,47 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
 
 
+def test_bench_profile_on_cpu(tmp_path):
+    """--profile: each case's row gets per-step times by category and the host profile, and
+    forge-profile-*.md is written; on the CPU the categories hold operator self times."""
+    from forge import bench
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
+                       "--modes", "torch-adamw", "forge-bf16", "--profile", "1",
+                       "--out", str(tmp_path)]) == 0
+    files = os.listdir(tmp_path)
+    with open(tmp_path / next(f for f in files if f.startswith("forge-bench-")
+                              and f.endswith(".json"))) as f:
+        rows = json.load(f)["results"]
+    for row in rows:
+        prof = row["profile"]
+        assert prof["steps"] == 1 and prof["timing"] == "cpu-self"
+        assert prof["kernel_ms"] > 0 and prof["launches"] > 0
+        assert sum(prof["categories"].values()) == pytest.approx(prof["kernel_ms"], rel=1e-2)
+        assert prof["top"] and prof["host"]["ms"] > 0 and prof["host"]["top"]
+    markdown = (tmp_path / next(f for f in files if f.startswith("forge-profile-"))).read_text()
+    assert "## tiny seq 32 torch-adamw" in markdown and "## tiny seq 32 forge-bf16" in markdown
+
+
+def test_step_profile_categories():
+    from forge.step_profile import category
+    assert category("void forge::cuda::wgrad_wgmma_kernel<false, UpdateSpec<2, 2, 2> >(...)") \
+        == "forge wgrad + update"
+    assert category("forge::cuda::(anonymous namespace)::elementwise_kernel(void const*, int)") \
+        == "forge element-wise step"
+    assert category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<"
+                    "FusedAdamMathFunctor>") == "torch optimizer"
+    assert category("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "GEMM (cuBLAS)"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
+    assert category("void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>") \
+        == "other"
+
+
+def test_bench_rejects_negative_profile_steps(capsys):
+    from forge import bench
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--profile", "-1"]) == 2
+    assert "--profile" in capsys.readouterr().err
+
+
 def test_bench_parity_report_smoke_on_cpu(tmp_path):
     from forge import bench
     assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "4",
