@@ -260,6 +260,23 @@ def train_step(model, optimizer, tokens: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def train_phases(model, optimizer, tokens: torch.Tensor):
+    """train_step cut into its three phases, in order, for step_profile.phase_times."""
+    loss = []
+
+    def forward():
+        loss.append(model_loss(model, tokens))
+
+    def backward():
+        loss.pop().backward()
+
+    def step():
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return [("forward", forward), ("backward", backward), ("optimizer", step)]
+
+
 def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
                 weights: int, leftover: int, profile: int = 0) -> dict:
     vocab = model.config.vocab_size
@@ -286,7 +303,7 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
     if profile > 0:  # after the peak and the times are taken: the profiler perturbs both
         from forge.step_profile import profile_steps
         row["profile"] = profile_steps(lambda: train_step(model, optimizer, tokens), profile,
-                                       device)
+                                       device, train_phases(model, optimizer, tokens))
     return row
 
 

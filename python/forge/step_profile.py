@@ -5,8 +5,11 @@ kernel is summed per step, by category (FORGE's fused weight-gradient + update, 
 element-wise step, cuBLAS GEMMs, attention, torch's optimizer, the rest) and by kernel. The
 step's wall time minus its kernel time is time the GPU had nothing to run (launch or
 CPU bound, or kernels serialized behind the host). On a CPU run the same table holds the
-operators' self CPU time. Then one more step runs under cProfile: the host's time by Python
-function (what the CPU does while the GPU waits; cProfile's own overhead inflates it).
+operators' self CPU time. The host's CUDA runtime calls (launches, synchronizations,
+allocations) are summed the same way. Then the step's phases (forward, backward, optimizer)
+are timed on both sides, host clock and GPU events, for the same steps: a phase whose GPU
+time equals its host time kept the GPU waiting on the host. Last, one more step runs under
+cProfile: the host's time by Python function (cProfile's own overhead inflates it).
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import cProfile
 import os
 import pstats
 import re
-from typing import Callable, Dict, List
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,6 +34,7 @@ CATEGORIES = [
 ]
 TOP_KERNELS = 15
 TOP_HOST_FUNCTIONS = 15
+TOP_API_CALLS = 8
 
 
 def category(name: str) -> str:
@@ -49,6 +55,46 @@ def _event_us(evt, cuda: bool) -> float:
     if cuda:
         return float(evt.time_range.elapsed_us())
     return float(evt.self_cpu_time_total)
+
+
+def _is_runtime_call(evt) -> bool:
+    """A host-side CUDA runtime or driver call (cudaLaunchKernel, cudaStreamSynchronize,
+    cuLaunchKernelEx, ...), as the profiler records them on the CPU timeline."""
+    return (evt.device_type == torch.autograd.DeviceType.CPU
+            and re.match(r"cu[A-Z]|cuda[A-Z]", evt.name) is not None)
+
+
+def phase_times(phases: Sequence[Tuple[str, Callable[[], object]]], steps: int,
+                device: torch.device) -> dict:
+    """Runs `steps` steps made of `phases` (in order) and returns, per phase, the median host
+    milliseconds to issue it and (on a GPU) the median GPU milliseconds between the events
+    recorded around it, plus how long the host waited for the GPU after the last phase."""
+    cuda = device.type == "cuda"
+    host: Dict[str, List[float]] = {name: [] for name, _ in phases}
+    gpu: Dict[str, List[float]] = {name: [] for name, _ in phases}
+    waits: List[float] = []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
+            events[0].record()
+        t = time.perf_counter()
+        for i, (name, fn) in enumerate(phases):
+            fn()
+            now = time.perf_counter()
+            host[name].append((now - t) * 1e3)
+            t = now
+            if cuda:
+                events[i + 1].record()
+        if cuda:
+            events[-1].synchronize()
+            waits.append((time.perf_counter() - t) * 1e3)
+            for i, (name, _) in enumerate(phases):
+                gpu[name].append(events[i].elapsed_time(events[i + 1]))
+    return dict(
+        host_ms={k: round(statistics.median(v), 2) for k, v in host.items()},
+        gpu_ms={k: round(statistics.median(v), 2) for k, v in gpu.items()} if cuda else None,
+        host_waited_ms=round(statistics.median(waits), 2) if cuda else None)
 
 
 def host_profile(step: Callable[[], object], device: torch.device) -> dict:
@@ -73,10 +119,13 @@ def host_profile(step: Callable[[], object], device: torch.device) -> dict:
                      for t, n, where in rows[:TOP_HOST_FUNCTIONS]])
 
 
-def profile_steps(step: Callable[[], object], steps: int, device: torch.device) -> dict:
-    """Runs `step` `steps` times under torch.profiler, then once under cProfile; returns
-    per-step milliseconds by category and for the TOP_KERNELS largest kernels, the kernel
-    launches per step, and the host profile."""
+def profile_steps(step: Callable[[], object], steps: int, device: torch.device,
+                  phases: Optional[Sequence[Tuple[str, Callable[[], object]]]] = None) -> dict:
+    """Runs `step` `steps` times under torch.profiler, then `steps` times phase by phase
+    (`phases`, the same step cut into named parts) when given, then once under cProfile;
+    returns per-step milliseconds by category and for the TOP_KERNELS largest kernels, the
+    kernel launches and the CUDA runtime calls per step, the phase times, and the host
+    profile."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -88,7 +137,13 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device) 
         if cuda:
             torch.cuda.synchronize()
     kernels: Dict[str, List[float]] = {}  # name -> [µs, launches]
+    api: Dict[str, List[float]] = {}      # CUDA runtime call -> [µs, calls]
     for evt in prof.events():
+        if cuda and _is_runtime_call(evt):
+            entry = api.setdefault(evt.name, [0.0, 0])
+            entry[0] += float(evt.time_range.elapsed_us())
+            entry[1] += 1
+            continue
         us = _event_us(evt, cuda)
         if us <= 0:
             continue
@@ -106,6 +161,9 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device) 
         categories={k: round(v, 3) for k, v in by_category.items()},
         top=[dict(name=name[:160], category=category(name), ms=round(us / steps / 1e3, 3),
                   calls=round(n / steps)) for name, (us, n) in top],
+        api=[dict(name=name, ms=round(us / steps / 1e3, 3), calls=round(n / steps))
+             for name, (us, n) in sorted(api.items(), key=lambda kv: -kv[1][0])[:TOP_API_CALLS]],
+        phases=phase_times(phases, steps, device) if phases else None,
         host=host_profile(step, device))
 
 
@@ -137,6 +195,20 @@ def markdown(info: dict, rows: List[dict]) -> str:
                   "| --- | --- | --- | --- |"]
         lines += [f"| `{t['name'][:100]}` | {t['category']} | {t['ms']:.2f} | {t['calls']} |"
                   for t in prof["top"]]
+        if prof.get("api"):
+            lines += ["", "| CUDA runtime call (host) | ms per step | calls per step |",
+                      "| --- | --- | --- |"]
+            lines += [f"| `{a['name']}` | {a['ms']:.2f} | {a['calls']} |" for a in prof["api"]]
+        ph = prof.get("phases")
+        if ph:
+            gpu = ph["gpu_ms"] or {}
+            lines += ["", f"Phases, median of {prof['steps']} steps (host clock; GPU events "
+                      "around each phase):", "", "| phase | host ms | GPU ms |", "| --- | --- | --- |"]
+            lines += [f"| {k} | {v:.1f} | {gpu[k]:.1f} |" if k in gpu else f"| {k} | {v:.1f} | |"
+                      for k, v in ph["host_ms"].items()]
+            if ph["host_waited_ms"] is not None:
+                lines += ["", f"After the last phase the host waited {ph['host_waited_ms']:.1f} ms "
+                          "for the GPU."]
         host = prof.get("host")
         if host:
             lines += ["", f"Host, one step under cProfile: {host['ms']} ms.", "",

@@ -210,6 +210,9 @@ def test_bench_profile_on_cpu(tmp_path):
         assert prof["kernel_ms"] > 0 and prof["launches"] > 0
         assert sum(prof["categories"].values()) == pytest.approx(prof["kernel_ms"], rel=1e-2)
         assert prof["top"] and prof["host"]["ms"] > 0 and prof["host"]["top"]
+        phases = prof["phases"]  # host times per phase; no GPU events on the CPU
+        assert list(phases["host_ms"]) == ["forward", "backward", "optimizer"]
+        assert phases["host_ms"]["backward"] > 0 and phases["gpu_ms"] is None
     markdown = (tmp_path / next(f for f in files if f.startswith("forge-profile-"))).read_text()
     assert "## tiny seq 32 torch-adamw" in markdown and "## tiny seq 32 forge-bf16" in markdown
 
