@@ -14,6 +14,7 @@ cProfile: the host's time by Python function (cProfile's own overhead inflates i
 from __future__ import annotations
 
 import cProfile
+import gc
 import os
 import pstats
 import re
@@ -64,15 +65,51 @@ def _is_runtime_call(evt) -> bool:
             and re.match(r"cu[A-Z]|cuda[A-Z]", evt.name) is not None)
 
 
+class _GcTimer:
+    """Python's garbage collections while active: count and milliseconds (a collection of
+    the oldest generation walks every object of the process: torch's, the model's)."""
+
+    def __init__(self):
+        self.count, self.ms, self._t0 = 0, 0.0, None
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.count += 1
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
 def phase_times(phases: Sequence[Tuple[str, Callable[[], object]]], steps: int,
                 device: torch.device) -> dict:
     """Runs `steps` steps made of `phases` (in order) and returns, per phase, the median host
     milliseconds to issue it and (on a GPU) the median GPU milliseconds between the events
-    recorded around it, plus how long the host waited for the GPU after the last phase."""
+    recorded around it, how long the host waited for the GPU after the last phase, and the
+    garbage collections per step."""
     cuda = device.type == "cuda"
     host: Dict[str, List[float]] = {name: [] for name, _ in phases}
     gpu: Dict[str, List[float]] = {name: [] for name, _ in phases}
     waits: List[float] = []
+    with _GcTimer() as collections:
+        _timed_phases(phases, steps, cuda, host, gpu, waits)
+    return dict(
+        host_ms={k: round(statistics.median(v), 2) for k, v in host.items()},
+        gpu_ms={k: round(statistics.median(v), 2) for k, v in gpu.items()} if cuda else None,
+        host_waited_ms=round(statistics.median(waits), 2) if cuda else None,
+        gc_per_step=round(collections.count / steps, 2),
+        gc_ms_per_step=round(collections.ms / steps, 2))
+
+
+def _timed_phases(phases, steps: int, cuda: bool, host: Dict[str, List[float]],
+                  gpu: Dict[str, List[float]], waits: List[float]) -> None:
     for _ in range(steps):
         if cuda:
             torch.cuda.synchronize()
@@ -91,10 +128,6 @@ def phase_times(phases: Sequence[Tuple[str, Callable[[], object]]], steps: int,
             waits.append((time.perf_counter() - t) * 1e3)
             for i, (name, _) in enumerate(phases):
                 gpu[name].append(events[i].elapsed_time(events[i + 1]))
-    return dict(
-        host_ms={k: round(statistics.median(v), 2) for k, v in host.items()},
-        gpu_ms={k: round(statistics.median(v), 2) for k, v in gpu.items()} if cuda else None,
-        host_waited_ms=round(statistics.median(waits), 2) if cuda else None)
 
 
 def host_profile(step: Callable[[], object], device: torch.device) -> dict:
@@ -209,6 +242,8 @@ def markdown(info: dict, rows: List[dict]) -> str:
             if ph["host_waited_ms"] is not None:
                 lines += ["", f"After the last phase the host waited {ph['host_waited_ms']:.1f} ms "
                           "for the GPU."]
+            lines += ["", f"Python garbage collections: {ph['gc_per_step']} per step, "
+                      f"{ph['gc_ms_per_step']:.1f} ms per step."]
         host = prof.get("host")
         if host:
             lines += ["", f"Host, one step under cProfile: {host['ms']} ms.", "",

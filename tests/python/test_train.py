@@ -213,8 +213,20 @@ def test_bench_profile_on_cpu(tmp_path):
         phases = prof["phases"]  # host times per phase; no GPU events on the CPU
         assert list(phases["host_ms"]) == ["forward", "backward", "optimizer"]
         assert phases["host_ms"]["backward"] > 0 and phases["gpu_ms"] is None
+        assert phases["gc_per_step"] >= 0 and phases["gc_ms_per_step"] >= 0
     markdown = (tmp_path / next(f for f in files if f.startswith("forge-profile-"))).read_text()
     assert "## tiny seq 32 torch-adamw" in markdown and "## tiny seq 32 forge-bf16" in markdown
+
+
+def test_step_profile_times_garbage_collections():
+    import gc
+    from forge.step_profile import phase_times
+    callbacks = list(gc.callbacks)
+    phases = [("collect", gc.collect), ("nothing", lambda: None)]
+    times = phase_times(phases, 2, torch.device("cpu"))
+    assert times["gc_per_step"] >= 1 and times["gc_ms_per_step"] > 0
+    assert list(times["host_ms"]) == ["collect", "nothing"]
+    assert gc.callbacks == callbacks  # the timer removed its callback
 
 
 def test_step_profile_categories():
