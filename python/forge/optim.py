@@ -575,9 +575,11 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         # The hook knows it by identity and drops it; a sum with a dW from another use is a
         # new tensor and takes the materialized path, as it must.
         # NOTE: made once per weight and reused: a fresh one cost a fill kernel and ~50 µs of
-        # host time per Linear per step on the H200's host (forge-bench --profile, run 14).
+        # host time per Linear per step on the H200's host (forge-bench --profile, run 16).
         # Nothing writes to it: autograd copies an expanded gradient before accumulating it.
-        if slot.stand_in is None:
+        # (Remade if the weight moved: _update then says what changed.)
+        stand_in = slot.stand_in
+        if stand_in is None or stand_in.dtype != weight.dtype or stand_in.device != weight.device:
             slot.stand_in = torch.zeros((), dtype=weight.dtype,
                                         device=weight.device).expand(weight.shape)
         slot.marker = slot.stand_in

@@ -165,3 +165,17 @@ def test_changing_layout_after_states_exist():
     opt.param_groups[0]["momentum"] = 0.0
     with pytest.raises(RuntimeError, match="changed the update rule"):
         lm_loss(model, 1).backward()
+
+
+def test_model_moved_after_the_optimizer_is_refused_by_name():
+    """A model cast after its optimizer was built (here to float64, which FORGE does not
+    store) is refused at its next update with the parameter's name, after a step that made
+    and cached the per-weight objects (stand-in dW, forge_param)."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model)
+    lm_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    model.double()
+    with pytest.raises(RuntimeError, match="changed dtype, device or layout after the optimizer"):
+        lm_loss(model, 1).backward()
