@@ -452,6 +452,20 @@ bool wgmma_enabled() {
   return !(v && v[0] == '0');
 }
 
+// The switches above, read once per process (at the first step).
+// NOTE: a getenv scans the whole environment; six per step cost host time on every Linear.
+struct EnvSwitches {
+  bool wgmma, epilogue_prefetch, persistent;
+  int prefetch_lead, group_m;
+  int64_t persistent_ctas;
+};
+const EnvSwitches& env_switches() {
+  static const EnvSwitches switches{wgmma_enabled(),        epilogue_prefetch_enabled(),
+                                    persistent_enabled(),   prefetch_lead_tokens(),
+                                    group_m_tiles(),        persistent_cta_cap()};
+  return switches;
+}
+
 // ---- TMA descriptors (sm90) ------------------------------------------------------------------------
 
 // cuTensorMapEncodeTiled, from the driver through cudart (no -lcuda), looked up once.
@@ -633,7 +647,8 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   const bool bf16_inputs = a.x_dtype == FORGE_DTYPE_BF16 && a.dy_dtype == FORGE_DTYPE_BF16;
   const bool fp16_inputs = a.x_dtype == FORGE_DTYPE_FP16 && a.dy_dtype == FORGE_DTYPE_FP16;
   constexpr int64_t kTmaCoordMax = INT32_MAX - 2 * kBM;
-  const bool use_wgmma = info.wgmma && (bf16_inputs || fp16_inputs) && wgmma_enabled() &&
+  const EnvSwitches& env = env_switches();
+  const bool use_wgmma = info.wgmma && (bf16_inputs || fp16_inputs) && env.wgmma &&
                          aligned16(a.x) && aligned16(a.dy) && a.ldx % 8 == 0 &&
                          a.lddy % 8 == 0 && param.rows <= kTmaCoordMax &&
                          param.cols <= kTmaCoordMax && a.tokens <= kTmaCoordMax;
@@ -673,9 +688,9 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   w.tiles_n = static_cast<int32_t>(tiles_n);
   w.splits = static_cast<int32_t>(splits);
   w.ktiles_per_split = static_cast<int32_t>(per);
-  w.prefetch = splits == 1 && epilogue_prefetch_enabled();
-  w.prefetch_lead = prefetch_lead_tokens();
-  w.group_m = group_m_tiles();
+  w.prefetch = splits == 1 && env.epilogue_prefetch;
+  w.prefetch_lead = env.prefetch_lead;
+  w.group_m = env.group_m;
   w.want_sq = a.outputs.grad_sq_sum != nullptr;
   w.grad_sq_sum = a.outputs.grad_sq_sum;
   w.nonfinite_count = reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count);
@@ -700,14 +715,14 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     if (forge_status s = encode_operand_map(encode, &maps.x, a.x, a.x_dtype, param.cols,
                                             a.tokens, a.ldx, "x"))
       return s;
-    if (splits == 1 && persistent_enabled()) {
+    if (splits == 1 && env.persistent) {
       // One CTA per SM, each looping over tiles (tiles j·SMs + blockIdx.x).
       const char* name = nullptr;
       const Sm90KernelFn kernel = pick_persistent_kernel(k, param.weight_format,
                                                          param.state_format, fp16_inputs, &name);
       log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
       int64_t ctas = tiles < info.num_sms ? tiles : info.num_sms;
-      if (const int64_t cap = persistent_cta_cap()) ctas = ctas < cap ? ctas : cap;
+      if (const int64_t cap = env.persistent_ctas) ctas = ctas < cap ? ctas : cap;
       kernel<<<static_cast<unsigned>(ctas), kPersistentThreads, kPersistentSmemBytes, stream>>>(
           w, maps);
       FORGE_CUDA_TRY(cudaGetLastError());
