@@ -38,13 +38,15 @@ def forge_dtype(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """t in a dtype the C ABI reads (fp32 / bf16 / fp16; anything else goes to fp32)."""
     code = _FORGE_DTYPES.get(t.dtype)
     if code is None:
-        return t.float(), _lib.DTYPE_FP32
+        return t.detach().float(), _lib.DTYPE_FP32
     return t, code
 
 
 def as_rows(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, int]:
     """t viewed as [T, n] rows with unit column stride: (tensor, leading dimension).
     Strided views are kept (ld = row stride); anything else is made contiguous."""
+    if t.is_contiguous():  # NOTE: the common case, on every Linear: one view, no checks
+        return t.view(-1, n), n
     t2 = t.reshape(-1, n)
     if n > 1 and t2.size(0) > 0 and t2.stride(1) != 1:
         t2 = t2.contiguous()
@@ -100,18 +102,19 @@ class FusedLinearFunction(torch.autograd.Function):
 
 
 def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    ref = _SLOTS.get(id(self.weight))
+    weight = self.weight  # NOTE: once: a module attribute lookup is a slow path in Python
+    ref = _SLOTS.get(id(weight))
     slot = ref() if ref is not None else None
-    if (slot is None or slot.param is not self.weight or not slot.is_live()
-            or not torch.is_grad_enabled() or not self.weight.requires_grad):
+    if (slot is None or slot.param is not weight or not slot.is_live()
+            or not torch.is_grad_enabled() or not weight.requires_grad):
         # no owner, inference, or the recompute-free first pass of a reentrant checkpoint
-        return F.linear(input, self.weight, self.bias)
+        return F.linear(input, weight, self.bias)
     compute_dtype = autocast_dtype(input.device.type) if input.is_floating_point() else None
     if compute_dtype is not None:
         input = input.to(compute_dtype)
     with torch.autocast(input.device.type, enabled=False) if compute_dtype is not None \
             else contextlib.nullcontext():
-        return FusedLinearFunction.apply(input, self.weight, self.bias, slot, compute_dtype)
+        return FusedLinearFunction.apply(input, weight, self.bias, slot, compute_dtype)
 
 
 def can_patch(module: nn.Module) -> bool:

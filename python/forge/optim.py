@@ -825,29 +825,31 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         param = self._param_struct(slot, st)
         device = self._device_struct(p, stream)
         outputs = self._outputs(p.device)
-        with torch.no_grad():
-            if x is not None:
-                (x2, ldx), (dy2, lddy) = x, dy
-                x2, x_code = _linear.forge_dtype(x2)
-                dy2, dy_code = _linear.forge_dtype(dy2)
-                args = _lib.WgradArgs()
-                args.abi_version = _lib.ABI_VERSION
-                args.device = device
-                args.tokens = x2.size(0)
-                args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
-                args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
-                args.param, args.hparams, args.outputs = param, hp, outputs
-                self._lib.wgrad_step(args)
-            else:
+        if x is not None:
+            # NOTE: no torch.no_grad() here (host time on every Linear): forge_dtype's only
+            # tensor op, a cast, works on a detached tensor.
+            (x2, ldx), (dy2, lddy) = x, dy
+            x2, x_code = _linear.forge_dtype(x2)
+            dy2, dy_code = _linear.forge_dtype(dy2)
+            args = _lib.WgradArgs()
+            args.abi_version = _lib.ABI_VERSION
+            args.device = device
+            args.tokens = x2.size(0)
+            args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
+            args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
+            args.param, args.hparams, args.outputs = param, hp, outputs
+            self._lib.wgrad_step(args)
+        else:
+            with torch.no_grad():
                 if grad.device != p.device:
                     grad = grad.to(p.device)
                 grad, code = _linear.forge_dtype(grad.contiguous())
-                args = _lib.ElementwiseArgs()
-                args.abi_version = _lib.ABI_VERSION
-                args.device = device
-                args.grad, args.grad_dtype = grad.data_ptr(), code
-                args.param, args.hparams, args.outputs = param, hp, outputs
-                self._lib.elementwise_step(args)
+            args = _lib.ElementwiseArgs()
+            args.abi_version = _lib.ABI_VERSION
+            args.device = device
+            args.grad, args.grad_dtype = grad.data_ptr(), code
+            args.param, args.hparams, args.outputs = param, hp, outputs
+            self._lib.elementwise_step(args)
         st["step"] = step
         slot.updated_at = self._step_id
 
