@@ -2,7 +2,8 @@
 # gpu_python.sh — the Python-side proof, run on one GPU machine (H200, torch + transformers):
 #   1. builds libforge with its CUDA backend into build-gpu/ (incremental) unless
 #      FORGE_LIBRARY already names one;
-#   1b. the Python test suite on CUDA (pytest tests/python -m cuda, PYTEST_BUDGET_S);
+#   1b. the host's cost per Linear per step, FORGE against torch (bench/host_overhead.py);
+#   1c. the Python test suite on CUDA (pytest tests/python -m cuda, PYTEST_BUDGET_S);
 #   2. forge-bench --suite anchors: peak memory and step time of the ../shared/ANCHORS.md
 #      cases and issue 5's targets, most important first, within a time budget;
 #   3. forge-bench --parity: ~100M model, bf16, PARITY_STEPS steps of real text (the
@@ -56,7 +57,10 @@ print('torch', torch.__version__, torch.cuda.get_device_name(), 'libforge', forg
   exit 1
 fi
 
-# 1b. The Python suite's GPU tests (the CPU ones run in CI); PYTEST_BUDGET_S=0 skips them.
+# 1b. The host's cost per Linear per step, FORGE against torch (bench/host_overhead.py, ~10 s).
+say "$(timeout 60 $PY bench/host_overhead.py 2>&1 | tail -1)"
+
+# 1c. The Python suite's GPU tests (the CPU ones run in CI); PYTEST_BUDGET_S=0 skips them.
 if [ "${PYTEST_BUDGET_S:-120}" != 0 ]; then
   say "pytest tests/python (CUDA tests only, limit ${PYTEST_BUDGET_S:-120}s)"
   timeout "${PYTEST_BUDGET_S:-120}" $PY -m pytest tests/python -q -x -k "cuda" -p no:cacheprovider \
