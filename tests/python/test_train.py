@@ -218,6 +218,17 @@ def test_bench_profile_on_cpu(tmp_path):
     assert "## tiny seq 32 torch-adamw" in markdown and "## tiny seq 32 forge-bf16" in markdown
 
 
+def test_host_overhead_bench_runs():
+    """bench/host_overhead.py (a benchmark, not timed here) runs and prints both figures."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                          "host_overhead.py")
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "3",
+                           "--steps", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert "torch AdamW(foreach)" in line and "forge.optim.AdamW" in line, line
+
+
 def test_step_profile_times_garbage_collections():
     import gc
     from forge.step_profile import phase_times
