@@ -16,7 +16,6 @@ deep copy of the model (a new weight) silently behaves like a plain nn.Linear.
 """
 from __future__ import annotations
 
-import contextlib
 import types
 import weakref
 from typing import Dict, Optional, Tuple
@@ -110,10 +109,10 @@ def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
         # no owner, inference, or the recompute-free first pass of a reentrant checkpoint
         return F.linear(input, weight, self.bias)
     compute_dtype = autocast_dtype(input.device.type) if input.is_floating_point() else None
-    if compute_dtype is not None:
-        input = input.to(compute_dtype)
-    with torch.autocast(input.device.type, enabled=False) if compute_dtype is not None \
-            else contextlib.nullcontext():
+    if compute_dtype is None:
+        return FusedLinearFunction.apply(input, weight, self.bias, slot, None)
+    input = input.to(compute_dtype)
+    with torch.autocast(input.device.type, enabled=False):
         return FusedLinearFunction.apply(input, weight, self.bias, slot, compute_dtype)
 
 
