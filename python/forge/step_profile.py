@@ -101,11 +101,24 @@ def phase_times(phases: Sequence[Tuple[str, Callable[[], object]]], steps: int,
     with _GcTimer() as collections:
         _timed_phases(phases, steps, cuda, host, gpu, waits)
     return dict(
+        peak_gib=_phase_peaks(phases) if cuda else None,
         host_ms={k: round(statistics.median(v), 2) for k, v in host.items()},
         gpu_ms={k: round(statistics.median(v), 2) for k, v in gpu.items()} if cuda else None,
         host_waited_ms=round(statistics.median(waits), 2) if cuda else None,
         gc_per_step=round(collections.count / steps, 2),
         gc_ms_per_step=round(collections.ms / steps, 2))
+
+
+def _phase_peaks(phases) -> Dict[str, float]:
+    """One more step, phase by phase: the peak of allocated GPU memory within each (GiB), so
+    the phase that sets the step's peak is known (the caching allocator counts at allocation
+    time, on the host: no synchronization needed)."""
+    peaks = {}
+    for name, fn in phases:
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        peaks[name] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return peaks
 
 
 def _timed_phases(phases, steps: int, cuda: bool, host: Dict[str, List[float]],
@@ -235,9 +248,14 @@ def markdown(info: dict, rows: List[dict]) -> str:
         ph = prof.get("phases")
         if ph:
             gpu = ph["gpu_ms"] or {}
+            peak = ph.get("peak_gib") or {}
             lines += ["", f"Phases, median of {prof['steps']} steps (host clock; GPU events "
-                      "around each phase):", "", "| phase | host ms | GPU ms |", "| --- | --- | --- |"]
-            lines += [f"| {k} | {v:.1f} | {gpu[k]:.1f} |" if k in gpu else f"| {k} | {v:.1f} | |"
+                      "around each phase; peak allocated memory within the phase, one more "
+                      "step):", "", "| phase | host ms | GPU ms | peak GiB |",
+                      "| --- | --- | --- | --- |"]
+            lines += [f"| {k} | {v:.1f} | "
+                      + (f"{gpu[k]:.1f}" if k in gpu else "") + " | "
+                      + (f"{peak[k]:.2f}" if k in peak else "") + " |"
                       for k, v in ph["host_ms"].items()]
             if ph["host_waited_ms"] is not None:
                 lines += ["", f"After the last phase the host waited {ph['host_waited_ms']:.1f} ms "

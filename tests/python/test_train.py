@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from conftest import requires_cuda
 from forge import train as forge_train
 
 SMALL = ["--seq-len", "32", "--batch-size", "4", "--no-plot"]
@@ -213,9 +214,32 @@ def test_bench_profile_on_cpu(tmp_path):
         phases = prof["phases"]  # host times per phase; no GPU events on the CPU
         assert list(phases["host_ms"]) == ["forward", "backward", "optimizer"]
         assert phases["host_ms"]["backward"] > 0 and phases["gpu_ms"] is None
+        assert phases["peak_gib"] is None  # GPU memory only
         assert phases["gc_per_step"] >= 0 and phases["gc_ms_per_step"] >= 0
     markdown = (tmp_path / next(f for f in files if f.startswith("forge-profile-"))).read_text()
     assert "## tiny seq 32 torch-adamw" in markdown and "## tiny seq 32 forge-bf16" in markdown
+
+
+@requires_cuda
+def test_bench_profile_on_cuda(tmp_path):
+    """--profile's GPU side: kernel times, runtime calls, phases timed with events, peaks."""
+    from forge import bench
+    assert bench.main(["--models", "tiny", "--device", "cuda", "--seqs", "32", "--ckpt", "off",
+                       "--modes", "torch-adamw", "forge-bf16", "--profile", "1",
+                       "--out", str(tmp_path)]) == 0
+    name = next(f for f in os.listdir(tmp_path) if f.startswith("forge-bench-")
+                and f.endswith(".json"))
+    with open(tmp_path / name) as f:
+        rows = json.load(f)["results"]
+    for row in rows:
+        prof = row["profile"]
+        assert prof["timing"] == "device" and prof["kernel_ms"] > 0 and prof["launches"] > 0
+        phases = prof["phases"]
+        assert set(phases["gpu_ms"]) == {"forward", "backward", "optimizer"}
+        assert phases["host_waited_ms"] >= 0
+        assert all(v > 0 for v in phases["peak_gib"].values())
+    forge_row = next(r for r in rows if r["mode"] == "forge-bf16")
+    assert forge_row["profile"]["categories"]["forge wgrad + update"] > 0
 
 
 def test_host_overhead_bench_runs():
