@@ -268,14 +268,17 @@ forge_status device_info(int index, DeviceInfo* out) {
       }
       return FORGE_OK;
     };
-    for (const WgradKernel& kernel : kGenericKernels)
-      if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                     kWgradSmemBytes))
-        return s;
-    for (const WgradKernel& kernel : kSpecKernels)
-      if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                     kWgradSmemBytes))
-        return s;
+    // Every kernel of a table, with the same dynamic shared memory and block size.
+    auto configure_all = [&](const auto& table, size_t smem_bytes,
+                             int threads = kThreads) -> forge_status {
+      for (const auto& kernel : table)
+        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
+                                       smem_bytes, threads))
+          return s;
+      return FORGE_OK;
+    };
+    if (forge_status s = configure_all(kGenericKernels, kWgradSmemBytes)) return s;
+    if (forge_status s = configure_all(kSpecKernels, kWgradSmemBytes)) return s;
     // The Hopper kernels: only on compute capability 9.0 (sm_90a code runs nowhere else), and
     // only when the code loaded for this device is the sm_90a build of them. The stub that
     // every other pass compiles has no static shared memory; the real kernel has (its
@@ -297,23 +300,16 @@ forge_status device_info(int index, DeviceInfo* out) {
                      info.wgmma ? "available" : "not in this build");
     }
     if (info.wgmma) {
-      for (const Sm90Kernel& kernel : kSm90GenericKernels)
-        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                       kSm90SmemBytes))
-          return s;
-      for (const Sm90Kernel& kernel : kSm90SpecKernels)
-        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                       kSm90SmemBytes))
-          return s;
-      // (configured whether or not FORGE_CUDA_PERSISTENT is set now: it is read per step)
-      for (const Sm90Kernel& kernel : kPersistentGenericKernels)
-        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                       kPersistentSmemBytes, kPersistentThreads))
-          return s;
-      for (const Sm90Kernel& kernel : kPersistentSpecKernels)
-        if (forge_status s = configure(reinterpret_cast<const void*>(kernel.fn), kernel.name,
-                                       kPersistentSmemBytes, kPersistentThreads))
-          return s;
+      // (the persistent kernels too, whether or not FORGE_CUDA_PERSISTENT is set: once per
+      // device, and the tests switch it per process)
+      if (forge_status s = configure_all(kSm90GenericKernels, kSm90SmemBytes)) return s;
+      if (forge_status s = configure_all(kSm90SpecKernels, kSm90SmemBytes)) return s;
+      if (forge_status s = configure_all(kPersistentGenericKernels, kPersistentSmemBytes,
+                                         kPersistentThreads))
+        return s;
+      if (forge_status s = configure_all(kPersistentSpecKernels, kPersistentSmemBytes,
+                                         kPersistentThreads))
+        return s;
     }
     info.kernels_configured = true;
   }

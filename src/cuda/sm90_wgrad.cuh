@@ -214,6 +214,23 @@ __device__ __forceinline__ void issue_stage_loads(const Sm90TensorMaps& maps, ui
               token);
 }
 
+// Thread 0, before the first load: prefetch both TMA descriptors, initialize the ring's
+// barriers (full: the producer's expect-tx arrival; empty: one arrival per math warpgroup) and
+// make every barrier initialized so far visible to the copy engine (the async proxy).
+template <int kStages>
+__device__ __forceinline__ void init_ring(const Sm90TensorMaps& maps, uint32_t full0,
+                                          uint32_t empty0) {
+  tma_prefetch_descriptor(&maps.dy);
+  tma_prefetch_descriptor(&maps.x);
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    mbar_init(full0 + 8 * s, 1);
+    mbar_init(empty0 + 8 * s, 2);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // acc += this warpgroup's 64 rows × 128 columns of one stage (64 tokens: 4 wgmma k-steps).
 // desc_a0 / desc_b0: the descriptors of k-step 0 of stage 0.
 template <bool kFp16>
@@ -277,16 +294,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   };
 
   if (threadIdx.x == 0) {
-    tma_prefetch_descriptor(&maps.dy);
-    tma_prefetch_descriptor(&maps.x);
-#pragma unroll
-    for (int s = 0; s < kSm90Stages; ++s) {
-      mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 2);  // one arrival per warpgroup
-    }
-    // The initialized barriers must be visible to the copy engine (the async proxy).
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    init_ring<kSm90Stages>(maps, full0, empty0);
 #pragma unroll
     for (int s = 0; s < kSm90Stages; ++s)
       if (s < nk) issue_stage(s, kt0 + s);
@@ -411,17 +419,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
   };
 
   if (threadIdx.x == 0) {
-    tma_prefetch_descriptor(&maps.dy);
-    tma_prefetch_descriptor(&maps.x);
-#pragma unroll
-    for (int s = 0; s < kPersistentStages; ++s) {
-      mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 2);  // one arrival per math warpgroup
-    }
     mbar_init(c_full, 256);
     mbar_init(c_empty, 256);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    init_ring<kPersistentStages>(maps, full0, empty0);  // fences cover c_full / c_empty too
     for (int64_t h = 0; h < kPersistentStages && h < items; ++h) issue_item(h);
   }
   __syncthreads();

@@ -48,11 +48,18 @@ __device__ bool div_domain(float x) {
   return a >= 0x1p-62f && a < 0x1p62f;
 }
 
+// Calls check(bits) for every 32-bit pattern, spread over the grid.
+template <class Check>
+__device__ void for_every_bit_pattern(Check check) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
+       i += uint64_t(gridDim.x) * blockDim.x)
+    check(static_cast<uint32_t>(i));
+}
+
 __global__ void check_sqrt_all(Counts* out) {
   unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
-       i += uint64_t(gridDim.x) * blockDim.x) {
-    const float x = __uint_as_float(static_cast<uint32_t>(i));
+  for_every_bit_pattern([&](uint32_t bits) {
+    const float x = __uint_as_float(bits);
     FastMath m;
     const float got = m.sqrt(x);
     if (sqrt_domain(x)) {
@@ -62,7 +69,7 @@ __global__ void check_sqrt_all(Counts* out) {
     } else if (m.ok) {
       ++accepted;
     }
-  }
+  });
   add_counts(out, wrong, declined, accepted, checked);
 }
 
@@ -141,35 +148,33 @@ __global__ void check_div_special(Counts* out) {
 
 __global__ void check_bf16x2_all(Counts* out) {
   unsigned long long wrong = 0, checked = 0;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
-       i += uint64_t(gridDim.x) * blockDim.x) {
-    const float lo = __uint_as_float(static_cast<uint32_t>(i));
-    if (lo != lo) continue;
+  for_every_bit_pattern([&](uint32_t bits) {
+    const float lo = __uint_as_float(bits);
+    if (lo != lo) return;
     // the high half sees every value too, paired with a different low one
-    const float hi = __uint_as_float(static_cast<uint32_t>(i) ^ 0x80000001u);
-    if (hi != hi) continue;
+    const float hi = __uint_as_float(bits ^ 0x80000001u);
+    if (hi != hi) return;
     const uint32_t got = forge::cuda::bf16x2_nearest_nonnan(lo, hi);
     const uint32_t want = static_cast<uint32_t>(forge::bf16_nearest(lo)) |
                           (static_cast<uint32_t>(forge::bf16_nearest(hi)) << 16);
     ++checked;
     if (got != want) ++wrong;
-  }
+  });
   add_counts(out, wrong, 0, 0, checked);
 }
 
 // Every non-NaN float, each with a random 16-bit draw and with the two extremes 0 and 0xFFFF.
 __global__ void check_sr_nonnan_all(Counts* out) {
   unsigned long long wrong = 0, checked = 0;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 32);
-       i += uint64_t(gridDim.x) * blockDim.x) {
-    const float x = __uint_as_float(static_cast<uint32_t>(i));
-    if (x != x) continue;
-    const uint32_t draws[3] = {hash32(i), 0u, 0xFFFFu};
+  for_every_bit_pattern([&](uint32_t bits) {
+    const float x = __uint_as_float(bits);
+    if (x != x) return;
+    const uint32_t draws[3] = {hash32(bits), 0u, 0xFFFFu};
     for (uint32_t r : draws) {
       ++checked;
       if (forge::cuda::bf16_stochastic_nonnan(x, r) != forge::bf16_stochastic(x, r)) ++wrong;
     }
-  }
+  });
   add_counts(out, wrong, 0, 0, checked);
 }
 
