@@ -8,6 +8,8 @@
 // Also: (a) with stochastic rounding of the bf16 weight and states (forge.optim.AdamW's
 // default), and (a-bf16) at T = 32 (the GEMM all but gone: what the epilogue alone costs),
 // to say where the time goes. FORGE_CUDA_WGMMA=0 times the portable sm80 kernels on Hopper.
+// Last, forge_elementwise_step (AdamW, bf16 SR and int8 states) on the embedding's shape
+// [128256, 4096] against the unfused AdamW pass of (c).
 //
 // --profile launches a few kernels for Nsight Compute instead (see main()).
 //
@@ -555,7 +557,73 @@ int main(int argc, char** argv) {
             ", \"fused_sr\": " + fmt("%.3f", tot[kFusedSr]) + "}";
     first_t = false;
   }
-  json += "\n  }\n}\n";
+  json += "\n  }";
+
+  // ---- the element-wise step: forge_elementwise_step (parameters outside the Linear layers,
+  // and any materialized gradient) on Llama-3.1-8B's embedding [128256, 4096], bf16 gradient,
+  // against the same unfused AdamW pass (c) runs.
+  {
+    const int64_t rows = 128256, cols = 4096, n = rows * cols;
+    DevMem g(n * 2), w(n * 2), m16(n * 2), v16(n * 2), m8(n), v8(n), am8(n / 64 * 4), av8(n / 64 * 4);
+    fill_bf16<<<grid_for(n), 256>>>(g.as<uint16_t>(), n, 11, 1e-2f);
+    fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 12, 0.02f);
+    fill_bf16<<<grid_for(n), 256>>>(m16.as<uint16_t>(), n, 13, 1e-3f);
+    fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 14, 1e-6f, true);
+    forge_param psr{};
+    psr.rows = rows;
+    psr.cols = cols;
+    psr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
+    psr.weight = w.p;
+    psr.state_format = FORGE_STATE_BF16_STOCHASTIC;
+    psr.state[0] = m16.p;
+    psr.state[1] = v16.p;
+    forge_param p8 = psr;
+    p8.state_format = FORGE_STATE_INT8_BLOCK64;
+    p8.state[0] = m8.p;
+    p8.state[1] = v8.p;
+    p8.state_absmax[0] = am8.as<float>();
+    p8.state_absmax[1] = av8.as<float>();
+    {
+      DevMem tmp(n * 4);
+      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 15, 1e-3f, false);
+      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 0, tmp.as<float>(), cuda_device()));
+      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 16, 1e-6f, true);
+      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 1, tmp.as<float>(), cuda_device()));
+      CHECK_CUDA(cudaDeviceSynchronize());
+    }
+    forge_hparams hp = adamw;
+    auto step = [&](const forge_param& p) {
+      forge_elementwise_args a{};
+      a.abi_version = FORGE_ABI_VERSION;
+      a.device = cuda_device();
+      a.grad = g.p;
+      a.grad_dtype = FORGE_DTYPE_BF16;
+      a.param = p;
+      a.hparams = hp;
+      hp.step = hp.step % 1000 + 1;
+      CHECK_FORGE(forge_elementwise_step(&a));
+    };
+    AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(1.0f - 0.999f), -1e-3f / 0.1f,
+                    1.0f - 1e-3f * 1e-2f};
+    const double sr_ms = timer.median_ms(iters, [&] { step(psr); });
+    const double int8_ms = timer.median_ms(iters, [&] { step(p8); });
+    const double ref_ms = timer.median_ms(iters, [&] {
+      adamw_bf16<<<grid_for(n / 8), 256>>>(g.as<uint4>(), w.as<uint4>(), m16.as<uint4>(), v16.as<uint4>(), n / 8, as);
+    });
+    // Bytes per element: the bf16 gradient read, then W + states read and written.
+    const double sr_bytes = 2 + 12, int8_bytes = 2 + 4 + 4 + 2 * 2 * 4.0 / 64, ref_bytes = 2 + 12;
+    auto gbs = [&](double bytes, double ms) { return bytes * double(n) / (ms * 1e-3) / 1e9; };
+    md += "\n## Element-wise step (forge_elementwise_step), AdamW on [128256, 4096] (Llama-3.1-8B's embedding), bf16 gradient\n\n";
+    md += "| variant | ms | GB/s |\n| --- | --- | --- |\n";
+    md += "| bf16 SR W + bf16 SR states (forge.optim default) | " + fmt("%.3f", sr_ms) + " | " + fmt("%.0f", gbs(sr_bytes, sr_ms)) + " |\n";
+    md += "| bf16 SR W + int8 states | " + fmt("%.3f", int8_ms) + " | " + fmt("%.0f", gbs(int8_bytes, int8_ms)) + " |\n";
+    md += "| unfused AdamW pass of (c), bf16 W, m, v | " + fmt("%.3f", ref_ms) + " | " + fmt("%.0f", gbs(ref_bytes, ref_ms)) + " |\n";
+    json += ",\n  \"elementwise_embedding_ms\": {\"bf16_sr\": " + fmt("%.4f", sr_ms) + ", \"int8\": " +
+            fmt("%.4f", int8_ms) + ", \"unfused_adamw_pass\": " + fmt("%.4f", ref_ms) + "}";
+    std::printf("element-wise step [128256, 4096]: bf16 SR %.3f ms (%.0f GB/s) | int8 %.3f ms (%.0f GB/s) | unfused AdamW pass %.3f ms (%.0f GB/s)\n",
+                sr_ms, gbs(sr_bytes, sr_ms), int8_ms, gbs(int8_bytes, int8_ms), ref_ms, gbs(ref_bytes, ref_ms));
+  }
+  json += "\n}\n";
 
   std::printf("\n%s", md.c_str());
   const std::string md_path = out_dir + "/bench.md", json_path = out_dir + "/bench.json";

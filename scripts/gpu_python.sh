@@ -102,5 +102,5 @@ say "done in $(elapsed)s; files in $OUT:"
 ls -1 "$OUT"
 echo
 $PY -m forge.bench --summarize "$OUT" 2>&1 | tee -a "$LOG"
-echo "wgrad kernels the benchmark ran:"
-grep -h "wgrad step runs" "$LOG" | sort -u | head -20
+echo "kernels the benchmark ran (FORGE_CUDA_VERBOSE):"
+grep -h "forge cuda: step runs" "$LOG" | sort -u | head -20

@@ -50,41 +50,46 @@ TEST_P(ElementwiseExact, MatchesCpuBitForBit) {
   FORGE_REQUIRE_GPU();
   const auto [rule_index, wf, sf] = GetParam();
   forge_hparams hp = rule_cases()[rule_index].hp;
-  // 37 rows × 300 columns: 5 int8 blocks per row, the last one partial (44 columns).
-  const int64_t rows = 37, cols = 300;
-  HostParam cpu = make_param(rows, cols, wf, sf, hp, 900 + rule_index);
-  DeviceParam gpu;
-  gpu.upload(cpu);
-  DeviceBuffer grad(static_cast<size_t>(rows * cols) * 4), outputs(16);
-  for (forge_dtype dtype : {FORGE_DTYPE_FP32, FORGE_DTYPE_BF16, FORGE_DTYPE_FP16}) {
-    const std::vector<uint8_t> g = make_grad(rows, cols, dtype, 100 + dtype);
-    double want_sq = 0;
-    int64_t want_nf = 0;
-    forge_elementwise_args a = elementwise_args(g.data(), dtype, cpu.view(), hp, cpu_device(),
-                                                &want_sq, &want_nf);
-    FORGE_OK(forge_elementwise_step(&a));
+  // 37 × 300: 5 int8 blocks per row, the last one partial (44 columns), every quad whole
+  // (vector accesses). 5 × 129 and 1 × 17: cols % 4 != 0, so no vector access anywhere and
+  // a partial last quad (1 element); 1 × 17 also leaves most lanes of the warp idle.
+  for (const auto& [rows, cols] :
+       {std::pair<int64_t, int64_t>{37, 300}, {5, 129}, {1, 17}}) {
+    SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols));
+    HostParam cpu = make_param(rows, cols, wf, sf, hp, 900 + rule_index);
+    DeviceParam gpu;
+    gpu.upload(cpu);
+    DeviceBuffer grad(static_cast<size_t>(rows * cols) * 4), outputs(16);
+    for (forge_dtype dtype : {FORGE_DTYPE_FP32, FORGE_DTYPE_BF16, FORGE_DTYPE_FP16}) {
+      const std::vector<uint8_t> g = make_grad(rows, cols, dtype, 100 + dtype);
+      double want_sq = 0;
+      int64_t want_nf = 0;
+      forge_elementwise_args a = elementwise_args(g.data(), dtype, cpu.view(), hp, cpu_device(),
+                                                  &want_sq, &want_nf);
+      FORGE_OK(forge_elementwise_step(&a));
 
-    grad.upload(g.data(), g.size());
-    outputs.fill(0);
-    auto* sq = static_cast<double*>(outputs.data());
-    auto* nf = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(outputs.data()) + 8);
-    a = elementwise_args(grad.data(), dtype, gpu.view(cpu), hp, gpu_device(), sq, nf);
-    FORGE_OK(forge_elementwise_step(&a));
-    CUDA_OK(cudaDeviceSynchronize());
-    double got_sq = 0;
-    int64_t got_nf = 0;
-    CUDA_OK(cudaMemcpy(&got_sq, sq, 8, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(&got_nf, nf, 8, cudaMemcpyDeviceToHost));
+      grad.upload(g.data(), g.size());
+      outputs.fill(0);
+      auto* sq = static_cast<double*>(outputs.data());
+      auto* nf = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(outputs.data()) + 8);
+      a = elementwise_args(grad.data(), dtype, gpu.view(cpu), hp, gpu_device(), sq, nf);
+      FORGE_OK(forge_elementwise_step(&a));
+      CUDA_OK(cudaDeviceSynchronize());
+      double got_sq = 0;
+      int64_t got_nf = 0;
+      CUDA_OK(cudaMemcpy(&got_sq, sq, 8, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(&got_nf, nf, 8, cudaMemcpyDeviceToHost));
 
-    ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "grad " << dtype_name(dtype);
-    EXPECT_EQ(want_nf, 3);
-    EXPECT_EQ(want_nf, got_nf);
-    EXPECT_NEAR(want_sq, got_sq, kGradSqSumRel * want_sq);
-    hp.step += 1;
+      ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "grad " << dtype_name(dtype);
+      EXPECT_EQ(want_nf, 3);
+      EXPECT_EQ(want_nf, got_nf);
+      EXPECT_NEAR(want_sq, got_sq, kGradSqSumRel * want_sq);
+      hp.step += 1;
+    }
+    EXPECT_TRUE(gpu.guards_intact());
+    EXPECT_TRUE(grad.guards_intact());
+    EXPECT_TRUE(outputs.guards_intact());
   }
-  EXPECT_TRUE(gpu.guards_intact());
-  EXPECT_TRUE(grad.guards_intact());
-  EXPECT_TRUE(outputs.guards_intact());
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -97,12 +102,18 @@ INSTANTIATE_TEST_SUITE_P(
              state_format_name(std::get<2>(info.param));
     });
 
-// Big enough for the grid-stride loop to wrap (more (row, block) pairs than resident warps).
-TEST(ElementwiseLarge, GridStrideMatchesCpu) {
+// Big enough for the grid-stride loop to wrap (more (row, block) pairs than resident warps),
+// in the configurations forge.optim runs (the specialized kernels) and one the generic
+// kernel runs (fp32 states on plain bf16 weights is specialized too; SGD momentum is not).
+using LargeParam = std::tuple<int, forge_weight_format, forge_state_format>;
+class ElementwiseLarge : public ::testing::TestWithParam<LargeParam> {};
+
+TEST_P(ElementwiseLarge, GridStrideMatchesCpu) {
   FORGE_REQUIRE_GPU();
-  forge_hparams hp = rule_cases()[3].hp;  // AdamW
+  const auto [rule_index, wf, sf] = GetParam();
+  forge_hparams hp = rule_cases()[rule_index].hp;
   const int64_t rows = 3001, cols = 4100;
-  HostParam cpu = make_param(rows, cols, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, hp, 5);
+  HostParam cpu = make_param(rows, cols, wf, sf, hp, 5);
   DeviceParam gpu;
   gpu.upload(cpu);
   const std::vector<uint8_t> g = make_grad(rows, cols, FORGE_DTYPE_BF16, 6);
@@ -117,6 +128,20 @@ TEST(ElementwiseLarge, GridStrideMatchesCpu) {
   EXPECT_TRUE(same_bits(cpu, gpu.download(cpu)));
   EXPECT_TRUE(gpu.guards_intact());
 }
+
+// rule_cases(): 3 = AdamW, 2 = SGD with Nesterov momentum (no specialized kernel).
+INSTANTIATE_TEST_SUITE_P(
+    Configurations, ElementwiseLarge,
+    ::testing::Values(LargeParam{3, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64},
+                      LargeParam{3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC},
+                      LargeParam{3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
+                      LargeParam{3, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32},
+                      LargeParam{2, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC}),
+    [](const ::testing::TestParamInfo<LargeParam>& info) {
+      return std::string(rule_cases()[std::get<0>(info.param)].name) + "_" +
+             weight_format_name(std::get<1>(info.param)) + "_" +
+             state_format_name(std::get<2>(info.param));
+    });
 
 // ---- state entry points -------------------------------------------------------------------------
 
