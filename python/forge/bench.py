@@ -282,13 +282,22 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, seq), generator=g).to(device)
-    timer, times = Timer(device), []
-    for i in range(WARMUP_STEPS + TIMED_STEPS):
-        timer.start()
-        loss = train_step(model, optimizer, tokens)
-        ms = timer.stop_ms()
-        if i >= WARMUP_STEPS:
-            times.append(ms)
+    timer = Timer(device)
+
+    def timed(count: int):
+        """`count` steps: each one's milliseconds (events on a GPU) and the host's time to
+        issue it (train_step's return: equal to the step on a host-bound step)."""
+        times, host = [], []
+        for _ in range(count):
+            timer.start()
+            t0 = time.perf_counter()
+            loss = train_step(model, optimizer, tokens)
+            host.append((time.perf_counter() - t0) * 1e3)
+            times.append(timer.stop_ms())
+        return times, host, loss
+
+    timed(WARMUP_STEPS)
+    times, host, loss = timed(TIMED_STEPS)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     step_ms = statistics.median(times)
     note = ""
@@ -299,11 +308,17 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
     row = dict(status="ok", peak_gib=round(peak / 2**30, 2) if peak else None,
                step_ms=round(step_ms, 1), tokens_per_s=round(seq / (step_ms / 1e3)),
                params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 2),
-               note=note)
+               note=note, step_ms_each=[round(t, 1) for t in times],
+               host_ms=round(statistics.median(host), 1))
     if profile > 0:  # after the peak and the times are taken: the profiler perturbs both
         from forge.step_profile import profile_steps
         row["profile"] = profile_steps(lambda: train_step(model, optimizer, tokens), profile,
                                        device, train_phases(model, optimizer, tokens))
+        # The same timed steps once more, after everything the profile ran: says whether the
+        # step time drifts within a case (a host whose speed varies between calls does).
+        again, again_host, _ = timed(TIMED_STEPS)
+        row["profile"]["retimed"] = dict(step_ms=round(statistics.median(again), 1),
+                                         host_ms=round(statistics.median(again_host), 1))
     return row
 
 

@@ -234,6 +234,14 @@ def markdown(info: dict, rows: List[dict]) -> str:
         else:  # CPU run: operators' self times, no GPU to be idle
             summary = (f"wall {wall} ms, operators' self CPU time {prof['kernel_ms']:.1f} ms, "
                        f"{prof['launches']} operator calls per step")
+        each = row.get("step_ms_each")
+        if each:
+            summary += (f". Timed steps {min(each)}–{max(each)} ms, issued by the host in "
+                        f"{row.get('host_ms')} ms (median)")
+        again = prof.get("retimed")
+        if again:
+            summary += (f"; timed again after the profile: {again['step_ms']} ms, issued in "
+                        f"{again['host_ms']} ms")
         lines += [summary, "",
                   "| category | ms per step |", "| --- | --- |"]
         lines += [f"| {k} | {v:.2f} |" for k, v in prof["categories"].items() if v > 0]

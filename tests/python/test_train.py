@@ -8,6 +8,7 @@ the file takes seconds; one test goes through a subprocess to see what a user se
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -216,8 +217,13 @@ def test_bench_profile_on_cpu(tmp_path):
         assert phases["host_ms"]["backward"] > 0 and phases["gpu_ms"] is None
         assert phases["peak_gib"] is None  # GPU memory only
         assert phases["gc_per_step"] >= 0 and phases["gc_ms_per_step"] >= 0
+        # every timed step kept, the host's issue time, and the steps timed again at the end
+        assert len(row["step_ms_each"]) == bench.TIMED_STEPS and row["host_ms"] > 0
+        assert row["step_ms"] == pytest.approx(statistics.median(row["step_ms_each"]), abs=0.1)
+        assert prof["retimed"]["step_ms"] > 0 and prof["retimed"]["host_ms"] > 0
     markdown = (tmp_path / next(f for f in files if f.startswith("forge-profile-"))).read_text()
     assert "## tiny seq 32 torch-adamw" in markdown and "## tiny seq 32 forge-bf16" in markdown
+    assert "timed again after the profile" in markdown
 
 
 @requires_cuda
