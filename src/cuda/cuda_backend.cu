@@ -563,7 +563,8 @@ __device__ __forceinline__ void load_grad_quad(const void* grad, int dtype, int6
 // elementwise_step: each warp takes 2·kQ (row, 64-column block) pairs per iteration, its
 // half-warps alternating, so a lane updates kQ quads at once (update_quads batches their
 // loads). Spec as in the wgrad kernels: the configurations forge.optim runs get their rule
-// and formats as constants and the branch-free FastMath path; GenericSpec covers the rest.
+// and formats as constants and the branch-free path (with zeros: most rows of an embedding's
+// m and v are exactly 0); GenericSpec covers the rest.
 // NOTE: specialized + kQ = 2 replaced one generic kernel with kQ = 1 and scalar gradient
 // loads, which moved ~0.85 TB/s on the 0.5 G-parameter embedding of Llama-3.1-8B
 // (8.6 ms of a 160 ms step at the end of backward: forge-bench --profile, 2026-11-29).
@@ -592,7 +593,8 @@ __global__ void __launch_bounds__(kElementwiseThreads)
       n[q] = c.n;
       load_grad_quad(grad, grad_dtype, idx[q], n[q], grad_vec && n[q] == kQuad, g[q]);
     }
-    update_quads<kQ, Spec>(k, p, row, col, idx, n, lane16, want_sq, g, totals);
+    update_quads<kQ, Spec, false, FastMathWithZeros>(k, p, row, col, idx, n, lane16, want_sq, g,
+                                                      totals);
   }
   if (grad_sq_sum != nullptr || nonfinite_count != nullptr)
     flush_totals<kElementwiseThreads>(totals, grad_sq_sum, nonfinite_count);

@@ -292,6 +292,43 @@ struct FastMath {
   }
 };
 
+// FastMath over a domain with +0 added where an exact zero is common: an all-zero gradient
+// row leaves AdamW's m and v at exactly +0 (an embedding's unseen tokens: most of its rows on
+// every step), and FastMath declines 0 / x and sqrt(0), sending the whole batch down the
+// exact path. Same results as IEEE on the larger domain; FastMath's on FastMath's own (the
+// extra operations below are identities there, see each). Used by the element-wise kernels
+// (the fused epilogues keep FastMath: zeros are rare there, and each instruction counts).
+struct FastMathWithZeros : FastMath {
+  // a == +0: q = +0 · y is a zero with b's sign (y = 1/b's estimate has it), r = -b·q + a
+  // = -0 + +0 = +0, and y·r + q keeps q: +0 / b exactly. -0 is still declined (the last
+  // fma would return +0 where IEEE gives -0 / b = a zero of the other sign).
+  // NOTE: q is a product, not fma(a, y, 0) as in FastMath: on FastMath's domain the product
+  // is a nonzero normal (|a|, |y| >= 2^-62), where the two round the same; at a == +0 only
+  // the product keeps b's sign.
+  __device__ __forceinline__ float div(float a, float b) {
+    require((fast_div_operand(a) | (__float_as_uint(a) == 0u)) & fast_div_operand(b));
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
+    const float e = __fmaf_rn(-b, y, 1.0f);
+    y = __fmaf_rn(y, e, y);
+    const float q = __fmul_rn(a, y);
+    const float r = __fmaf_rn(-b, q, a);
+    return __fmaf_rn(y, r, q);
+  }
+  // x == +0: the estimate is taken of max(x, 2^-101) (= x on FastMath's domain, whose floor
+  // is 2^-101), so it is finite; then s = +0, r = +0 and the result is +0 = sqrt(+0).
+  __device__ __forceinline__ float sqrt(float x) {
+    const uint32_t u = __float_as_uint(x);
+    require((u + 0xF3000000u <= 0x727FFFFFu) | (u == 0u));
+    float y;
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaxf(x, 0x1p-101f)));
+    const float s = __fmul_rn(x, y);
+    const float h = __fmul_rn(y, 0.5f);
+    const float r = __fmaf_rn(-s, s, x);
+    return __fmaf_rn(r, h, s);
+  }
+};
+
 // == bf16_nearest(lo) | bf16_nearest(hi) << 16 for non-NaN lo, hi: cvt.rn.bf16x2.f32 rounds
 // to nearest even exactly as formats.h does (overflow to infinity included), in one
 // instruction for two elements instead of ~12 per element. NaN inputs would come back as the
@@ -451,14 +488,14 @@ __device__ __forceinline__ void apply_quads(const RuleScalars& r, bool want_sq, 
 // gradient, an operand outside FastMath's domain, or a non-finite result (the weight or a
 // state: NaN or infinity, which bf16x2_nearest_nonnan must not see). The caller then runs
 // apply_quads on the same inputs. `r` must have its rule as a compile-time constant.
-template <int kQ, int kNumStates>
+template <int kQ, int kNumStates, class Math = FastMath>
 __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int (&n)[kQ],
                                                  const float (&g)[kQ][kQuad],
                                                  const float (&w)[kQ][kQuad],
                                                  const float (&s)[FORGE_MAX_STATES][kQ][kQuad],
                                                  float (&w_new)[kQ][kQuad],
                                                  float (&s_new)[FORGE_MAX_STATES][kQ][kQuad]) {
-  FastMath math;
+  Math math;
   // NOTE: one running sum of every result instead of a NaN/infinity test per value: it is
   // finite only if all of them are (a false alarm on huge finite values only costs the
   // exact path).
@@ -718,7 +755,7 @@ __host__ __device__ constexpr int raw_quads_words() {
 // The rule and the stores for kQ quads whose weight w and states s are already loaded (fp32);
 // update_quads' other arguments. Specialized kernels first try the branch-free FastMath path
 // and fall back to the exact one for the whole batch when it declines.
-template <int kQ, class Spec>
+template <int kQ, class Spec, class Math = FastMath>
 __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamView& p,
                                               const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                               const int64_t (&idx)[kQ], const int (&n)[kQ],
@@ -733,7 +770,7 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
     r.maximize = 0;
     r.wd_coupled = 0.0f;
     float w_new[kQ][kQuad], s_new[FORGE_MAX_STATES][kQ][kQuad];
-    const bool fast = apply_quads_fast<kQ, Spec::kNumStates>(r, n, g, w, s, w_new, s_new);
+    const bool fast = apply_quads_fast<kQ, Spec::kNumStates, Math>(r, n, g, w, s, w_new, s_new);
     if (fast && want_sq) {
       // NOTE: a separate uniform branch, not per-element predication: the fp64 work is
       // skipped entirely when nobody asked for it. Same additions, same order as
@@ -791,13 +828,14 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
 //
 // Spec: the compile-time configuration (GenericSpec: everything from k and p at run time).
 // kFull: every quad is whole (n[q] == 4) and p.vec4 != 0, so every access is one vector and
-// the per-element range checks disappear (interior tiles).
+// the per-element range checks disappear (interior tiles). Math: the specialized path's
+// branch-free arithmetic (FastMath, or FastMathWithZeros).
 //
 // NOTE: kQ > 1 batches the quads phase by phase (all loads, then the rule, then all stores)
 // so kQ quads' worth of loads are in flight at once: the fused epilogue is latency-bound
 // otherwise (one quad is only ~24 B of loads per thread). The compiler cannot reorder the
 // loads of one quad past the stores of another by itself (same arrays, run-time indices).
-template <int kQ, class Spec = GenericSpec, bool kFull = false>
+template <int kQ, class Spec = GenericSpec, bool kFull = false, class Math = FastMath>
 __device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamView& p,
                                              const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                              const int64_t (&idx)[kQ], const int (&n_in)[kQ],
@@ -840,7 +878,7 @@ __device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamVi
     }
   }
 
-  update_loaded<kQ, Spec>(k, p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
+  update_loaded<kQ, Spec, Math>(k, p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
 }
 
 // ---- the by-products, once per CTA -------------------------------------------------------

@@ -143,6 +143,44 @@ INSTANTIATE_TEST_SUITE_P(
              state_format_name(std::get<2>(info.param));
     });
 
+// Freshly initialized AdamW states (m = v = +0) and a gradient whose even rows are all zero
+// (an embedding's unseen tokens): the specialized kernels' branch-free path takes the exact
+// zeros (FastMathWithZeros) and must still match the CPU bit for bit, over three steps (the
+// zero rows stay at m = v = 0; the others leave it after the first step).
+TEST(ElementwiseZeros, FreshStatesAndZeroRowsMatchCpu) {
+  FORGE_REQUIRE_GPU();
+  const int64_t rows = 258, cols = 4096;
+  for (const auto& [wf, sf] :
+       {std::pair<forge_weight_format, forge_state_format>{FORGE_WEIGHT_BF16_STOCHASTIC,
+                                                           FORGE_STATE_BF16_STOCHASTIC},
+        {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
+        {FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32}}) {
+    SCOPED_TRACE(std::string(weight_format_name(wf)) + " " + state_format_name(sf));
+    forge_hparams hp = rule_cases()[3].hp;  // AdamW
+    HostParam cpu = make_param(rows, cols, wf, sf, hp, 41);
+    DeviceParam gpu;
+    gpu.upload(cpu);
+    forge_param cp = cpu.view(), gp = gpu.view(cpu);
+    FORGE_OK(forge_state_init(&cp, &hp, cpu_device()));
+    FORGE_OK(forge_state_init(&gp, &hp, gpu_device()));
+    Operand g = make_operand(rows, cols, FORGE_DTYPE_BF16, cols, 0, Fill::kNormal, 42);
+    for (int64_t r = 0; r < rows; r += 2)
+      for (int64_t c = 0; c < cols; ++c) g.set(r, c, 0.0f);
+    DeviceBuffer grad(g.bytes.size());
+    grad.upload(g.bytes.data(), g.bytes.size());
+    for (int i = 0; i < 3; ++i, hp.step += 1) {
+      forge_elementwise_args a = elementwise_args(g.bytes.data(), FORGE_DTYPE_BF16, cp, hp,
+                                                  cpu_device(), nullptr, nullptr);
+      FORGE_OK(forge_elementwise_step(&a));
+      a = elementwise_args(grad.data(), FORGE_DTYPE_BF16, gp, hp, gpu_device(), nullptr, nullptr);
+      FORGE_OK(forge_elementwise_step(&a));
+      CUDA_OK(cudaDeviceSynchronize());
+      ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << i + 1;
+    }
+    EXPECT_TRUE(gpu.guards_intact());
+  }
+}
+
 // ---- state entry points -------------------------------------------------------------------------
 
 using StateParam = std::tuple<forge_state_format, int>;  // format, rule (0 AdamW, 1 Adagrad)

@@ -8,11 +8,13 @@
 //    equal IEEE division (__fdiv_rn); outside it FastMath must decline.
 //  - bf16x2_nearest_nonnan: every non-NaN float in both halves against formats.h's
 //    bf16_nearest.
-// Any difference would break the CPU/GPU bit equality of the fused step.
+// FastMathWithZeros (the element-wise kernels') passes the same tests with +0 added to its
+// domain (sqrt(+0), +0 / b). Any difference would break the CPU/GPU bit equality of a step.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <random>
+#include <type_traits>
 
 #include "core/formats.h"
 #include "core/rng.h"
@@ -23,6 +25,11 @@ namespace fgt {
 namespace {
 
 using forge::cuda::FastMath;
+using forge::cuda::FastMathWithZeros;
+
+// Whether Math also takes +0 (FastMathWithZeros: +0 / b and sqrt(+0)).
+template <class Math>
+constexpr bool kTakesZero = std::is_same<Math, FastMathWithZeros>::value;
 
 struct Counts {
   unsigned long long wrong;     // in the domain, a result other than the reference
@@ -39,13 +46,14 @@ __device__ void add_counts(Counts* out, unsigned long long wrong, unsigned long 
   if (checked) atomicAdd(&out->checked, checked);
 }
 
-// The domains, restated independently of update.cuh.
-__device__ bool sqrt_domain(float x) {  // positive normal >= 2^-101, finite
-  return x >= 0x1p-101f && x <= 3.40282347e38f;
+// The domains, restated independently of update.cuh. `zero`: +0 is in (FastMathWithZeros's
+// sqrt and dividend; -0 never is).
+__device__ bool sqrt_domain(float x, bool zero = false) {  // positive normal >= 2^-101, finite
+  return (x >= 0x1p-101f && x <= 3.40282347e38f) || (zero && __float_as_uint(x) == 0u);
 }
-__device__ bool div_domain(float x) {
+__device__ bool div_domain(float x, bool zero = false) {
   const float a = fabsf(x);
-  return a >= 0x1p-62f && a < 0x1p62f;
+  return (a >= 0x1p-62f && a < 0x1p62f) || (zero && __float_as_uint(x) == 0u);
 }
 
 // Calls check(bits) for every 32-bit pattern, spread over the grid.
@@ -56,13 +64,14 @@ __device__ void for_every_bit_pattern(Check check) {
     check(static_cast<uint32_t>(i));
 }
 
+template <class Math>
 __global__ void check_sqrt_all(Counts* out) {
   unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
   for_every_bit_pattern([&](uint32_t bits) {
     const float x = __uint_as_float(bits);
-    FastMath m;
+    Math m;
     const float got = m.sqrt(x);
-    if (sqrt_domain(x)) {
+    if (sqrt_domain(x, kTakesZero<Math>)) {
       ++checked;
       if (!m.ok) ++declined;
       else if (__float_as_uint(got) != __float_as_uint(__fsqrt_rn(x))) ++wrong;
@@ -82,12 +91,13 @@ __device__ float random_float(uint64_t z, int lo, int hi) {
   return __uint_as_float((r & 0x807FFFFFu) | (exp << 23));
 }
 
+template <class Math>
 __device__ void check_div_case(float a, float b, unsigned long long& wrong,
                                unsigned long long& declined, unsigned long long& accepted,
                                unsigned long long& checked) {
-  FastMath m;
+  Math m;
   const float got = m.div(a, b);
-  if (div_domain(a) && div_domain(b)) {
+  if (div_domain(a, kTakesZero<Math>) && div_domain(b)) {
     ++checked;
     if (!m.ok) ++declined;
     else if (__float_as_uint(got) != __float_as_uint(__fdiv_rn(a, b))) ++wrong;
@@ -98,6 +108,7 @@ __device__ void check_div_case(float a, float b, unsigned long long& wrong,
 
 // Random pairs: most with exponents inside the domain (every combination of extremes is
 // reached), some from anywhere (zeros, subnormals, infinities, NaN: must be declined).
+template <class Math>
 __global__ void check_div_random(uint64_t count, uint64_t seed, Counts* out) {
   unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
@@ -111,13 +122,14 @@ __global__ void check_div_random(uint64_t count, uint64_t seed, Counts* out) {
       a = random_float(z, 60, 193);  // the domain is [65, 188]: a few out on each side
       b = random_float(z + 1, 60, 193);
     }
-    check_div_case(a, b, wrong, declined, accepted, checked);
+    check_div_case<Math>(a, b, wrong, declined, accepted, checked);
   }
   add_counts(out, wrong, declined, accepted, checked);
 }
 
 // Every mantissa of b (both signs, a spread of exponents) against pseudo-random a: the
-// reciprocal estimate is exercised at every input it can see.
+// reciprocal estimate is exercised at every input it can see. With zeros: +0 / every b too.
+template <class Math>
 __global__ void check_div_mantissas(uint64_t seed, Counts* out) {
   unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 23);
@@ -127,14 +139,16 @@ __global__ void check_div_mantissas(uint64_t seed, Counts* out) {
       const float b = __uint_as_float((static_cast<uint32_t>(e) << 23) | static_cast<uint32_t>(i));
       for (int j = 0; j < 4; ++j) {
         const float a = random_float(seed + 8 * i + j, 65, 188);
-        check_div_case(a, b, wrong, declined, accepted, checked);
-        check_div_case(-a, b, wrong, declined, accepted, checked);
+        check_div_case<Math>(a, b, wrong, declined, accepted, checked);
+        check_div_case<Math>(-a, b, wrong, declined, accepted, checked);
       }
+      if (kTakesZero<Math>) check_div_case<Math>(0.0f, b, wrong, declined, accepted, checked);
     }
   }
   add_counts(out, wrong, declined, accepted, checked);
 }
 
+template <class Math>
 __global__ void check_div_special(Counts* out) {
   unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
   const float v[] = {0.0f, -0.0f, 1.0f, -1.0f, 0x1p-62f, -0x1p-62f, 0x1.fffffep61f, 0x1p62f,
@@ -142,7 +156,7 @@ __global__ void check_div_special(Counts* out) {
                      1e-8f, 3.0f, 7.0f, 0.1f};
   const int n = sizeof(v) / sizeof(v[0]);
   for (int i = threadIdx.x; i < n * n; i += blockDim.x)
-    check_div_case(v[i / n], v[i % n], wrong, declined, accepted, checked);
+    check_div_case<Math>(v[i / n], v[i % n], wrong, declined, accepted, checked);
   add_counts(out, wrong, declined, accepted, checked);
 }
 
@@ -191,33 +205,54 @@ Counts run_counts(Launch launch) {
   return h;
 }
 
-TEST(FastMath, SqrtEqualsIeeeOnEveryFloatOfItsDomain) {
-  FORGE_REQUIRE_GPU();
-  const Counts c = run_counts([](Counts* d) { check_sqrt_all<<<1024, 256>>>(d); });
-  // [2^-101, FLT_MAX]: exponents 26..254, every mantissa
-  EXPECT_EQ(c.checked, (254ull - 26 + 1) << 23);
+template <class Math>
+void expect_sqrt_ieee_on_every_float_of_its_domain() {
+  const Counts c = run_counts([](Counts* d) { check_sqrt_all<Math><<<1024, 256>>>(d); });
+  // [2^-101, FLT_MAX]: exponents 26..254, every mantissa (and +0 with zeros)
+  EXPECT_EQ(c.checked, ((254ull - 26 + 1) << 23) + (kTakesZero<Math> ? 1 : 0));
   EXPECT_EQ(c.wrong, 0u);
   EXPECT_EQ(c.declined, 0u);
   EXPECT_EQ(c.accepted, 0u);
 }
 
-TEST(FastMath, DivEqualsIeeeInItsDomain) {
-  FORGE_REQUIRE_GPU();
+template <class Math>
+void expect_div_ieee_in_its_domain() {
   const uint64_t seed = (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
-  const Counts r = run_counts([&](Counts* d) { check_div_random<<<1024, 256>>>(1ull << 30, seed, d); });
+  const Counts r = run_counts([&](Counts* d) { check_div_random<Math><<<1024, 256>>>(1ull << 30, seed, d); });
   EXPECT_GT(r.checked, 1ull << 28) << "seed " << seed;
   EXPECT_EQ(r.wrong, 0u) << "seed " << seed;
   EXPECT_EQ(r.declined, 0u) << "seed " << seed;
   EXPECT_EQ(r.accepted, 0u) << "seed " << seed;
-  const Counts m = run_counts([&](Counts* d) { check_div_mantissas<<<1024, 256>>>(seed, d); });
-  EXPECT_EQ(m.checked, (1ull << 23) * 5 * 8);
+  const Counts m = run_counts([&](Counts* d) { check_div_mantissas<Math><<<1024, 256>>>(seed, d); });
+  EXPECT_EQ(m.checked, (1ull << 23) * 5 * (kTakesZero<Math> ? 9 : 8));
   EXPECT_EQ(m.wrong, 0u) << "seed " << seed;
   EXPECT_EQ(m.declined, 0u);
-  const Counts s = run_counts([](Counts* d) { check_div_special<<<1, 256>>>(d); });
+  const Counts s = run_counts([](Counts* d) { check_div_special<Math><<<1, 256>>>(d); });
   EXPECT_GT(s.checked, 0u);
   EXPECT_EQ(s.wrong, 0u);
   EXPECT_EQ(s.declined, 0u);
   EXPECT_EQ(s.accepted, 0u);
+}
+
+TEST(FastMath, SqrtEqualsIeeeOnEveryFloatOfItsDomain) {
+  FORGE_REQUIRE_GPU();
+  expect_sqrt_ieee_on_every_float_of_its_domain<FastMath>();
+}
+
+TEST(FastMath, DivEqualsIeeeInItsDomain) {
+  FORGE_REQUIRE_GPU();
+  expect_div_ieee_in_its_domain<FastMath>();
+}
+
+// The element-wise kernels' variant: the same, and +0 (sqrt(+0), +0 / b) besides.
+TEST(FastMathWithZeros, SqrtEqualsIeeeOnEveryFloatOfItsDomain) {
+  FORGE_REQUIRE_GPU();
+  expect_sqrt_ieee_on_every_float_of_its_domain<FastMathWithZeros>();
+}
+
+TEST(FastMathWithZeros, DivEqualsIeeeInItsDomain) {
+  FORGE_REQUIRE_GPU();
+  expect_div_ieee_in_its_domain<FastMathWithZeros>();
 }
 
 TEST(FastMath, Bf16x2EqualsFormatsOnEveryNonNanFloat) {
