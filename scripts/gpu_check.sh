@@ -10,8 +10,8 @@
 # writing results under $OUT (default ./out: summary.md, bench.md/json, bench-sm80.md, and the
 # logs packed in logs.tgz) and printing a summary table last.
 # `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
-# Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 512 and 4096) and on
-# the unfused AdamW pass, writing $OUT/ncu.txt.
+# Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 32 and 512, bf16 SR and
+# int8 states), the element-wise step and the unfused AdamW pass, writing $OUT/ncu.txt.
 # Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
 # (default 500). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
 # benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_TESTS=0 skips the tests
@@ -60,10 +60,11 @@ if [ "${1:-}" = profile ]; then
     exit 1
   }
   log "profile: ncu ($NCU)"
-  # The fused step's kernel (whichever the environment selects: FORGE_CUDA_PERSISTENT=1 profiles
-  # the persistent one) at T = 512 and 4096 after a warm-up at T = 32, then the unfused pass.
-  timeout "${FORGE_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name regex:'wgrad|adamw' --launch-skip 1 \
-    --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
+  # wgrad_bench --profile's 7 launches (its main() lists them): the fused step (whichever kernel
+  # the environment selects: FORGE_CUDA_PERSISTENT=1 profiles the persistent one) at T = 32 and
+  # 512 with bf16 SR and int8 states, the element-wise step with both, the unfused AdamW pass.
+  timeout "${FORGE_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name regex:'wgrad|adamw|elementwise' \
+    --launch-skip 0 --launch-count 7 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section ComputeWorkloadAnalysis --section InstructionStats \
     --section SourceCounters \
