@@ -560,6 +560,87 @@ __device__ __forceinline__ void load_grad_quad(const void* grad, int dtype, int6
   }
 }
 
+// The element-wise loop, software-pipelined, on a flat view: `p` is the parameter seen as one
+// row (rows = 1, cols = rows · cols, which keeps every element offset, int8 block index and
+// stochastic-rounding index, as the original's cols % 64 == 0), the gradient is bf16 and
+// every access is a whole vector. The raw weight, states and gradient of the warp's next
+// iteration are loaded before the current one is updated, as update_tile does in the fused
+// kernels: one batch of loads stays in flight during the arithmetic.
+// Pairs past the end (the warp's last iteration) load the last pair again and store nothing
+// (n = 0); their lanes still take part in the int8 shuffles.
+template <class Spec, int kQ>
+__device__ __forceinline__ void elementwise_flat_pipelined(const uint16_t* grad, const ParamView& p,
+                                                           const RuleScalars& k, bool want_sq,
+                                                           StepTotals& totals) {
+  const int lane = threadIdx.x % 32, lane16 = lane % 16;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t pairs = p.blocks_per_row;  // rows == 1
+  constexpr int kPairsPerWarp = 2 * kQ;
+  const int64_t stride = warps * kPairsPerWarp;
+  const int64_t no_row[kQ] = {};  // row 0 of the flat view
+  // Element offsets (= columns of the flat view) of the lane's kQ quads at `base`.
+  auto offsets = [&](int64_t base, int64_t (&idx)[kQ], int (&n)[kQ]) {
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      const int64_t pair = base + 2 * q + lane / 16;
+      const bool in = pair < pairs;
+      idx[q] = (in ? pair : pairs - 1) * FORGE_INT8_BLOCK + lane16 * kQuad;
+      n[q] = in ? kQuad : 0;
+    }
+  };
+  int64_t base = warp * kPairsPerWarp;
+  if (base >= pairs) return;
+  RawQuads<Spec, kQ> next;
+  uint2 g_next[kQ];
+  {
+    int64_t idx[kQ];
+    int n[kQ];
+    offsets(base, idx, n);
+    next.load(p, no_row, idx, idx);
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) g_next[q] = *reinterpret_cast<const uint2*>(grad + idx[q]);
+  }
+#pragma unroll 1
+  for (; base < pairs; base += stride) {
+    const RawQuads<Spec, kQ> cur = next;
+    uint2 g_cur[kQ];
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) g_cur[q] = g_next[q];
+    int64_t idx[kQ];
+    int n[kQ];
+    offsets(base, idx, n);
+    {
+      // NOTE: unconditional (the last iteration reloads its own operands) so the compiler
+      // keeps these loads ahead of the update, as in update_tile.
+      int64_t idx_next[kQ];
+      int n_next[kQ];
+      offsets(base + stride < pairs ? base + stride : base, idx_next, n_next);
+      next.load(p, no_row, idx_next, idx_next);
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) g_next[q] = *reinterpret_cast<const uint2*>(grad + idx_next[q]);
+    }
+    float w[kQ][kQuad], st[FORGE_MAX_STATES][kQ][kQuad], g[kQ][kQuad];
+    bool vec[kQ];
+    cur.unpack(w, st);
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      g[q][0] = bf16_to_float(static_cast<uint16_t>(g_cur[q].x & 0xFFFFu));
+      g[q][1] = bf16_to_float(static_cast<uint16_t>(g_cur[q].x >> 16));
+      g[q][2] = bf16_to_float(static_cast<uint16_t>(g_cur[q].y & 0xFFFFu));
+      g[q][3] = bf16_to_float(static_cast<uint16_t>(g_cur[q].y >> 16));
+      vec[q] = n[q] == kQuad;
+    }
+    update_loaded<kQ, Spec, FastMathWithZeros>(k, p, no_row, idx, idx, n, vec, lane16, want_sq, g,
+                                               w, st, totals);
+  }
+}
+
+// Whether elementwise_flat_pipelined runs for Spec: one batch of raw operands in at most 12
+// registers (bf16 weight with bf16 or int8 states), the fused kernels' criterion.
+template <class Spec, int kQ>
+constexpr bool kElementwisePipelined = !Spec::kGeneric && raw_quads_words<Spec, kQ>() <= 12;
+
 // elementwise_step: each warp takes 2·kQ (row, 64-column block) pairs per iteration, its
 // half-warps alternating, so a lane updates kQ quads at once (update_quads batches their
 // loads). Spec as in the wgrad kernels: the configurations forge.optim runs get their rule
@@ -568,10 +649,12 @@ __device__ __forceinline__ void load_grad_quad(const void* grad, int dtype, int6
 // NOTE: specialized + kQ = 2 replaced one generic kernel with kQ = 1 and scalar gradient
 // loads, which moved ~0.85 TB/s on the 0.5 G-parameter embedding of Llama-3.1-8B
 // (8.6 ms of a 160 ms step at the end of backward: forge-bench --profile, 2026-11-29).
+// `flat`: p is the flat view and the gradient bf16 with vector access (the host checked
+// elementwise_flat_ok); the pipelined loop runs where kElementwisePipelined.
 template <class Spec, int kQ>
 __global__ void __launch_bounds__(kElementwiseThreads)
-    elementwise_kernel(const void* grad, int grad_dtype, bool grad_vec, const ParamView p,
-                       const RuleScalars k, double* grad_sq_sum,
+    elementwise_kernel(const void* grad, int grad_dtype, bool grad_vec, bool flat,
+                       const ParamView p, const RuleScalars k, double* grad_sq_sum,
                        unsigned long long* nonfinite_count) {
   const int lane = threadIdx.x % 32, lane16 = lane % 16;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -580,6 +663,15 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   constexpr int kPairsPerWarp = 2 * kQ;
   const bool want_sq = grad_sq_sum != nullptr;
   StepTotals totals{0.0, 0u};
+  if constexpr (kElementwisePipelined<Spec, kQ>) {
+    if (flat) {
+      elementwise_flat_pipelined<Spec, kQ>(static_cast<const uint16_t*>(grad), p, k, want_sq,
+                                           totals);
+      if (grad_sq_sum != nullptr || nonfinite_count != nullptr)
+        flush_totals<kElementwiseThreads>(totals, grad_sq_sum, nonfinite_count);
+      return;
+    }
+  }
   for (int64_t base = warp * kPairsPerWarp; base < pairs; base += warps * kPairsPerWarp) {
     int64_t row[kQ], col[kQ], idx[kQ];  // grad: [rows, cols], contiguous
     int n[kQ];
@@ -600,8 +692,8 @@ __global__ void __launch_bounds__(kElementwiseThreads)
     flush_totals<kElementwiseThreads>(totals, grad_sq_sum, nonfinite_count);
 }
 
-using ElementwiseKernelFn = void (*)(const void*, int, bool, ParamView, RuleScalars, double*,
-                                     unsigned long long*);
+using ElementwiseKernelFn = void (*)(const void*, int, bool, bool, ParamView, RuleScalars,
+                                     double*, unsigned long long*);
 struct ElementwiseKernel {
   ElementwiseKernelFn fn;
   SpecMatchFn matches;
@@ -825,9 +917,20 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
   if (kernel == nullptr) kernel = &kElementwiseGenericKernel;
   log_kernel_choice(kernel->name, k, a.param.weight_format, a.param.state_format, 1);
   const bool grad_vec = view.vec4 != 0 && aligned16(a.grad);
-  kernel->fn<<<elementwise_blocks(view, info.num_sms, kernel->pairs_per_warp), kElementwiseThreads,
-               0, stream>>>(a.grad, a.grad_dtype, grad_vec, view, k, a.outputs.grad_sq_sum,
-                            reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count));
+  // The flat view (see elementwise_flat_pipelined): same offsets, one row, no division per
+  // pair. The kernels that do not pipeline run their ordinary loop on it.
+  const bool flat = kernel != &kElementwiseGenericKernel && grad_vec &&
+                    a.grad_dtype == FORGE_DTYPE_BF16 && view.cols % FORGE_INT8_BLOCK == 0;
+  ParamView run_view = view;
+  if (flat) {
+    run_view.cols = view.rows * view.cols;
+    run_view.rows = 1;
+    run_view.blocks_per_row = run_view.cols / FORGE_INT8_BLOCK;
+  }
+  kernel->fn<<<elementwise_blocks(run_view, info.num_sms, kernel->pairs_per_warp),
+               kElementwiseThreads, 0, stream>>>(
+      a.grad, a.grad_dtype, grad_vec, flat, run_view, k, a.outputs.grad_sq_sum,
+      reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count));
   FORGE_CUDA_TRY(cudaGetLastError());
   return FORGE_OK;
 }

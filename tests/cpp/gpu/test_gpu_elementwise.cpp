@@ -112,21 +112,27 @@ TEST_P(ElementwiseLarge, GridStrideMatchesCpu) {
   FORGE_REQUIRE_GPU();
   const auto [rule_index, wf, sf] = GetParam();
   forge_hparams hp = rule_cases()[rule_index].hp;
-  const int64_t rows = 3001, cols = 4100;
-  HostParam cpu = make_param(rows, cols, wf, sf, hp, 5);
-  DeviceParam gpu;
-  gpu.upload(cpu);
-  const std::vector<uint8_t> g = make_grad(rows, cols, FORGE_DTYPE_BF16, 6);
-  forge_elementwise_args a =
-      elementwise_args(g.data(), FORGE_DTYPE_BF16, cpu.view(), hp, cpu_device(), nullptr, nullptr);
-  FORGE_OK(forge_elementwise_step(&a));
-  DeviceBuffer grad(g.size());
-  grad.upload(g.data(), g.size());
-  a = elementwise_args(grad.data(), FORGE_DTYPE_BF16, gpu.view(cpu), hp, gpu_device(), nullptr, nullptr);
-  FORGE_OK(forge_elementwise_step(&a));
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_TRUE(same_bits(cpu, gpu.download(cpu)));
-  EXPECT_TRUE(gpu.guards_intact());
+  // 3001 × 4100: rows of partial int8 blocks (the row-by-row loop). 1101 × 4160: cols % 64 == 0
+  // with a bf16 gradient, so the flat view (and, for bf16 W with bf16 or int8 states, the
+  // pipelined loop); 71565 (row, block) pairs: more than one grid-stride round, and a last
+  // round that ends inside a warp's 4 pairs.
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{3001, 4100}, {1101, 4160}}) {
+    SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols));
+    HostParam cpu = make_param(rows, cols, wf, sf, hp, 5);
+    DeviceParam gpu;
+    gpu.upload(cpu);
+    const std::vector<uint8_t> g = make_grad(rows, cols, FORGE_DTYPE_BF16, 6);
+    forge_elementwise_args a =
+        elementwise_args(g.data(), FORGE_DTYPE_BF16, cpu.view(), hp, cpu_device(), nullptr, nullptr);
+    FORGE_OK(forge_elementwise_step(&a));
+    DeviceBuffer grad(g.size());
+    grad.upload(g.data(), g.size());
+    a = elementwise_args(grad.data(), FORGE_DTYPE_BF16, gpu.view(cpu), hp, gpu_device(), nullptr, nullptr);
+    FORGE_OK(forge_elementwise_step(&a));
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_TRUE(same_bits(cpu, gpu.download(cpu)));
+    EXPECT_TRUE(gpu.guards_intact());
+  }
 }
 
 // rule_cases(): 3 = AdamW, 2 = SGD with Nesterov momentum (no specialized kernel).
