@@ -191,3 +191,77 @@ def test_replaced_state_tensor_is_the_one_updated(device, state_format):
         runs.append((model, opt))
     for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
         assert torch.equal(a, b), f"{name}: the step used the replaced state's old buffer"
+
+
+class _ChangeOneAtATime:
+    """A 'scheduler' that changes one hyper-parameter of every group per step and restores
+    it at the next (the restored values are ones forge.optim has cached already):
+    base, change 1, base, change 2, base, ..."""
+
+    def __init__(self, opt, changes):
+        self.opt, self.i = opt, 0
+        base = {key: opt.param_groups[0][key] for key in changes}
+        self.values = [base]
+        for key, value in changes.items():
+            self.values += [{key: value}, base]
+
+    def step(self):
+        self.i += 1
+        for group in self.opt.param_groups:
+            group.update(self.values[self.i % len(self.values)])
+
+
+# (optimizer, its hyper-parameters, a new value for each key that changes). Left out:
+# what torch.optim folds into its state step by step (NAdam's mu_product: betas[0] and
+# momentum_decay), and what torch 2.4's Adam has no key for (decoupled_weight_decay).
+_CHANGES = [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1),
+     dict(lr=5e-3, betas=(0.5, 0.9), eps=1e-3, weight_decay=0.0, maximize=True)),
+    ("NAdam", dict(lr=1e-2, weight_decay=0.1), dict(decoupled_weight_decay=True, eps=1e-3)),
+    ("Lion", dict(lr=1e-3, weight_decay=0.1), dict(betas=(0.5, 0.9))),
+    ("RMSprop", dict(lr=1e-3, momentum=0.9), dict(alpha=0.5, eps=1e-3, momentum=0.5)),
+    ("Adagrad", dict(lr=1e-2), dict(lr_decay=0.5, eps=1e-3)),
+    ("SGD", dict(lr=0.1, momentum=0.9),
+     dict(momentum=0.5, dampening=0.3, nesterov=True, weight_decay=0.1, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,kwargs,changes", _CHANGES, ids=[c[0] for c in _CHANGES])
+def test_changed_hyper_parameters_apply_at_the_next_update(device, name, kwargs, changes,
+                                                           record_difference):
+    """Every hyper-parameter is read from the group at each update (forge_hparams are
+    cached on their values): changing any one of them between steps, and back, gives
+    torch.optim's trajectory under the same changes."""
+    errors = trajectories(TinyTransformer, name, kwargs, device, steps=2 * len(changes) + 1,
+                          make_schedule=lambda opt: _ChangeOneAtATime(opt, changes))
+    record_difference(f"{name} hyper-parameters changed", errors["forge_vs_ordered"])
+    assert_contract(errors, device)
+
+
+def test_in_place_changes_of_tensor_and_list_values_apply():
+    """A tensor lr or a list of betas can change in place, the group's entry staying the
+    same object: the update must see the new value, as if the entry had been replaced."""
+    torch.manual_seed(0)
+    initial = TinyTransformer().state_dict()
+    runs = []
+    for in_place in (True, False):
+        model = TinyTransformer()
+        model.load_state_dict(initial)
+        params = [{"params": list(model.parameters()), "lr": torch.tensor(0.5),
+                   "betas": [0.5, 0.75]}]
+        opt = forge.optim.AdamW(model, params=params)
+        group = opt.param_groups[0]
+        for step in range(3):
+            lm_loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+            new_lr, new_beta1 = 0.25 / 2 ** step, 0.25 * step  # exact in fp32
+            if in_place:
+                group["lr"].fill_(new_lr)
+                group["betas"][0] = new_beta1
+            else:
+                group["lr"], group["betas"] = new_lr, (new_beta1, 0.75)
+        runs.append(model)
+    for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters()):
+        assert torch.equal(a, b), f"{name}: an in-place hyper-parameter change was missed"
