@@ -651,8 +651,10 @@ constexpr bool kElementwisePipelined = !Spec::kGeneric && raw_quads_words<Spec, 
 // (8.6 ms of a 160 ms step at the end of backward: forge-bench --profile, 2026-11-29).
 // `flat`: p is the flat view and the gradient bf16 with vector access (the host checked
 // elementwise_flat_ok); the pipelined loop runs where kElementwisePipelined.
+// NOTE: 2 CTAs per SM asked for: without it ptxas gave the int8 kernels up to 144 registers
+// (one CTA, 8 warps per SM); the others were at <= 128 already.
 template <class Spec, int kQ>
-__global__ void __launch_bounds__(kElementwiseThreads)
+__global__ void __launch_bounds__(kElementwiseThreads, 2)
     elementwise_kernel(const void* grad, int grad_dtype, bool grad_vec, bool flat,
                        const ParamView p, const RuleScalars k, double* grad_sq_sum,
                        unsigned long long* nonfinite_count) {
@@ -663,6 +665,10 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   constexpr int kPairsPerWarp = 2 * kQ;
   const bool want_sq = grad_sq_sum != nullptr;
   StepTotals totals{0.0, 0u};
+  if constexpr (int8_table_needed<Spec>()) {
+    int8_octave_table_init(threadIdx.x);
+    __syncthreads();
+  }
   if constexpr (kElementwisePipelined<Spec, kQ>) {
     if (flat) {
       elementwise_flat_pipelined<Spec, kQ>(static_cast<const uint16_t*>(grad), p, k, want_sq,
@@ -727,6 +733,8 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int64_t pairs = p.rows * p.blocks_per_row;
+  int8_octave_table_init(threadIdx.x);  // the state format is a run-time value here
+  __syncthreads();
   for (int64_t base = warp * 2; base < pairs; base += warps * 2) {
     const BlockCursor c = block_cursor(p, base + lane / 16, pairs, lane16);
     const int64_t idx = c.row * p.cols + c.col;

@@ -207,17 +207,73 @@ __device__ __forceinline__ float group_max(float v) {
 // ---- the int8 dynamic map, fast and bit-identical ------------------------------------------
 //
 // formats.h's int8_level_value() scales with ldexpf and int8_nearest_level() binary-searches
-// 8 levels deep: ~300 dependent instructions per encoded element. The device runs formats.h's
-// direct forms (int8_level_value_direct, int8_nearest_level_direct: exponent bits and 7
-// exact comparisons, no loop), which return the same bits.
-// tests/cpp/gpu/test_gpu_int8_map.cu checks them on the device against formats.h for every
-// code and every float in [0, 2], NaN and infinities (test_formats.cpp does it on the CPU).
-__device__ __forceinline__ float int8_level_fast(int level, int top) {
-  return int8_level_value_direct(level, top);
+// 8 levels deep: ~300 dependent instructions per encoded element. formats.h's direct forms
+// (int8_level_value_direct, int8_nearest_level_direct; what the CPU runs) take ~15 and ~60
+// integer / select instructions, and on the GPU those made the int8 epilogue ALU-bound (ncu,
+// 2026-11-29: ALU pipe 72 %, 337 instructions per element against 90 with bf16 states).
+// The device forms below read the same constants from a 9-entry table in shared memory:
+//   kOctave[j] = 2^(j/8) in fp32 = 2 · int8_level_fraction(8 - j) (j = 1..8), kOctave[0] = 1,
+// so 2^(-i/8) = kOctave[8 - i] / 2 exactly (a power of two), and the 7 thresholds of
+// int8_nearest_level_direct, 2 · int8_level_fraction(i) = kOctave[8 - i], fall one per
+// eighth of the octave: kOctave[b + 1] lies in [1 + b/8, 1 + (b+1)/8) for b = 0..6
+// (1.0905, 1.1892, 1.2968, 1.4142, 1.5422, 1.6818, 1.8340), and kOctave[8] = 2 is above
+// every mantissa. So a mantissa m in eighth b has reached the b thresholds below it and
+// reaches kOctave[b + 1] or not: j = b + [m >= kOctave[b + 1]], one compare instead of
+// seven. The levels around a: level(lo) = kOctave[j] · 2^e and level(lo + 1) =
+// kOctave[j + 1] · 2^e for a in [2^e, 2^(e+1)), both exact (formats.h's derivation with
+// the power of two factored out), but for lo = 0 (value 0, and level 1 above it).
+// NOTE: nine floats in nine banks: any pattern of lookups by a warp is one wavefront.
+// tests/cpp/gpu/test_gpu_int8_map.cu checks every code and every float in [0, 2] against
+// formats.h's reference on the device; test_formats.cpp checks the direct forms on the CPU.
+
+// The CTA's table (one per block for every kernel that uses it).
+__device__ __forceinline__ float* int8_octave_table() {
+  __shared__ float table[9];
+  return table;
 }
 
+// Fills the table: threads 0..8 of the CTA (tid: the thread's index in it) write; a
+// __syncthreads must follow before the first int8 access. Every kernel that may touch int8
+// states calls it before its first __syncthreads (int8_table_needed<Spec>).
+__device__ __forceinline__ void int8_octave_table_init(int tid) {
+  if (tid < 9) int8_octave_table()[tid] = tid == 0 ? 1.0f : 2.0f * int8_level_fraction(8 - tid);
+}
+
+// == int8_level_value_direct(level, top), for 0 <= level <= top <= 255.
+__device__ __forceinline__ float int8_level_fast(int level, int top) {
+  const int d = top - level;
+  // 2^(-(d & 7)/8) · 2^-(d >> 3) = kOctave[8 - (d & 7)] · 2^(-(d >> 3) - 1): d >> 3 <= 31,
+  // so the scale is a normal power of two and the product exact, as the reference's.
+  const float f = int8_octave_table()[8 - (d & 7)];
+  const float scale = bits_float(static_cast<uint32_t>(126 - (d >> 3)) << 23);
+  return level == 0 ? 0.0f : f * scale;
+}
+
+// == int8_nearest_level_direct(a, top).
 __device__ __forceinline__ int int8_nearest_level_fast(float a, int top) {
-  return int8_nearest_level_direct(a, top);
+  if (!(a > 0.0f)) return 0;
+  if (a >= 1.0f) return top;
+  const float* octave = int8_octave_table();
+  const uint32_t u = float_bits(a);
+  const int e = static_cast<int>(u >> 23) - 127;  // subnormals: -127, far below any level
+  const float m = bits_float((u & 0x7FFFFFu) | 0x3F800000u);
+  const int b = static_cast<int>((u >> 20) & 7u);  // the eighth of [1, 2) that m is in
+  const int j = b + (m >= octave[b + 1] ? 1 : 0);
+  int lo = top + 8 * e + j;                        // top - d, d = -8e - j
+  if (lo < 0) lo = 0;                              // below level 1: only level 0 is <= a
+  // lo < top here (a < 1 = level(top)). level(lo) and level(lo + 1), as the reference's
+  // int8_level_value_direct gives them: 2^e is a's own exponent bits.
+  const float pow2e = bits_float(u & 0x7F800000u);
+  const bool bottom = lo == 0;
+  const float below = bottom ? 0.0f : octave[j] * pow2e;
+  const float above = bottom ? int8_level_fast(1, top) : octave[j + 1] * pow2e;
+  return above - a < a - below ? lo + 1 : lo;
+}
+
+// Whether a kernel instantiated for Spec can touch int8 states (and needs the table).
+template <class Spec>
+constexpr bool int8_table_needed() {
+  return Spec::kGeneric || Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64;
 }
 
 // == formats.h int8_decode / int8_encode, bit for bit.

@@ -2,7 +2,9 @@
 // int8_level_fast, int8_nearest_level_fast, int8_decode_fast, int8_encode_fast) against
 // formats.h's reference functions, run on the device: every code, every float in [0, 2]
 // (all 2^30 + 2^23 bit patterns), special values, and 2^24 random (x, absmax) pairs.
-// Bit for bit; any difference would break CPU/GPU equality of int8 states.
+// Bit for bit; any difference would break CPU/GPU equality of int8 states. The device forms
+// read a table in shared memory (int8_octave_table): each kernel here fills it first, as
+// the library's kernels do.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +16,8 @@ namespace fgt {
 namespace {
 
 __global__ void compare_decode(unsigned long long* mismatches) {
+  forge::cuda::int8_octave_table_init(threadIdx.x);  // the device forms read it
+  __syncthreads();
   const int code = threadIdx.x;  // one block of 256 threads: every code
   for (int is_signed = 0; is_signed < 2; ++is_signed) {
     const float want = forge::int8_decode(static_cast<uint8_t>(code), is_signed != 0);
@@ -24,6 +28,8 @@ __global__ void compare_decode(unsigned long long* mismatches) {
 
 // Every float whose bits lie in [first, first + count).
 __global__ void compare_nearest(uint32_t first, uint32_t count, unsigned long long* mismatches) {
+  forge::cuda::int8_octave_table_init(threadIdx.x);  // the device forms read it
+  __syncthreads();
   unsigned long long bad = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
        i += uint64_t(gridDim.x) * blockDim.x) {
@@ -40,6 +46,8 @@ __device__ uint32_t mix(uint64_t z) { return static_cast<uint32_t>(forge::mix64(
 // Random x (any bit pattern: NaN, infinities, subnormals included) against an absmax that is
 // |x| scaled up a little, or another random bit pattern.
 __global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
+  forge::cuda::int8_octave_table_init(threadIdx.x);  // the device forms read it
+  __syncthreads();
   unsigned long long bad = 0;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
     const float x = __uint_as_float(mix(2 * uint64_t(i)));
