@@ -128,15 +128,16 @@ FORGE_HD int int8_nearest_level(float a, int top) {
   return lo;
 }
 
-// ---- the same map, computed directly (what the backends run) ----------------------------
+// ---- the same map, computed directly (what the CPU backend runs) -------------------------
 //
 // int8_level_value / int8_nearest_level above are the definition: a switch + ldexpf, and an
 // 8-step binary search of ~300 dependent instructions. The two functions below return the
 // same values by direct computation, branch-free but for the range checks, with IEEE-exact
 // operations only (selects, exponent bits, exact comparisons, the reference's own
-// subtractions), so they give the same bits on the CPU and the GPU.
-// tests/cpp/test_formats.cpp compares them with the reference on every float in [0, 1] and
-// every level; tests/cpp/gpu/test_gpu_int8_map.cu does the same on the device.
+// subtractions). tests/cpp/test_formats.cpp compares them with the reference on every float
+// in [0, 1] and every level. The CUDA backend runs a table-driven form of the same
+// computation (src/cuda/update.cuh, int8_octave_table), which
+// tests/cpp/gpu/test_gpu_int8_map.cu compares with the reference on the device.
 
 // == int8_level_value(level, top) for 0 <= level <= top <= 255.
 FORGE_HD float int8_level_value_direct(int level, int top) {
