@@ -12,7 +12,7 @@ import torch
 
 import forge
 import forge.optim
-from conftest import DEVICES
+from conftest import DEVICES, requires_cuda
 from reference import assert_contract, trajectories
 from tiny_models import TinyTransformer, lm_loss
 
@@ -191,6 +191,35 @@ def test_replaced_state_tensor_is_the_one_updated(device, state_format):
         runs.append((model, opt))
     for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
         assert torch.equal(a, b), f"{name}: the step used the replaced state's old buffer"
+
+
+@requires_cuda
+def test_fused_step_runs_on_the_stream_backward_used(monkeypatch):
+    """X and dY are ready on the stream backward made them on, so the fused step must be
+    launched there: a step taken inside torch.cuda.stream(side), then one on the default
+    stream (the legacy default stream's handle is 0, a real stream). Seen at the C ABI."""
+    seen = []
+    real = forge._lib.Library.wgrad_step
+
+    def spy(self, args):
+        seen.append(args.device.stream or 0)  # ctypes gives None for a null void*
+        return real(self, args)
+    monkeypatch.setattr(forge._lib.Library, "wgrad_step", spy)
+    model = TinyTransformer().to("cuda")
+    opt = forge.optim.AdamW(model, lr=1e-2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        lm_loss(model, 0, "cuda").backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.current_stream().wait_stream(side)
+    assert seen and set(seen) == {side.cuda_stream}
+    seen.clear()
+    lm_loss(model, 1, "cuda").backward()
+    opt.step()
+    assert seen and set(seen) == {torch.cuda.current_stream().cuda_stream}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 class _ChangeOneAtATime:
