@@ -271,6 +271,31 @@ forge_wgrad_args fused_args(const void* x, const void* dy, int64_t tokens, const
   return a;
 }
 
+// AdamW's int8 states of p (m and v: p.state[0], p.state[1]) set from random fp32 values
+// (m in ±1e-3, v in (0, 1e-6]) through the library's encoder; seeds `seed`, `seed + 1`.
+void fill_int8_adamw_states(const forge_param& p, int64_t n, uint64_t seed,
+                            const forge_hparams& hp) {
+  DevMem tmp(n * 4);
+  fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, seed, 1e-3f, false);
+  CHECK_FORGE(forge_state_from_fp32(&p, &hp, 0, tmp.as<float>(), cuda_device()));
+  fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, seed + 1, 1e-6f, true);
+  CHECK_FORGE(forge_state_from_fp32(&p, &hp, 1, tmp.as<float>(), cuda_device()));
+  CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+// forge_elementwise_step's arguments for a bf16 gradient.
+forge_elementwise_args elementwise_args(const void* grad, const forge_param& p,
+                                        const forge_hparams& hp) {
+  forge_elementwise_args a{};
+  a.abi_version = FORGE_ABI_VERSION;
+  a.device = cuda_device();
+  a.grad = grad;
+  a.grad_dtype = FORGE_DTYPE_BF16;
+  a.param = p;
+  a.hparams = hp;
+  return a;
+}
+
 void run_cublas(cublasHandle_t h, const void* x, const void* dy, void* dw, cudaDataType out_type,
                 int64_t tokens, const Shape& s) {
   const float alpha = 1.0f, beta = 0.0f;
@@ -347,14 +372,7 @@ int main(int argc, char** argv) {
     p8.state[1] = v8.p;
     p8.state_absmax[0] = am8.as<float>();
     p8.state_absmax[1] = av8.as<float>();
-    {
-      DevMem tmp(n * 4);
-      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 9, 1e-3f, false);
-      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 0, tmp.as<float>(), cuda_device()));
-      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 10, 1e-6f, true);
-      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 1, tmp.as<float>(), cuda_device()));
-      CHECK_CUDA(cudaDeviceSynchronize());
-    }
+    fill_int8_adamw_states(p8, n, 9, adamw);
     // Launch order (what gpu_check.sh profile's ncu counts): the fused step at T = 32 (the
     // update alone) with bf16 SR states, then int8; the same at T = 512; the element-wise
     // step with bf16 SR states, then int8; the unfused AdamW pass.
@@ -365,13 +383,7 @@ int main(int argc, char** argv) {
       }
     }
     for (const forge_param* q : {&p, &p8}) {
-      forge_elementwise_args a{};
-      a.abi_version = FORGE_ABI_VERSION;
-      a.device = cuda_device();
-      a.grad = g.p;
-      a.grad_dtype = FORGE_DTYPE_BF16;
-      a.param = *q;
-      a.hparams = adamw;
+      const forge_elementwise_args a = elementwise_args(g.p, *q, adamw);
       CHECK_FORGE(forge_elementwise_step(&a));
     }
     AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(0.001f), -1e-2f, 1.0f - 1e-5f};
@@ -419,15 +431,7 @@ int main(int argc, char** argv) {
     pm.state_format = FORGE_STATE_FP32;
     pm.state[0] = m32.p;
     pm.state[1] = v32.p;
-    {
-      // int8 states from the bf16 ones' values, through the library.
-      DevMem tmp(n * 4);
-      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 9, 1e-3f, false);
-      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 0, tmp.as<float>(), cuda_device()));
-      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 10, 1e-6f, true);
-      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 1, tmp.as<float>(), cuda_device()));
-      CHECK_CUDA(cudaDeviceSynchronize());
-    }
+    fill_int8_adamw_states(p8, n, 9, adamw);  // the bf16 states' value ranges
     // forge.optim.AdamW's default: stochastic rounding of the bf16 weight and bf16 states.
     forge_param psr = p16;
     psr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
@@ -614,23 +618,10 @@ int main(int argc, char** argv) {
     p8.state[1] = v8.p;
     p8.state_absmax[0] = am8.as<float>();
     p8.state_absmax[1] = av8.as<float>();
-    {
-      DevMem tmp(n * 4);
-      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 15, 1e-3f, false);
-      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 0, tmp.as<float>(), cuda_device()));
-      fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, 16, 1e-6f, true);
-      CHECK_FORGE(forge_state_from_fp32(&p8, &adamw, 1, tmp.as<float>(), cuda_device()));
-      CHECK_CUDA(cudaDeviceSynchronize());
-    }
+    fill_int8_adamw_states(p8, n, 15, adamw);
     forge_hparams hp = adamw;
     auto step = [&](const forge_param& p) {
-      forge_elementwise_args a{};
-      a.abi_version = FORGE_ABI_VERSION;
-      a.device = cuda_device();
-      a.grad = g.p;
-      a.grad_dtype = FORGE_DTYPE_BF16;
-      a.param = p;
-      a.hparams = hp;
+      const forge_elementwise_args a = elementwise_args(g.p, p, hp);
       hp.step = hp.step % 1000 + 1;
       CHECK_FORGE(forge_elementwise_step(&a));
     };

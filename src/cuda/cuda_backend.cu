@@ -544,19 +544,9 @@ __device__ __forceinline__ void load_grad_quad(const void* grad, int dtype, int6
     case FORGE_DTYPE_BF16:
       load_quad_bf16(static_cast<const uint16_t*>(grad), idx, n, vec, g);
       break;
-    default: {  // FORGE_DTYPE_FP16
-      const uint16_t* base = static_cast<const uint16_t*>(grad);
-      if (vec) {
-        const uint2 q = *reinterpret_cast<const uint2*>(base + idx);
-        g[0] = fp16_to_float(static_cast<uint16_t>(q.x & 0xFFFFu));
-        g[1] = fp16_to_float(static_cast<uint16_t>(q.x >> 16));
-        g[2] = fp16_to_float(static_cast<uint16_t>(q.y & 0xFFFFu));
-        g[3] = fp16_to_float(static_cast<uint16_t>(q.y >> 16));
-      } else {
-#pragma unroll
-        for (int e = 0; e < kQuad; ++e) g[e] = e < n ? fp16_to_float(base[idx + e]) : 0.0f;
-      }
-    }
+    default:  // FORGE_DTYPE_FP16
+      load_quad_16(static_cast<const uint16_t*>(grad), idx, n, vec, g,
+                   [](uint16_t h) { return fp16_to_float(h); });
   }
 }
 
@@ -649,8 +639,8 @@ constexpr bool kElementwisePipelined = !Spec::kGeneric && raw_quads_words<Spec, 
 // NOTE: specialized + kQ = 2 replaced one generic kernel with kQ = 1 and scalar gradient
 // loads, which moved ~0.85 TB/s on the 0.5 G-parameter embedding of Llama-3.1-8B
 // (8.6 ms of a 160 ms step at the end of backward: forge-bench --profile, 2026-11-29).
-// `flat`: p is the flat view and the gradient bf16 with vector access (the host checked
-// elementwise_flat_ok); the pipelined loop runs where kElementwisePipelined.
+// `flat`: p is the flat view and the gradient bf16 with vector access (elementwise_step
+// checks both); the pipelined loop runs where kElementwisePipelined.
 // NOTE: 2 CTAs per SM asked for: without it ptxas gave the int8 kernels up to 144 registers
 // (one CTA, 8 warps per SM); the others were at <= 128 already.
 template <class Spec, int kQ>

@@ -128,18 +128,25 @@ __device__ __forceinline__ void load_quad_f32(const float* base, int64_t idx, in
   }
 }
 
-__device__ __forceinline__ void load_quad_bf16(const uint16_t* base, int64_t idx, int n, bool vec,
-                                               float (&v)[kQuad]) {
+// A quad of 16-bit floats (bf16 or fp16: `to_float` converts one).
+template <class ToFloat>
+__device__ __forceinline__ void load_quad_16(const uint16_t* base, int64_t idx, int n, bool vec,
+                                             float (&v)[kQuad], ToFloat to_float) {
   if (vec) {
     const uint2 q = *reinterpret_cast<const uint2*>(base + idx);
-    v[0] = bf16_to_float(static_cast<uint16_t>(q.x & 0xFFFFu));
-    v[1] = bf16_to_float(static_cast<uint16_t>(q.x >> 16));
-    v[2] = bf16_to_float(static_cast<uint16_t>(q.y & 0xFFFFu));
-    v[3] = bf16_to_float(static_cast<uint16_t>(q.y >> 16));
+    v[0] = to_float(static_cast<uint16_t>(q.x & 0xFFFFu));
+    v[1] = to_float(static_cast<uint16_t>(q.x >> 16));
+    v[2] = to_float(static_cast<uint16_t>(q.y & 0xFFFFu));
+    v[3] = to_float(static_cast<uint16_t>(q.y >> 16));
   } else {
 #pragma unroll
-    for (int e = 0; e < kQuad; ++e) v[e] = e < n ? bf16_to_float(base[idx + e]) : 0.0f;
+    for (int e = 0; e < kQuad; ++e) v[e] = e < n ? to_float(base[idx + e]) : 0.0f;
   }
+}
+
+__device__ __forceinline__ void load_quad_bf16(const uint16_t* base, int64_t idx, int n, bool vec,
+                                               float (&v)[kQuad]) {
+  load_quad_16(base, idx, n, vec, v, [](uint16_t h) { return bf16_to_float(h); });
 }
 
 __device__ __forceinline__ void load_quad_codes(const uint8_t* base, int64_t idx, int n, bool vec,
@@ -318,72 +325,55 @@ __device__ __forceinline__ bool fast_div_operand(float x) {
   return a >= 0x1p-62f && a < 0x1p62f;
 }
 
-struct FastMath {
+// kTakesZero: +0 is added to the domain (FastMathWithZeros, below), where an exact zero is
+// common: an all-zero gradient row leaves AdamW's m and v at exactly +0 (an embedding's
+// unseen tokens: most of its rows on every step), and without it 0 / x and sqrt(0) send the
+// whole batch down the exact path. Each addition is an identity on FastMath's own domain (see
+// each), so both give IEEE's results on their domains. The element-wise kernels take zeros;
+// the fused epilogues keep FastMath (zeros are rare there, and each instruction counts).
+template <bool kTakesZero>
+struct FastMathT {
   static constexpr bool kDeferFiniteCheck = true;
   bool ok = true;
   __device__ __forceinline__ void require(bool c) { ok = ok & c; }
   // The instruction sequence nvcc emits for div.rn.f32 before its FCHK branch (reciprocal
   // estimate, one Newton step, quotient, residual, correction). Operands restricted to
   // fast_div_operand, where FCHK takes this path, so the result is a / b exactly.
+  // With zeros, a == +0 too: q = +0 · y is a zero with b's sign (y = 1/b's estimate has it),
+  // r = -b·q + a = -0 + +0 = +0, and y·r + q keeps q: +0 / b exactly. -0 is still declined
+  // (the last fma would return +0 where IEEE gives a zero of the other sign).
+  // NOTE: with zeros q is a product, not fma(a, y, 0): on FastMath's domain the product is a
+  // nonzero normal (|a|, |y| >= 2^-62), where the two round the same; at a == +0 only the
+  // product keeps b's sign.
   __device__ __forceinline__ float div(float a, float b) {
-    require(fast_div_operand(a) & fast_div_operand(b));
+    const bool a_ok = kTakesZero ? fast_div_operand(a) | (__float_as_uint(a) == 0u)
+                                 : fast_div_operand(a);
+    require(a_ok & fast_div_operand(b));
     float y;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
     const float e = __fmaf_rn(-b, y, 1.0f);
     y = __fmaf_rn(y, e, y);
-    const float q = __fmaf_rn(a, y, 0.0f);
+    const float q = kTakesZero ? __fmul_rn(a, y) : __fmaf_rn(a, y, 0.0f);
     const float r = __fmaf_rn(-b, q, a);
     return __fmaf_rn(y, r, q);
   }
   // The sequence nvcc emits for sqrt.rn.f32 on its fast path, under nvcc's own condition for
   // it: x a positive normal float >= 2^-101 (bits in [0x0D000000, 0x7F7FFFFF]).
-  __device__ __forceinline__ float sqrt(float x) {
-    require(__float_as_uint(x) + 0xF3000000u <= 0x727FFFFFu);
-    float y;
-    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    const float s = __fmul_rn(x, y);
-    const float h = __fmul_rn(y, 0.5f);
-    const float r = __fmaf_rn(-s, s, x);
-    return __fmaf_rn(r, h, s);
-  }
-};
-
-// FastMath over a domain with +0 added where an exact zero is common: an all-zero gradient
-// row leaves AdamW's m and v at exactly +0 (an embedding's unseen tokens: most of its rows on
-// every step), and FastMath declines 0 / x and sqrt(0), sending the whole batch down the
-// exact path. Same results as IEEE on the larger domain; FastMath's on FastMath's own (the
-// extra operations below are identities there, see each). Used by the element-wise kernels
-// (the fused epilogues keep FastMath: zeros are rare there, and each instruction counts).
-struct FastMathWithZeros : FastMath {
-  // a == +0: q = +0 · y is a zero with b's sign (y = 1/b's estimate has it), r = -b·q + a
-  // = -0 + +0 = +0, and y·r + q keeps q: +0 / b exactly. -0 is still declined (the last
-  // fma would return +0 where IEEE gives -0 / b = a zero of the other sign).
-  // NOTE: q is a product, not fma(a, y, 0) as in FastMath: on FastMath's domain the product
-  // is a nonzero normal (|a|, |y| >= 2^-62), where the two round the same; at a == +0 only
-  // the product keeps b's sign.
-  __device__ __forceinline__ float div(float a, float b) {
-    require((fast_div_operand(a) | (__float_as_uint(a) == 0u)) & fast_div_operand(b));
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
-    const float e = __fmaf_rn(-b, y, 1.0f);
-    y = __fmaf_rn(y, e, y);
-    const float q = __fmul_rn(a, y);
-    const float r = __fmaf_rn(-b, q, a);
-    return __fmaf_rn(y, r, q);
-  }
-  // x == +0: the estimate is taken of max(x, 2^-101) (= x on FastMath's domain, whose floor
-  // is 2^-101), so it is finite; then s = +0, r = +0 and the result is +0 = sqrt(+0).
+  // With zeros, x == +0 too: the estimate is taken of max(x, 2^-101) (= x on the domain
+  // above), so it is finite; then s = +0, r = +0 and the result is +0 = sqrt(+0).
   __device__ __forceinline__ float sqrt(float x) {
     const uint32_t u = __float_as_uint(x);
-    require((u + 0xF3000000u <= 0x727FFFFFu) | (u == 0u));
+    require((u + 0xF3000000u <= 0x727FFFFFu) | (kTakesZero && u == 0u));
     float y;
-    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaxf(x, 0x1p-101f)));
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(kTakesZero ? fmaxf(x, 0x1p-101f) : x));
     const float s = __fmul_rn(x, y);
     const float h = __fmul_rn(y, 0.5f);
     const float r = __fmaf_rn(-s, s, x);
     return __fmaf_rn(r, h, s);
   }
 };
+using FastMath = FastMathT<false>;
+using FastMathWithZeros = FastMathT<true>;
 
 // == bf16_nearest(lo) | bf16_nearest(hi) << 16 for non-NaN lo, hi: cvt.rn.bf16x2.f32 rounds
 // to nearest even exactly as formats.h does (overflow to infinity included), in one

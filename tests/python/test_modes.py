@@ -17,6 +17,18 @@ from reference import assert_contract, trajectories
 from tiny_models import TinyTransformer, lm_loss
 
 
+def _initial_weights():
+    """One TinyTransformer's weights (seed 0), for runs that must start from the same model."""
+    torch.manual_seed(0)
+    return TinyTransformer().state_dict()
+
+
+def _tiny_from(initial, device="cpu"):
+    model = TinyTransformer()
+    model.load_state_dict(initial)
+    return model.to(device)
+
+
 def test_second_backward_without_step_raises():
     model = TinyTransformer()
     opt = forge.optim.AdamW(model)
@@ -166,13 +178,10 @@ def test_fused_path_holds_across_steps(device, monkeypatch):
 def test_replaced_state_tensor_is_the_one_updated(device, state_format):
     """forge_param is cached per parameter while the data pointers stay; a state tensor
     replaced by hand must be the one the next step reads and writes, not the old one."""
-    torch.manual_seed(0)
-    initial = TinyTransformer().state_dict()
+    initial = _initial_weights()
     runs = []
     for replace in (False, True):
-        model = TinyTransformer()
-        model.load_state_dict(initial)
-        model.to(device)
+        model = _tiny_from(initial, device)
         opt = forge.optim.AdamW(model, lr=1e-2, state_format=state_format, seed=3)
         for step in range(2):
             lm_loss(model, step, device).backward()
@@ -271,12 +280,10 @@ def test_changed_hyper_parameters_apply_at_the_next_update(device, name, kwargs,
 def test_in_place_changes_of_tensor_and_list_values_apply():
     """A tensor lr or a list of betas can change in place, the group's entry staying the
     same object: the update must see the new value, as if the entry had been replaced."""
-    torch.manual_seed(0)
-    initial = TinyTransformer().state_dict()
+    initial = _initial_weights()
     runs = []
     for in_place in (True, False):
-        model = TinyTransformer()
-        model.load_state_dict(initial)
+        model = _tiny_from(initial)
         params = [{"params": list(model.parameters()), "lr": torch.tensor(0.5),
                    "betas": [0.5, 0.75]}]
         opt = forge.optim.AdamW(model, params=params)
