@@ -53,6 +53,11 @@ struct IeeeMath {
   static constexpr bool kDeferFiniteCheck = false;
   FORGE_HD float div(float a, float b) { return a / b; }
   FORGE_HD float sqrt(float x) { return sqrtf(x); }
+  // AdamW's step direction, each operation rounded: m / (sqrt(v) / bc2_sqrt + eps). One
+  // call so that a faster Math can drop the checks the operands' relations make redundant.
+  FORGE_HD float adamw_direction(float m, float v, float bc2_sqrt, float eps) {
+    return m / (sqrtf(v) / bc2_sqrt + eps);
+  }
   FORGE_HD void require(bool) {}
 };
 
@@ -66,7 +71,10 @@ FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, floa
   g = g * k.grad_scale;
   g_out = g;
   if constexpr (Math::kDeferFiniteCheck) {
-    math.require(is_finite(g));
+    // NOTE: not for AdamW: a deferring Math's adamw_direction declines a non-finite v, and
+    // v = β2·v + (1 − β2)·g² is not finite when g (after maximize and coupled decay) is not,
+    // nor is that g when the scaled one is not.
+    if (k.rule != FORGE_RULE_ADAMW) math.require(is_finite(g));
   } else {
     if (!is_finite(g)) return false;
   }
@@ -89,8 +97,9 @@ FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, floa
       const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
       s[0] = m;
       s[1] = v;
-      const float denom = math.div(math.sqrt(v), k.bc2_sqrt) + k.eps;
-      w = w + k.neg_step_size * math.div(m, denom);
+      // NOTE: update.cuh's fast path takes m and v as proven finite by adamw_direction's
+      // checks: keep them its operands.
+      w = w + k.neg_step_size * math.adamw_direction(m, v, k.bc2_sqrt, k.eps);
       break;
     }
     case FORGE_RULE_NADAM: {

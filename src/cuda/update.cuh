@@ -257,24 +257,26 @@ __device__ __forceinline__ float int8_level_fast(int level, int top) {
 }
 
 // == int8_nearest_level_direct(a, top).
+// NOTE: branch-free: the in-range search runs for every a (for a <= 0, a >= 1 or NaN it
+// computes a discarded level; its table reads stay in range: m is in [1, 2), so j <= 7) and
+// selects pick the result. With early returns each element's encode was a branch region
+// of its own (BSSY/BSYNC in the SASS), so the 8 elements of a pass could not interleave.
 __device__ __forceinline__ int int8_nearest_level_fast(float a, int top) {
-  if (!(a > 0.0f)) return 0;
-  if (a >= 1.0f) return top;
   const float* octave = int8_octave_table();
   const uint32_t u = float_bits(a);
   const int e = static_cast<int>(u >> 23) - 127;  // subnormals: -127, far below any level
   const float m = bits_float((u & 0x7FFFFFu) | 0x3F800000u);
   const int b = static_cast<int>((u >> 20) & 7u);  // the eighth of [1, 2) that m is in
   const int j = b + (m >= octave[b + 1] ? 1 : 0);
-  int lo = top + 8 * e + j;                        // top - d, d = -8e - j
-  if (lo < 0) lo = 0;                              // below level 1: only level 0 is <= a
-  // lo < top here (a < 1 = level(top)). level(lo) and level(lo + 1), as the reference's
+  const int lo = max(top + 8 * e + j, 0);  // top - d, d = -8e - j; below level 1: level 0
+  // For a in (0, 1): lo < top. level(lo) and level(lo + 1), as the reference's
   // int8_level_value_direct gives them: 2^e is a's own exponent bits.
   const float pow2e = bits_float(u & 0x7F800000u);
   const bool bottom = lo == 0;
   const float below = bottom ? 0.0f : octave[j] * pow2e;
   const float above = bottom ? int8_level_fast(1, top) : octave[j + 1] * pow2e;
-  return above - a < a - below ? lo + 1 : lo;
+  const int nearest = above - a < a - below ? lo + 1 : lo;
+  return a >= 1.0f ? top : (a > 0.0f ? nearest : 0);
 }
 
 // Whether a kernel instantiated for Spec can touch int8 states (and needs the table).
@@ -293,15 +295,17 @@ __device__ __forceinline__ float int8_decode_fast(uint8_t code, bool is_signed) 
 }
 
 // int8_encode given the ratio a = |x| / absmax (IEEE division) already computed.
+// Branch-free like int8_nearest_level_fast: selects, no early returns.
 __device__ __forceinline__ uint8_t int8_encode_ratio(float x, float a, float absmax,
                                                      bool is_signed) {
-  if (!(absmax > 0.0f)) return 0;
+  int code;
   if (is_signed) {
     const int level = int8_nearest_level_fast(a, kInt8SignedTop);
-    return static_cast<uint8_t>(level == 0 ? 0 : ((x < 0.0f ? 0x80 : 0) | level));
+    code = level == 0 ? 0 : ((x < 0.0f ? 0x80 : 0) | level);
+  } else {
+    code = x <= 0.0f ? 0 : int8_nearest_level_fast(a, kInt8UnsignedTop);
   }
-  if (x <= 0.0f) return 0;
-  return static_cast<uint8_t>(int8_nearest_level_fast(a, kInt8UnsignedTop));
+  return static_cast<uint8_t>(absmax > 0.0f ? code : 0);
 }
 
 __device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool is_signed) {
@@ -336,19 +340,20 @@ struct FastMathT {
   static constexpr bool kDeferFiniteCheck = true;
   bool ok = true;
   __device__ __forceinline__ void require(bool c) { ok = ok & c; }
+  // Whether a is a dividend div_unchecked takes: fast_div_operand, or +0 with zeros.
+  static __device__ __forceinline__ bool dividend_ok(float a) {
+    return kTakesZero ? fast_div_operand(a) | (__float_as_uint(a) == 0u) : fast_div_operand(a);
+  }
   // The instruction sequence nvcc emits for div.rn.f32 before its FCHK branch (reciprocal
-  // estimate, one Newton step, quotient, residual, correction). Operands restricted to
-  // fast_div_operand, where FCHK takes this path, so the result is a / b exactly.
+  // estimate, one Newton step, quotient, residual, correction). Exactly a / b when
+  // dividend_ok(a) and fast_div_operand(b), where FCHK takes this path; the caller checks.
   // With zeros, a == +0 too: q = +0 · y is a zero with b's sign (y = 1/b's estimate has it),
   // r = -b·q + a = -0 + +0 = +0, and y·r + q keeps q: +0 / b exactly. -0 is still declined
   // (the last fma would return +0 where IEEE gives a zero of the other sign).
   // NOTE: with zeros q is a product, not fma(a, y, 0): on FastMath's domain the product is a
   // nonzero normal (|a|, |y| >= 2^-62), where the two round the same; at a == +0 only the
   // product keeps b's sign.
-  __device__ __forceinline__ float div(float a, float b) {
-    const bool a_ok = kTakesZero ? fast_div_operand(a) | (__float_as_uint(a) == 0u)
-                                 : fast_div_operand(a);
-    require(a_ok & fast_div_operand(b));
+  static __device__ __forceinline__ float div_unchecked(float a, float b) {
     float y;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
     const float e = __fmaf_rn(-b, y, 1.0f);
@@ -357,19 +362,48 @@ struct FastMathT {
     const float r = __fmaf_rn(-b, q, a);
     return __fmaf_rn(y, r, q);
   }
-  // The sequence nvcc emits for sqrt.rn.f32 on its fast path, under nvcc's own condition for
-  // it: x a positive normal float >= 2^-101 (bits in [0x0D000000, 0x7F7FFFFF]).
-  // With zeros, x == +0 too: the estimate is taken of max(x, 2^-101) (= x on the domain
-  // above), so it is finite; then s = +0, r = +0 and the result is +0 = sqrt(+0).
-  __device__ __forceinline__ float sqrt(float x) {
-    const uint32_t u = __float_as_uint(x);
-    require((u + 0xF3000000u <= 0x727FFFFFu) | (kTakesZero && u == 0u));
+  // The sequence nvcc emits for sqrt.rn.f32 on its fast path: exactly sqrt(x) under nvcc's
+  // own condition for it, x a positive normal float >= 2^-101 (bits in [0x0D000000,
+  // 0x7F7FFFFF]); the caller checks. With zeros, x == +0 too: the estimate is taken of
+  // max(x, 2^-101) (= x on the domain above), so it is finite; then s = +0, r = +0 and the
+  // result is +0 = sqrt(+0).
+  static __device__ __forceinline__ float sqrt_unchecked(float x) {
     float y;
     asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(kTakesZero ? fmaxf(x, 0x1p-101f) : x));
     const float s = __fmul_rn(x, y);
     const float h = __fmul_rn(y, 0.5f);
     const float r = __fmaf_rn(-s, s, x);
     return __fmaf_rn(r, h, s);
+  }
+  __device__ __forceinline__ float div(float a, float b) {
+    require(dividend_ok(a) & fast_div_operand(b));
+    return div_unchecked(a, b);
+  }
+  __device__ __forceinline__ float sqrt(float x) {
+    const uint32_t u = __float_as_uint(x);
+    require((u + 0xF3000000u <= 0x727FFFFFu) | (kTakesZero && u == 0u));
+    return sqrt_unchecked(x);
+  }
+  // AdamW's step direction m / (sqrt(v) / bc2_sqrt + eps) (IeeeMath::adamw_direction), with
+  // fewer checks than div(m, div(sqrt(v), bc2_sqrt) + eps) would make, each implied:
+  //  - v in [2^-101, 2^122) (or +0 with zeros): sqrt's own domain, narrowed at the top so
+  //    that s = sqrt(v) in [2^-50.5, 2^61) (or +0) is a dividend div_unchecked takes: s
+  //    needs no check of its own;
+  //  - bc2_sqrt a divisor (the same value for every element: the compiler shares it);
+  //  - eps >= 2^-62 (uniform too), so d = s / bc2_sqrt + eps >= eps (s / bc2_sqrt >= +0 and
+  //    rounding is monotone) needs only its upper bound checked;
+  //  - m a dividend.
+  // A non-finite v (NaN or infinity: bits above 0x7F7FFFFF) is outside, so AdamW's v, and
+  // with it g (v = β2·v + (1 − β2)·g² is not finite when g is not), need no finite test
+  // (rules.h's apply_rule), and apply_quads_fast takes both new states as finite.
+  __device__ __forceinline__ float adamw_direction(float m, float v, float bc2_sqrt,
+                                                   float eps) {
+    const uint32_t u = __float_as_uint(v);
+    require((u + 0xF3000000u <= 0x6FFFFFFFu) | (kTakesZero && u == 0u));
+    require(fast_div_operand(bc2_sqrt) & (eps >= 0x1p-62f));
+    const float d = div_unchecked(sqrt_unchecked(v), bc2_sqrt) + eps;
+    require((d < 0x1p62f) & dividend_ok(m));
+    return div_unchecked(m, d);
   }
 };
 using FastMath = FastMathT<false>;
@@ -555,8 +589,11 @@ __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int
       const bool ok_before = math.ok;
       apply_rule(r, g[q][e], wv, st, g_used, math);
       float out = wv;
+      // AdamW: adamw_direction declines unless its m and v, the new states, are finite.
+      if (r.rule != FORGE_RULE_ADAMW) {
 #pragma unroll
-      for (int i = 0; i < kNumStates; ++i) out = out + st[i];
+        for (int i = 0; i < kNumStates; ++i) out = out + st[i];
+      }
       if (e < n[q]) {
         sum = sum + out;
       } else {
@@ -636,13 +673,17 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
 
 // Stores the updated weight and states of kQ quads (update_quads' arguments; keep[q]: the
 // skipped elements). kNonNan: the values were checked finite (the FastMath path).
+// weight_nonnan: only the weights were (int8 states, whose one store path serves both
+// outcomes: update_loaded); the weight store then takes the fast conversions too.
 template <int kQ, class Spec, bool kNonNan>
 __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamView& p,
                                             const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                             const int64_t (&idx)[kQ], const int (&n)[kQ],
                                             const bool (&vec)[kQ], const unsigned (&keep)[kQ],
                                             int lane16, const float (&w)[kQ][kQuad],
-                                            const float (&s)[FORGE_MAX_STATES][kQ][kQuad]) {
+                                            const float (&s)[FORGE_MAX_STATES][kQ][kQuad],
+                                            bool weight_nonnan = false) {
+  const bool w_nonnan = kNonNan || weight_nonnan;
   constexpr int kSF = Spec::kStateFormat;
   const int weight_format = Spec::kGeneric ? p.weight_format : Spec::kWeightFormat;
   const int num_states = Spec::kGeneric ? k.num_states : Spec::kNumStates;
@@ -669,7 +710,7 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
       case FORGE_WEIGHT_BF16:
       case FORGE_WEIGHT_BF16_MASTER: {
         uint16_t h[kQuad];
-        if (kNonNan) {
+        if (w_nonnan) {
 #pragma unroll
           for (int e = 0; e < kQuad; e += 2) {
             const uint32_t pair = bf16x2_nearest_nonnan(w[q][e], w[q][e + 1]);
@@ -689,8 +730,8 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
         uint16_t h[kQuad];
 #pragma unroll
         for (int e = 0; e < kQuad; ++e)
-          h[e] = kNonNan ? bf16_stochastic_nonnan(w[q][e], rng_stream_bits(draw[e], 0))
-                         : bf16_stochastic(w[q][e], rng_stream_bits(draw[e], 0));
+          h[e] = w_nonnan ? bf16_stochastic_nonnan(w[q][e], rng_stream_bits(draw[e], 0))
+                          : bf16_stochastic(w[q][e], rng_stream_bits(draw[e], 0));
         store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
       }
     }
@@ -849,7 +890,7 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
       } else {
         apply_quads_resolved<kQ, Spec>(k, want_sq, n, g, w, s, keep, totals);
       }
-      store_quads<kQ, Spec, false>(k, p, row, col, idx, n, vec, keep, lane16, w, s);
+      store_quads<kQ, Spec, false>(k, p, row, col, idx, n, vec, keep, lane16, w, s, fast);
       return;
     } else {
       if (fast) {

@@ -8,6 +8,10 @@
 //    equal IEEE division (__fdiv_rn); outside it FastMath must decline.
 //  - bf16x2_nearest_nonnan: every non-NaN float in both halves against formats.h's
 //    bf16_nearest.
+//  - adamw_direction: m / (sqrt(v) / bc2_sqrt + eps) on 2^28 random quadruples and special
+//    values, against the same IEEE operations (each a single rounding) on the combined domain
+//    restated below; outside it FastMath must decline. NaN and infinite v are outside: the
+//    AdamW fast path relies on that to skip its gradient's finite test (rules.h).
 // FastMathWithZeros (the element-wise kernels') passes the same tests with +0 added to its
 // domain (sqrt(+0), +0 / b). Any difference would break the CPU/GPU bit equality of a step.
 #include <cuda_runtime.h>
@@ -160,6 +164,71 @@ __global__ void check_div_special(Counts* out) {
   add_counts(out, wrong, declined, accepted, checked);
 }
 
+// adamw_direction's domain, restated: v in [2^-101, 2^122) (or +0 with zeros), bc2_sqrt a
+// divisor, eps >= 2^-62, the denominator sqrt(v) / bc2_sqrt + eps below 2^62, m a dividend.
+// `want`: the IEEE result (only meaningful inside).
+__device__ bool adamw_domain(float m, float v, float c, float eps, bool zero, float& want) {
+  const bool v_ok = (v >= 0x1p-101f && v < 0x1p122f) || (zero && __float_as_uint(v) == 0u);
+  if (!v_ok || !div_domain(c) || !(eps >= 0x1p-62f) || !div_domain(m, zero)) return false;
+  const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c), eps);
+  want = __fdiv_rn(m, d);
+  return d < 0x1p62f;
+}
+
+template <class Math>
+__device__ void check_adamw_case(float m, float v, float c, float eps, unsigned long long& wrong,
+                                 unsigned long long& declined, unsigned long long& accepted,
+                                 unsigned long long& checked) {
+  Math math;
+  const float got = math.adamw_direction(m, v, c, eps);
+  float want = 0.0f;
+  if (adamw_domain(m, v, c, eps, kTakesZero<Math>, want)) {
+    ++checked;
+    if (!math.ok) ++declined;
+    else if (__float_as_uint(got) != __float_as_uint(want)) ++wrong;
+  } else if (math.ok) {
+    ++accepted;
+  }
+}
+
+// Random quadruples: exponents across each operand's domain and a few beyond (v's up to the
+// infinities and NaN), one in 8 of each operand raw bits; with zeros, one in 16 m and v +0.
+template <class Math>
+__global__ void check_adamw_random(uint64_t count, uint64_t seed, Counts* out) {
+  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const uint64_t z = seed + 8 * i;
+    const uint32_t pick = hash32(z + 7);
+    float m = (pick & 7) == 0 ? __uint_as_float(hash32(z)) : random_float(z, 60, 193);
+    float v = (pick & 56) == 0 ? __uint_as_float(hash32(z + 1))
+                               : fabsf(random_float(z + 1, 20, 255)) * ((pick & 64) ? -1.0f : 1.0f);
+    const float c = (pick & 448) == 0 ? __uint_as_float(hash32(z + 2))
+                                      : fabsf(random_float(z + 2, 60, 130));
+    const float eps = (pick & 3584) == 0 ? __uint_as_float(hash32(z + 3))
+                                         : fabsf(random_float(z + 3, 55, 140));
+    if (kTakesZero<Math> && ((pick >> 12) & 15) == 0) m = 0.0f;
+    if (kTakesZero<Math> && ((pick >> 16) & 15) == 0) v = 0.0f;
+    check_adamw_case<Math>(m, v, c, eps, wrong, declined, accepted, checked);
+  }
+  add_counts(out, wrong, declined, accepted, checked);
+}
+
+template <class Math>
+__global__ void check_adamw_special(Counts* out) {
+  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  const float ms[] = {0.0f, -0.0f, 1.0f, -3e-5f, 0x1p-62f, 0x1.fffffep61f, 0x1p62f, INFINITY, NAN};
+  const float vs[] = {0.0f, -0.0f, 0x1p-101f, 0x1.fffffep-102f, 1e-10f, 0x1.fffffep121f,
+                      0x1p122f, 3.4e38f, INFINITY, -1.0f, NAN};
+  const float cs[] = {1.0f, 0.0316f, 0x1p-62f, 0x1.fffffep61f, 0x1p62f, 0.0f};
+  const float es[] = {1e-8f, 0x1p-62f, 0x1.fffffep-63f, 0.0f, 1e30f, INFINITY, NAN};
+  const int nm = 9, nv = 11, nc = 6, ne = 7;
+  for (int i = threadIdx.x; i < nm * nv * nc * ne; i += blockDim.x)
+    check_adamw_case<Math>(ms[i % nm], vs[(i / nm) % nv], cs[(i / (nm * nv)) % nc],
+                           es[i / (nm * nv * nc)], wrong, declined, accepted, checked);
+  add_counts(out, wrong, declined, accepted, checked);
+}
+
 __global__ void check_bf16x2_all(Counts* out) {
   unsigned long long wrong = 0, checked = 0;
   for_every_bit_pattern([&](uint32_t bits) {
@@ -234,6 +303,22 @@ void expect_div_ieee_in_its_domain() {
   EXPECT_EQ(s.accepted, 0u);
 }
 
+template <class Math>
+void expect_adamw_direction_ieee_in_its_domain() {
+  const uint64_t seed = (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
+  const Counts r = run_counts([&](Counts* d) { check_adamw_random<Math><<<1024, 256>>>(1ull << 28, seed, d); });
+  EXPECT_GT(r.checked, 1ull << 26) << "seed " << seed;
+  EXPECT_LT(r.checked, (1ull << 28) - (1ull << 24)) << "outside cases (to be declined) too";
+  EXPECT_EQ(r.wrong, 0u) << "seed " << seed;
+  EXPECT_EQ(r.declined, 0u) << "seed " << seed;
+  EXPECT_EQ(r.accepted, 0u) << "seed " << seed;
+  const Counts s = run_counts([](Counts* d) { check_adamw_special<Math><<<1, 256>>>(d); });
+  EXPECT_GT(s.checked, 0u);
+  EXPECT_EQ(s.wrong, 0u);
+  EXPECT_EQ(s.declined, 0u);
+  EXPECT_EQ(s.accepted, 0u);
+}
+
 TEST(FastMath, SqrtEqualsIeeeOnEveryFloatOfItsDomain) {
   FORGE_REQUIRE_GPU();
   expect_sqrt_ieee_on_every_float_of_its_domain<FastMath>();
@@ -253,6 +338,16 @@ TEST(FastMathWithZeros, SqrtEqualsIeeeOnEveryFloatOfItsDomain) {
 TEST(FastMathWithZeros, DivEqualsIeeeInItsDomain) {
   FORGE_REQUIRE_GPU();
   expect_div_ieee_in_its_domain<FastMathWithZeros>();
+}
+
+TEST(FastMath, AdamwDirectionEqualsIeeeInItsDomain) {
+  FORGE_REQUIRE_GPU();
+  expect_adamw_direction_ieee_in_its_domain<FastMath>();
+}
+
+TEST(FastMathWithZeros, AdamwDirectionEqualsIeeeInItsDomain) {
+  FORGE_REQUIRE_GPU();
+  expect_adamw_direction_ieee_in_its_domain<FastMathWithZeros>();
 }
 
 TEST(FastMath, Bf16x2EqualsFormatsOnEveryNonNanFloat) {

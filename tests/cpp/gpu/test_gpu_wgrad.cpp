@@ -1,12 +1,13 @@
 // test_gpu_wgrad.cpp — forge_wgrad_step on the CUDA backend against the CPU backend (the
 // specification), through the public C ABI: every rule × weight format × state format bit
 // for bit, odd shapes, strided / unaligned / mixed-dtype inputs, several steps in a row,
-// non-finite gradients, split-K, random inputs within the bands of gpu_tolerances.h, and
+// non-finite gradients, poisoned weights and states, split-K, random inputs within the bands of gpu_tolerances.h, and
 // guard bands around every buffer (nothing written outside a tensor).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -196,6 +197,73 @@ TEST_P(WgradNonFinite, SkippedAndCountedLikeTheCpu) {
 INSTANTIATE_TEST_SUITE_P(Formats, WgradNonFinite,
                          ::testing::Combine(::testing::ValuesIn(kWeightFormats),
                                             ::testing::ValuesIn(kStateFormats)),
+                         [](const ::testing::TestParamInfo<FormatParam>& info) {
+                           return std::string(weight_format_name(std::get<0>(info.param))) + "_" +
+                                  state_format_name(std::get<1>(info.param));
+                         });
+
+// ---- non-finite and out-of-range weights and states -----------------------------------------
+//
+// The AdamW fast path takes its new m and v as finite because its divisions and square root
+// decline anything else (update.cuh: adamw_direction); weights and states that arrive
+// non-finite, negative or huge must send the batch down the exact path and end bit for bit
+// like the CPU's. Full interior tiles (the pipelined fast loop) on bf16 / fp32 states.
+
+// Writes `value` into element (row, col) of `buffer` ("weight" or "state0"/"state1") in the
+// parameter's storage format (bf16 formats: the value's top 16 bits).
+void poison(HostParam& p, const std::string& buffer, int64_t row, int64_t col, float value) {
+  const int64_t i = row * p.cols + col;
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  const uint16_t half = static_cast<uint16_t>(bits >> 16);
+  const bool weight = buffer == "weight";
+  const bool wide = weight ? p.weight_format == FORGE_WEIGHT_FP32 : p.state_format == FORGE_STATE_FP32;
+  std::vector<uint8_t>& bytes = weight ? p.weight : p.state[buffer == "state0" ? 0 : 1];
+  if (wide) std::memcpy(&bytes[4 * i], &value, 4);
+  else std::memcpy(&bytes[2 * i], &half, 2);
+  if (weight && p.weight_format == FORGE_WEIGHT_BF16_MASTER) std::memcpy(&p.master[4 * i], &value, 4);
+}
+
+class WgradPoisonedState : public ::testing::TestWithParam<FormatParam> {};
+
+TEST_P(WgradPoisonedState, MatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  const auto [wf, sf] = GetParam();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  const Shape s{256, 256, 64};
+  HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 91);
+  poison(cpu, "state0", 2, 3, INFINITY);   // m
+  poison(cpu, "state0", 10, 15, 3e38f);    // m: finite, above the division's 2^62
+  poison(cpu, "state1", 4, 7, NAN);        // v
+  poison(cpu, "state1", 6, 11, -1.0f);     // v < 0: sqrt of a negative
+  poison(cpu, "state1", 12, 17, 3e38f);    // v above the fast square root's 2^122
+  poison(cpu, "state1", 140, 200, 0.0f);   // v = 0, m small: sqrt(0) on the exact path
+  poison(cpu, "weight", 8, 13, NAN);
+  poison(cpu, "weight", 9, 14, -INFINITY);
+  poison(cpu, "weight", 130, 131, 3.3e38f);  // w near the top: the step may overflow it
+  DeviceParam gpu;
+  gpu.upload(cpu);
+  for (int step = 0; step < 2; ++step) {
+    const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 60 + step);
+    const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 70 + step);
+    StepOutputs want, got;
+    wgrad_cpu(x, dy, hp, cpu, &want);
+    wgrad_gpu(x, dy, hp, cpu, gpu, &got);
+    ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+    EXPECT_EQ(want.nonfinite, got.nonfinite);
+    EXPECT_EQ(want.grad_sq_sum, got.grad_sq_sum);
+    hp.step += 1;
+  }
+  EXPECT_TRUE(gpu.guards_intact());
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, WgradPoisonedState,
+                         ::testing::Combine(::testing::Values(FORGE_WEIGHT_FP32, FORGE_WEIGHT_BF16,
+                                                              FORGE_WEIGHT_BF16_STOCHASTIC,
+                                                              FORGE_WEIGHT_BF16_MASTER),
+                                            ::testing::Values(FORGE_STATE_FP32, FORGE_STATE_BF16,
+                                                              FORGE_STATE_BF16_STOCHASTIC)),
                          [](const ::testing::TestParamInfo<FormatParam>& info) {
                            return std::string(weight_format_name(std::get<0>(info.param))) + "_" +
                                   state_format_name(std::get<1>(info.param));
