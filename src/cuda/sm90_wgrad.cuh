@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   fence_accumulators(acc);
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
   store_accumulators(sC, acc, warpgroup);
-  if constexpr (int8_table_needed<Spec>()) int8_octave_table_init(threadIdx.x);
+  if constexpr (int8_table_needed<Spec>()) int8_tables_init(threadIdx.x);
   __syncthreads();
   finish_tile<Spec>(a, sC, m0, n0);
 #else
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     init_ring<kPersistentStages>(maps, full0, empty0);  // fences cover c_full / c_empty too
     for (int64_t h = 0; h < kPersistentStages && h < items; ++h) issue_item(h);
   }
-  if constexpr (int8_table_needed<Spec>()) int8_octave_table_init(threadIdx.x);
+  if constexpr (int8_table_needed<Spec>()) int8_tables_init(threadIdx.x);
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;

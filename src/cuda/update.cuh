@@ -230,20 +230,42 @@ __device__ __forceinline__ float group_max(float v) {
 // kOctave[j + 1] · 2^e for a in [2^e, 2^(e+1)), both exact (formats.h's derivation with
 // the power of two factored out), but for lo = 0 (value 0, and level 1 above it).
 // NOTE: nine floats in nine banks: any pattern of lookups by a warp is one wavefront.
+// Decoding reads a second table, every code's value (int8_code_table).
 // tests/cpp/gpu/test_gpu_int8_map.cu checks every code and every float in [0, 2] against
 // formats.h's reference on the device; test_formats.cpp checks the direct forms on the CPU.
 
-// The CTA's table (one per block for every kernel that uses it).
+// The CTA's octave table (one per block for every kernel that uses it).
 __device__ __forceinline__ float* int8_octave_table() {
   __shared__ float table[9];
   return table;
 }
 
-// Fills the table: threads 0..8 of the CTA (tid: the thread's index in it) write; a
-// __syncthreads must follow before the first int8 access. Every kernel that may touch int8
-// states calls it before its first __syncthreads (int8_table_needed<Spec>).
-__device__ __forceinline__ void int8_octave_table_init(int tid) {
+// Every code's decoded value, formats.h's int8_decode without the absmax: [0, 256) the
+// signed codes, [256, 512) the unsigned ones.
+// NOTE: a decode is one shared-memory read instead of ~11 instructions (the level from the
+// octave table, its scale, level 0, the sign). A warp's random codes cost a few wavefronts
+// per read; the shared-memory pipe has room for them next to the ALU-bound encode.
+__device__ __forceinline__ float* int8_code_table() {
+  __shared__ float table[512];
+  return table;
+}
+
+// Fills both tables: the CTA's threads (tid: the thread's index in it, blockDim.x of them)
+// write; a __syncthreads must follow before the first int8 access. Every kernel that may
+// touch int8 states calls it before its first __syncthreads (int8_table_needed<Spec>).
+__device__ __forceinline__ void int8_tables_init(int tid) {
   if (tid < 9) int8_octave_table()[tid] = tid == 0 ? 1.0f : 2.0f * int8_level_fraction(8 - tid);
+  for (int i = tid; i < 512; i += blockDim.x) {
+    const int code = i & 255;
+    float v;
+    if (i < 256) {
+      const float mag = int8_level_value_direct(code & 0x7F, kInt8SignedTop);
+      v = (code & 0x80) ? -mag : mag;
+    } else {
+      v = int8_level_value_direct(code, kInt8UnsignedTop);
+    }
+    int8_code_table()[i] = v;
+  }
 }
 
 // == int8_level_value_direct(level, top), for 0 <= level <= top <= 255.
@@ -285,13 +307,10 @@ constexpr bool int8_table_needed() {
   return Spec::kGeneric || Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64;
 }
 
-// == formats.h int8_decode / int8_encode, bit for bit.
+// == formats.h int8_decode / int8_encode, bit for bit (the code table holds
+// int8_level_value_direct's values, which equal int8_level_value's: test_formats.cpp).
 __device__ __forceinline__ float int8_decode_fast(uint8_t code, bool is_signed) {
-  if (is_signed) {
-    const float mag = int8_level_fast(code & 0x7F, kInt8SignedTop);
-    return (code & 0x80) ? -mag : mag;
-  }
-  return int8_level_fast(code, kInt8UnsignedTop);
+  return int8_code_table()[(is_signed ? 0 : 256) + code];
 }
 
 // int8_encode given the ratio a = |x| / absmax (IEEE division) already computed.
@@ -303,7 +322,11 @@ __device__ __forceinline__ uint8_t int8_encode_ratio(float x, float a, float abs
     const int level = int8_nearest_level_fast(a, kInt8SignedTop);
     code = level == 0 ? 0 : ((x < 0.0f ? 0x80 : 0) | level);
   } else {
-    code = x <= 0.0f ? 0 : int8_nearest_level_fast(a, kInt8UnsignedTop);
+    // NOTE: a mask the compiler cannot see through: with `x <= 0 ? 0 : level` it branched
+    // around the level search, one branch region per element again.
+    int keep = x > 0.0f ? -1 : 0;
+    asm("mov.b32 %0, %0;" : "+r"(keep));
+    code = int8_nearest_level_fast(a, kInt8UnsignedTop) & keep;
   }
   return static_cast<uint8_t>(absmax > 0.0f ? code : 0);
 }
@@ -386,9 +409,9 @@ struct FastMathT {
   }
   // AdamW's step direction m / (sqrt(v) / bc2_sqrt + eps) (IeeeMath::adamw_direction), with
   // fewer checks than div(m, div(sqrt(v), bc2_sqrt) + eps) would make, each implied:
-  //  - v in [2^-101, 2^122) (or +0 with zeros): sqrt's own domain, narrowed at the top so
-  //    that s = sqrt(v) in [2^-50.5, 2^61) (or +0) is a dividend div_unchecked takes: s
-  //    needs no check of its own;
+  //  - v in [2^-101, 2^123) (or +0 with zeros; bits [0x0D000000, 0x7CFFFFFF]): sqrt's own
+  //    domain, narrowed at the top so that s = sqrt(v) in [2^-50.5, 2^61.5) (or +0) is a
+  //    dividend div_unchecked takes: s needs no check of its own;
   //  - bc2_sqrt a divisor (the same value for every element: the compiler shares it);
   //  - eps >= 2^-62 (uniform too), so d = s / bc2_sqrt + eps >= eps (s / bc2_sqrt >= +0 and
   //    rounding is monotone) needs only its upper bound checked;

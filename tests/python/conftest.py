@@ -36,9 +36,21 @@ def cuda_usable() -> bool:
         return False
 
 
-requires_cuda = pytest.mark.skipif(not cuda_usable(),
-                                   reason="needs a CUDA GPU and libforge built with CUDA")
+_CUDA_REASON = "needs a CUDA GPU and libforge built with CUDA"
+requires_cuda = pytest.mark.skipif(not cuda_usable(), reason=_CUDA_REASON)
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (given by requires_cuda)")
+
+
+def pytest_collection_modifyitems(items):
+    # scripts/gpu_python.sh selects the GPU tests with `-k cuda`: every test that carries
+    # requires_cuda gets the `cuda` keyword, so one whose name lacks "cuda" is not left out.
+    for item in items:
+        if any(m.kwargs.get("reason") == _CUDA_REASON for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
 
 # (test id, what, value) rows filled by the tests through record_difference
 _MEASURED = []

@@ -164,11 +164,11 @@ __global__ void check_div_special(Counts* out) {
   add_counts(out, wrong, declined, accepted, checked);
 }
 
-// adamw_direction's domain, restated: v in [2^-101, 2^122) (or +0 with zeros), bc2_sqrt a
+// adamw_direction's domain, restated: v in [2^-101, 2^123) (or +0 with zeros), bc2_sqrt a
 // divisor, eps >= 2^-62, the denominator sqrt(v) / bc2_sqrt + eps below 2^62, m a dividend.
 // `want`: the IEEE result (only meaningful inside).
 __device__ bool adamw_domain(float m, float v, float c, float eps, bool zero, float& want) {
-  const bool v_ok = (v >= 0x1p-101f && v < 0x1p122f) || (zero && __float_as_uint(v) == 0u);
+  const bool v_ok = (v >= 0x1p-101f && v < 0x1p123f) || (zero && __float_as_uint(v) == 0u);
   if (!v_ok || !div_domain(c) || !(eps >= 0x1p-62f) || !div_domain(m, zero)) return false;
   const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c), eps);
   want = __fdiv_rn(m, d);
@@ -218,8 +218,8 @@ template <class Math>
 __global__ void check_adamw_special(Counts* out) {
   unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
   const float ms[] = {0.0f, -0.0f, 1.0f, -3e-5f, 0x1p-62f, 0x1.fffffep61f, 0x1p62f, INFINITY, NAN};
-  const float vs[] = {0.0f, -0.0f, 0x1p-101f, 0x1.fffffep-102f, 1e-10f, 0x1.fffffep121f,
-                      0x1p122f, 3.4e38f, INFINITY, -1.0f, NAN};
+  const float vs[] = {0.0f, -0.0f, 0x1p-101f, 0x1.fffffep-102f, 1e-10f, 0x1.fffffep122f,
+                      0x1p123f, 3.4e38f, INFINITY, -1.0f, NAN};
   const float cs[] = {1.0f, 0.0316f, 0x1p-62f, 0x1.fffffep61f, 0x1p62f, 0.0f};
   const float es[] = {1e-8f, 0x1p-62f, 0x1.fffffep-63f, 0.0f, 1e30f, INFINITY, NAN};
   const int nm = 9, nv = 11, nc = 6, ne = 7;
@@ -307,7 +307,7 @@ template <class Math>
 void expect_adamw_direction_ieee_in_its_domain() {
   const uint64_t seed = (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
   const Counts r = run_counts([&](Counts* d) { check_adamw_random<Math><<<1024, 256>>>(1ull << 28, seed, d); });
-  EXPECT_GT(r.checked, 1ull << 26) << "seed " << seed;
+  EXPECT_GT(r.checked, 1ull << 25) << "seed " << seed;
   EXPECT_LT(r.checked, (1ull << 28) - (1ull << 24)) << "outside cases (to be declined) too";
   EXPECT_EQ(r.wrong, 0u) << "seed " << seed;
   EXPECT_EQ(r.declined, 0u) << "seed " << seed;

@@ -16,7 +16,7 @@ namespace fgt {
 namespace {
 
 __global__ void compare_decode(unsigned long long* mismatches) {
-  forge::cuda::int8_octave_table_init(threadIdx.x);  // the device forms read it
+  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
   __syncthreads();
   const int code = threadIdx.x;  // one block of 256 threads: every code
   for (int is_signed = 0; is_signed < 2; ++is_signed) {
@@ -28,7 +28,7 @@ __global__ void compare_decode(unsigned long long* mismatches) {
 
 // Every float whose bits lie in [first, first + count).
 __global__ void compare_nearest(uint32_t first, uint32_t count, unsigned long long* mismatches) {
-  forge::cuda::int8_octave_table_init(threadIdx.x);  // the device forms read it
+  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
   __syncthreads();
   unsigned long long bad = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
@@ -46,7 +46,7 @@ __device__ uint32_t mix(uint64_t z) { return static_cast<uint32_t>(forge::mix64(
 // Random x (any bit pattern: NaN, infinities, subnormals included) against an absmax that is
 // |x| scaled up a little, or another random bit pattern.
 __global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
-  forge::cuda::int8_octave_table_init(threadIdx.x);  // the device forms read it
+  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
   __syncthreads();
   unsigned long long bad = 0;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
