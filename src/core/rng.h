@@ -1,8 +1,7 @@
 // rng.h — counter-based random bits for stochastic rounding.
 //
-// bits = f(seed, step, element index): no state, no thread ids, so every backend and every
-// launch shape draws the same bits for the same element. One 64-bit draw per element and
-// step holds 16 bits for each stream (the weight and up to 3 optimizer states).
+// bits = f(seed, step, element index, stream): no state, no thread ids, so every backend and
+// every launch shape draws the same bits for the same element.
 #pragma once
 
 #include "formats.h"
@@ -26,20 +25,35 @@ FORGE_HD uint64_t rng_key(uint64_t seed, uint64_t step) {
   return mix64(mix64(seed ^ 0x5F0E5EED5EEDull) + step);
 }
 
-// One 64-bit draw per element and step (`index` = row * cols + col of the parameter):
-// every stochastic rounding of that element in that step takes its 16 bits from it.
-// NOTE: one hash per element, not one per stored tensor: a hash is ~20 SASS instructions in
-// the CUDA epilogue's hot loop, and three of them cost about as many as the whole AdamW update.
-// A backend may compute key + index * kRngIndexMul once per group of consecutive elements and
-// step it by kRngIndexMul per element (unsigned arithmetic wraps: the same draws).
+// Stochastic rounding's bits. Every element takes 16 bits per stream and step (stream 0 is
+// the weight, stream 1 + i optimizer state i). One 64-bit hash serves one stream of an aligned
+// group of 4 consecutive elements (index / 4 = group, index % 4 = its 16-bit field).
+// NOTE: per group and stream, not per element: a stream a step does not use costs nothing
+// (AdamW with stochastic weight and states hashes 3 times per 4 elements, a stochastic weight
+// alone once), where one 64-bit hash per element (~20 SASS instructions in the CUDA
+// epilogue) carried all four streams. Every field still comes from its own hash input.
+// A backend may compute key + x · kRngIndexMul once and step it by kRngIndexMul for the next
+// stream or group (unsigned arithmetic wraps: the same hashes).
+constexpr int kRngStreams = 4;
+static_assert(1 + FORGE_MAX_STATES <= kRngStreams, "a stream for the weight and each state");
 constexpr uint64_t kRngIndexMul = 0x9E3779B97F4A7C15ull;
-FORGE_HD uint64_t rng_draw(uint64_t key, uint64_t index) {
-  return mix64(key + index * kRngIndexMul);
+FORGE_HD uint64_t rng_group_hash(uint64_t key, uint64_t group, int stream) {
+  return mix64(key + (group * kRngStreams + static_cast<uint64_t>(stream)) * kRngIndexMul);
 }
 
-// Stream 0 is the weight, stream 1 + i is optimizer state i: each takes its own 16 bits.
-constexpr int kRngStreams = 4;
-static_assert(1 + FORGE_MAX_STATES <= kRngStreams, "a draw has 16 bits for each stream");
+// The 16 bits of element `index` (row * cols + col of the parameter) in `stream`.
+FORGE_HD uint32_t rng_bits(uint64_t key, uint64_t index, int stream) {
+  return static_cast<uint32_t>(rng_group_hash(key, index >> 2, stream) >> (16 * (index & 3))) &
+         0xFFFFu;
+}
+
+// All 4 streams' bits of one element, packed 16 per stream (the CPU backend's form).
+FORGE_HD uint64_t rng_draw(uint64_t key, uint64_t index) {
+  uint64_t draw = 0;
+  for (int stream = 0; stream < kRngStreams; ++stream)
+    draw |= static_cast<uint64_t>(rng_bits(key, index, stream)) << (16 * stream);
+  return draw;
+}
 FORGE_HD uint32_t rng_stream_bits(uint64_t draw, int stream) {
   return static_cast<uint32_t>(draw >> (16 * stream)) & 0xFFFFu;
 }

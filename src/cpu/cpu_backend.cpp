@@ -65,8 +65,9 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
 
 // Writes n fp32 values to state `i`. Elements with keep[e] set are left as they
 // are (fp32/bf16), or re-encoded from their loaded value against the block's new
-// absmax (int8, where the block shares one scale). `draw` (nullable: n rng_draw values)
-// selects stochastic rounding for FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
+// absmax (int8, where the block shares one scale). `draw` (nullable: n draws packed as
+// rng_draw packs them) selects stochastic rounding for FORGE_STATE_BF16_STOCHASTIC, with
+// stream 1 + i's bits.
 void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
                  const float* in, const bool* keep, const uint64_t* draw) {
   const int64_t base = row * p.cols + col0;
@@ -95,6 +96,24 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
       p.state_absmax[i][absmax_index(p, row, col0)] = absmax;
       for (int e = 0; e < n; ++e) s[e] = int8_encode(in[e], absmax, is_signed);
       break;
+    }
+  }
+}
+
+// rng_draw(key, base + e) for e < n, but only the streams in `streams` (bit s: stream s;
+// the others' fields stay 0): one rng_group_hash per group of 4 elements and stream.
+void segment_draws(uint64_t key, int64_t base, int n, unsigned streams, uint64_t* draw) {
+  for (int e = 0; e < n; ++e) draw[e] = 0;
+  for (int stream = 0; stream < kRngStreams; ++stream) {
+    if (!((streams >> stream) & 1u)) continue;
+    uint64_t group = ~0ull, hash = 0;
+    for (int e = 0; e < n; ++e) {
+      const uint64_t index = static_cast<uint64_t>(base + e);
+      if ((index >> 2) != group) {
+        group = index >> 2;
+        hash = rng_group_hash(key, group, stream);
+      }
+      draw[e] |= ((hash >> (16 * (index & 3))) & 0xFFFFu) << (16 * stream);
     }
   }
 }
@@ -140,10 +159,11 @@ void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int
     for (int i = 0; i < k.num_states; ++i) s[i][e] = st[i];
   }
 
-  uint64_t draw[kSegment];  // stochastic rounding's bits, one draw per element
-  if (p.weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
-      (k.num_states > 0 && p.state_format == FORGE_STATE_BF16_STOCHASTIC))
-    for (int e = 0; e < n; ++e) draw[e] = rng_draw(k.sr_key, static_cast<uint64_t>(base + e));
+  uint64_t draw[kSegment];  // stochastic rounding's bits, packed per element as rng_draw's
+  unsigned streams = p.weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ? 1u : 0u;
+  if (p.state_format == FORGE_STATE_BF16_STOCHASTIC)
+    for (int i = 0; i < k.num_states; ++i) streams |= 2u << i;
+  if (streams != 0) segment_draws(k.sr_key, base, n, streams, draw);
   for (int i = 0; i < k.num_states; ++i)
     store_state(p, i, k.state_signed[i], row, col0, n, s[i], skipped, draw);
   switch (p.weight_format) {

@@ -738,7 +738,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
 #pragma unroll
       for (int e = 0; e < kQuad; ++e)
         v[e] = op == kStateFill ? value : (e < c.n ? in[idx + e] : 0.0f);
-      const uint64_t no_draw[kQuad] = {};
+      const QuadDraws no_draw{0, 0, true};  // nearest rounding: never asked for bits
       store_state_quad(p, 0, is_signed, c.row, c.col, idx, c.n, false, 0u, lane16, false, no_draw,
                        v);
     }

@@ -10,7 +10,7 @@
 //
 // Bit-exactness with the CPU (cpu_backend.cpp, update_segment/store_state): same fp32
 // operations in the same order (the library is built with --fmad=false), the same format
-// functions (formats.h), the same stochastic-rounding bits rng_draw(key, row * cols + col),
+// functions (formats.h), the same stochastic-rounding bits rng_bits(key, row * cols + col, ·),
 // and the same non-finite policy: a skipped element keeps its weight and fp32/bf16 states,
 // and its int8 states are re-encoded from their decoded old value against the block's new
 // absmax, exactly as store_state does.
@@ -84,14 +84,23 @@ __host__ __device__ inline bool spec_matches(const RuleScalars& k, int weight_fo
   return true;
 }
 
-// The stochastic-rounding draws of a quad: rng_draw(key, idx + e) for its 4 elements.
-// NOTE: the 64-bit multiply once per quad, then stepped by kRngIndexMul (rng.h allows it);
-// one draw serves the weight and every state of the element.
-__device__ __forceinline__ void quad_draws(uint64_t key, int64_t idx, uint64_t (&draw)[kQuad]) {
-  uint64_t z = key + static_cast<uint64_t>(idx) * kRngIndexMul;
-#pragma unroll
-  for (int e = 0; e < kQuad; ++e, z += kRngIndexMul) draw[e] = mix64(z);
-}
+// The stochastic-rounding bits of a quad: bits(e, stream) == rng_bits(key, idx + e, stream).
+// `aligned`: idx % 4 == 0, so the quad is one rng.h group (every vector quad: ParamView::vec4
+// needs cols % 4 == 0, and quads start at col % 4 == 0).
+// NOTE: computed where a store asks for them, from pure arithmetic: the compiler shares one
+// rng_group_hash per stream among the quad's 4 calls, and a stream the step does not use
+// costs nothing. An unaligned quad straddles two groups: one hash per element and stream.
+struct QuadDraws {
+  uint64_t key;
+  int64_t idx;
+  bool aligned;
+  __device__ __forceinline__ uint32_t bits(int e, int stream) const {
+    if (aligned)
+      return static_cast<uint32_t>(rng_group_hash(key, static_cast<uint64_t>(idx) >> 2, stream) >>
+                                   (16 * e)) & 0xFFFFu;
+    return rng_bits(key, static_cast<uint64_t>(idx + e), stream);
+  }
+};
 
 // Everything a kernel needs to know about the parameter being updated. Built on the
 // host from forge_param; `vec4` says 4-element vector accesses are legal (cols % 4 == 0
@@ -412,9 +421,11 @@ struct FastMathT {
   //  - v in [2^-101, 2^123) (or +0 with zeros; bits [0x0D000000, 0x7CFFFFFF]): sqrt's own
   //    domain, narrowed at the top so that s = sqrt(v) in [2^-50.5, 2^61.5) (or +0) is a
   //    dividend div_unchecked takes: s needs no check of its own;
-  //  - bc2_sqrt a divisor (the same value for every element: the compiler shares it);
+  //  - bc2_sqrt a positive divisor, in [2^-62, 2^62) (the same value for every element: the
+  //    compiler shares the check);
   //  - eps >= 2^-62 (uniform too), so d = s / bc2_sqrt + eps >= eps (s / bc2_sqrt >= +0 and
-  //    rounding is monotone) needs only its upper bound checked;
+  //    rounding is monotone) needs only its upper bound checked. (A negative bc2_sqrt, never
+  //    passed, would let d cancel to below 2^-62: the device test found one such case.)
   //  - m a dividend.
   // A non-finite v (NaN or infinity: bits above 0x7F7FFFFF) is outside, so AdamW's v, and
   // with it g (v = β2·v + (1 − β2)·g² is not finite when g is not), need no finite test
@@ -423,7 +434,7 @@ struct FastMathT {
                                                    float eps) {
     const uint32_t u = __float_as_uint(v);
     require((u + 0xF3000000u <= 0x6FFFFFFFu) | (kTakesZero && u == 0u));
-    require(fast_div_operand(bc2_sqrt) & (eps >= 0x1p-62f));
+    require((bc2_sqrt >= 0x1p-62f) & (bc2_sqrt < 0x1p62f) & (eps >= 0x1p-62f));
     const float d = div_unchecked(sqrt_unchecked(v), bc2_sqrt) + eps;
     require((d < 0x1p62f) & dividend_ok(m));
     return div_unchecked(m, d);
@@ -477,7 +488,7 @@ __device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool 
 }
 
 // Stores state i of a quad. `stochastic` selects stochastic rounding with stream 1 + i of
-// `draw` (quad_draws) for FORGE_STATE_BF16_STOCHASTIC (a step passes true and its draws;
+// `draw` (QuadDraws) for FORGE_STATE_BF16_STOCHASTIC (a step passes true and its draws;
 // state conversions pass false = nearest, as the CPU does). For int8 every lane of the warp
 // must call this (absmax shuffle).
 // kNonNan: every value is known not to be NaN (the fast epilogue path), so bf16 nearest
@@ -486,8 +497,7 @@ template <int kStateFormat = kAny, bool kNonNan = false>
 __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool is_signed,
                                                  int64_t row, int64_t col, int64_t idx, int n,
                                                  bool vec, unsigned keep, int lane16,
-                                                 bool stochastic,
-                                                 const uint64_t (&draw)[kQuad],
+                                                 bool stochastic, const QuadDraws& draw,
                                                  const float (&v)[kQuad]) {
   const int format = kStateFormat != kAny ? kStateFormat : p.state_format;
   switch (format) {
@@ -500,8 +510,8 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
       if (stochastic && format == FORGE_STATE_BF16_STOCHASTIC) {
 #pragma unroll
         for (int e = 0; e < kQuad; ++e)
-          h[e] = kNonNan ? bf16_stochastic_nonnan(v[e], rng_stream_bits(draw[e], 1 + i))
-                         : bf16_stochastic(v[e], rng_stream_bits(draw[e], 1 + i));
+          h[e] = kNonNan ? bf16_stochastic_nonnan(v[e], draw.bits(e, 1 + i))
+                         : bf16_stochastic(v[e], draw.bits(e, 1 + i));
       } else if (kNonNan) {
 #pragma unroll
         for (int e = 0; e < kQuad; e += 2) {
@@ -710,14 +720,9 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   constexpr int kSF = Spec::kStateFormat;
   const int weight_format = Spec::kGeneric ? p.weight_format : Spec::kWeightFormat;
   const int num_states = Spec::kGeneric ? k.num_states : Spec::kNumStates;
-  const int state_format = Spec::kGeneric ? p.state_format : kSF;
-  // Folds to a constant for a specialized Spec (no draws at all without stochastic rounding).
-  const bool draws = weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
-                     (num_states > 0 && state_format == FORGE_STATE_BF16_STOCHASTIC);
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
-    uint64_t draw[kQuad] = {};
-    if (draws) quad_draws(k.sr_key, idx[q], draw);
+    const QuadDraws draw{k.sr_key, idx[q], vec[q]};
 #pragma unroll
     for (int i = 0; i < FORGE_MAX_STATES; ++i) {
       const bool is_signed =
@@ -753,8 +758,8 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
         uint16_t h[kQuad];
 #pragma unroll
         for (int e = 0; e < kQuad; ++e)
-          h[e] = w_nonnan ? bf16_stochastic_nonnan(w[q][e], rng_stream_bits(draw[e], 0))
-                          : bf16_stochastic(w[q][e], rng_stream_bits(draw[e], 0));
+          h[e] = w_nonnan ? bf16_stochastic_nonnan(w[q][e], draw.bits(e, 0))
+                          : bf16_stochastic(w[q][e], draw.bits(e, 0));
         store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
       }
     }

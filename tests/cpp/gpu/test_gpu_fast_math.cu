@@ -164,12 +164,14 @@ __global__ void check_div_special(Counts* out) {
   add_counts(out, wrong, declined, accepted, checked);
 }
 
-// adamw_direction's domain, restated: v in [2^-101, 2^123) (or +0 with zeros), bc2_sqrt a
-// divisor, eps >= 2^-62, the denominator sqrt(v) / bc2_sqrt + eps below 2^62, m a dividend.
+// adamw_direction's domain, restated: v in [2^-101, 2^123) (or +0 with zeros), bc2_sqrt in
+// [2^-62, 2^62) (positive), eps >= 2^-62, the denominator sqrt(v) / bc2_sqrt + eps below 2^62,
+// m a dividend.
 // `want`: the IEEE result (only meaningful inside).
 __device__ bool adamw_domain(float m, float v, float c, float eps, bool zero, float& want) {
   const bool v_ok = (v >= 0x1p-101f && v < 0x1p123f) || (zero && __float_as_uint(v) == 0u);
-  if (!v_ok || !div_domain(c) || !(eps >= 0x1p-62f) || !div_domain(m, zero)) return false;
+  if (!v_ok || !(c >= 0x1p-62f && c < 0x1p62f) || !(eps >= 0x1p-62f) || !div_domain(m, zero))
+    return false;
   const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c), eps);
   want = __fdiv_rn(m, d);
   return d < 0x1p62f;
@@ -220,9 +222,9 @@ __global__ void check_adamw_special(Counts* out) {
   const float ms[] = {0.0f, -0.0f, 1.0f, -3e-5f, 0x1p-62f, 0x1.fffffep61f, 0x1p62f, INFINITY, NAN};
   const float vs[] = {0.0f, -0.0f, 0x1p-101f, 0x1.fffffep-102f, 1e-10f, 0x1.fffffep122f,
                       0x1p123f, 3.4e38f, INFINITY, -1.0f, NAN};
-  const float cs[] = {1.0f, 0.0316f, 0x1p-62f, 0x1.fffffep61f, 0x1p62f, 0.0f};
+  const float cs[] = {1.0f, 0.0316f, 0x1p-62f, 0x1.fffffep61f, 0x1p62f, 0.0f, -0.5f};
   const float es[] = {1e-8f, 0x1p-62f, 0x1.fffffep-63f, 0.0f, 1e30f, INFINITY, NAN};
-  const int nm = 9, nv = 11, nc = 6, ne = 7;
+  const int nm = 9, nv = 11, nc = 7, ne = 7;
   for (int i = threadIdx.x; i < nm * nv * nc * ne; i += blockDim.x)
     check_adamw_case<Math>(ms[i % nm], vs[(i / nm) % nv], cs[(i / (nm * nv)) % nc],
                            es[i / (nm * nv * nc)], wrong, declined, accepted, checked);
