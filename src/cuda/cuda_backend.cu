@@ -621,8 +621,9 @@ __device__ __forceinline__ void elementwise_flat_pipelined(const uint16_t* grad,
       g[q][3] = bf16_to_float(static_cast<uint16_t>(g_cur[q].y >> 16));
       vec[q] = n[q] == kQuad;
     }
-    update_loaded<kQ, Spec, FastMathWithZeros>(k, p, no_row, idx, idx, n, vec, lane16, want_sq, g,
-                                               w, st, totals);
+    // idx: multiples of 4 (64-column pairs), out-of-range lanes included
+    update_loaded<kQ, Spec, FastMathWithZeros, true>(k, p, no_row, idx, idx, n, vec, lane16,
+                                                     want_sq, g, w, st, totals);
   }
 }
 
@@ -738,7 +739,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
 #pragma unroll
       for (int e = 0; e < kQuad; ++e)
         v[e] = op == kStateFill ? value : (e < c.n ? in[idx + e] : 0.0f);
-      const QuadDraws no_draw{0, 0, true};  // nearest rounding: never asked for bits
+      const QuadDraws no_draw(0, 0, true, false);  // nearest rounding: never asks for bits
       store_state_quad(p, 0, is_signed, c.row, c.col, idx, c.n, false, 0u, lane16, false, no_draw,
                        v);
     }

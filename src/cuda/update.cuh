@@ -86,18 +86,29 @@ __host__ __device__ inline bool spec_matches(const RuleScalars& k, int weight_fo
 
 // The stochastic-rounding bits of a quad: bits(e, stream) == rng_bits(key, idx + e, stream).
 // `aligned`: idx % 4 == 0, so the quad is one rng.h group (every vector quad: ParamView::vec4
-// needs cols % 4 == 0, and quads start at col % 4 == 0).
-// NOTE: computed where a store asks for them, from pure arithmetic: the compiler shares one
-// rng_group_hash per stream among the quad's 4 calls, and a stream the step does not use
-// costs nothing. An unaligned quad straddles two groups: one hash per element and stream.
+// needs cols % 4 == 0, and quads start at col % 4 == 0): one rng_group_hash per stream, made
+// here (a stream the step never reads is dead code). An unaligned quad straddles two groups:
+// bits() hashes per element and stream.
 struct QuadDraws {
   uint64_t key;
   int64_t idx;
   bool aligned;
+  uint64_t group[kRngStreams];
+  // `needed`: whether the step rounds anything stochastically (a constant for a specialized
+  // Spec; without it, no hash at all).
+  __device__ __forceinline__ QuadDraws(uint64_t key_, int64_t idx_, bool aligned_, bool needed)
+      : key(key_), idx(idx_), aligned(aligned_) {
+    if (!needed) return;  // group[] unset: bits() is never called
+    // NOTE: made here, not where bits() is called: computed at the stores, the hashes were
+    // scheduled early and spilled (element-wise AdamW SR kernel: 60 B per thread).
+    // key + (group · 4 + s) · kRngIndexMul for stream s: one 64-bit multiply, then adds (rng.h
+    // allows the stepping).
+    uint64_t z = key + (static_cast<uint64_t>(idx) >> 2) * (kRngStreams * kRngIndexMul);
+#pragma unroll
+    for (int stream = 0; stream < kRngStreams; ++stream, z += kRngIndexMul) group[stream] = mix64(z);
+  }
   __device__ __forceinline__ uint32_t bits(int e, int stream) const {
-    if (aligned)
-      return static_cast<uint32_t>(rng_group_hash(key, static_cast<uint64_t>(idx) >> 2, stream) >>
-                                   (16 * e)) & 0xFFFFu;
+    if (aligned) return static_cast<uint32_t>(group[stream] >> (16 * e)) & 0xFFFFu;
     return rng_bits(key, static_cast<uint64_t>(idx + e), stream);
   }
 };
@@ -708,7 +719,8 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
 // skipped elements). kNonNan: the values were checked finite (the FastMath path).
 // weight_nonnan: only the weights were (int8 states, whose one store path serves both
 // outcomes: update_loaded); the weight store then takes the fast conversions too.
-template <int kQ, class Spec, bool kNonNan>
+// kAligned: as update_loaded's.
+template <int kQ, class Spec, bool kNonNan, bool kAligned = false>
 __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamView& p,
                                             const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                             const int64_t (&idx)[kQ], const int (&n)[kQ],
@@ -720,9 +732,13 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   constexpr int kSF = Spec::kStateFormat;
   const int weight_format = Spec::kGeneric ? p.weight_format : Spec::kWeightFormat;
   const int num_states = Spec::kGeneric ? k.num_states : Spec::kNumStates;
+  const int state_format = Spec::kGeneric ? p.state_format : kSF;
+  // Folds to a constant for a specialized Spec.
+  const bool stochastic = weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
+                          (num_states > 0 && state_format == FORGE_STATE_BF16_STOCHASTIC);
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
-    const QuadDraws draw{k.sr_key, idx[q], vec[q]};
+    const QuadDraws draw(k.sr_key, idx[q], kAligned || vec[q], stochastic);
 #pragma unroll
     for (int i = 0; i < FORGE_MAX_STATES; ++i) {
       const bool is_signed =
@@ -870,7 +886,9 @@ __host__ __device__ constexpr int raw_quads_words() {
 // The rule and the stores for kQ quads whose weight w and states s are already loaded (fp32);
 // update_quads' other arguments. Specialized kernels first try the branch-free FastMath path
 // and fall back to the exact one for the whole batch when it declines.
-template <int kQ, class Spec, class Math = FastMath>
+// kAligned: every quad's idx % 4 == 0, in range or not (stochastic rounding then hashes once
+// per stream and quad even where vec is a run-time value: QuadDraws).
+template <int kQ, class Spec, class Math = FastMath, bool kAligned = false>
 __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamView& p,
                                               const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                               const int64_t (&idx)[kQ], const int (&n)[kQ],
@@ -918,18 +936,19 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
       } else {
         apply_quads_resolved<kQ, Spec>(k, want_sq, n, g, w, s, keep, totals);
       }
-      store_quads<kQ, Spec, false>(k, p, row, col, idx, n, vec, keep, lane16, w, s, fast);
+      store_quads<kQ, Spec, false, kAligned>(k, p, row, col, idx, n, vec, keep, lane16, w, s, fast);
       return;
     } else {
       if (fast) {
         const unsigned none[kQ] = {};
-        store_quads<kQ, Spec, true>(k, p, row, col, idx, n, vec, none, lane16, w_new, s_new);
+        store_quads<kQ, Spec, true, kAligned>(k, p, row, col, idx, n, vec, none, lane16, w_new,
+                                              s_new);
         return;
       }
     }
   }
   apply_quads_resolved<kQ, Spec>(k, want_sq, n, g, w, s, keep, totals);
-  store_quads<kQ, Spec, false>(k, p, row, col, idx, n, vec, keep, lane16, w, s);
+  store_quads<kQ, Spec, false, kAligned>(k, p, row, col, idx, n, vec, keep, lane16, w, s);
 }
 
 // ---- the update of a batch of quads ----------------------------------------------------------
