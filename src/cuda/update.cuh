@@ -13,7 +13,8 @@
 // functions (formats.h), the same stochastic-rounding bits rng_bits(key, row * cols + col, ·),
 // and the same non-finite policy: a skipped element keeps its weight and fp32/bf16 states,
 // and its int8 states are re-encoded from their decoded old value against the block's new
-// absmax, exactly as store_state does.
+// absmax, exactly as store_state does. One exception: a NaN computed from non-finite weights
+// or states carries the hardware's payload (x86 0xFFC00000, the GPU 0x7FFFFFFF).
 //
 // Compile-time specialization (UpdateSpec): the hot configurations (AdamW, Lion, SGD on bf16
 // weights with bf16 / int8 / fp32 states) get their rule, weight format, state format, state
