@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "core/rng.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -127,6 +128,50 @@ TEST(FusedLaunchShape, TileShapeAndThreadsGiveSameBits) {
           << "tile " << l.tr << "x" << l.tc << " threads " << l.threads;
     }
   }
+}
+
+// Stochastic rounding's bits are rng.h's rng_bits(rng_key(seed, step), row * cols + col,
+// stream): the weight takes stream 0 and state 0 stream 1, groups of 4 elements straddle rows
+// (13 columns). SGD with momentum at step 1, lr = 1: buf = g and w = 1 - g, both exact in fp32
+// and neither a bf16 value, so every rounding depends on its bits.
+TEST(StochasticRoundingBits, StepUsesRngBitsOfEachElementAndStream) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  forge_hparams hp;
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_SGD_MOMENTUM, &hp), FORGE_OK);
+  hp.lr = 1.0;
+  hp.momentum = 0.9;
+  hp.step = 1;
+  hp.seed = seed;
+  HostParam param(7, 13, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, hp);
+  forge_device cpu{};
+  ASSERT_EQ(forge_state_init(&param.p, &hp, cpu), FORGE_OK) << forge_last_error();
+  std::vector<float> grad(param.size());
+  for (int64_t i = 0; i < param.size(); ++i) {
+    param.set_w(i, 1.0f);
+    grad[i] = std::ldexp(1.0f + std::ldexp(static_cast<float>(1 + i % 61), -10), -10);
+  }
+  const forge_elementwise_args a = elementwise_args(param, hp, grad);
+  ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+  const uint64_t key = forge::rng_key(hp.seed, static_cast<uint64_t>(hp.step));
+  int64_t up_w = 0, up_s = 0;  // rounded up in magnitude (not truncated)
+  for (int64_t i = 0; i < param.size(); ++i) {
+    uint16_t w_bits, s_bits;
+    std::memcpy(&w_bits, param.weight.data() + 2 * i, 2);
+    std::memcpy(&s_bits, param.state[0].data() + 2 * i, 2);
+    const float w_exact = 1.0f - grad[i];
+    const uint16_t w_want = forge::bf16_stochastic(w_exact, forge::rng_bits(key, i, 0));
+    const uint16_t s_want = forge::bf16_stochastic(grad[i], forge::rng_bits(key, i, 1));
+    ASSERT_EQ(w_bits, w_want) << "weight element " << i;
+    ASSERT_EQ(s_bits, s_want) << "state element " << i;
+    up_w += w_bits != static_cast<uint16_t>(forge::float_bits(w_exact) >> 16) ? 1 : 0;
+    up_s += s_bits != static_cast<uint16_t>(forge::float_bits(grad[i]) >> 16) ? 1 : 0;
+  }
+  // Not a constant rounding direction: both directions occur in each stream.
+  EXPECT_GT(up_w, 0);
+  EXPECT_LT(up_w, param.size());
+  EXPECT_GT(up_s, 0);
+  EXPECT_LT(up_s, param.size());
 }
 
 // NaN / Inf in the gradient: those elements' weights and states stay untouched
