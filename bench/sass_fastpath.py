@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""sass_fastpath.py — static instruction count of the fused update's fast path, per element.
+
+Disassembles libforge (cuobjdump -sass, from the CUDA toolkit; no GPU needed), finds the
+pipelined pass loop of the Hopper kernel wgrad_wgmma_kernel<false, UpdateSpec<rule, weight
+format, state format>> (among its loops with MUFU instructions, the one with the fewest
+global loads: the edge-tile loop loads per element) and walks it once around the way a batch
+that FastMath accepted runs:
+  - unconditional branches are followed;
+  - the fast/exact split ("@P BRA P, target", a two-predicate branch) is taken;
+  - a conditional branch over the want_sq block (its next instruction converts to fp64)
+    is taken;
+  - every other conditional branch falls through (listed: check they are not the hot path).
+The count excludes the fp64 sum-of-squares block and covers loads, stores and loop control;
+it is what the SASS says, not a device measurement (ncu's thread instructions per element
+also include the main loop, the split-K and the by-products).
+
+Only for bf16 / fp32 states: the int8 store path is one shared path with branches of its own.
+
+    python3 bench/sass_fastpath.py build-gpu/libforge.so 2,1,1 2,2,2
+"""
+import collections
+import re
+import subprocess
+import sys
+
+ELEMENTS_PER_PASS = 8  # kQ = 2 quads of 4 per thread and pass
+
+
+def op(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def functions(sass: str):
+    for chunk in re.split(r"\n\s+Function : ", sass)[1:]:
+        name = chunk.split("\n", 1)[0].strip()
+        rows = []
+        for line in chunk.split("\n"):
+            m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+            if m:
+                rows.append((int(m.group(1), 16), m.group(2)))
+        yield name, rows
+
+
+def loops(rows):
+    at = {a: i for i, (a, _) in enumerate(rows)}
+    for i, (a, t) in enumerate(rows):
+        m = re.search(r"BRA\s+(?:!?U?P\d+,\s*)?0x([0-9a-f]+)", t)
+        if op(t) == "BRA" and m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            yield rows[at[int(m.group(1), 16)]:i + 1]
+
+
+def walk(body):
+    at = {a: i for i, (a, _) in enumerate(body)}
+    start, end = body[0][0], body[-1][0]
+    i, path, other, passes = 0, [], [], 0
+    while i < len(body):
+        a, t = body[i]
+        path.append(t)
+        if op(t) == "BRA":
+            target = int(re.search(r"0x([0-9a-f]+)", t).group(1), 16)
+            if a == end or target == start:
+                break
+            nxt = body[i + 1][1] if i + 1 < len(body) else ""
+            split = re.match(r"@!?P\d BRA !?P\d, 0x", t)
+            passes += 1 if split else 0
+            if not t.startswith("@") or split or op(nxt) == "F2F":
+                i = at[target]
+                continue
+            other.append(f"{a:#x} {t}")
+        i += 1
+    path = [t for t in path if op(t) not in ("F2F", "DMUL", "DADD")]
+    return path, max(passes, 1), other
+
+
+def main() -> int:
+    if len(sys.argv) < 3:
+        print(__doc__)
+        return 2
+    sass = subprocess.run(["cuobjdump", "-sass", sys.argv[1]], capture_output=True, text=True,
+                          check=True).stdout
+    for spec in sys.argv[2:]:
+        r, w, s = spec.split(",")
+        key = f"wgrad_wgmma_kernelILb0ENS0_10UpdateSpecILi{r}ELi{w}ELi{s}EEE"
+        found = [rows for name, rows in functions(sass) if key in name]
+        if not found:
+            print(f"{spec}: no wgrad_wgmma_kernel for UpdateSpec<{spec}> in {sys.argv[1]}")
+            continue
+        candidates = []
+        for body in loops(found[0]):
+            ops = collections.Counter(op(t) for _, t in body)
+            if ops["MUFU"] > 0:
+                candidates.append((ops["LDG"], len(body), body))
+        if not candidates:
+            print(f"{spec}: no update loop found")
+            continue
+        body = min(candidates, key=lambda c: (c[0], c[1]))[2]
+        path, passes, other = walk(body)
+        per_element = len(path) / (passes * ELEMENTS_PER_PASS)
+        counts = collections.Counter(op(t) for t in path).most_common(8)
+        print(f"UpdateSpec<{spec}>: {len(path)} instructions over {passes} pass(es), "
+              f"{per_element:.1f} per element; top opcodes {dict(counts)}")
+        for line in other:
+            print("  fell through:", line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
