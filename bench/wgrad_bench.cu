@@ -271,16 +271,39 @@ forge_wgrad_args fused_args(const void* x, const void* dy, int64_t tokens, const
   return a;
 }
 
-// AdamW's int8 states of p (m and v: p.state[0], p.state[1]) set from random fp32 values
-// (m in ±1e-3, v in (0, 1e-6]) through the library's encoder; seeds `seed`, `seed + 1`.
-void fill_int8_adamw_states(const forge_param& p, int64_t n, uint64_t seed,
-                            const forge_hparams& hp) {
+// An AdamW parameter [rows, cols]: weight w and states m (state 0), v (state 1).
+forge_param adamw_param(int64_t rows, int64_t cols, forge_weight_format wf, void* w,
+                        forge_state_format sf, void* m, void* v) {
+  forge_param p{};
+  p.rows = rows;
+  p.cols = cols;
+  p.weight_format = wf;
+  p.weight = w;
+  p.state_format = sf;
+  p.state[0] = m;
+  p.state[1] = v;
+  return p;
+}
+
+// p's weight with int8 AdamW states instead: codes m8, v8 and their absmax am8, av8, set from
+// random fp32 values (m in ±1e-3, v in (0, 1e-6]) through the library's encoder; seeds
+// `seed`, `seed + 1`.
+forge_param with_int8_adamw_states(forge_param p, const DevMem& m8, const DevMem& v8,
+                                   const DevMem& am8, const DevMem& av8, uint64_t seed,
+                                   const forge_hparams& hp) {
+  const int64_t n = p.rows * p.cols;
+  p.state_format = FORGE_STATE_INT8_BLOCK64;
+  p.state[0] = m8.p;
+  p.state[1] = v8.p;
+  p.state_absmax[0] = am8.as<float>();
+  p.state_absmax[1] = av8.as<float>();
   DevMem tmp(n * 4);
   fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, seed, 1e-3f, false);
   CHECK_FORGE(forge_state_from_fp32(&p, &hp, 0, tmp.as<float>(), cuda_device()));
   fill_f32<<<grid_for(n), 256>>>(tmp.as<float>(), n, seed + 1, 1e-6f, true);
   CHECK_FORGE(forge_state_from_fp32(&p, &hp, 1, tmp.as<float>(), cuda_device()));
   CHECK_CUDA(cudaDeviceSynchronize());
+  return p;
 }
 
 // forge_elementwise_step's arguments for a bf16 gradient.
@@ -358,21 +381,9 @@ int main(int argc, char** argv) {
     fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
     fill_bf16<<<grid_for(n), 256>>>(g.as<uint16_t>(), n, 6, 1e-2f);
     // forge.optim.AdamW's two defaults: bf16 SR weight with bf16 SR states, and with int8.
-    forge_param p{};
-    p.rows = s.out;
-    p.cols = s.in;
-    p.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
-    p.weight = w.p;
-    p.state_format = FORGE_STATE_BF16_STOCHASTIC;
-    p.state[0] = m.p;
-    p.state[1] = v.p;
-    forge_param p8 = p;
-    p8.state_format = FORGE_STATE_INT8_BLOCK64;
-    p8.state[0] = m8.p;
-    p8.state[1] = v8.p;
-    p8.state_absmax[0] = am8.as<float>();
-    p8.state_absmax[1] = av8.as<float>();
-    fill_int8_adamw_states(p8, n, 9, adamw);
+    const forge_param p = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
+                                      FORGE_STATE_BF16_STOCHASTIC, m.p, v.p);
+    const forge_param p8 = with_int8_adamw_states(p, m8, v8, am8, av8, 9, adamw);
     // Launch order (what gpu_check.sh profile's ncu counts): the fused step at T = 32 (the
     // update alone) with bf16 SR states, then int8; the same at T = 512; the element-wise
     // step with bf16 SR states, then int8; the unfused AdamW pass.
@@ -410,28 +421,19 @@ int main(int argc, char** argv) {
     fill_f32<<<grid_for(n), 256>>>(v32.as<float>(), n, 8, 1e-6f, true);
     CHECK_CUDA(cudaGetLastError());
 
-    forge_param p16{}, p8{}, pm{}, pz{};
-    p16.rows = p8.rows = pm.rows = pz.rows = s.out;
-    p16.cols = p8.cols = pm.cols = pz.cols = s.in;
-    p16.weight_format = FORGE_WEIGHT_BF16;
-    p16.weight = w.p;
-    p16.state_format = FORGE_STATE_BF16;
-    p16.state[0] = m16.p;
-    p16.state[1] = v16.p;
-    p8 = p16;
-    p8.state_format = FORGE_STATE_INT8_BLOCK64;
-    p8.state[0] = m8.p;
-    p8.state[1] = v8.p;
-    p8.state_absmax[0] = am8.as<float>();
-    p8.state_absmax[1] = av8.as<float>();
-    pm = p16;
+    const forge_param p16 =
+        adamw_param(s.out, s.in, FORGE_WEIGHT_BF16, w.p, FORGE_STATE_BF16, m16.p, v16.p);
+    // the bf16 states' value ranges
+    const forge_param p8 = with_int8_adamw_states(p16, m8, v8, am8, av8, 9, adamw);
+    forge_param pm = p16, pz{};
+    pz.rows = s.out;
+    pz.cols = s.in;
     pm.weight = w2.p;
     pm.weight_format = FORGE_WEIGHT_BF16_MASTER;
     pm.master = master.as<float>();
     pm.state_format = FORGE_STATE_FP32;
     pm.state[0] = m32.p;
     pm.state[1] = v32.p;
-    fill_int8_adamw_states(p8, n, 9, adamw);  // the bf16 states' value ranges
     // forge.optim.AdamW's default: stochastic rounding of the bf16 weight and bf16 states.
     forge_param psr = p16;
     psr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
@@ -604,21 +606,9 @@ int main(int argc, char** argv) {
     fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 12, 0.02f);
     fill_bf16<<<grid_for(n), 256>>>(m16.as<uint16_t>(), n, 13, 1e-3f);
     fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 14, 1e-6f, true);
-    forge_param psr{};
-    psr.rows = rows;
-    psr.cols = cols;
-    psr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
-    psr.weight = w.p;
-    psr.state_format = FORGE_STATE_BF16_STOCHASTIC;
-    psr.state[0] = m16.p;
-    psr.state[1] = v16.p;
-    forge_param p8 = psr;
-    p8.state_format = FORGE_STATE_INT8_BLOCK64;
-    p8.state[0] = m8.p;
-    p8.state[1] = v8.p;
-    p8.state_absmax[0] = am8.as<float>();
-    p8.state_absmax[1] = av8.as<float>();
-    fill_int8_adamw_states(p8, n, 15, adamw);
+    const forge_param psr = adamw_param(rows, cols, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
+                                        FORGE_STATE_BF16_STOCHASTIC, m16.p, v16.p);
+    const forge_param p8 = with_int8_adamw_states(psr, m8, v8, am8, av8, 15, adamw);
     forge_hparams hp = adamw;
     auto step = [&](const forge_param& p) {
       const forge_elementwise_args a = elementwise_args(g.p, p, hp);

@@ -47,7 +47,8 @@ FORGE_HD uint32_t rng_bits(uint64_t key, uint64_t index, int stream) {
          0xFFFFu;
 }
 
-// All 4 streams' bits of one element, packed 16 per stream (the CPU backend's form).
+// All 4 streams' bits of one element, packed 16 per stream (the form the CPU backend's
+// segment_draws builds, one hash per group of 4 and stream used; tests call this).
 FORGE_HD uint64_t rng_draw(uint64_t key, uint64_t index) {
   uint64_t draw = 0;
   for (int stream = 0; stream < kRngStreams; ++stream)

@@ -40,6 +40,18 @@ struct Counts {
   unsigned long long declined;  // in the domain, but FastMath said no
   unsigned long long accepted;  // outside the domain, but FastMath said yes
   unsigned long long checked;   // in-domain cases compared
+
+  // One case of a FastMath operation: `in_domain` by the restated domain, `ok` what FastMath
+  // said, `same` whether its result has the reference's bits.
+  __device__ void record(bool in_domain, bool ok, bool same) {
+    if (in_domain) {
+      ++checked;
+      if (!ok) ++declined;
+      else if (!same) ++wrong;
+    } else if (ok) {
+      ++accepted;
+    }
+  }
 };
 
 __device__ void add_counts(Counts* out, unsigned long long wrong, unsigned long long declined,
@@ -48,6 +60,9 @@ __device__ void add_counts(Counts* out, unsigned long long wrong, unsigned long 
   if (declined) atomicAdd(&out->declined, declined);
   if (accepted) atomicAdd(&out->accepted, accepted);
   if (checked) atomicAdd(&out->checked, checked);
+}
+__device__ void add_counts(Counts* out, const Counts& c) {
+  add_counts(out, c.wrong, c.declined, c.accepted, c.checked);
 }
 
 // The domains, restated independently of update.cuh. `zero`: +0 is in (FastMathWithZeros's
@@ -70,20 +85,15 @@ __device__ void for_every_bit_pattern(Check check) {
 
 template <class Math>
 __global__ void check_sqrt_all(Counts* out) {
-  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  Counts c{};
   for_every_bit_pattern([&](uint32_t bits) {
     const float x = __uint_as_float(bits);
     Math m;
     const float got = m.sqrt(x);
-    if (sqrt_domain(x, kTakesZero<Math>)) {
-      ++checked;
-      if (!m.ok) ++declined;
-      else if (__float_as_uint(got) != __float_as_uint(__fsqrt_rn(x))) ++wrong;
-    } else if (m.ok) {
-      ++accepted;
-    }
+    c.record(sqrt_domain(x, kTakesZero<Math>), m.ok,
+             __float_as_uint(got) == __float_as_uint(__fsqrt_rn(x)));
   });
-  add_counts(out, wrong, declined, accepted, checked);
+  add_counts(out, c);
 }
 
 __device__ uint32_t hash32(uint64_t z) { return static_cast<uint32_t>(forge::mix64(z) >> 32); }
@@ -96,25 +106,18 @@ __device__ float random_float(uint64_t z, int lo, int hi) {
 }
 
 template <class Math>
-__device__ void check_div_case(float a, float b, unsigned long long& wrong,
-                               unsigned long long& declined, unsigned long long& accepted,
-                               unsigned long long& checked) {
+__device__ void check_div_case(float a, float b, Counts& c) {
   Math m;
   const float got = m.div(a, b);
-  if (div_domain(a, kTakesZero<Math>) && div_domain(b)) {
-    ++checked;
-    if (!m.ok) ++declined;
-    else if (__float_as_uint(got) != __float_as_uint(__fdiv_rn(a, b))) ++wrong;
-  } else if (m.ok) {
-    ++accepted;
-  }
+  c.record(div_domain(a, kTakesZero<Math>) && div_domain(b), m.ok,
+           __float_as_uint(got) == __float_as_uint(__fdiv_rn(a, b)));
 }
 
 // Random pairs: most with exponents inside the domain (every combination of extremes is
 // reached), some from anywhere (zeros, subnormals, infinities, NaN: must be declined).
 template <class Math>
 __global__ void check_div_random(uint64_t count, uint64_t seed, Counts* out) {
-  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  Counts c{};
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
        i += uint64_t(gridDim.x) * blockDim.x) {
     const uint64_t z = seed + 4 * i;
@@ -126,16 +129,16 @@ __global__ void check_div_random(uint64_t count, uint64_t seed, Counts* out) {
       a = random_float(z, 60, 193);  // the domain is [65, 188]: a few out on each side
       b = random_float(z + 1, 60, 193);
     }
-    check_div_case<Math>(a, b, wrong, declined, accepted, checked);
+    check_div_case<Math>(a, b, c);
   }
-  add_counts(out, wrong, declined, accepted, checked);
+  add_counts(out, c);
 }
 
 // Every mantissa of b (both signs, a spread of exponents) against pseudo-random a: the
 // reciprocal estimate is exercised at every input it can see. With zeros: +0 / every b too.
 template <class Math>
 __global__ void check_div_mantissas(uint64_t seed, Counts* out) {
-  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  Counts c{};
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (1ull << 23);
        i += uint64_t(gridDim.x) * blockDim.x) {
     const int exps[] = {65, 100, 127, 150, 188};
@@ -143,25 +146,25 @@ __global__ void check_div_mantissas(uint64_t seed, Counts* out) {
       const float b = __uint_as_float((static_cast<uint32_t>(e) << 23) | static_cast<uint32_t>(i));
       for (int j = 0; j < 4; ++j) {
         const float a = random_float(seed + 8 * i + j, 65, 188);
-        check_div_case<Math>(a, b, wrong, declined, accepted, checked);
-        check_div_case<Math>(-a, b, wrong, declined, accepted, checked);
+        check_div_case<Math>(a, b, c);
+        check_div_case<Math>(-a, b, c);
       }
-      if (kTakesZero<Math>) check_div_case<Math>(0.0f, b, wrong, declined, accepted, checked);
+      if (kTakesZero<Math>) check_div_case<Math>(0.0f, b, c);
     }
   }
-  add_counts(out, wrong, declined, accepted, checked);
+  add_counts(out, c);
 }
 
 template <class Math>
 __global__ void check_div_special(Counts* out) {
-  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  Counts c{};
   const float v[] = {0.0f, -0.0f, 1.0f, -1.0f, 0x1p-62f, -0x1p-62f, 0x1.fffffep61f, 0x1p62f,
                      0x1.fffffep-63f, 1e-45f, 1e-40f, 3.4e38f, INFINITY, -INFINITY, NAN,
                      1e-8f, 3.0f, 7.0f, 0.1f};
   const int n = sizeof(v) / sizeof(v[0]);
   for (int i = threadIdx.x; i < n * n; i += blockDim.x)
-    check_div_case<Math>(v[i / n], v[i % n], wrong, declined, accepted, checked);
-  add_counts(out, wrong, declined, accepted, checked);
+    check_div_case<Math>(v[i / n], v[i % n], c);
+  add_counts(out, c);
 }
 
 // adamw_direction's domain, restated: v in [2^-101, 2^123) (or +0 with zeros), bc2_sqrt in
@@ -178,26 +181,19 @@ __device__ bool adamw_domain(float m, float v, float c, float eps, bool zero, fl
 }
 
 template <class Math>
-__device__ void check_adamw_case(float m, float v, float c, float eps, unsigned long long& wrong,
-                                 unsigned long long& declined, unsigned long long& accepted,
-                                 unsigned long long& checked) {
+__device__ void check_adamw_case(float m, float v, float c, float eps, Counts& counts) {
   Math math;
   const float got = math.adamw_direction(m, v, c, eps);
   float want = 0.0f;
-  if (adamw_domain(m, v, c, eps, kTakesZero<Math>, want)) {
-    ++checked;
-    if (!math.ok) ++declined;
-    else if (__float_as_uint(got) != __float_as_uint(want)) ++wrong;
-  } else if (math.ok) {
-    ++accepted;
-  }
+  const bool in_domain = adamw_domain(m, v, c, eps, kTakesZero<Math>, want);
+  counts.record(in_domain, math.ok, __float_as_uint(got) == __float_as_uint(want));
 }
 
 // Random quadruples: exponents across each operand's domain and a few beyond (v's up to the
 // infinities and NaN), one in 8 of each operand raw bits; with zeros, one in 16 m and v +0.
 template <class Math>
 __global__ void check_adamw_random(uint64_t count, uint64_t seed, Counts* out) {
-  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  Counts counts{};
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
        i += uint64_t(gridDim.x) * blockDim.x) {
     const uint64_t z = seed + 8 * i;
@@ -211,14 +207,14 @@ __global__ void check_adamw_random(uint64_t count, uint64_t seed, Counts* out) {
                                          : fabsf(random_float(z + 3, 55, 140));
     if (kTakesZero<Math> && ((pick >> 12) & 15) == 0) m = 0.0f;
     if (kTakesZero<Math> && ((pick >> 16) & 15) == 0) v = 0.0f;
-    check_adamw_case<Math>(m, v, c, eps, wrong, declined, accepted, checked);
+    check_adamw_case<Math>(m, v, c, eps, counts);
   }
-  add_counts(out, wrong, declined, accepted, checked);
+  add_counts(out, counts);
 }
 
 template <class Math>
 __global__ void check_adamw_special(Counts* out) {
-  unsigned long long wrong = 0, declined = 0, accepted = 0, checked = 0;
+  Counts counts{};
   const float ms[] = {0.0f, -0.0f, 1.0f, -3e-5f, 0x1p-62f, 0x1.fffffep61f, 0x1p62f, INFINITY, NAN};
   const float vs[] = {0.0f, -0.0f, 0x1p-101f, 0x1.fffffep-102f, 1e-10f, 0x1.fffffep122f,
                       0x1p123f, 3.4e38f, INFINITY, -1.0f, NAN};
@@ -227,8 +223,8 @@ __global__ void check_adamw_special(Counts* out) {
   const int nm = 9, nv = 11, nc = 7, ne = 7;
   for (int i = threadIdx.x; i < nm * nv * nc * ne; i += blockDim.x)
     check_adamw_case<Math>(ms[i % nm], vs[(i / nm) % nv], cs[(i / (nm * nv)) % nc],
-                           es[i / (nm * nv * nc)], wrong, declined, accepted, checked);
-  add_counts(out, wrong, declined, accepted, checked);
+                           es[i / (nm * nv * nc)], counts);
+  add_counts(out, counts);
 }
 
 __global__ void check_bf16x2_all(Counts* out) {
