@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -335,6 +336,83 @@ std::string fmt(const char* f, double v) {
   return b;
 }
 
+// ---- --trace: where each CTA's time goes ---------------------------------------------------
+//
+// With FORGE_CUDA_TRACE set (see cuda_backend.cu), the Hopper kernel writes per CTA: SM clock
+// at start, when sC holds the gradient (main loop done), at end; global ns at start and end;
+// SM id and blockIdx.x. The summary below, per launch:
+//  - main / update: mean cycles of a CTA's main loop (start to sC ready, including the stagger
+//    wait) and of its update (sC ready to end), in µs at the SMs' measured clock;
+//  - the share of SM-time (from the SM's first CTA start to its last CTA end) with each mix
+//    of resident CTAs: "M+U" = one CTA in its main loop while another updates (the overlap the
+//    two-CTA design relies on), "M+M" / "U+U" = both in the same phase, "M" / "U" = a single
+//    CTA, "-" = none (between CTAs: retire, launch, and the first instructions before the
+//    start stamp).
+constexpr int kTraceMaxCtas = 1 << 16;
+
+struct TraceSummary {
+  int ctas = 0;
+  double span_us = 0, main_us = 0, update_us = 0, mhz = 0;
+  double share[6] = {};  // -, M, U, M+M, M+U, U+U
+};
+
+TraceSummary summarize_trace(const std::vector<unsigned long long>& rec, int ctas) {
+  TraceSummary t;
+  t.ctas = ctas;
+  std::map<int, std::vector<int>> by_sm;
+  unsigned long long ns0 = ~0ull, ns1 = 0;
+  double cycles = 0, ns = 0, main_sum = 0, update_sum = 0;
+  for (int i = 0; i < ctas; ++i) {
+    const unsigned long long* r = &rec[size_t(i) * 6];
+    by_sm[int(r[5] >> 32)].push_back(i);
+    ns0 = std::min(ns0, r[3]);
+    ns1 = std::max(ns1, r[4]);
+    cycles += double(r[2] - r[0]);
+    ns += double(r[4] - r[3]);
+    main_sum += double(r[1] - r[0]);
+    update_sum += double(r[2] - r[1]);
+  }
+  const double ghz = ns > 0 ? cycles / ns : 1.0;  // cycles per ns
+  t.mhz = ghz * 1e3;
+  t.span_us = double(ns1 - ns0) / 1e3;
+  t.main_us = main_sum / ctas / ghz / 1e3;
+  t.update_us = update_sum / ctas / ghz / 1e3;
+  double total = 0;
+  for (auto& [sm, ids] : by_sm) {
+    // Events on this SM's clock: +1 main at start, main -> update at sC ready, -1 at end.
+    std::vector<std::pair<unsigned long long, int>> ev;  // (clock, kind): 0 start, 1 sC, 2 end
+    unsigned long long c0 = ~0ull, c1 = 0;
+    for (int i : ids) {
+      const unsigned long long* r = &rec[size_t(i) * 6];
+      ev.push_back({r[0], 0});
+      ev.push_back({r[1], 1});
+      ev.push_back({r[2], 2});
+      c0 = std::min(c0, r[0]);
+      c1 = std::max(c1, r[2]);
+    }
+    std::sort(ev.begin(), ev.end());
+    int in_main = 0, in_update = 0;
+    unsigned long long prev = c0;
+    for (const auto& [c, kind] : ev) {
+      const double dt = double(c - prev);
+      int slot = 0;
+      if (in_main + in_update == 0) slot = 0;
+      else if (in_main == 1 && in_update == 0) slot = 1;
+      else if (in_main == 0 && in_update == 1) slot = 2;
+      else if (in_main >= 2 && in_update == 0) slot = 3;
+      else if (in_main >= 1 && in_update >= 1) slot = 4;
+      else slot = 5;
+      t.share[slot] += dt;
+      prev = c;
+      if (kind == 0) ++in_main;
+      else if (kind == 1) { --in_main; ++in_update; }
+      else --in_update;
+    }
+    total += double(c1 - c0);
+  }
+  for (double& x : t.share) x = total > 0 ? x / total : 0;
+  return t;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -344,16 +422,30 @@ int main(int argc, char** argv) {
   // --profile: for Nsight Compute, launch only (4096×4096; the order is listed there); no
   // timing.
   bool profile = false;
+  // --trace: time a few (layer, T) cases of the fused step and trace each CTA's phases
+  // (summarize_trace); the raw records go to $OUT/trace-*.csv. With FORGE_CUDA_STAGGER_NS or
+  // a build with -DFORGE_CUDA_EARLY_FIRST_PASS=1 this is the A/B of those experiments.
+  bool trace = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_dir = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::max(20, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--profile")) profile = true;
+    else if (!std::strcmp(argv[i], "--trace")) trace = true;
   }
   std::string command;
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
 
   CHECK_CUDA(cudaSetDevice(0));
+  DevMem trace_records(trace ? size_t(kTraceMaxCtas) * 6 * 8 : 16);
+  if (trace) {
+    // Before the first step: the library reads its FORGE_CUDA_* switches once.
+    char value[64];
+    std::snprintf(value, sizeof(value), "%llx:%d",
+                  static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(trace_records.p)),
+                  kTraceMaxCtas);
+    setenv("FORGE_CUDA_TRACE", value, 1);
+  }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
@@ -369,6 +461,90 @@ int main(int argc, char** argv) {
   sgd.weight_decay = 0.0;
 
   std::vector<Result> results;
+  if (trace) {
+    struct Case {
+      Shape shape;
+      int64_t tokens;
+    };
+    const Case cases[] = {{kShapes[0], 32},   {kShapes[0], 512},  {kShapes[0], 2048},
+                          {kShapes[2], 512},  {kShapes[2], 2048}, {kShapes[3], 512},
+                          {kShapes[3], 2048}, {{"lm_head", 128256, 4096, 0}, 512},
+                          {{"lm_head", 128256, 4096, 0}, 2048}};
+    const char* stagger = std::getenv("FORGE_CUDA_STAGGER_NS");
+    std::string md = "# wgrad_bench --trace (FORGE_CUDA_STAGGER_NS=" +
+                     std::string(stagger ? stagger : "unset") + ")\n\n" +
+                     "| layer | T | states | ms (median) | CTAs | span µs | main µs | update µs | "
+                     "SM MHz | - | M | U | M+M | M+U | U+U |\n" +
+                     "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+    for (const Case& c : cases) {
+      const Shape& s = c.shape;
+      const int64_t n = s.out * s.in, t = c.tokens;
+      DevMem x(size_t(t) * s.in * 2), dy(size_t(t) * s.out * 2), w(n * 2), m(n * 2), v(n * 2);
+      fill_bf16<<<grid_for(t * s.in), 256>>>(x.as<uint16_t>(), t * s.in, 1, 1.0f);
+      fill_bf16<<<grid_for(t * s.out), 256>>>(dy.as<uint16_t>(), t * s.out, 2, 1e-2f);
+      fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
+      fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
+      fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
+      const forge_param p16 =
+          adamw_param(s.out, s.in, FORGE_WEIGHT_BF16, w.p, FORGE_STATE_BF16, m.p, v.p);
+      const forge_param psr = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
+                                          FORGE_STATE_BF16_STOCHASTIC, m.p, v.p);
+      forge_hparams hp = adamw;
+      for (const forge_param* q : {&p16, &psr}) {
+        auto step = [&] {
+          forge_wgrad_args a = fused_args(x.p, dy.p, t, s, *q, hp);
+          hp.step = hp.step % 1000 + 1;
+          CHECK_FORGE(forge_wgrad_step(&a));
+        };
+        const double ms = timer.median_ms(iters, step);
+        const int64_t tiles = ((s.out + 127) / 128) * ((s.in + 127) / 128);
+        CHECK_CUDA(cudaMemset(trace_records.p, 0, size_t(kTraceMaxCtas) * 6 * 8));
+        CHECK_CUDA(cudaMemset(timer.flush.p, 0, size_t(256) << 20));
+        step();
+        CHECK_CUDA(cudaDeviceSynchronize());
+        const int ctas = static_cast<int>(std::min<int64_t>(tiles, kTraceMaxCtas));
+        std::vector<unsigned long long> rec(size_t(ctas) * 6);
+        CHECK_CUDA(cudaMemcpy(rec.data(), trace_records.p, rec.size() * 8, cudaMemcpyDeviceToHost));
+        const char* states = q == &p16 ? "bf16" : "bf16 SR";
+        if (rec[2] == 0) {  // no records: not the Hopper kernel (or split-K's partial CTAs)
+          std::printf("%s T=%lld %s: %.3f ms, no trace records\n", s.name,
+                      static_cast<long long>(t), states, ms);
+          continue;
+        }
+        const TraceSummary ts = summarize_trace(rec, ctas);
+        char line[512];
+        std::snprintf(line, sizeof(line),
+                      "| %s %lldx%lld | %lld | %s | %.4f | %d | %.1f | %.2f | %.2f | %.0f | %.2f | "
+                      "%.2f | %.2f | %.2f | %.2f | %.2f |\n",
+                      s.name, static_cast<long long>(s.out), static_cast<long long>(s.in),
+                      static_cast<long long>(t), states, ms, ts.ctas, ts.span_us, ts.main_us,
+                      ts.update_us, ts.mhz, ts.share[0], ts.share[1], ts.share[2], ts.share[3],
+                      ts.share[4], ts.share[5]);
+        md += line;
+        std::printf("%s", line);
+        std::fflush(stdout);
+        if (q == &p16 && (std::strcmp(s.name, "q_proj/o_proj") == 0)) {
+          const std::string path = out_dir + "/trace-4096x4096-T" + std::to_string(t) + ".csv";
+          if (FILE* f = std::fopen(path.c_str(), "w")) {
+            std::fputs("clock_start,clock_main_end,clock_end,ns_start,ns_end,sm,block\n", f);
+            for (int i = 0; i < ctas; ++i) {
+              const unsigned long long* r = &rec[size_t(i) * 6];
+              std::fprintf(f, "%llu,%llu,%llu,%llu,%llu,%llu,%llu\n", r[0], r[1], r[2], r[3],
+                           r[4], r[5] >> 32, r[5] & 0xFFFFFFFFull);
+            }
+            std::fclose(f);
+          }
+        }
+      }
+    }
+    const std::string path = out_dir + "/trace.md";
+    if (FILE* f = std::fopen(path.c_str(), "w")) {
+      std::fputs(md.c_str(), f);
+      std::fclose(f);
+    }
+    cublasDestroy(handle);
+    return 0;
+  }
   if (profile) {
     const Shape& s = kShapes[0];
     const int64_t n = s.out * s.in, t_max = 4096;

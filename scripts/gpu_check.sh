@@ -9,6 +9,7 @@
 #   4. ctest -L cpu (the CPU suite, against the library built with CUDA),
 # writing results under $OUT (default ./out: summary.md, bench.md/json, bench-sm80.md, and the
 # logs packed in logs.tgz) and printing a summary table last.
+# `bash scripts/gpu_check.sh trace` times a few layers with a per-CTA phase trace (see below).
 # `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
 # Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 32 and 512, bf16 SR and
 # int8 states), the element-wise step and the unfused AdamW pass, writing $OUT/ncu.txt.
@@ -72,6 +73,38 @@ if [ "${1:-}" = profile ]; then
     "$BUILD/bench/wgrad_bench" --profile >"$OUT/ncu.txt" 2>&1
   echo "ncu rc=$? after $(elapsed) s"
   grep -E "wgrad|adamw|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy|Stall|inst_executed|hmma|Executed Ipc" "$OUT/ncu.txt" | head -80
+  exit 0
+fi
+
+if [ "${1:-}" = trace ]; then
+  # `bash scripts/gpu_check.sh trace`: build only the benchmark and run `wgrad_bench --trace`
+  # (time + per-CTA phase trace of a few layers, bench/NOTES.md v13) once per
+  # FORGE_CUDA_STAGGER_NS value in FORGE_TRACE_STAGGERS (default "0"); with FORGE_TRACE_DEFS
+  # (compile definitions, e.g. "-DFORGE_CUDA_EARLY_FIRST_PASS=1") also a second build with
+  # them, traced with stagger 0. Results: $OUT/trace-<label>/trace.md (+ raw CSVs).
+  build_bench() {  # build dir, extra CUDA flags
+    cmake -S "$ROOT" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+      -DFORGE_BUILD_TESTS=OFF -DFORGE_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS="$2" >"$1.log" 2>&1 &&
+      cmake --build "$1" --target wgrad_bench -j "$JOBS" >>"$1.log" 2>&1
+  }
+  log "trace: build the benchmark${FORGE_TRACE_DEFS:+ (and with $FORGE_TRACE_DEFS)}"
+  build_bench "$BUILD-bench" "" &
+  pid=$!
+  if [ -n "${FORGE_TRACE_DEFS:-}" ]; then build_bench "$BUILD-bench-defs" "$FORGE_TRACE_DEFS" || tail -20 "$BUILD-bench-defs.log"; fi
+  wait $pid || { tail -20 "$BUILD-bench.log"; exit 1; }
+  for ns in ${FORGE_TRACE_STAGGERS:-0}; do
+    log "trace: stagger $ns ns"
+    mkdir -p "$OUT/trace-stagger-$ns"
+    FORGE_CUDA_STAGGER_NS=$ns timeout "$(limit 120 0)" "$BUILD-bench/bench/wgrad_bench" --trace \
+      --out "$OUT/trace-stagger-$ns" 2>&1 | grep -vE "^\| ---" | cut -c1-160
+  done
+  if [ -n "${FORGE_TRACE_DEFS:-}" ] && [ -x "$BUILD-bench-defs/bench/wgrad_bench" ]; then
+    log "trace: $FORGE_TRACE_DEFS"
+    mkdir -p "$OUT/trace-defs"
+    echo "$FORGE_TRACE_DEFS" >"$OUT/trace-defs/defs.txt"
+    timeout "$(limit 120 0)" "$BUILD-bench-defs/bench/wgrad_bench" --trace --out "$OUT/trace-defs" 2>&1 |
+      cut -c1-160
+  fi
   exit 0
 fi
 

@@ -448,17 +448,50 @@ bool wgmma_enabled() {
   return !(v && v[0] == '0');
 }
 
+// Benchmark instrument: FORGE_CUDA_TRACE=<device address in hex>:<records> makes the Hopper
+// kernel write one TileTrace record (kTraceWords 64-bit words) per CTA into that buffer, which
+// the caller allocated on the device of the steps (bench/wgrad_bench --trace sets it). Every
+// launch overwrites it from record 0.
+struct TraceBuffer {
+  unsigned long long* records = nullptr;
+  int64_t count = 0;
+};
+TraceBuffer trace_buffer() {
+  TraceBuffer t;
+  const char* v = std::getenv("FORGE_CUDA_TRACE");
+  if (v == nullptr) return t;
+  unsigned long long address = 0;
+  long long count = 0;
+  if (std::sscanf(v, "%llx:%lld", &address, &count) == 2 && address != 0 && count > 0) {
+    t.records = reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(address));
+    t.count = count;
+  }
+  return t;
+}
+
+// Benchmark knob: FORGE_CUDA_STAGGER_NS=ns delays the start of the first wave's second CTA
+// on each SM (blockIdx.x in [SMs, 2·SMs)) by ns, so that the two CTAs of an SM run their
+// main loop and their update out of phase (bench/NOTES.md, v13). 0 or unset: off.
+int stagger_ns() {
+  const char* v = std::getenv("FORGE_CUDA_STAGGER_NS");
+  const int ns = v ? std::atoi(v) : 0;
+  return ns > 0 ? ns : 0;
+}
+
 // The switches above, read once per process (at the first step).
 // NOTE: a getenv scans the whole environment; six per step cost host time on every Linear.
 struct EnvSwitches {
   bool wgmma, epilogue_prefetch, persistent;
   int prefetch_lead, group_m;
   int64_t persistent_ctas;
+  TraceBuffer trace;
+  int stagger_ns;
 };
 const EnvSwitches& env_switches() {
   static const EnvSwitches switches{wgmma_enabled(),        epilogue_prefetch_enabled(),
                                     persistent_enabled(),   prefetch_lead_tokens(),
-                                    group_m_tiles(),        persistent_cta_cap()};
+                                    group_m_tiles(),        persistent_cta_cap(),
+                                    trace_buffer(),         stagger_ns()};
   return switches;
 }
 
@@ -881,6 +914,11 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
       FORGE_CUDA_TRY(cudaGetLastError());
       return FORGE_OK;
     }
+    w.trace = env.trace.records;
+    w.trace_ctas = env.trace.count;
+    w.stagger_ns = splits == 1 ? env.stagger_ns : 0;
+    w.stagger_first = info.num_sms;
+    w.stagger_count = info.num_sms;
     const char* name = kSm90GenericKernels[1].name;
     const Sm90KernelFn kernel =
         fp16_inputs ? kSm90GenericKernels[1].fn

@@ -24,6 +24,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "core/formats.h"
 #include "core/rules.h"
 #include "cuda/update.cuh"
@@ -92,7 +94,20 @@ struct WgradParams {
   unsigned long long* nonfinite_count;
   ParamView p;               // W: [M, N]
   RuleScalars k;
+  // Benchmark instruments (cuda_backend.cu's FORGE_CUDA_TRACE / FORGE_CUDA_STAGGER_NS; off:
+  // trace == nullptr, stagger_ns == 0). wgrad_wgmma_kernel only.
+  unsigned long long* trace;  // [trace_ctas][kTraceWords]: see TileTrace
+  int64_t trace_ctas;
+  int32_t stagger_ns;         // CTAs [stagger_first, stagger_first + stagger_count) wait this
+  int32_t stagger_first, stagger_count;  // long before their main loop
 };
+
+// One CTA's record in WgradParams::trace: when it started, when its tile's gradient was in
+// sC, when it ended (the SM's clock64, comparable between CTAs of one SM only), the global
+// timer at start and end (ns, comparable across SMs), and its SM and blockIdx.x.
+constexpr int kTraceWords = 6;
+enum TileTrace { kTraceClockStart, kTraceClockMainEnd, kTraceClockEnd, kTraceNsStart,
+                 kTraceNsEnd, kTraceSmBlock };
 
 // The k-tile of a CTA's main loop (nk k-tiles of kTokens) at which the prefetch is issued;
 // -1: none.
@@ -320,14 +335,60 @@ __device__ __forceinline__ void update_raw_pass(const WgradParams& a, const RawQ
   update_loaded<kQ, Spec>(a.k, a.p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
 }
 
+// update_tile's fast loop: interior tiles (all of them on the Llama shapes) of specialized
+// kernels, whole vector quads, no per-element range checks, and the next pass's raw operands
+// loaded while the current one is updated. Only where one batch fits in 12 registers (bf16
+// weight with bf16 or int8 states): with fp32 states or an fp32 master, the extra registers
+// made ptxas spill 20-100 B next to the accumulators.
+constexpr int kUpdateQuads = 2;  // quads in flight per thread: the two column halves of a row
+template <class Spec>
+__host__ __device__ constexpr bool update_pipelined() {
+  return !Spec::kGeneric && raw_quads_words<Spec, kUpdateQuads>() <= 12;
+}
+template <class Spec>
+__device__ __forceinline__ bool update_tile_full(const WgradParams& a, int64_t m0, int64_t n0) {
+  return !Spec::kGeneric && m0 + kBM <= a.p.rows && n0 + kBN <= a.p.cols && a.p.vec4 != 0;
+}
+
+// The pipelined loop's first batch: the raw weight and states of the thread's two quads in
+// tile row tid / 16. A kernel may load it before its main loop ends (FirstPass::loaded), so
+// the update starts on operands already in registers.
+struct NoRawQuads {};
+template <class Spec>
+struct FirstPass {
+  using Raw = std::conditional_t<update_pipelined<Spec>(), RawQuads<Spec, kUpdateQuads>,
+                                 NoRawQuads>;
+  Raw raw;
+  bool loaded = false;
+};
+template <class Spec>
+__device__ __forceinline__ void load_first_pass(const WgradParams& a, int64_t m0, int64_t n0,
+                                                int tid, FirstPass<Spec>& first) {
+  if constexpr (update_pipelined<Spec>()) {
+    const int lane16 = tid % 16, rsub = tid / 16;
+    const int64_t idx0 = (m0 + rsub) * a.p.cols + n0 + lane16 * kQuad;
+    int64_t row[kUpdateQuads], col[kUpdateQuads], idx[kUpdateQuads];
+#pragma unroll
+    for (int q = 0; q < kUpdateQuads; ++q) {
+      row[q] = m0 + rsub;
+      col[q] = n0 + q * (kBN / 2) + lane16 * kQuad;
+      idx[q] = idx0 + q * (kBN / 2);
+    }
+    first.raw.load(a.p, row, col, idx);
+    first.loaded = true;
+  }
+}
+
 // The optimizer update of tile (m0, n0) from its fp32 gradient in sC ([kBM][kLdC]).
 // Thread t owns rows t/16 + 16·j and, in each, the quads at columns 4·(t%16) and
 // 64 + 4·(t%16): the 16 lanes of a half-warp cover each 64-column int8 block of a row.
 // `tid` in [0, kThreads): the thread's index among the kThreads that update the tile.
+// `first`: the fast loop's first batch if the caller loaded it (load_first_pass).
 template <class Spec>
 __device__ __forceinline__ void update_tile(const WgradParams& a, const float* sC, int64_t m0,
-                                            int64_t n0, StepTotals& totals, int tid) {
-  constexpr int kQ = 2;  // quads in flight per thread: the two column halves of a row
+                                            int64_t n0, StepTotals& totals, int tid,
+                                            const FirstPass<Spec>& first = FirstPass<Spec>{}) {
+  constexpr int kQ = kUpdateQuads;
   const int lane16 = tid % 16, rsub = tid / 16;
   const int64_t rows = a.p.rows, cols = a.p.cols;
   const bool want_sq = a.want_sq != 0;
@@ -335,28 +396,21 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
   // kRowsPerPass rows per pass: one 64-bit add per pass, no multiply per quad.
   int64_t idx0 = (m0 + rsub) * cols + n0 + lane16 * kQuad;
   const int64_t idx_step = kRowsPerPass * cols;
-  // NOTE: interior tiles (all of them on the Llama shapes) run the kFull variant: whole
-  // vector quads, no per-element range checks. Only specialized kernels carry it; the
-  // generic kernel keeps one (checked) copy to hold its compile time.
-  const bool full = !Spec::kGeneric && m0 + kBM <= rows && n0 + kBN <= cols && a.p.vec4 != 0;
+  // NOTE: only specialized kernels carry the full-tile variant; the generic kernel keeps one
+  // (checked) copy to hold its compile time.
+  const bool full = update_tile_full<Spec>(a, m0, n0);
   // NOTE: software-pipelined: the weight and states of pass + 1 are loaded (raw) before
   // pass is updated, so each thread keeps one pass of loads in flight during its arithmetic
-  // instead of waiting on memory at the top of every pass. Only where one batch fits in
-  // 12 registers (bf16 weight with bf16 or int8 states): with fp32 states or an fp32
-  // master, the extra registers made ptxas spill 20-100 B next to the accumulators.
-  constexpr bool kPipelined = !Spec::kGeneric && raw_quads_words<Spec, kQ>() <= 12;
-  if constexpr (kPipelined) {
+  // instead of waiting on memory at the top of every pass.
+  if constexpr (update_pipelined<Spec>()) {
     if (full) {
       RawQuads<Spec, kQ> next;
-      {
-        int64_t row[kQ], col[kQ], idx[kQ];
-#pragma unroll
-        for (int q = 0; q < kQ; ++q) {
-          row[q] = m0 + rsub;
-          col[q] = n0 + q * (kBN / 2) + lane16 * kQuad;
-          idx[q] = idx0 + q * (kBN / 2);
-        }
-        next.load(a.p, row, col, idx);
+      if (first.loaded) {
+        next = first.raw;
+      } else {
+        FirstPass<Spec> own;
+        load_first_pass<Spec>(a, m0, n0, tid, own);
+        next = own.raw;
       }
       // NOTE: unrolled by 2 so that `cur = next` is a register renaming, not 12 moves per
       // pass (bf16 states: ~3 fewer instructions per element in the SASS). Not with int8
@@ -418,12 +472,14 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
 
 // After the main loop: sC holds the CTA's fp32 tile. Split-K reduction (if any), the update,
 // the by-products.
+// `first`: see update_tile.
 template <class Spec>
 __device__ __forceinline__ void finish_tile(const WgradParams& a, float* sC, int64_t m0,
-                                            int64_t n0) {
+                                            int64_t n0,
+                                            const FirstPass<Spec>& first = FirstPass<Spec>{}) {
   if (a.splits > 1 && !reduce_split_k(a, sC, blockIdx.x, blockIdx.z)) return;
   StepTotals totals{0.0, 0u};
-  update_tile<Spec>(a, sC, m0, n0, totals, threadIdx.x);
+  update_tile<Spec>(a, sC, m0, n0, totals, threadIdx.x, first);
   if (a.grad_sq_sum != nullptr || a.nonfinite_count != nullptr)
     flush_totals<kThreads>(totals, a.grad_sq_sum, a.nonfinite_count);
 }

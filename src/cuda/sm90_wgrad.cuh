@@ -39,6 +39,12 @@
 
 #include "cuda/sm80_wgrad.cuh"
 
+// Experiment switch (a compile definition, so that an A/B needs two builds, not two kernels):
+// 1 = the update's first pass of loads is issued before the main loop's last wgmma wait.
+#ifndef FORGE_CUDA_EARLY_FIRST_PASS
+#define FORGE_CUDA_EARLY_FIRST_PASS 0
+#endif
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FORGE_SM90A_DEVICE_PASS 1
 #endif
@@ -132,6 +138,38 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(token)
       : "memory");
+}
+
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
+  return id;
+}
+
+// The benchmark instruments of WgradParams (off unless the host sets them): this CTA's trace
+// record (thread 0 only, nullptr otherwise), and the stagger wait.
+__device__ __forceinline__ unsigned long long* trace_record(const WgradParams& a) {
+  const int64_t cta = blockIdx.x + static_cast<int64_t>(blockIdx.z) * gridDim.x;
+  return a.trace != nullptr && threadIdx.x == 0 && cta < a.trace_ctas
+             ? a.trace + cta * kTraceWords
+             : nullptr;
+}
+__device__ __forceinline__ void trace_start(const WgradParams& a) {
+  if (unsigned long long* rec = trace_record(a)) {
+    rec[kTraceClockStart] = clock64();
+    rec[kTraceNsStart] = global_timer_ns();
+    rec[kTraceSmBlock] = (static_cast<unsigned long long>(sm_id()) << 32) | blockIdx.x;
+  }
+}
+// Thread 0 of CTAs [stagger_first, stagger_first + stagger_count) waits stagger_ns before the
+// CTA's first load (the others wait for it at the barrier after the ring's set-up).
+__device__ __forceinline__ void stagger_wait(const WgradParams& a) {
+  if (a.stagger_ns <= 0 || threadIdx.x != 0 || blockIdx.z != 0 ||
+      blockIdx.x - static_cast<unsigned>(a.stagger_first) >=
+          static_cast<unsigned>(a.stagger_count))
+    return;
+  const uint64_t start = global_timer_ns();
+  while (global_timer_ns() - start < static_cast<uint64_t>(a.stagger_ns)) __nanosleep(500);
 }
 
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
@@ -293,6 +331,8 @@ __global__ void __launch_bounds__(kThreads, 2)
                       static_cast<int32_t>(kt * kSm90BK));
   };
 
+  trace_start(a);
+  stagger_wait(a);
   if (threadIdx.x == 0) {
     init_ring<kSm90Stages>(maps, full0, empty0);
 #pragma unroll
@@ -342,13 +382,25 @@ __global__ void __launch_bounds__(kThreads, 2)
       phase ^= 1u;
     }
   }
+  FirstPass<Spec> first;
+#if FORGE_CUDA_EARLY_FIRST_PASS
+  // NOTE: the update's first loads go out while the last wgmma batch runs, and are in flight
+  // during the accumulators' trip through sC and both barriers.
+  if (a.splits == 1 && update_tile_full<Spec>(a, m0, n0))
+    load_first_pass<Spec>(a, m0, n0, threadIdx.x, first);
+#endif
   wgmma_wait<0>();
   fence_accumulators(acc);
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
   store_accumulators(sC, acc, warpgroup);
   if constexpr (int8_table_needed<Spec>()) int8_tables_init(threadIdx.x);
   __syncthreads();
-  finish_tile<Spec>(a, sC, m0, n0);
+  if (unsigned long long* rec = trace_record(a)) rec[kTraceClockMainEnd] = clock64();
+  finish_tile<Spec>(a, sC, m0, n0, first);
+  if (unsigned long long* rec = trace_record(a)) {
+    rec[kTraceClockEnd] = clock64();
+    rec[kTraceNsEnd] = global_timer_ns();
+  }
 #else
   // Not an sm_90a pass: the host never launches this kernel here (cuda_backend.cu).
   (void)a;
