@@ -466,10 +466,12 @@ int main(int argc, char** argv) {
       Shape shape;
       int64_t tokens;
     };
-    const Case cases[] = {{kShapes[0], 32},   {kShapes[0], 512},  {kShapes[0], 2048},
-                          {kShapes[2], 512},  {kShapes[2], 2048}, {kShapes[3], 512},
-                          {kShapes[3], 2048}, {{"lm_head", 128256, 4096, 0}, 512},
-                          {{"lm_head", 128256, 4096, 0}, 2048}};
+    const Shape lm_head{"lm_head", 128256, 4096, 0};
+    const Case cases[] = {{kShapes[0], 32},   {kShapes[0], 512},  {kShapes[0], 1024},
+                          {kShapes[0], 2048}, {kShapes[0], 4096}, {kShapes[1], 512},
+                          {kShapes[1], 2048}, {kShapes[2], 512},  {kShapes[2], 2048},
+                          {kShapes[2], 4096}, {kShapes[3], 512},  {kShapes[3], 2048},
+                          {lm_head, 512},     {lm_head, 2048}};
     const char* stagger = std::getenv("FORGE_CUDA_STAGGER_NS");
     std::string md = "# wgrad_bench --trace (FORGE_CUDA_STAGGER_NS=" +
                      std::string(stagger ? stagger : "unset") + ")\n\n" +

@@ -78,10 +78,11 @@ fi
 
 if [ "${1:-}" = trace ]; then
   # `bash scripts/gpu_check.sh trace`: build only the benchmark and run `wgrad_bench --trace`
-  # (time + per-CTA phase trace of a few layers, bench/NOTES.md v13) once per
-  # FORGE_CUDA_STAGGER_NS value in FORGE_TRACE_STAGGERS (default "0"); with FORGE_TRACE_DEFS
-  # (compile definitions, e.g. "-DFORGE_CUDA_EARLY_FIRST_PASS=1") also a second build with
-  # them, traced with stagger 0. Results: $OUT/trace-<label>/trace.md (+ raw CSVs).
+  # (time + per-CTA phase trace of a few layers, bench/NOTES.md v13) FORGE_TRACE_REPS times
+  # (default 1) per FORGE_CUDA_STAGGER_NS value in FORGE_TRACE_STAGGERS (default "0"); with
+  # FORGE_TRACE_DEFS (compile definitions, e.g. "-DFORGE_CUDA_EARLY_FIRST_PASS=1") the same
+  # again on a second build with them. Results: $OUT/<build>-s<ns>-r<rep>/trace.md (+ raw
+  # CSVs), and bench/trace_sweep.py's table of medians over the repetitions.
   build_bench() {  # build dir, extra CUDA flags
     cmake -S "$ROOT" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
       -DFORGE_BUILD_TESTS=OFF -DFORGE_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS="$2" >"$1.log" 2>&1 &&
@@ -90,21 +91,26 @@ if [ "${1:-}" = trace ]; then
   log "trace: build the benchmark${FORGE_TRACE_DEFS:+ (and with $FORGE_TRACE_DEFS)}"
   build_bench "$BUILD-bench" "" &
   pid=$!
-  if [ -n "${FORGE_TRACE_DEFS:-}" ]; then build_bench "$BUILD-bench-defs" "$FORGE_TRACE_DEFS" || tail -20 "$BUILD-bench-defs.log"; fi
-  wait $pid || { tail -20 "$BUILD-bench.log"; exit 1; }
-  for ns in ${FORGE_TRACE_STAGGERS:-0}; do
-    log "trace: stagger $ns ns"
-    mkdir -p "$OUT/trace-stagger-$ns"
-    FORGE_CUDA_STAGGER_NS=$ns timeout "$(limit 120 0)" "$BUILD-bench/bench/wgrad_bench" --trace \
-      --out "$OUT/trace-stagger-$ns" 2>&1 | grep -vE "^\| ---" | cut -c1-160
-  done
-  if [ -n "${FORGE_TRACE_DEFS:-}" ] && [ -x "$BUILD-bench-defs/bench/wgrad_bench" ]; then
-    log "trace: $FORGE_TRACE_DEFS"
-    mkdir -p "$OUT/trace-defs"
-    echo "$FORGE_TRACE_DEFS" >"$OUT/trace-defs/defs.txt"
-    timeout "$(limit 120 0)" "$BUILD-bench-defs/bench/wgrad_bench" --trace --out "$OUT/trace-defs" 2>&1 |
-      cut -c1-160
+  builds=(default)
+  if [ -n "${FORGE_TRACE_DEFS:-}" ]; then
+    if build_bench "$BUILD-bench-defs" "$FORGE_TRACE_DEFS"; then builds+=(defs); else tail -20 "$BUILD-bench-defs.log"; fi
   fi
+  wait $pid || { tail -20 "$BUILD-bench.log"; exit 1; }
+  log "trace: builds ${builds[*]}"
+  for rep in $(seq 1 "${FORGE_TRACE_REPS:-1}"); do
+    for b in "${builds[@]}"; do
+      bin=$BUILD-bench/bench/wgrad_bench
+      [ "$b" = defs ] && bin=$BUILD-bench-defs/bench/wgrad_bench
+      for ns in ${FORGE_TRACE_STAGGERS:-0}; do
+        d="$OUT/$b-s$ns-r$rep"
+        mkdir -p "$d"
+        FORGE_CUDA_STAGGER_NS=$ns timeout "$(limit 120 0)" "$bin" --trace --out "$d" >"$d/console.txt" 2>&1 ||
+          log "trace: $b stagger $ns rep $rep failed: $(tail -2 "$d/console.txt")"
+      done
+    done
+  done
+  echo "defs: ${FORGE_TRACE_DEFS:-none}"
+  python3 "$ROOT/bench/trace_sweep.py" "$OUT"
   exit 0
 fi
 
