@@ -423,8 +423,9 @@ int main(int argc, char** argv) {
   // timing.
   bool profile = false;
   // --trace: time a few (layer, T) cases of the fused step and trace each CTA's phases
-  // (summarize_trace); the raw records go to $OUT/trace-*.csv. With FORGE_CUDA_STAGGER_NS or
-  // a build with -DFORGE_CUDA_EARLY_FIRST_PASS=1 this is the A/B of those experiments.
+  // (summarize_trace); the raw records go to $OUT/trace-*.csv. Runs with different
+  // FORGE_CUDA_STAGGER_NS, or builds with an experiment's compile definitions, are A/B tests
+  // (scripts/gpu_check.sh trace).
   bool trace = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_dir = argv[++i];
@@ -474,7 +475,7 @@ int main(int argc, char** argv) {
                           {lm_head, 512},     {lm_head, 2048}};
     const char* stagger = std::getenv("FORGE_CUDA_STAGGER_NS");
     std::string md = "# wgrad_bench --trace (FORGE_CUDA_STAGGER_NS=" +
-                     std::string(stagger ? stagger : "unset") + ")\n\n" +
+                     std::string(stagger ? stagger : "unset: the library's default") + ")\n\n" +
                      "| layer | T | states | ms (median) | CTAs | span µs | main µs | update µs | "
                      "SM MHz | - | M | U | M+M | M+U | U+U |\n" +
                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";

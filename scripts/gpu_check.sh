@@ -79,8 +79,9 @@ fi
 if [ "${1:-}" = trace ]; then
   # `bash scripts/gpu_check.sh trace`: build only the benchmark and run `wgrad_bench --trace`
   # (time + per-CTA phase trace of a few layers, bench/NOTES.md v13) FORGE_TRACE_REPS times
-  # (default 1) per FORGE_CUDA_STAGGER_NS value in FORGE_TRACE_STAGGERS (default "0"); with
-  # FORGE_TRACE_DEFS (compile definitions, e.g. "-DFORGE_CUDA_EARLY_FIRST_PASS=1") the same
+  # (default 1) per FORGE_CUDA_STAGGER_NS value in FORGE_TRACE_STAGGERS (default "0 4000":
+  # off, and the library's default); with FORGE_TRACE_DEFS (compile definitions of an
+  # experiment, e.g. "-DFORGE_SOMETHING=1") the same
   # again on a second build with them. Results: $OUT/<build>-s<ns>-r<rep>/trace.md (+ raw
   # CSVs), and bench/trace_sweep.py's table of medians over the repetitions.
   build_bench() {  # build dir, extra CUDA flags
@@ -101,7 +102,7 @@ if [ "${1:-}" = trace ]; then
     for b in "${builds[@]}"; do
       bin=$BUILD-bench/bench/wgrad_bench
       [ "$b" = defs ] && bin=$BUILD-bench-defs/bench/wgrad_bench
-      for ns in ${FORGE_TRACE_STAGGERS:-0}; do
+      for ns in ${FORGE_TRACE_STAGGERS:-0 4000}; do
         d="$OUT/$b-s$ns-r$rep"
         mkdir -p "$d"
         FORGE_CUDA_STAGGER_NS=$ns timeout "$(limit 120 0)" "$bin" --trace --out "$d" >"$d/console.txt" 2>&1 ||

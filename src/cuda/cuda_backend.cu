@@ -469,12 +469,11 @@ TraceBuffer trace_buffer() {
   return t;
 }
 
-// Benchmark knob: FORGE_CUDA_STAGGER_NS=ns delays the start of the first wave's second CTA
-// on each SM (blockIdx.x in [SMs, 2·SMs)) by ns, so that the two CTAs of an SM run their
-// main loop and their update out of phase (bench/NOTES.md, v13). 0 or unset: off.
+// Benchmark knob: FORGE_CUDA_STAGGER_NS=ns replaces kStaggerNs (0 turns the stagger off).
 int stagger_ns() {
   const char* v = std::getenv("FORGE_CUDA_STAGGER_NS");
-  const int ns = v ? std::atoi(v) : 0;
+  if (v == nullptr) return kStaggerNs;
+  const int ns = std::atoi(v);
   return ns > 0 ? ns : 0;
 }
 
@@ -916,7 +915,7 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     }
     w.trace = env.trace.records;
     w.trace_ctas = env.trace.count;
-    w.stagger_ns = splits == 1 ? env.stagger_ns : 0;
+    w.stagger_ns = splits == 1 && tiles >= kStaggerMinWaves * 2 * info.num_sms ? env.stagger_ns : 0;
     w.stagger_first = info.num_sms;
     w.stagger_count = info.num_sms;
     const char* name = kSm90GenericKernels[1].name;

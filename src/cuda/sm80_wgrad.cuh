@@ -94,8 +94,8 @@ struct WgradParams {
   unsigned long long* nonfinite_count;
   ParamView p;               // W: [M, N]
   RuleScalars k;
-  // Benchmark instruments (cuda_backend.cu's FORGE_CUDA_TRACE / FORGE_CUDA_STAGGER_NS; off:
-  // trace == nullptr, stagger_ns == 0). wgrad_wgmma_kernel only.
+  // wgrad_wgmma_kernel only: the benchmark's trace (cuda_backend.cu's FORGE_CUDA_TRACE; off:
+  // nullptr) and the stagger (sm90_wgrad.cuh's kStaggerNs; off: stagger_ns == 0).
   unsigned long long* trace;  // [trace_ctas][kTraceWords]: see TileTrace
   int64_t trace_ctas;
   int32_t stagger_ns;         // CTAs [stagger_first, stagger_first + stagger_count) wait this

@@ -39,12 +39,6 @@
 
 #include "cuda/sm80_wgrad.cuh"
 
-// Experiment switch (a compile definition, so that an A/B needs two builds, not two kernels):
-// 1 = the update's first pass of loads is issued before the main loop's last wgmma wait.
-#ifndef FORGE_CUDA_EARLY_FIRST_PASS
-#define FORGE_CUDA_EARLY_FIRST_PASS 0
-#endif
-
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FORGE_SM90A_DEVICE_PASS 1
 #endif
@@ -64,6 +58,16 @@ constexpr int kSm90Align = 1024;   // the SW128 atom: TMA and the wgmma descript
 // one CTA's ALU-bound epilogue then runs beside the other's wgmma main loop. The ring is
 // reused as sC (68 KiB) after the main loop.
 constexpr size_t kSm90RingBytes = size_t(kSm90Stages) * kSm90StageBytes;
+// NOTE: the stagger. Both CTAs of an SM start together and have equal work, so they stay in
+// phase: both in the main loop (tensor cores shared, memory idle), then both updating (tensor
+// cores idle). Delaying the first wave's second CTA per SM (blockIdx.x in [SMs, 2·SMs)) by
+// kStaggerNs puts the two out of phase for the rest of the launch: on 4096² at T = 512 the
+// share of SM time with one CTA in its main loop while the other updates went from 0.17 to
+// 0.55, Llama totals (bf16 states) 32.8 -> 31.4 ms at T = 512 and 59.8 -> 58.6 at T = 2048
+// (bench/NOTES.md, v13: `gpu_check.sh trace`). The delay is paid once per SM, so only grids
+// of at least kStaggerMinWaves full waves get it (k_proj, one wave, lost 10% with it).
+constexpr int kStaggerNs = 4000;
+constexpr int kStaggerMinWaves = 3;
 constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90Align;
 static_assert(kBM == 2 * kSm90BoxCols && kBN == 2 * kSm90BoxCols, "two boxes per operand");
 static_assert(kSm90SmemBytes <= 100 * 1024, "two CTAs per SM (228 KiB, 1 KiB reserved each)");
@@ -382,13 +386,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       phase ^= 1u;
     }
   }
-  FirstPass<Spec> first;
-#if FORGE_CUDA_EARLY_FIRST_PASS
   // NOTE: the update's first loads go out while the last wgmma batch runs, and are in flight
-  // during the accumulators' trip through sC and both barriers.
+  // during the accumulators' trip through sC and both barriers: Llama totals at T = 512 with
+  // SR weight and states 38.0 -> 36.9 ms, the others unchanged (bench/NOTES.md, v13).
+  FirstPass<Spec> first;
   if (a.splits == 1 && update_tile_full<Spec>(a, m0, n0))
     load_first_pass<Spec>(a, m0, n0, threadIdx.x, first);
-#endif
   wgmma_wait<0>();
   fence_accumulators(acc);
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
