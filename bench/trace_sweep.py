@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Summarizes `gpu_check.sh trace` runs: for each (layer, T, states) the median step time over
-the repetitions of each build and stagger, and the M+U share (one CTA in its main loop while
-the other updates) of the median run.
+the repetitions of each build and setting, and the M+U share (one CTA in its main loop while
+the other updates) of the median run; then the Llama-3.1-8B totals (224 layers) per column.
 
-    python3 bench/trace_sweep.py OUT_DIR      # OUT_DIR/<build>-s<ns>-r<rep>/trace.md
+    python3 bench/trace_sweep.py OUT_DIR      # OUT_DIR/<build>-<setting>-r<rep>/trace.md
 """
 import re
 import statistics
@@ -26,17 +26,17 @@ def read_table(path):
 def main(out_dir):
     runs = defaultdict(lambda: defaultdict(list))  # (build, ns) -> case -> [row]
     for d in sorted(Path(out_dir).iterdir()):
-        m = re.match(r"^(\w+)-s(\d+)-r(\d+)$", d.name)
+        m = re.match(r"^(default|defs\d+)-(.+)-r(\d+)$", d.name)
         if not m or not (d / "trace.md").exists():
             continue
         for row in read_table(d / "trace.md"):
-            runs[(m.group(1), int(m.group(2)))][row["case"]].append(row)
+            runs[(m.group(1), m.group(2))][row["case"]].append(row)
     if not runs:
         print("no trace runs under", out_dir)
         return 1
-    keys = sorted(runs, key=lambda k: (k[0] != "default", k[1]))
+    keys = sorted(runs, key=lambda k: (k[0] != "default", k[0], k[1] != "default", k[1]))
     cases = list(dict.fromkeys(c for k in keys for c in runs[k]))
-    print("median ms over repetitions (M+U share of the median run); columns: build/stagger ns")
+    print("median ms over repetitions (M+U share of the median run); columns: build/setting")
     print("| case | " + " | ".join(f"{b}/{ns}" for b, ns in keys) + " |")
     print("| --- " * (len(keys) + 1) + "|")
     for case in cases:
@@ -49,6 +49,25 @@ def main(out_dir):
             med = rows[len(rows) // 2]
             cells.append(f"{statistics.median(r['ms'] for r in rows):.4f} ({med['mu']:.2f}, n={len(rows)})")
         print(f"| {case} | " + " | ".join(cells) + " |")
+    # Llama-3.1-8B: per decoder layer q, k, v, o, gate, up (2 of each shape) and down.
+    per_layer = {"q_proj/o_proj": 2, "k_proj/v_proj": 2, "gate_proj/up_proj": 2, "down_proj": 1}
+    print("\nLlama-3.1-8B totals, 224 layers (ms, from the medians):")
+    for tokens in sorted({int(re.search(r"T=(\d+)", c).group(1)) for c in cases}):
+        for states in ("bf16", "bf16 SR"):
+            totals, complete = [], True
+            for k in keys:
+                total = 0.0
+                for layer, n in per_layer.items():
+                    name = next((c for c in runs[k] if c.startswith(layer + " ")
+                                 and f" T={tokens} " in c and c.endswith(" " + states)), None)
+                    if name is None:
+                        complete = False
+                        break
+                    total += statistics.median(r["ms"] for r in runs[k][name]) * n * 32
+                totals.append(total)
+            if complete:
+                print(f"T={tokens} {states}: " + ", ".join(
+                    f"{b}/{s} {t:.2f}" for (b, s), t in zip(keys, totals)))
     return 0
 
 

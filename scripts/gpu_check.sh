@@ -79,38 +79,49 @@ fi
 if [ "${1:-}" = trace ]; then
   # `bash scripts/gpu_check.sh trace`: build only the benchmark and run `wgrad_bench --trace`
   # (time + per-CTA phase trace of a few layers, bench/NOTES.md v13) FORGE_TRACE_REPS times
-  # (default 1) per FORGE_CUDA_STAGGER_NS value in FORGE_TRACE_STAGGERS (default "0 4000":
-  # off, and the library's default); with FORGE_TRACE_DEFS (compile definitions of an
-  # experiment, e.g. "-DFORGE_SOMETHING=1") the same
-  # again on a second build with them. Results: $OUT/<build>-s<ns>-r<rep>/trace.md (+ raw
-  # CSVs), and bench/trace_sweep.py's table of medians over the repetitions.
+  # (default 1) per setting in FORGE_TRACE_SETTINGS: space-separated, each "default" or
+  # VAR=value[,VAR=value...] of FORGE_CUDA_* knobs (default: "default
+  # FORGE_CUDA_STAGGER_NS=0"). FORGE_TRACE_DEFS: "|"-separated sets of compile definitions
+  # of experiments (e.g. "-DFORGE_X=1|-DFORGE_X=2"), each built too and run with "default".
+  # Results: $OUT/<build>-<setting>-r<rep>/trace.md (+ raw CSVs), and bench/trace_sweep.py's
+  # table of medians over the repetitions.
   build_bench() {  # build dir, extra CUDA flags
     cmake -S "$ROOT" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
       -DFORGE_BUILD_TESTS=OFF -DFORGE_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS="$2" >"$1.log" 2>&1 &&
       cmake --build "$1" --target wgrad_bench -j "$JOBS" >>"$1.log" 2>&1
   }
   log "trace: build the benchmark${FORGE_TRACE_DEFS:+ (and with $FORGE_TRACE_DEFS)}"
+  declare -A pids
   build_bench "$BUILD-bench" "" &
-  pid=$!
-  builds=(default)
-  if [ -n "${FORGE_TRACE_DEFS:-}" ]; then
-    if build_bench "$BUILD-bench-defs" "$FORGE_TRACE_DEFS"; then builds+=(defs); else tail -20 "$BUILD-bench-defs.log"; fi
-  fi
-  wait $pid || { tail -20 "$BUILD-bench.log"; exit 1; }
-  log "trace: builds ${builds[*]}"
+  pids[default]=$!
+  IFS='|' read -ra defsets <<<"${FORGE_TRACE_DEFS:-}"
+  for i in "${!defsets[@]}"; do
+    build_bench "$BUILD-bench-defs$((i + 1))" "${defsets[$i]}" &
+    pids[defs$((i + 1))]=$!
+  done
+  builds=()
+  for b in default $(for i in "${!defsets[@]}"; do echo "defs$((i + 1))"; done); do
+    if wait "${pids[$b]}"; then builds+=("$b"); else
+      log "trace: build $b failed"; tail -20 "$BUILD-bench${b#default}.log"; fi
+  done
+  [ "${builds[0]:-}" = default ] || exit 1
+  for i in "${!defsets[@]}"; do echo "defs$((i + 1)): ${defsets[$i]}"; done
   for rep in $(seq 1 "${FORGE_TRACE_REPS:-1}"); do
     for b in "${builds[@]}"; do
       bin=$BUILD-bench/bench/wgrad_bench
-      [ "$b" = defs ] && bin=$BUILD-bench-defs/bench/wgrad_bench
-      for ns in ${FORGE_TRACE_STAGGERS:-0 4000}; do
-        d="$OUT/$b-s$ns-r$rep"
+      settings=${FORGE_TRACE_SETTINGS:-default FORGE_CUDA_STAGGER_NS=0}
+      if [ "$b" != default ]; then bin=$BUILD-bench-$b/bench/wgrad_bench; settings=default; fi
+      for setting in $settings; do
+        label=$(echo "$setting" | sed 's/FORGE_CUDA_//g; s/[^A-Za-z0-9=,]//g')
+        d="$OUT/$b-$label-r$rep"
         mkdir -p "$d"
-        FORGE_CUDA_STAGGER_NS=$ns timeout "$(limit 120 0)" "$bin" --trace --out "$d" >"$d/console.txt" 2>&1 ||
-          log "trace: $b stagger $ns rep $rep failed: $(tail -2 "$d/console.txt")"
+        env_args=()
+        [ "$setting" != default ] && IFS=',' read -ra env_args <<<"$setting"
+        env "${env_args[@]}" timeout "$(limit 120 0)" "$bin" --trace --out "$d" >"$d/console.txt" 2>&1 ||
+          log "trace: $b $setting rep $rep failed: $(tail -2 "$d/console.txt")"
       done
     done
   done
-  echo "defs: ${FORGE_TRACE_DEFS:-none}"
   python3 "$ROOT/bench/trace_sweep.py" "$OUT"
   exit 0
 fi
