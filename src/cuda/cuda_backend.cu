@@ -915,7 +915,10 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     }
     w.trace = env.trace.records;
     w.trace_ctas = env.trace.count;
-    w.stagger_ns = splits == 1 && tiles >= kStaggerMinWaves * 2 * info.num_sms ? env.stagger_ns : 0;
+    w.stagger_ns = splits == 1 && tiles >= kStaggerMinWaves * 2 * info.num_sms &&
+                           param.weight_format != FORGE_WEIGHT_BF16_STOCHASTIC
+                       ? env.stagger_ns
+                       : 0;
     w.stagger_first = info.num_sms;
     w.stagger_count = info.num_sms;
     const char* name = kSm90GenericKernels[1].name;

@@ -65,7 +65,9 @@ constexpr size_t kSm90RingBytes = size_t(kSm90Stages) * kSm90StageBytes;
 // share of SM time with one CTA in its main loop while the other updates went from 0.17 to
 // 0.55, Llama totals (bf16 states) 32.8 -> 31.4 ms at T = 512 and 59.8 -> 58.6 at T = 2048
 // (bench/NOTES.md, v13: `gpu_check.sh trace`). The delay is paid once per SM, so only grids
-// of at least kStaggerMinWaves full waves get it (k_proj, one wave, lost 10% with it).
+// of at least kStaggerMinWaves full waves get it (k_proj, one wave, lost 10% with it), and
+// not with a stochastically rounded weight: its longer update already leaves the two CTAs
+// out of phase two thirds of the time, and the stagger cost 1-8% per layer at T = 512.
 constexpr int kStaggerNs = 4000;
 constexpr int kStaggerMinWaves = 3;
 constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90Align;
@@ -137,16 +139,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // completes `bytes` on `bar`. Out-of-range elements are written as zeros.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
                                             int32_t col, int32_t token) {
-#if FORGE_CUDA_L2_HINTS >= 1
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(token), "l"(policy)
-      : "memory");
-  return;
-#endif
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),

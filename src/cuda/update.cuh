@@ -32,46 +32,8 @@
 #include "core/rules.h"
 #include "forge/forge.h"
 
-// Experiment (a compile definition; 0 by default): L2 eviction hints. 1: the Hopper main
-// loop's TMA loads of X and dY are marked evict-last (sm90_wgrad.cuh); 2: also the update's
-// bf16 loads and stores of whole quads evict-first, so that the streaming weight and states
-// do not push the main loop's operands out of L2.
-#ifndef FORGE_CUDA_L2_HINTS
-#define FORGE_CUDA_L2_HINTS 0
-#endif
-
 namespace forge {
 namespace cuda {
-
-#if FORGE_CUDA_L2_HINTS >= 2
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-#endif
-
-// 8 bytes of bf16 pairs from global memory (the update's streaming operands).
-__device__ __forceinline__ uint2 load_streaming_u2(const uint16_t* p) {
-#if FORGE_CUDA_L2_HINTS >= 2
-  uint2 v;
-  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;\n"
-               : "=r"(v.x), "=r"(v.y)
-               : "l"(p), "l"(l2_evict_first_policy()));
-  return v;
-#else
-  return *reinterpret_cast<const uint2*>(p);
-#endif
-}
-__device__ __forceinline__ void store_streaming_u2(uint16_t* p, uint2 v) {
-#if FORGE_CUDA_L2_HINTS >= 2
-  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v2.u32 [%0], {%1, %2}, %3;\n" ::"l"(p),
-               "r"(v.x), "r"(v.y), "l"(l2_evict_first_policy())
-               : "memory");
-#else
-  *reinterpret_cast<uint2*>(p) = v;
-#endif
-}
 
 constexpr int kQuad = 4;                               // columns per thread
 constexpr int kGroupLanes = FORGE_INT8_BLOCK / kQuad;  // lanes per int8 block: 16
@@ -238,7 +200,7 @@ __device__ __forceinline__ void store_quad_u16(uint16_t* base, int64_t idx, int 
     uint2 q;
     q.x = static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
     q.y = static_cast<uint32_t>(h[2]) | (static_cast<uint32_t>(h[3]) << 16);
-    store_streaming_u2(base + idx, q);
+    *reinterpret_cast<uint2*>(base + idx) = q;
   } else {
 #pragma unroll
     for (int e = 0; e < kQuad; ++e)
@@ -855,7 +817,7 @@ struct RawQuads {
         w[q][0] = v.x; w[q][1] = v.y; w[q][2] = v.z; w[q][3] = v.w;
       } else {
         const uint16_t* base = static_cast<const uint16_t*>(p.weight);
-        const uint2 v = load_streaming_u2(base + idx[q]);
+        const uint2 v = *reinterpret_cast<const uint2*>(base + idx[q]);
         w[q][0] = v.x; w[q][1] = v.y;
       }
 #pragma unroll
@@ -870,7 +832,7 @@ struct RawQuads {
           absmax[i][q] = p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK];
         } else {
           const uint16_t* base = static_cast<const uint16_t*>(p.state[i]);
-          const uint2 v = load_streaming_u2(base + idx[q]);
+          const uint2 v = *reinterpret_cast<const uint2*>(base + idx[q]);
           s[i][q][0] = v.x; s[i][q][1] = v.y;
         }
       }
