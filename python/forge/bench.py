@@ -78,6 +78,10 @@ DEFAULT_MODELS = ["llama-3.1-8b", "qwen3-14b", "qwen3-0.6b"]
 DEFAULT_SEQS = [512, 2048, 4096]
 MODES = ["torch-adamw", "torch-hooks", "forge-bf16", "forge-int8", "forge-fp32-master"]
 ALL = MODES
+# Modes run only when named in --modes: FORGE with forge.lean's memory-lean activations
+# (RMSNorm and the SwiGLU product recomputed in backward; bit-identical gradients in bf16).
+LEAN_MODES = ["forge-bf16-lean", "forge-int8-lean"]
+KNOWN_MODES = MODES + LEAN_MODES
 # The cases of ../shared/ANCHORS.md and issue 5's targets, most important first:
 # (model, seq, activation checkpointing, modes). torch-adamw leads each group: its number
 # is the reference, and it is safe from a FORGE kernel fault that could spoil the rest.
@@ -100,6 +104,11 @@ TARGETS = [
     ("llama-3.1-8b", 2048, False, "forge-bf16", "step_ms", None),
     ("llama-3.1-8b", 2048, False, "forge-int8", "step_ms", None),
     ("qwen3-14b", 2048, True, "forge-int8", "peak_gib", 62.0),
+    # The same seq 512 limits for FORGE with forge.lean's memory-lean activations.
+    ("llama-3.1-8b", 512, False, "forge-bf16-lean", "peak_gib", 47.0),
+    ("llama-3.1-8b", 512, False, "forge-bf16-lean", "step_ms", 140.0),
+    ("llama-3.1-8b", 512, False, "forge-int8-lean", "peak_gib", 34.0),
+    ("llama-3.1-8b", 512, False, "forge-int8-lean", "step_ms", 150.0),
 ]
 FIELDS = ["model", "seq", "ckpt", "mode", "status", "peak_gib", "step_ms", "tokens_per_s",
           "params_b", "weights_gib", "note"]
@@ -159,13 +168,14 @@ def make_optimizer(mode: str, model, device: torch.device):
     if mode == "torch-hooks":
         return OptimizerInBackward(model, fused)
     import forge.optim
+    mode = mode[:-len("-lean")] if mode in LEAN_MODES else mode
     if mode == "forge-bf16":
         return forge.optim.AdamW(model, lr=LR, state_format="bf16")
     if mode == "forge-int8":
         return forge.optim.AdamW(model, lr=LR, state_format="int8")
     if mode == "forge-fp32-master":
         return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True)
-    raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(KNOWN_MODES)}")
 
 
 class OptimizerInBackward:
@@ -235,6 +245,10 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
     if ckpt:
         from forge.models import enable_activation_checkpointing
         enable_activation_checkpointing(model)
+    if mode in LEAN_MODES:
+        from forge.lean import enable_lean_activations
+        if not any(enable_lean_activations(model).values()):
+            raise BenchError(f"{mode}: model {model_name} has nothing forge.lean recomputes")
     n_params = sum(p.numel() for p in model.parameters())
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -395,7 +409,7 @@ def cell(row: dict) -> str:
 
 
 def markdown(info: dict, rows: List[dict]) -> str:
-    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    modes = [m for m in KNOWN_MODES if any(r["mode"] == m for r in rows)]
     lines = [f"# forge-bench, {info['date'][:10]}, {info['gpu']}", "",
              f"torch {info['torch']}, transformers {info['transformers']}, forge "
              f"{info['forge']}, {info['date']}. Batch 1, bf16 weights, median of "
@@ -510,7 +524,7 @@ def plot(info: dict, rows: List[dict], path: str) -> Optional[str]:
         key = (r["model"], r["seq"], r["ckpt"])
         if key not in cases:
             cases.append(key)
-    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    modes = [m for m in KNOWN_MODES if any(r["mode"] == m for r in rows)]
     width = 0.8 / max(1, len(modes))
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(cases)), 8))
     for ax, field, label in ((axes[0], "peak_gib", "peak memory (GiB)"),
@@ -528,7 +542,7 @@ def plot(info: dict, rows: List[dict], path: str) -> Optional[str]:
                     ys.append(r[field])
                 elif r["status"] != "ok":
                     ax.text(x, 0, cell(r), rotation=90, ha="center", va="bottom", fontsize=7)
-            ax.bar(xs, ys, width, label=mode, color=f"C{MODES.index(mode)}")
+            ax.bar(xs, ys, width, label=mode, color=f"C{KNOWN_MODES.index(mode)}")
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([f"{m}\n{s}{' ckpt' if c else ''}" for m, s, c in cases],
                            fontsize=8)
@@ -809,7 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"from {', '.join(MODEL_CONFIGS)} (default: {' '.join(DEFAULT_MODELS)})")
     p.add_argument("--seqs", nargs="+", type=int, default=None,
                    help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_SEQS))})")
-    p.add_argument("--modes", nargs="+", default=None, help=f"from {', '.join(MODES)}")
+    p.add_argument("--modes", nargs="+", default=None,
+                   help=f"from {', '.join(KNOWN_MODES)} (default: {', '.join(MODES)})")
     p.add_argument("--ckpt", choices=["off", "on", "both"], default="both",
                    help="activation checkpointing")
     p.add_argument("--suite", choices=["full", "anchors"], default="full",
@@ -852,8 +867,8 @@ def plan(args) -> List[tuple]:
         if name not in MODEL_CONFIGS:
             raise BenchError(f"unknown model {name!r}; choose from {', '.join(MODEL_CONFIGS)}")
     for mode in modes:
-        if mode not in MODES:
-            raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        if mode not in KNOWN_MODES:
+            raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(KNOWN_MODES)}")
     ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.ckpt]
     if args.suite == "anchors":
         return [(m, s, c, mode) for m, s, c, suite_modes in ANCHOR_SUITE

@@ -79,7 +79,8 @@ TRAJECTORY_OPTIONS = ("model", "data", "max_data_mb", "optimizer", "lr", "betas"
                       "seq_len", "batch_size", "warmup", "min_lr_ratio", "bf16", "seed",
                       "baseline", "steps")
 # Options a resumed run also takes from the checkpoint unless given again (free to change).
-INHERITED_OPTIONS = ("save_every", "activation_checkpointing", "no_plot", "log_every")
+INHERITED_OPTIONS = ("save_every", "activation_checkpointing", "lean_activations", "no_plot",
+                     "log_every")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cosine ends at this fraction of --lr")
     g.add_argument("--bf16", action="store_true", help="bf16 weights (default: fp32)")
     g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--lean-activations", action="store_true",
+                   help="recompute RMSNorm and the SwiGLU product in backward instead of "
+                        "keeping their intermediates (less memory, same gradients in bf16: "
+                        "forge.lean)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g = p.add_argument_group("output and checkpoints")
@@ -484,6 +489,11 @@ def train(args, explicit=frozenset()) -> TrainResult:
                              f"tokenizer's {tokenizer.vocab_size}")
     if args.activation_checkpointing:
         forge_models.enable_activation_checkpointing(model)
+    if args.lean_activations:
+        from forge.lean import enable_lean_activations
+        if not any(enable_lean_activations(model).values()):
+            raise TrainError(f"--lean-activations: model {args.model!r} has no RMSNorm or "
+                             "SwiGLU MLP it knows how to recompute")
     model.train()
     try:
         data = forge_data.make_data(args.data, tokenizer, args.seq_len, args.batch_size,

@@ -1,0 +1,175 @@
+"""test_lean.py — forge.lean's memory-lean activations: the same loss and gradients as the
+unwrapped model (bit for bit in bf16), fewer saved bytes by exactly the intermediates it
+recomputes, and it composes with forge.optim, activation checkpointing, forge-train and
+forge-bench."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import forge
+from forge import lean, models
+from forge.train import lm_loss
+from tolerances import LEAN_FP32_GRAD_RTOL
+
+
+def forge_tiny(dtype):
+    torch.manual_seed(0)
+    model, _, _ = models.build_model("tiny", torch.device("cpu"), dtype)
+    return model
+
+
+def hf_tiny(family: str, dtype):
+    transformers = pytest.importorskip("transformers")
+    kwargs = dict(vocab_size=97, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  use_cache=False, attn_implementation="sdpa")
+    config = (transformers.LlamaConfig(**kwargs) if family == "llama"
+              else transformers.Qwen3Config(head_dim=16, **kwargs))
+    cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    return cls(config).to(dtype)
+
+
+def batch(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (2, 33), generator=g)
+
+
+def loss_of(model, tokens):
+    if isinstance(model, models.CausalLM):
+        return lm_loss(model, tokens)
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def saved_bytes(model, tokens):
+    """The loss, and the bytes of the distinct non-parameter storages autograd saved."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_of(model, tokens)
+    return loss, sum(b for ptr, b in seen.items() if ptr not in params)
+
+
+# (name, builder, RMSNorms, SwiGLU MLPs): forge.models' tiny has 4 layers and a final norm.
+MODELS = [
+    ("forge-tiny", forge_tiny, 9, 4),
+    ("hf-llama", lambda dtype: hf_tiny("llama", dtype), 5, 2),
+    # Qwen3 also normalizes q and k per head: two more RMSNorms per layer.
+    ("hf-qwen3", lambda dtype: hf_tiny("qwen3", dtype), 9, 2),
+]
+
+
+@pytest.mark.parametrize("name,build,norms,mlps", MODELS, ids=[m[0] for m in MODELS])
+def test_bf16_loss_and_gradients_are_bit_identical(name, build, norms, mlps):
+    plain = build(torch.bfloat16)
+    wrapped = copy.deepcopy(plain)
+    assert lean.enable_lean_activations(wrapped) == {"rms_norm": norms, "swiglu_mlp": mlps}
+    tokens = batch(plain.config.vocab_size if hasattr(plain, "config") else 256)
+    a, b = loss_of(plain, tokens), loss_of(wrapped, tokens)
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        assert p.grad is not None and q.grad is not None, n
+        assert torch.equal(p.grad, q.grad), n
+
+
+@pytest.mark.parametrize("name,build,norms,mlps", MODELS[:2], ids=[m[0] for m in MODELS[:2]])
+def test_fp32_gradients_agree_to_rounding(name, build, norms, mlps):
+    plain = build(torch.float32)
+    wrapped = copy.deepcopy(plain)
+    lean.enable_lean_activations(wrapped)
+    tokens = batch(plain.config.vocab_size if hasattr(plain, "config") else 256)
+    a, b = loss_of(plain, tokens), loss_of(wrapped, tokens)
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)  # the forward is the same code
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        scale = p.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= LEAN_FP32_GRAD_RTOL * scale, n
+
+
+def test_saved_bytes_drop_by_exactly_the_recomputed_intermediates():
+    """bf16 Llama: each RMSNorm kept an fp32 copy of its input and the bf16 normalized tensor
+    (6 bytes per element) and its fp32 rsqrt per row, and now keeps its bf16 input (2 bytes
+    per element); each SwiGLU product kept silu's output besides gate and up (2 bytes per
+    element of gate)."""
+    plain = hf_tiny("llama", torch.bfloat16)
+    wrapped = copy.deepcopy(plain)
+    lean.enable_lean_activations(wrapped)
+    tokens = batch(97)
+    norm_elems, gate_elems = [], []
+    hooks = [m.register_forward_hook(lambda m, i, o: norm_elems.append(i[0].shape))
+             for m in plain.modules() if type(m).__name__.endswith("RMSNorm")]
+    hooks += [m.gate_proj.register_forward_hook(lambda m, i, o: gate_elems.append(o.numel()))
+              for m in plain.modules() if hasattr(m, "gate_proj")]
+    _, before = saved_bytes(plain, tokens)
+    for h in hooks:
+        h.remove()
+    _, after = saved_bytes(wrapped, tokens)
+    assert len(norm_elems) == 5 and len(gate_elems) == 2
+    norm_bytes = sum(4 * s.numel() + 4 * (s.numel() // s[-1]) for s in norm_elems)
+    assert before - after == norm_bytes + 2 * sum(gate_elems)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_training_with_forge_optim_is_bit_identical_in_bf16(checkpointing):
+    plain = forge_tiny(torch.bfloat16)
+    wrapped = copy.deepcopy(plain)
+    lean.enable_lean_activations(wrapped)
+    if checkpointing:
+        models.enable_activation_checkpointing(plain)
+        models.enable_activation_checkpointing(wrapped)
+    opts = [forge.optim.AdamW(m, lr=1e-3) for m in (plain, wrapped)]
+    tokens = batch(256)
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((plain, wrapped), opts):
+            loss = loss_of(m, tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        assert torch.equal(losses[0], losses[1])
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_inference_and_repeated_calls():
+    model = forge_tiny(torch.float32)
+    ref = copy.deepcopy(model)
+    first = lean.enable_lean_activations(model)
+    assert lean.enable_lean_activations(model) == first  # already wrapped: nothing changes
+    tokens = batch(256)
+    with torch.no_grad():
+        assert torch.equal(model(tokens), ref(tokens))
+
+
+def test_a_model_without_norms_or_swiglu_is_left_alone():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert lean.enable_lean_activations(model) == {"rms_norm": 0, "swiglu_mlp": 0}
+    assert "forward" not in model[0].__dict__
+
+
+def test_forge_train_lean_activations_runs(tmp_path, capsys):
+    from forge import train
+    assert train.main(["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
+                       "--lean-activations", "--no-plot", "--out", str(tmp_path)]) == 0
+
+
+def test_forge_bench_lean_modes_on_cpu(tmp_path):
+    from forge import bench
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
+                       "--modes", "forge-bf16", "forge-bf16-lean", "--out", str(tmp_path)]) == 0
+    import json
+    import os
+    path = next(f for f in os.listdir(tmp_path) if f.endswith(".json") and "bench" in f)
+    rows = json.load(open(tmp_path / path))["results"]
+    assert [r["mode"] for r in rows] == ["forge-bf16", "forge-bf16-lean"]
+    assert all(r["status"] == "ok" for r in rows)
