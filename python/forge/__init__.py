@@ -3,7 +3,8 @@
     import forge
     opt = forge.optim.AdamW(model, lr=3e-4, weight_decay=0.1, state_format="int8")
 
-forge.optim holds the optimizers (optim.py says how the update moves into backward). It is
+forge.optim holds the optimizers (optim.py says how the update moves into backward);
+forge.lean the memory-lean activations (lean.py). forge.optim is
 imported on first use and loads libforge then (through ctypes; _lib.py says where it is
 looked for), so `import forge` alone works without the library (forge.models, forge.data,
 forge-train --baseline torch), while `import forge.optim` fails early with a clear
@@ -17,8 +18,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name == "optim":
-        return importlib.import_module(".optim", __name__)
+    if name in ("optim", "lean"):  # forge.lean needs no libforge
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'forge' has no attribute {name!r}")
 
 
@@ -33,4 +34,4 @@ def has_cuda() -> bool:
     return library().has_cuda
 
 
-__all__ = ["optim", "ForgeError", "LibraryNotFound", "library", "has_cuda", "__version__"]
+__all__ = ["optim", "lean", "ForgeError", "LibraryNotFound", "library", "has_cuda", "__version__"]

@@ -142,6 +142,7 @@ def test_training_with_forge_optim_is_bit_identical_in_bf16(checkpointing):
 
 
 def test_inference_and_repeated_calls():
+    assert forge.lean is lean
     model = forge_tiny(torch.float32)
     ref = copy.deepcopy(model)
     first = lean.enable_lean_activations(model)
