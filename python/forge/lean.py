@@ -10,9 +10,8 @@ Llama-3.1-8B at seq 512 that is 31.5 of the ~103 MB a layer saves (bench/NOTES.m
 enable_lean_activations(model) wraps
   - every RMSNorm (a module whose class name ends in "RMSNorm", with one direct parameter and
     no children) so that it keeps only its input,
-  - every SwiGLU MLP (gate_proj, up_proj, down_proj and a SiLU activation: Hugging Face's
-    Llama/Qwen/Mistral MLPs and forge.models.SwiGLU) so that the product keeps only gate and
-    up,
+  - every SwiGLU MLP (forge.models.SwiGLU, and Hugging Face's Llama, Mistral, Qwen2 and
+    Qwen3 MLPs with a SiLU activation) so that the product keeps only gate and up,
 and recomputes the rest in backward with the module's own code under autograd. So the
 gradients are bit-identical to the unwrapped model's: the same operations in the same order,
 run twice. The cost is that recomputation (element-wise, small next to the layer's GEMMs) and
@@ -74,15 +73,23 @@ def _is_rms_norm(module: nn.Module) -> bool:
             and len(list(module.parameters(recurse=False))) == 1)
 
 
+# Hugging Face MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)): the
+# rewrite below replaces that forward, so only classes known to have it are wrapped.
+_HF_SWIGLU_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+
+
 def _is_swiglu_mlp(module: nn.Module) -> bool:
-    linears = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(m, nn.Linear) for m in linears):
+    from forge.models import SwiGLU
+    if type(module) is SwiGLU:  # forge.models' own: F.silu, no act_fn
+        return True
+    if type(module).__name__ not in _HF_SWIGLU_MLPS:
         return False
+    if getattr(getattr(module, "config", None), "pretraining_tp", 1) != 1:
+        return False  # older LlamaMLPs split the projections then
+    linears = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     act = getattr(module, "act_fn", None)
-    if act is None:  # forge.models.SwiGLU calls F.silu itself
-        from forge.models import SwiGLU
-        return type(module) is SwiGLU
-    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
+    return (all(isinstance(m, nn.Linear) for m in linears)
+            and (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")))
 
 
 def _lean_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
