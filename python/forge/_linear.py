@@ -96,6 +96,12 @@ def stream_of_handle(handle: int, device_index: int) -> "torch.cuda.Stream":
     return torch.cuda.ExternalStream(handle, device=device_index)
 
 
+# An input X that can be recomputed (set by forge.lean): X._forge_recompute = (fn, inputs),
+# with fn(*inputs) equal to X bit for bit, computable again in backward (no grad), and the
+# inputs kept for backward anyway. The Linear then keeps the inputs instead of X.
+RECOMPUTE_ATTR = "_forge_recompute"
+
+
 class FusedLinearFunction(torch.autograd.Function):
     """y = F.linear(x, W, b); backward returns dX, db and no dW (see the file header).
     `compute_dtype` is autocast's dtype captured at forward (None without autocast)."""
@@ -104,7 +110,13 @@ class FusedLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, slot, compute_dtype):
         w = weight if compute_dtype is None else weight.to(compute_dtype)
         b = bias if bias is None or compute_dtype is None else bias.to(compute_dtype)
-        ctx.save_for_backward(x, weight)
+        recompute = getattr(x, RECOMPUTE_ATTR, None)
+        if recompute is None:
+            ctx.recompute = None
+            ctx.save_for_backward(x, weight)
+        else:
+            ctx.recompute = recompute[0]
+            ctx.save_for_backward(*recompute[1], weight)
         ctx.slot = slot
         ctx.compute_dtype = compute_dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -112,7 +124,12 @@ class FusedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        *x, weight = ctx.saved_tensors
+        if ctx.recompute is None:
+            x = x[0]
+        else:
+            with torch.no_grad():
+                x = ctx.recompute(*x)
         w = weight if ctx.compute_dtype is None else weight.to(ctx.compute_dtype)
         # NOTE: dX first, with the weight as the forward saw it; the update of W runs
         # later (at W's AccumulateGrad node), after this product on the same stream.

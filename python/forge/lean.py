@@ -12,10 +12,13 @@ enable_lean_activations(model) wraps
     no children) so that it keeps only its input,
   - every SwiGLU MLP (forge.models.SwiGLU, and Hugging Face's Llama, Mistral, Qwen2 and
     Qwen3 MLPs with a SiLU activation) so that the product keeps only gate and up,
-and recomputes the rest in backward with the module's own code under autograd. So the
-gradients are bit-identical to the unwrapped model's: the same operations in the same order,
-run twice. The cost is that recomputation (element-wise, small next to the layer's GEMMs) and
-one autograd call per wrapped module in backward.
+and recomputes the rest in backward with the module's own code under autograd. With
+forge.optim, the Linears that read a norm's output or the SwiGLU product (q/k/v, gate/up,
+down_proj, the head) also keep only those inputs and recompute what they read in backward
+(_linear.RECOMPUTE_ATTR). So the gradients are bit-identical to the unwrapped model's in bf16:
+the same operations in the same order, run twice. The cost is that recomputation
+(element-wise, small next to the layer's GEMMs) and one autograd call per wrapped module in
+backward.
 
 It composes with activation checkpointing (inside a checkpointed layer it changes nothing
 that matters) and with forge.optim (no Linear is wrapped: the fused weight-gradient path is
@@ -30,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from forge._linear import autocast_dtype
+from forge._linear import RECOMPUTE_ATTR, autocast_dtype
 
 
 class _RecomputeInBackward(torch.autograd.Function):
@@ -96,7 +99,12 @@ def _lean_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return self._forge_dense_forward(x)
     (weight,) = self.parameters(recurse=False)
-    return _RecomputeInBackward.apply(self._forge_dense_forward, 1, x, weight)
+    y = _RecomputeInBackward.apply(self._forge_dense_forward, 1, x, weight)
+    # NOTE: forge.optim's Linears that read y keep x (kept here anyway) instead of y and
+    # recompute y in their backward, before this norm's weight can have changed: its update
+    # waits for this norm's backward, which waits for theirs.
+    setattr(y, RECOMPUTE_ATTR, (self._forge_dense_forward, (x,)))
+    return y
 
 
 def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -107,7 +115,9 @@ def _lean_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if not torch.is_grad_enabled():
         return self.down_proj(_silu_product(gate, up))
-    return self.down_proj(_RecomputeInBackward.apply(self._forge_product_fn, 2, gate, up))
+    product = _RecomputeInBackward.apply(self._forge_product_fn, 2, gate, up)
+    setattr(product, RECOMPUTE_ATTR, (self._forge_product_fn, (gate, up)))  # for down_proj
+    return self.down_proj(product)
 
 
 def enable_lean_activations(model: nn.Module) -> Dict[str, int]:

@@ -118,6 +118,38 @@ def test_saved_bytes_drop_by_exactly_the_recomputed_intermediates():
     assert before - after == norm_bytes + 2 * sum(gate_elems)
 
 
+def test_with_forge_optim_the_linears_keep_recomputable_inputs_too():
+    """With forge.optim, the Linears reading a norm's output (q/k/v, gate/up) and down_proj
+    (reading the SwiGLU product) keep what those are recomputed from instead: on top of the
+    test above, those norm outputs and every product (2 bytes per element) go too."""
+    plain = hf_tiny("llama", torch.bfloat16)
+    wrapped = copy.deepcopy(plain)
+    lean.enable_lean_activations(wrapped)
+    opts = [forge.optim.AdamW(m, lr=1e-3) for m in (plain, wrapped)]
+    tokens = batch(97)
+    norm_shapes, gate_elems = [], []
+    hooks = [m.register_forward_hook(lambda m, i, o: norm_shapes.append(i[0].shape))
+             for m in plain.modules() if type(m).__name__.endswith("RMSNorm")]
+    hooks += [m.gate_proj.register_forward_hook(lambda m, i, o: gate_elems.append(o.numel()))
+              for m in plain.modules() if hasattr(m, "gate_proj")]
+    a, before = saved_bytes(plain, tokens)
+    for h in hooks:
+        h.remove()
+    b, after = saved_bytes(wrapped, tokens)
+    norm_bytes = sum(4 * s.numel() + 4 * (s.numel() // s[-1]) for s in norm_shapes)
+    # The head reads a slice of the final norm's output (HF's logits_to_keep), a view without
+    # the recompute marker: that one output is kept, as before.
+    outputs = sum(2 * s.numel() for s in norm_shapes[:-1]) + 2 * sum(gate_elems)
+    assert before - after == norm_bytes + 2 * sum(gate_elems) + outputs
+    a.backward()
+    b.backward()
+    for opt in opts:
+        opt.step()
+    assert torch.equal(a, b)
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_training_with_forge_optim_is_bit_identical_in_bf16(checkpointing):
     plain = forge_tiny(torch.bfloat16)
