@@ -79,7 +79,8 @@ DEFAULT_SEQS = [512, 2048, 4096]
 MODES = ["torch-adamw", "torch-hooks", "forge-bf16", "forge-int8", "forge-fp32-master"]
 ALL = MODES
 # Modes run only when named in --modes: FORGE with forge.lean's memory-lean activations
-# (RMSNorm and the SwiGLU product recomputed in backward; bit-identical gradients in bf16).
+# (RMSNorm and the SwiGLU product recomputed in backward; bit-identical gradients in bf16)
+# and its chunked cross entropy (model_loss).
 LEAN_MODES = ["forge-bf16-lean", "forge-int8-lean"]
 KNOWN_MODES = MODES + LEAN_MODES
 # The cases of ../shared/ANCHORS.md and issue 5's targets, most important first:
@@ -150,11 +151,18 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype):
     return model
 
 
-def model_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+def model_loss(model, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
+    """Mean next-token cross entropy of `tokens`. lean (the -lean modes): the head runs on the
+    positions that have a next token and forge.lean.cross_entropy takes the loss, which keeps
+    the bf16 logits instead of fp32 log-probabilities (the same value to fp32 rounding)."""
     from forge import models as forge_models
     if isinstance(model, forge_models.CausalLM):  # the no-transformers fallback
         from forge.train import lm_loss
-        return lm_loss(model, tokens)
+        return lm_loss(model, tokens, lean=lean)
+    if lean:
+        from forge.lean import cross_entropy
+        hidden = model.model(input_ids=tokens).last_hidden_state  # [B, T, hidden]
+        return cross_entropy(model.lm_head(hidden[:, :-1]), tokens[:, 1:])
     return model(input_ids=tokens, labels=tokens).loss  # transformers shifts the labels
 
 
@@ -258,15 +266,16 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = make_optimizer(mode, model, device)
     try:
-        return timed_steps(model, optimizer, seq, device, n_params, weights, leftover, profile)
+        return timed_steps(model, optimizer, seq, device, n_params, weights, leftover, profile,
+                           lean=mode in LEAN_MODES)
     finally:
         if isinstance(optimizer, OptimizerInBackward):
             optimizer.close()
 
 
-def train_step(model, optimizer, tokens: torch.Tensor) -> torch.Tensor:
+def train_step(model, optimizer, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
     """One measured step: forward, backward, optimizer; returns the loss."""
-    loss = model_loss(model, tokens)
+    loss = model_loss(model, tokens, lean)
     loss.backward()
     if optimizer is not None:
         optimizer.step()
@@ -274,12 +283,12 @@ def train_step(model, optimizer, tokens: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def train_phases(model, optimizer, tokens: torch.Tensor):
+def train_phases(model, optimizer, tokens: torch.Tensor, lean: bool = False):
     """train_step cut into its three phases, in order, for step_profile.phase_times."""
     loss = []
 
     def forward():
-        loss.append(model_loss(model, tokens))
+        loss.append(model_loss(model, tokens, lean))
 
     def backward():
         loss.pop().backward()
@@ -292,7 +301,7 @@ def train_phases(model, optimizer, tokens: torch.Tensor):
 
 
 def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
-                weights: int, leftover: int, profile: int = 0) -> dict:
+                weights: int, leftover: int, profile: int = 0, lean: bool = False) -> dict:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, seq), generator=g).to(device)
@@ -305,7 +314,7 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
         for _ in range(count):
             timer.start()
             t0 = time.perf_counter()
-            loss = train_step(model, optimizer, tokens)
+            loss = train_step(model, optimizer, tokens, lean)
             host.append((time.perf_counter() - t0) * 1e3)
             times.append(timer.stop_ms())
         return times, host, loss
@@ -326,8 +335,9 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
                host_ms=round(statistics.median(host), 1))
     if profile > 0:  # after the peak and the times are taken: the profiler perturbs both
         from forge.step_profile import profile_steps
-        row["profile"] = profile_steps(lambda: train_step(model, optimizer, tokens), profile,
-                                       device, train_phases(model, optimizer, tokens))
+        row["profile"] = profile_steps(lambda: train_step(model, optimizer, tokens, lean),
+                                       profile, device,
+                                       train_phases(model, optimizer, tokens, lean))
         # The same timed steps once more, after everything the profile ran: says whether the
         # step time drifts within a case (a host whose speed varies between calls does).
         again, again_host, _ = timed(TIMED_STEPS)

@@ -141,3 +141,63 @@ def enable_lean_activations(model: nn.Module) -> Dict[str, int]:
             module._forge_lean = "swiglu_mlp"
             counts["swiglu_mlp"] += 1
     return counts
+
+
+# ---- the loss --------------------------------------------------------------------------------
+
+# NOTE: fp32 work per chunk of rows: 32 MiB (65 rows of Llama-3's 128256-entry vocabulary).
+_CE_CHUNK_BYTES = 32 << 20
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean next-token cross entropy over the rows whose target is not ignore_index, computed
+    in fp32 chunks of rows. Keeps the logits as given (bf16: 2 bytes per entry) and one fp32
+    log-sum-exp per row, where F.cross_entropy on fp32 logits keeps the fp32 log-probabilities
+    (4 bytes per entry) and its backward holds three fp32 tensors of that size at once."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index: int):
+        vocab = logits.shape[-1]
+        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
+        rows = flat.shape[0]
+        chunk = max(1, _CE_CHUNK_BYTES // (4 * vocab))
+        valid = flat_targets != ignore_index
+        safe_targets = torch.where(valid, flat_targets, torch.zeros_like(flat_targets))
+        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for i in range(0, rows, chunk):
+            part = flat[i:i + chunk].float()
+            lse[i:i + chunk] = torch.logsumexp(part, dim=-1)
+            picked = part.gather(1, safe_targets[i:i + chunk, None]).squeeze(1)
+            total += ((lse[i:i + chunk] - picked) * valid[i:i + chunk]).sum()
+        count = valid.sum()
+        ctx.save_for_backward(logits, safe_targets, valid, lse, count)
+        ctx.chunk = chunk
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, safe_targets, valid, lse, count = ctx.saved_tensors
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        out = torch.empty_like(flat)
+        # d loss / d logit = (softmax - onehot(target)) / count on valid rows, 0 on the others.
+        row_scale = valid.float() * (grad / count)
+        for i in range(0, flat.shape[0], ctx.chunk):
+            rows = slice(i, i + ctx.chunk)
+            p = (flat[rows].float() - lse[rows, None]).exp_()
+            p.scatter_add_(1, safe_targets[rows, None],
+                           torch.full_like(lse[rows, None], -1.0))
+            out[rows] = (p * row_scale[rows, None]).to(out.dtype)
+        return out.view_as(logits), None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                  ignore_index: int = -100) -> torch.Tensor:
+    """F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index) (mean),
+    with less memory: the logits are kept as given, the fp32 work is done in chunks of rows.
+    Equal to it to fp32 rounding (the summation order differs)."""
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} and targets "
+                         f"{tuple(targets.shape)} do not match")
+    return _ChunkedCrossEntropy.apply(logits, targets, ignore_index)

@@ -255,9 +255,13 @@ def make_schedule(optimizer, steps: int, warmup: int, min_ratio: float):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy in fp32; tokens: [B, T + 1]."""
+def lm_loss(model: nn.Module, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
+    """Next-token cross entropy in fp32; tokens: [B, T + 1]. lean: forge.lean.cross_entropy
+    (the same value to fp32 rounding, without fp32 log-probabilities kept for backward)."""
     logits = forge_models.logits_of(model, tokens[:, :-1])  # [B, T, vocab]
+    if lean:
+        from forge.lean import cross_entropy
+        return cross_entropy(logits, tokens[:, 1:])
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                            tokens[:, 1:].reshape(-1))
 

@@ -11,7 +11,9 @@ import torch.nn as nn
 import forge
 from forge import lean, models
 from forge.train import lm_loss
-from tolerances import LEAN_FP32_GRAD_RTOL
+import torch.nn.functional as F
+
+from tolerances import LEAN_CE_RTOL, LEAN_FP32_GRAD_RTOL
 
 
 def forge_tiny(dtype):
@@ -206,3 +208,41 @@ def test_forge_bench_lean_modes_on_cpu(tmp_path):
     rows = json.load(open(tmp_path / path))["results"]
     assert [r["mode"] for r in rows] == ["forge-bf16", "forge-bf16-lean"]
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_bench_lean_loss_is_the_models_loss():
+    """forge-bench's lean modes take the loss through the head on the positions with a next
+    token and forge.lean.cross_entropy: the same value as the model's own loss."""
+    from forge import bench
+    model = hf_tiny("llama", torch.float32)
+    tokens = batch(97)
+    with torch.no_grad():
+        ours, ref = bench.model_loss(model, tokens, lean=True), bench.model_loss(model, tokens)
+    assert abs(ours.item() - ref.item()) <= LEAN_CE_RTOL * ref.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_matches_torch(dtype, monkeypatch):
+    monkeypatch.setattr(lean, "_CE_CHUNK_BYTES", 4 * 1000 * 7)  # chunks of 7 rows: 22 of them
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 50, 1000, generator=g) * 3).to(dtype).requires_grad_()
+    targets = torch.randint(0, 1000, (3, 50), generator=g)
+    targets[0, :5] = -100  # ignored rows count neither in the sum nor in the mean
+    ours = lean.cross_entropy(logits, targets)
+    ours.backward()
+    grad, logits.grad = logits.grad.clone(), None
+    ref = F.cross_entropy(logits.float().reshape(-1, 1000), targets.reshape(-1))
+    ref.backward()
+    assert ours.dtype == torch.float32 and grad.dtype == dtype
+    assert abs(ours.item() - ref.item()) <= LEAN_CE_RTOL * ref.item()
+    scale = logits.grad.float().abs().max()
+    # bf16 gradients: the fp32 values agree to rounding, so their bf16 roundings may differ by
+    # one bf16 ulp (2^-8 relative) where they straddle a rounding boundary.
+    limit = LEAN_CE_RTOL * scale if dtype == torch.float32 else 2 ** -8 * scale
+    assert (grad.float() - logits.grad.float()).abs().max() <= limit
+    assert grad[0, :5].abs().max() == 0
+
+
+def test_cross_entropy_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="logits .* and targets"):
+        lean.cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))

@@ -70,3 +70,9 @@ HF_LOSS_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}
 # 5.4e-7 measured (tiny Llama / Qwen3 / forge.models). In bf16 the fp32 copy groups them the
 # same way and the gradients are identical.
 LEAN_FP32_GRAD_RTOL = 1e-5
+
+# forge.lean.cross_entropy against F.cross_entropy on fp32 logits: the same formula, summed
+# in chunks of rows and differentiated by hand ((softmax − onehot) / count instead of
+# log_softmax's backward): fp32 rounding. Measured 0 on the loss and 3.4e-7 normwise on the
+# gradient (random logits, std 3, vocab 1000).
+LEAN_CE_RTOL = 1e-6
