@@ -1,28 +1,33 @@
 """lean.py — memory-lean activations: recompute the cheap element-wise parts of a decoder in
-backward instead of keeping their intermediates.
+backward instead of keeping their intermediates; and a cross entropy that keeps no fp32 copy.
 
 Without activation checkpointing, what a Llama-style layer keeps for backward is mostly
-element-wise intermediates, not the inputs of its matrix products. Hugging Face's RMSNorm
+element-wise intermediates and the inputs of its matrix products. Hugging Face's RMSNorm
 keeps an fp32 copy of its input and the bf16 normalized tensor (3x the input's bytes in
-bf16); the SwiGLU product silu(gate) * up keeps silu's output besides gate and up. On
-Llama-3.1-8B at seq 512 that is 31.5 of the ~103 MB a layer saves (bench/NOTES.md v13).
+bf16); the SwiGLU product silu(gate) * up keeps silu's output besides gate and up; the
+Linears after a norm keep its output, down_proj keeps the product. On Llama-3.1-8B at seq
+512 this file removes 54.5 of the ~103 MB a layer keeps (bench/results/…-run36-lean-loss/).
 
 enable_lean_activations(model) wraps
   - every RMSNorm (a module whose class name ends in "RMSNorm", with one direct parameter and
     no children) so that it keeps only its input,
   - every SwiGLU MLP (forge.models.SwiGLU, and Hugging Face's Llama, Mistral, Qwen2 and
     Qwen3 MLPs with a SiLU activation) so that the product keeps only gate and up,
-and recomputes the rest in backward with the module's own code under autograd. With
-forge.optim, the Linears that read a norm's output or the SwiGLU product (q/k/v, gate/up,
-down_proj, the head) also keep only those inputs and recompute what they read in backward
+and recomputes the rest once in backward with the module's own code (_Recomputation). With
+forge.optim, the Linears that read a norm's output or the product (q/k/v, gate/up,
+down_proj) keep those inputs instead and take what they read from the same recomputation
 (_linear.RECOMPUTE_ATTR). So the gradients are bit-identical to the unwrapped model's in bf16:
-the same operations in the same order, run twice. The cost is that recomputation
-(element-wise, small next to the layer's GEMMs) and one autograd call per wrapped module in
-backward.
+the same operations in the same order, run twice. The cost is the recomputation (element-wise,
+small next to the layer's GEMMs) and, in backward, one nested autograd call per norm (and per
+product unless its activation is F.silu / nn.SiLU, whose backward is written out here): host
+time, which a host-bound step pays in full.
 
-It composes with activation checkpointing (inside a checkpointed layer it changes nothing
-that matters) and with forge.optim (no Linear is wrapped: the fused weight-gradient path is
-untouched).
+It composes with activation checkpointing and with forge.optim (no Linear is wrapped: the
+fused weight-gradient path is untouched).
+
+cross_entropy(logits, targets) is F.cross_entropy on fp32 logits, computed in chunks of rows
+from the logits as given: it keeps the bf16 logits for backward instead of the fp32
+log-probabilities.
 """
 from __future__ import annotations
 
@@ -164,7 +169,7 @@ def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _lean_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if not torch.is_grad_enabled():
-        return self.down_proj(_silu_product(gate, up))
+        return self.down_proj(self._forge_product_fn(gate, up))
     if self._forge_product_fn is _silu_product and autocast_dtype(gate.device.type) is None:
         recomputation = _SiluProduct(gate.device.type)
     else:
