@@ -6,7 +6,8 @@ element-wise intermediates and the inputs of its matrix products. Hugging Face's
 keeps an fp32 copy of its input and the bf16 normalized tensor (3x the input's bytes in
 bf16); the SwiGLU product silu(gate) * up keeps silu's output besides gate and up; the
 Linears after a norm keep its output, down_proj keeps the product. On Llama-3.1-8B at seq
-512 this file removes 54.5 of the ~103 MB a layer keeps (bench/results/…-run36-lean-loss/).
+512 this file removes 54.5 of the ~103 MB a layer keeps, and 140 MB at the loss
+(bench/results/2026-11-29-h200-run36-lean-loss/).
 
 enable_lean_activations(model) wraps
   - every RMSNorm (a module whose class name ends in "RMSNorm", with one direct parameter and
