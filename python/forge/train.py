@@ -77,10 +77,12 @@ TRAJECTORY_OPTIONS = ("model", "data", "max_data_mb", "optimizer", "lr", "betas"
                       "weight_decay", "alpha", "momentum", "centered", "lr_decay", "dampening",
                       "nesterov", "state_format", "master_weights", "stochastic_rounding",
                       "seq_len", "batch_size", "warmup", "min_lr_ratio", "bf16", "seed",
-                      "baseline", "steps")
+                      "baseline", "steps",
+                      # NOTE: bit-identical in bf16 only; in fp32 it sums an RMSNorm's
+                      # gradient terms in another order (forge.lean).
+                      "lean_activations")
 # Options a resumed run also takes from the checkpoint unless given again (free to change).
-INHERITED_OPTIONS = ("save_every", "activation_checkpointing", "lean_activations", "no_plot",
-                     "log_every")
+INHERITED_OPTIONS = ("save_every", "activation_checkpointing", "no_plot", "log_every")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cosine ends at this fraction of --lr")
     g.add_argument("--bf16", action="store_true", help="bf16 weights (default: fp32)")
     g.add_argument("--activation-checkpointing", action="store_true")
-    g.add_argument("--lean-activations", action="store_true",
+    g.add_argument("--lean-activations", action=argparse.BooleanOptionalAction, default=False,
                    help="recompute RMSNorm and the SwiGLU product in backward instead of "
                         "keeping their intermediates (less memory, same gradients in bf16: "
                         "forge.lean)")

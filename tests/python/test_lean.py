@@ -192,10 +192,17 @@ def test_a_model_without_norms_or_swiglu_is_left_alone():
     assert "forward" not in model[0].__dict__
 
 
-def test_forge_train_lean_activations_runs(tmp_path, capsys):
+def test_forge_train_lean_activations_runs_and_resume_keeps_it(tmp_path, capsys):
     from forge import train
-    assert train.main(["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
-                       "--lean-activations", "--no-plot", "--out", str(tmp_path)]) == 0
+    common = ["--batch-size", "2", "--seq-len", "32", "--device", "cpu", "--no-plot",
+              "--out", str(tmp_path)]
+    assert train.main(["--steps", "3", "--save-every", "3", "--lean-activations"] + common) == 0
+    capsys.readouterr()
+    # In fp32 (forge-train's default) lean changes the gradients' last bits: a resumed run
+    # cannot drop it and continue bit-exactly, so it keeps the checkpoint's setting.
+    assert train.main(["--steps", "5", "--resume", "--no-lean-activations"] + common) == 2
+    assert "differs from the checkpoint" in capsys.readouterr().err
+    assert train.main(["--steps", "5", "--resume"] + common) == 0
 
 
 def test_forge_bench_lean_modes_on_cpu(tmp_path):
