@@ -221,16 +221,18 @@ constexpr Shape kShapes[] = {{"q_proj/o_proj", 4096, 4096, 2},
 constexpr int64_t kTokens[] = {512, 2048, 4096};
 constexpr int kLayers = 32;
 
-enum Variant { kFusedBf16, kFusedInt8, kFusedMaster, kCublasF32, kCublasBf16, kUnfused, kFusedSr, kVariants };
+enum Variant { kFusedBf16, kFusedInt8, kFusedMaster, kCublasF32, kCublasBf16, kUnfused, kFusedSr, kFusedInt8Sr,
+               kVariants };
 const char* kVariantNames[] = {"fused_adamw_bf16_states", "fused_adamw_int8_states", "fused_adamw_fp32_master",
                                "cublas_dw_fp32_out", "cublas_dw_bf16_out", "unfused_cublas_plus_adamw_bf16",
-                               "fused_adamw_bf16_sr_weight_bf16_sr_states"};
+                               "fused_adamw_bf16_sr_weight_bf16_sr_states",
+                               "fused_adamw_bf16_sr_weight_int8_states"};
 
 // Minimum bytes each variant moves per parameter element, and its input bytes.
 double param_bytes(int v) {
   switch (v) {
     case kFusedBf16: case kFusedSr: return 12;       // W, m, v bf16: read + write
-    case kFusedInt8: return 4 + 4 + 2 * 2 * 4.0 / 64;        // W bf16 r+w, 2 codes r+w, 2 absmax r+w
+    case kFusedInt8: case kFusedInt8Sr: return 4 + 4 + 2 * 2 * 4.0 / 64;  // W bf16 r+w, 2 codes r+w, 2 absmax r+w
     case kFusedMaster: return 2 + 8 + 16;                    // W bf16 write, master r+w, m, v fp32 r+w
     case kCublasF32: return 4;
     case kCublasBf16: return 2;
@@ -617,6 +619,9 @@ int main(int argc, char** argv) {
     forge_param psr = p16;
     psr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
     psr.state_format = FORGE_STATE_BF16_STOCHASTIC;
+    // ... and with int8 states (forge-bench's forge-int8 mode).
+    forge_param p8sr = p8;
+    p8sr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
     pz.weight_format = FORGE_WEIGHT_FP32;
     pz.weight = zero.p;
     pz.state_format = FORGE_STATE_FP32;
@@ -671,6 +676,7 @@ int main(int argc, char** argv) {
       r.ms[kFusedInt8] = timer.median_ms(iters, [&] { fused(p8, tokens); });
       r.ms[kFusedMaster] = timer.median_ms(iters, [&] { fused(pm, tokens); });
       r.ms[kFusedSr] = timer.median_ms(iters, [&] { fused(psr, tokens); });
+      r.ms[kFusedInt8Sr] = timer.median_ms(iters, [&] { fused(p8sr, tokens); });
       r.ms[kCublasF32] = timer.median_ms(iters, [&] { run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, tokens, s); });
       r.ms[kCublasBf16] = timer.median_ms(iters, [&] { run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s); });
       r.ms[kUnfused] = timer.median_ms(iters, [&] {
@@ -712,8 +718,8 @@ int main(int argc, char** argv) {
         " warm-ups, L2 flushed before each call; bf16 inputs, bf16 W, AdamW\n";
   md += "- TFLOP/s = 2·out·in·T / t; GB/s = (T·(out + in)·2 B + bytes per parameter × out·in) / t\n";
   md += "- epilogue-only = the fused step at T = 32 (GEMM negligible): AdamW bf16 states / SGD, no states\n\n";
-  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | epilogue-only ms AdamW / SGD | dW check |\n";
-  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | fused bf16 SR W + int8 states ms (the same, int8) | epilogue-only ms AdamW / SGD | dW check |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   std::string json = "{\n  \"date\": \"" + std::string(date) + "\",\n  \"gpu\": \"" + prop.name +
                      "\",\n  \"sms\": " + std::to_string(g_sms) + ",\n  \"command\": \"" + command +
                      "\",\n  \"iters\": " + std::to_string(iters) + ",\n  \"results\": [\n";
@@ -730,6 +736,7 @@ int main(int argc, char** argv) {
           " | " + fmt("%.3f", r.ms[kCublasF32]) + " (" + fmt("%.0f", tf(r.ms[kCublasF32])) + ") | " +
           fmt("%.3f", r.ms[kCublasBf16]) + " | " + fmt("%.3f", r.ms[kUnfused]) + " | **" +
           fmt("%.2f", r.ms[kUnfused] / r.ms[kFusedBf16]) + "×** | " + fmt("%.3f", r.ms[kFusedSr]) + " | " +
+          fmt("%.3f", r.ms[kFusedInt8Sr]) + " | " +
           fmt("%.3f", r.epilogue_ms) + " / " + fmt("%.3f", r.epilogue_sgd_ms) + " | " +
           fmt("%.1e", r.dw_rel_error) + " |\n";
     for (int v = 0; v < kVariants; ++v) {
@@ -750,8 +757,8 @@ int main(int argc, char** argv) {
 
   // Whole-model estimate: the 224 linear layers of Llama-3.1-8B (32 decoder layers).
   md += "\n## Llama-3.1-8B, all 224 linear layers (sum of the per-layer medians × occurrences)\n\n";
-  md += "| T | fused bf16 ms | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms |\n";
-  md += "| --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  md += "| T | fused bf16 ms | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms | fused bf16 SR W + int8 states ms |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   bool first_t = true;
   for (int64_t tokens : kTokens) {
     double tot[kVariants] = {};
@@ -765,12 +772,13 @@ int main(int argc, char** argv) {
     md += "| " + std::to_string(tokens) + " | " + fmt("%.1f", tot[kFusedBf16]) + " | " + fmt("%.1f", tot[kFusedInt8]) +
           " | " + fmt("%.1f", tot[kFusedMaster]) + " | " + fmt("%.1f", tot[kCublasF32]) + " | " +
           fmt("%.1f", tot[kUnfused]) + " | " + fmt("%.2f", tot[kUnfused] / tot[kFusedBf16]) + "× | " +
-          fmt("%.1f", tot[kFusedSr]) + " |\n";
+          fmt("%.1f", tot[kFusedSr]) + " | " + fmt("%.1f", tot[kFusedInt8Sr]) + " |\n";
     json += std::string(first_t ? "" : ",") + "\n    \"" + std::to_string(tokens) + "\": {\"fused_bf16\": " +
             fmt("%.3f", tot[kFusedBf16]) + ", \"fused_int8\": " + fmt("%.3f", tot[kFusedInt8]) +
             ", \"fused_master\": " + fmt("%.3f", tot[kFusedMaster]) + ", \"cublas_fp32_out\": " +
             fmt("%.3f", tot[kCublasF32]) + ", \"unfused\": " + fmt("%.3f", tot[kUnfused]) +
-            ", \"fused_sr\": " + fmt("%.3f", tot[kFusedSr]) + "}";
+            ", \"fused_sr\": " + fmt("%.3f", tot[kFusedSr]) + ", \"fused_sr_int8\": " +
+            fmt("%.3f", tot[kFusedInt8Sr]) + "}";
     first_t = false;
   }
   json += "\n  }";
