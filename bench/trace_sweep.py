@@ -4,7 +4,13 @@ the repetitions of each build and setting, and the M+U share (one CTA in its mai
 the other updates) of the median run; then the Llama-3.1-8B totals (224 layers) per column.
 
     python3 bench/trace_sweep.py OUT_DIR      # OUT_DIR/<build>-<setting>-r<rep>/trace.md
+    python3 bench/trace_sweep.py --overlap trace-4096x4096-T512.csv
+
+--overlap reads one launch's raw records (wgrad_bench --trace's CSV) and gives the median
+main-loop and update µs of the CTAs grouped by how much of that phase another CTA of the same
+SM spent updating: does a phase run slower beside an update?
 """
+import csv
 import re
 import statistics
 import sys
@@ -71,5 +77,31 @@ def main(out_dir):
     return 0
 
 
+def overlap(path):
+    rows = [{k: int(v) for k, v in r.items()} for r in csv.DictReader(open(path))]
+    by_sm = defaultdict(list)
+    for r in rows:
+        by_sm[r["sm"]].append(r)
+    cycles_per_us = (sum(r["clock_end"] - r["clock_start"] for r in rows)
+                     / sum(r["ns_end"] - r["ns_start"] for r in rows) * 1e3)
+    groups = {"main": defaultdict(list), "update": defaultdict(list)}
+    for ctas in by_sm.values():
+        for a in ctas:
+            for phase, start, end in (("main", a["clock_start"], a["clock_main_end"]),
+                                      ("update", a["clock_main_end"], a["clock_end"])):
+                beside = sum(max(0, min(end, b["clock_end"]) - max(start, b["clock_main_end"]))
+                             for b in ctas if b is not a)
+                share = beside / max(end - start, 1)
+                key = "< 0.1" if share < 0.1 else "0.1-0.5" if share < 0.5 else ">= 0.5"
+                groups[phase][key].append((end - start) / cycles_per_us)
+    print(f"{path}: median µs per CTA phase, by the share of it another CTA spent updating")
+    for phase, by_share in groups.items():
+        print(f"  {phase}: " + ", ".join(
+            f"{k}: {statistics.median(v):.2f} (n={len(v)})" for k, v in sorted(by_share.items())))
+    return 0
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--overlap":
+        sys.exit(overlap(sys.argv[2]))
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "out"))

@@ -60,6 +60,21 @@ def saved_bytes(model, tokens):
     return loss, sum(b for ptr, b in seen.items() if ptr not in params)
 
 
+def saved_bytes_plain_and_lean(plain, wrapped):
+    """saved_bytes of both tiny HF Llamas on one batch, and from the plain one the input shape
+    of every RMSNorm and the element count of every gate_proj output, in forward order."""
+    tokens = batch(97)
+    norm_shapes, gate_elems = [], []
+    hooks = [m.register_forward_hook(lambda m, i, o: norm_shapes.append(i[0].shape))
+             for m in plain.modules() if type(m).__name__.endswith("RMSNorm")]
+    hooks += [m.gate_proj.register_forward_hook(lambda m, i, o: gate_elems.append(o.numel()))
+              for m in plain.modules() if hasattr(m, "gate_proj")]
+    before = saved_bytes(plain, tokens)
+    for h in hooks:
+        h.remove()
+    return before, saved_bytes(wrapped, tokens), norm_shapes, gate_elems
+
+
 # (name, builder, RMSNorms, SwiGLU MLPs): forge.models' tiny has 4 layers and a final norm.
 MODELS = [
     ("forge-tiny", forge_tiny, 9, 4),
@@ -107,16 +122,7 @@ def test_saved_bytes_drop_by_exactly_the_recomputed_intermediates():
     plain = hf_tiny("llama", torch.bfloat16)
     wrapped = copy.deepcopy(plain)
     lean.enable_lean_activations(wrapped)
-    tokens = batch(97)
-    norm_elems, gate_elems = [], []
-    hooks = [m.register_forward_hook(lambda m, i, o: norm_elems.append(i[0].shape))
-             for m in plain.modules() if type(m).__name__.endswith("RMSNorm")]
-    hooks += [m.gate_proj.register_forward_hook(lambda m, i, o: gate_elems.append(o.numel()))
-              for m in plain.modules() if hasattr(m, "gate_proj")]
-    _, before = saved_bytes(plain, tokens)
-    for h in hooks:
-        h.remove()
-    _, after = saved_bytes(wrapped, tokens)
+    (_, before), (_, after), norm_elems, gate_elems = saved_bytes_plain_and_lean(plain, wrapped)
     assert len(norm_elems) == 5 and len(gate_elems) == 2
     norm_bytes = sum(4 * s.numel() + 4 * (s.numel() // s[-1]) for s in norm_elems)
     assert before - after == norm_bytes + 2 * sum(gate_elems)
@@ -130,16 +136,7 @@ def test_with_forge_optim_the_linears_keep_recomputable_inputs_too():
     wrapped = copy.deepcopy(plain)
     lean.enable_lean_activations(wrapped)
     opts = [forge.optim.AdamW(m, lr=1e-3) for m in (plain, wrapped)]
-    tokens = batch(97)
-    norm_shapes, gate_elems = [], []
-    hooks = [m.register_forward_hook(lambda m, i, o: norm_shapes.append(i[0].shape))
-             for m in plain.modules() if type(m).__name__.endswith("RMSNorm")]
-    hooks += [m.gate_proj.register_forward_hook(lambda m, i, o: gate_elems.append(o.numel()))
-              for m in plain.modules() if hasattr(m, "gate_proj")]
-    a, before = saved_bytes(plain, tokens)
-    for h in hooks:
-        h.remove()
-    b, after = saved_bytes(wrapped, tokens)
+    (a, before), (b, after), norm_shapes, gate_elems = saved_bytes_plain_and_lean(plain, wrapped)
     norm_bytes = sum(4 * s.numel() + 4 * (s.numel() // s[-1]) for s in norm_shapes)
     # The head reads a slice of the final norm's output (HF's logits_to_keep), a view without
     # the recompute marker: that one output is kept, as before.
