@@ -136,7 +136,7 @@ FORGE_HD int int8_nearest_level(float a, int top) {
 // operations only (selects, exponent bits, exact comparisons, the reference's own
 // subtractions). tests/cpp/test_formats.cpp compares them with the reference on every float
 // in [0, 1] and every level. The CUDA backend runs a table-driven form of the same
-// computation (src/cuda/update.cuh, int8_octave_table), which
+// computation (int8_nearest_level_sixteenths below, src/cuda/update.cuh), which
 // tests/cpp/gpu/test_gpu_int8_map.cu compares with the reference on the device.
 
 // == int8_level_value(level, top) for 0 <= level <= top <= 255.
@@ -178,6 +178,63 @@ FORGE_HD int int8_nearest_level_direct(float a, int top) {
     if (above - a < a - below) return lo + 1;
   }
   return lo;
+}
+
+// ---- the nearest level from a 16-word table (what the CUDA backend runs) -----------------
+//
+// For a in [level_value(1), 1), a = m · 2^E with m in [1, 2), the reference's level is
+// top + 8E + j + up: j counts the octave fractions kOct[1..7] (kOct[k] = 2 f_(8-k),
+// kOct[0] = 1, kOct[8] = 2) that m reaches, and up is its tie rule, above - a < a - below.
+// Both differences are exact there (Sterbenz: a and either level lie within a factor 2^(1/8)),
+// so up holds exactly when 2a > above + below, i.e. when m's 23 fraction bits exceed the
+// midpoint of kOct[j] and kOct[j + 1] in fraction units: frac >= t_j = ((f_j + f_(j+1)) >> 1)
+// + 1 (f_k: kOct[k]'s fraction bits, f_8 = 2^23). So j + up is the number of thresholds t_0
+// < ... < t_7 that frac reaches. Each sixteenth of [1, 2) (frac >> 19) holds at most one of
+// them (1.045, 1.140, 1.243, 1.356, 1.478, 1.612, 1.758, 1.917), so the count is the number
+// below the sixteenth plus one comparison: one table read instead of a search.
+// Word s of the table: bits 0-23 the threshold inside sixteenth s (0x800000, above every
+// fraction, when there is none), bits 24-31 the signed count below it minus (s >> 1), so
+// that (bits(a) >> 20) = 8 (E + 127) + (s >> 1) plus the word's top byte is 8 (E + 127)
+// plus that count. Below level 1 the reference's level is 0 or 1 (its tie rule against
+// level 0 = 0: 1 exactly when a > level_value(1) / 2), at or above 1 it is top.
+
+// Fraction bits of kOct[k], k = 0..8, in units of 2^-23 of [1, 2) (kOct[8] = 2: 2^23).
+FORGE_HD uint32_t int8_octave_fraction_bits(int k) {
+  if (k <= 0) return 0u;
+  if (k >= 8) return 1u << 23;
+  return float_bits(2.0f * int8_level_fraction(8 - k)) & 0x7FFFFFu;
+}
+
+// Word s (0..15) of the sixteenths table. The host builds it; so does every CTA that reads
+// it (update.cuh, int8_tables_init).
+FORGE_HD uint32_t int8_sixteenth_word(int s) {
+  const uint32_t start = static_cast<uint32_t>(s) << 19, end = start + (1u << 19);
+  int below = 0;
+  uint32_t inside = 0x800000u;
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t t =
+        ((int8_octave_fraction_bits(j) + int8_octave_fraction_bits(j + 1)) >> 1) + 1u;
+    if (t <= start) ++below;
+    else if (t < end) inside = t;  // at most one per sixteenth (test_formats.cpp checks)
+  }
+  const int offset = below - (s >> 1);
+  return inside | (static_cast<uint32_t>(offset) << 24);
+}
+
+// == int8_nearest_level_direct(a, top); `table` holds int8_sixteenth_word(0..15).
+// NOTE: branch-free (selects); the level is computed from a's bits for every a and kept only
+// where a lies in [level_value(1), 1), so a NaN or an out-of-range a only reads some word of
+// the table.
+FORGE_HD int int8_nearest_level_sixteenths(float a, int top, const uint32_t* table) {
+  const uint32_t u = float_bits(a);
+  const uint32_t frac = u & 0x7FFFFFu;
+  const uint32_t word = table[frac >> 19];
+  const int reached = static_cast<int>(frac) - static_cast<int>(word & 0xFFFFFFu) >= 0 ? 1 : 0;
+  const int level = static_cast<int>(u >> 20) + (static_cast<int32_t>(word) >> 24) + reached +
+                    (top - 8 * 127);
+  const float level1 = int8_level_value_direct(1, top);
+  const int low = a > 0.5f * level1 ? 1 : 0;  // 0.5 · level1 is exact: a normal power-of-2 scale
+  return a >= 1.0f ? top : (a >= level1 ? level : low);
 }
 
 FORGE_HD float int8_decode(uint8_t code, bool is_signed) {

@@ -236,35 +236,28 @@ __device__ __forceinline__ float group_max(float v) {
 //
 // formats.h's int8_level_value() scales with ldexpf and int8_nearest_level() binary-searches
 // 8 levels deep: ~300 dependent instructions per encoded element. formats.h's direct forms
-// (int8_level_value_direct, int8_nearest_level_direct; what the CPU runs) take ~15 and ~60
-// integer / select instructions, and on the GPU those made the int8 epilogue ALU-bound (ncu,
-// 2026-11-29: ALU pipe 72 %, 337 instructions per element against 90 with bf16 states).
-// The device forms below read the same constants from a 9-entry table in shared memory:
-//   kOctave[j] = 2^(j/8) in fp32 = 2 · int8_level_fraction(8 - j) (j = 1..8), kOctave[0] = 1,
-// so 2^(-i/8) = kOctave[8 - i] / 2 exactly (a power of two), and the 7 thresholds of
-// int8_nearest_level_direct, 2 · int8_level_fraction(i) = kOctave[8 - i], fall one per
-// eighth of the octave: kOctave[b + 1] lies in [1 + b/8, 1 + (b+1)/8) for b = 0..6
-// (1.0905, 1.1892, 1.2968, 1.4142, 1.5422, 1.6818, 1.8340), and kOctave[8] = 2 is above
-// every mantissa. So a mantissa m in eighth b has reached the b thresholds below it and
-// reaches kOctave[b + 1] or not: j = b + [m >= kOctave[b + 1]], one compare instead of
-// seven. The levels around a: level(lo) = kOctave[j] · 2^e and level(lo + 1) =
-// kOctave[j + 1] · 2^e for a in [2^e, 2^(e+1)), both exact (formats.h's derivation with
-// the power of two factored out), but for lo = 0 (value 0, and level 1 above it).
-// NOTE: nine floats in nine banks: any pattern of lookups by a warp is one wavefront.
-// Decoding reads a second table, every code's value (int8_code_table).
+// (what the CPU runs) take ~15 and ~60 integer / select instructions, and on the GPU those
+// made the int8 epilogue ALU-bound (ncu, 2026-11-29: ALU pipe 72 %, 337 instructions per
+// element against 90 with bf16 states). The device forms read two tables in shared memory:
+//  - the nearest level: formats.h's int8_nearest_level_sixteenths, whose 16-word table gives
+//    the count of tie thresholds below each sixteenth of the mantissa range and the one
+//    inside it (one read and one integer comparison: the level search is ~12 instructions);
+//  - decoding: every code's value (int8_code_table).
+// NOTE: the sixteen words sit in sixteen banks: any pattern of lookups by a warp is one
+// wavefront.
 // tests/cpp/gpu/test_gpu_int8_map.cu checks every code and every float in [0, 2] against
-// formats.h's reference on the device; test_formats.cpp checks the direct forms on the CPU.
+// formats.h's reference on the device; test_formats.cpp checks the same forms on the CPU.
 
-// The CTA's octave table (one per block for every kernel that uses it).
-__device__ __forceinline__ float* int8_octave_table() {
-  __shared__ float table[9];
+// The CTA's sixteenths table (formats.h, int8_sixteenth_word).
+__device__ __forceinline__ uint32_t* int8_sixteenths_table() {
+  __shared__ uint32_t table[16];
   return table;
 }
 
 // Every code's decoded value, formats.h's int8_decode without the absmax: [0, 256) the
 // signed codes, [256, 512) the unsigned ones.
 // NOTE: a decode is one shared-memory read instead of ~11 instructions (the level from the
-// octave table, its scale, level 0, the sign). A warp's random codes cost a few wavefronts
+// fraction, its scale, level 0, the sign). A warp's random codes cost a few wavefronts
 // per read; the shared-memory pipe has room for them next to the ALU-bound encode.
 __device__ __forceinline__ float* int8_code_table() {
   __shared__ float table[512];
@@ -275,7 +268,7 @@ __device__ __forceinline__ float* int8_code_table() {
 // write; a __syncthreads must follow before the first int8 access. Every kernel that may
 // touch int8 states calls it before its first __syncthreads (int8_table_needed<Spec>).
 __device__ __forceinline__ void int8_tables_init(int tid) {
-  if (tid < 9) int8_octave_table()[tid] = tid == 0 ? 1.0f : 2.0f * int8_level_fraction(8 - tid);
+  if (tid < 16) int8_sixteenths_table()[tid] = int8_sixteenth_word(tid);
   for (int i = tid; i < 512; i += blockDim.x) {
     const int code = i & 255;
     float v;
@@ -289,37 +282,9 @@ __device__ __forceinline__ void int8_tables_init(int tid) {
   }
 }
 
-// == int8_level_value_direct(level, top), for 0 <= level <= top <= 255.
-__device__ __forceinline__ float int8_level_fast(int level, int top) {
-  const int d = top - level;
-  // 2^(-(d & 7)/8) · 2^-(d >> 3) = kOctave[8 - (d & 7)] · 2^(-(d >> 3) - 1): d >> 3 <= 31,
-  // so the scale is a normal power of two and the product exact, as the reference's.
-  const float f = int8_octave_table()[8 - (d & 7)];
-  const float scale = bits_float(static_cast<uint32_t>(126 - (d >> 3)) << 23);
-  return level == 0 ? 0.0f : f * scale;
-}
-
 // == int8_nearest_level_direct(a, top).
-// NOTE: branch-free: the in-range search runs for every a (for a <= 0, a >= 1 or NaN it
-// computes a discarded level; its table reads stay in range: m is in [1, 2), so j <= 7) and
-// selects pick the result. With early returns each element's encode was a branch region
-// of its own (BSSY/BSYNC in the SASS), so the 8 elements of a pass could not interleave.
 __device__ __forceinline__ int int8_nearest_level_fast(float a, int top) {
-  const float* octave = int8_octave_table();
-  const uint32_t u = float_bits(a);
-  const int e = static_cast<int>(u >> 23) - 127;  // subnormals: -127, far below any level
-  const float m = bits_float((u & 0x7FFFFFu) | 0x3F800000u);
-  const int b = static_cast<int>((u >> 20) & 7u);  // the eighth of [1, 2) that m is in
-  const int j = b + (m >= octave[b + 1] ? 1 : 0);
-  const int lo = max(top + 8 * e + j, 0);  // top - d, d = -8e - j; below level 1: level 0
-  // For a in (0, 1): lo < top. level(lo) and level(lo + 1), as the reference's
-  // int8_level_value_direct gives them: 2^e is a's own exponent bits.
-  const float pow2e = bits_float(u & 0x7F800000u);
-  const bool bottom = lo == 0;
-  const float below = bottom ? 0.0f : octave[j] * pow2e;
-  const float above = bottom ? int8_level_fast(1, top) : octave[j + 1] * pow2e;
-  const int nearest = above - a < a - below ? lo + 1 : lo;
-  return a >= 1.0f ? top : (a > 0.0f ? nearest : 0);
+  return int8_nearest_level_sixteenths(a, top, int8_sixteenths_table());
 }
 
 // Whether a kernel instantiated for Spec can touch int8 states (and needs the table).
@@ -714,6 +679,98 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
 }
 #undef FORGE_RULE_BRANCH
 
+// ---- the ratios |x| / absmax of an int8 encode ------------------------------------------------
+//
+// ratio[e] = |v[e]| / absmax for the 4 values of a quad in a block whose absmax (>= every
+// |v[e]|) is `absmax`, branch-free, with one check per block instead of FastMath's per
+// element. Returns false, when absmax is outside [2^-62, 2^62) (zero, tiny, huge, infinite,
+// NaN), and the caller divides the IEEE way instead. FastMath's division is exact for a
+// dividend and a divisor in [2^-62, 2^62); here a block with absmax < 2^-22 has both scaled
+// by 2^64 (exact: nothing overflows, and a subnormal scales exactly too), so the divisor b'
+// lies in [2^-22, 2^62). Then, with n' = |v| · scale:
+//  - where |v| / absmax >= 2^-40, n' >= 2^-40 · b' >= 2^-62: inside the domain, so the ratio
+//    is the IEEE quotient;
+//  - where |v| / absmax < 2^-40 (a zero, a subnormal, anything tiny), the sequence's result
+//    stays below 3 · 2^-40 (q <= n'·y·(1 + 2^-22), |r| <= 2n', y·|r| < 2^-39), and so does
+//    the IEEE quotient: both are under half of level 1 (2^-16.75 or 2^-32.75), so both
+//    encode to level 0, code 0. The ratio may differ from IEEE's there; the code does not.
+// NOTE: per element that is one multiply and the division's three fmas, against ~11
+// instructions with FastMath's per-element checks (and a zero test).
+// tests/cpp/gpu/test_gpu_int8_map.cu checks the codes against formats.h's int8_encode.
+__device__ __forceinline__ bool int8_quad_ratios(float absmax, const float (&v)[kQuad],
+                                                 float (&ratio)[kQuad]) {
+  const float scale = absmax < 0x1p-22f ? 0x1p64f : 1.0f;
+  const float divisor = absmax * scale;
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e)
+    ratio[e] = FastMath::div_unchecked(fabsf(v[e]) * scale, divisor);
+  return fast_div_operand(absmax);
+}
+
+// ---- int8 states of a batch of quads, in one straight run -------------------------------------
+//
+// store_state_quad's int8 case for every state and quad of a batch at once (specialized Specs,
+// where the state count and signedness are compile-time): every block's absmax, then every
+// ratio |x| / absmax (int8_quad_ratios, with one IEEE fallback for the whole batch), every
+// code, and the stores. The same codes and absmax as store_state_quad.
+// NOTE: one quad and state at a time, each encode was a branch region of its own (the n > 0
+// store, the ratio fallback), so its dependent chain (4 shuffles, the reciprocal, the
+// division, the level search, ~300 cycles) ran alone; in one region the 2·kQ chains
+// interleave.
+template <int kQ, int kNumStates, int kRule>
+__device__ __forceinline__ void store_int8_states(const ParamView& p, const int64_t (&row)[kQ],
+                                                  const int64_t (&col)[kQ],
+                                                  const int64_t (&idx)[kQ], const int (&n)[kQ],
+                                                  const bool (&vec)[kQ], int lane16,
+                                                  const float (&s)[FORGE_MAX_STATES][kQ][kQuad]) {
+  float amax[kNumStates][kQ];
+#pragma unroll
+  for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      float m = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e)
+        if (e < n[q]) m = fmaxf(m, fabsf(s[i][q][e]));
+      amax[i][q] = m;
+    }
+#pragma unroll
+  for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) amax[i][q] = group_max(amax[i][q]);
+  float ratio[kNumStates][kQ][kQuad];
+  bool fast = true;
+#pragma unroll
+  for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) fast = fast & int8_quad_ratios(amax[i][q], s[i][q], ratio[i][q]);
+  if (!fast) {
+#pragma unroll
+    for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q)
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e) ratio[i][q][e] = fabsf(s[i][q][e]) / amax[i][q];
+  }
+#pragma unroll
+  for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      uint8_t c[kQuad];
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e)
+        c[e] = int8_encode_ratio(s[i][q][e], ratio[i][q][e], amax[i][q],
+                                 spec_state_signed(kRule, i));
+      if (n[q] > 0) {
+        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q], c);
+        // lane 0 of the group holds the block's first column, so it is in range whenever
+        // any column of the block is
+        if (lane16 == 0)
+          p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK] = amax[i][q];
+      }
+    }
+}
+
 // ---- stores of a batch of quads ---------------------------------------------------------------
 
 // Stores the updated weight and states of kQ quads (update_quads' arguments; keep[q]: the
@@ -737,6 +794,8 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   // Folds to a constant for a specialized Spec.
   const bool stochastic = weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
                           (num_states > 0 && state_format == FORGE_STATE_BF16_STOCHASTIC);
+  if constexpr (kSF == FORGE_STATE_INT8_BLOCK64 && Spec::kNumStates > 0)
+    store_int8_states<kQ, Spec::kNumStates, Spec::kRule>(p, row, col, idx, n, vec, lane16, s);
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
     const QuadDraws draw(k.sr_key, idx[q], kAligned || vec[q], stochastic);
@@ -744,7 +803,7 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
     for (int i = 0; i < FORGE_MAX_STATES; ++i) {
       const bool is_signed =
           Spec::kGeneric ? k.state_signed[i] != 0 : spec_state_signed(Spec::kRule, i);
-      if (i < num_states)
+      if (i < num_states && kSF != FORGE_STATE_INT8_BLOCK64)  // int8: stored above
         store_state_quad<kSF, kNonNan>(p, i, is_signed, row[q], col[q], idx[q], n[q], vec[q],
                                        keep[q], lane16, true, draw, s[i][q]);
     }

@@ -111,7 +111,8 @@ TEST(Int8Map, LevelsAreMonotonicAndSelfConsistent) {
 }
 
 // The direct forms the backends run (formats.h: int8_level_value_direct,
-// int8_nearest_level_direct) against the definition. Every level value; every float of the
+// int8_nearest_level_direct, and the CUDA backend's int8_nearest_level_sixteenths) against
+// the definition. Every level value; every float of the
 // octaves where the maps have their top, their bottom, and one in between (each octave holds
 // the same 8 fractions scaled by a power of two, and the bottom is where the clamp to level 0
 // and the level-0 tie happen); ±256 floats around every level value and every midpoint of two
@@ -119,13 +120,17 @@ TEST(Int8Map, LevelsAreMonotonicAndSelfConsistent) {
 // The GPU suite (test_gpu_int8_map.cu) covers every float in [0, 2] on the device.
 TEST(Int8Map, DirectFormsEqualTheDefinition) {
   const int tops[2] = {kInt8SignedTop, kInt8UnsignedTop};
+  uint32_t sixteenths[16];
+  for (int s = 0; s < 16; ++s) sixteenths[s] = int8_sixteenth_word(s);
   int64_t checked = 0;
   auto expect_same = [&](float a, int top) {
     ++checked;
     const int want = int8_nearest_level(a, top), got = int8_nearest_level_direct(a, top);
-    if (want != got) {
+    const int got16 = int8_nearest_level_sixteenths(a, top, sixteenths);
+    if (want != got || want != got16) {
       ADD_FAILURE() << "a = " << a << " (bits 0x" << std::hex << float_bits(a) << std::dec
-                    << "), top " << top << ": definition " << want << ", direct " << got;
+                    << "), top " << top << ": definition " << want << ", direct " << got
+                    << ", sixteenths " << got16;
       return false;
     }
     return true;
@@ -165,6 +170,20 @@ TEST(Int8Map, DirectFormsEqualTheDefinition) {
     for (int top : tops)
       if (!expect_same(a, top)) return;
   EXPECT_GT(checked, int64_t(6) * 2 * (1 << 23));
+}
+
+// int8_sixteenth_word keeps one threshold per sixteenth of [1, 2): the table form is only
+// right if no sixteenth holds two (DirectFormsEqualTheDefinition would then fail too, in
+// the octaves it walks).
+TEST(Int8Map, EachSixteenthHoldsAtMostOneThreshold) {
+  int per_sixteenth[16] = {};
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t t =
+        ((int8_octave_fraction_bits(j) + int8_octave_fraction_bits(j + 1)) >> 1) + 1u;
+    ASSERT_LT(t, 1u << 23) << "threshold " << j;
+    if (t & ((1u << 19) - 1u)) ++per_sixteenth[t >> 19];  // one on a boundary is counted below
+  }
+  for (int s = 0; s < 16; ++s) EXPECT_LE(per_sixteenth[s], 1) << "sixteenth " << s;
 }
 
 TEST(Int8Map, BlockRoundTripErrorBound) {

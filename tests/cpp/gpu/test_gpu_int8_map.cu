@@ -1,9 +1,9 @@
 // test_gpu_int8_map.cu — the CUDA backend's fast int8 dynamic map (src/cuda/update.cuh:
-// int8_level_fast, int8_nearest_level_fast, int8_decode_fast, int8_encode_fast) against
+// int8_nearest_level_fast, int8_decode_fast, int8_encode_fast) against
 // formats.h's reference functions, run on the device: every code, every float in [0, 2]
 // (all 2^30 + 2^23 bit patterns), special values, and 2^24 random (x, absmax) pairs.
 // Bit for bit; any difference would break CPU/GPU equality of int8 states. The device forms
-// read a table in shared memory (int8_octave_table): each kernel here fills it first, as
+// read tables in shared memory (int8_tables_init): each kernel here fills them first, as
 // the library's kernels do.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -62,6 +62,50 @@ __global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
   if (bad) atomicAdd(mismatches, bad);
 }
 
+// int8_quad_ratios (the fused epilogue's division for int8 encodes): a random absmax over
+// 2^-75..2^70 (and zero, subnormal, infinite), four values |v| <= absmax at log-uniform
+// fractions of it down to 2^-149 (zeros, subnormals and v = ±absmax included). Where the
+// function takes the block, every code must equal int8_encode's. fast[0] counts the blocks it
+// took, so the test can tell that the fast path was exercised.
+__global__ void compare_quad_ratios(uint32_t count, unsigned long long* mismatches,
+                                    unsigned long long* fast) {
+  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
+  __syncthreads();
+  unsigned long long bad = 0, took = 0;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+    const uint32_t r = mix(6 * uint64_t(i));
+    float absmax;
+    switch (r & 15) {
+      case 0: absmax = 0.0f; break;
+      case 1: absmax = __uint_as_float(r >> 9); break;  // subnormal
+      case 2: absmax = INFINITY; break;
+      default:  // 2^-75 .. 2^70
+        absmax = __uint_as_float(((52u + (r >> 4) % 146u) << 23) |
+                                 (mix(6 * uint64_t(i) + 1) & 0x7FFFFFu));
+    }
+    float v[forge::cuda::kQuad], ratio[forge::cuda::kQuad];
+    for (int e = 0; e < forge::cuda::kQuad; ++e) {
+      const uint32_t z = mix(6 * uint64_t(i) + 2 + e);
+      float f;
+      switch (z & 7) {
+        case 0: f = 0.0f; break;
+        case 1: f = 1.0f; break;
+        default: f = __uint_as_float(((z >> 3) % 127u) << 23 | (z >> 9));  // [2^-149, 1)
+      }
+      v[e] = __fmul_rn(absmax, f) * ((z >> 30) & 1 ? -1.0f : 1.0f);
+    }
+    if (!forge::cuda::int8_quad_ratios(absmax, v, ratio)) continue;
+    ++took;
+    for (int e = 0; e < forge::cuda::kQuad; ++e)
+      for (int is_signed = 0; is_signed < 2; ++is_signed)
+        if (forge::int8_encode(v[e], absmax, is_signed != 0) !=
+            forge::cuda::int8_encode_ratio(v[e], ratio[e], absmax, is_signed != 0))
+          ++bad;
+  }
+  if (bad) atomicAdd(mismatches, bad);
+  atomicAdd(fast, took);
+}
+
 unsigned long long run_and_count(void (*launch)(unsigned long long*)) {
   unsigned long long* d = nullptr;
   CUDA_OK(cudaMalloc(&d, sizeof(unsigned long long)));
@@ -94,6 +138,22 @@ TEST(Int8MapFast, NearestLevelEveryFloatInZeroToTwo) {
 TEST(Int8MapFast, EncodeRandomPairs) {
   FORGE_REQUIRE_GPU();
   EXPECT_EQ(0ull, run_and_count([](unsigned long long* m) { compare_encode<<<1024, 256>>>(1u << 24, m); }));
+}
+
+TEST(Int8MapFast, QuadRatiosEncodeLikeTheReference) {
+  FORGE_REQUIRE_GPU();
+  constexpr uint32_t kBlocks = 1u << 24;
+  unsigned long long* d = nullptr;  // [mismatches, blocks the fast path took]
+  CUDA_OK(cudaMalloc(&d, 2 * sizeof(unsigned long long)));
+  CUDA_OK(cudaMemset(d, 0, 2 * sizeof(unsigned long long)));
+  compare_quad_ratios<<<1024, 256>>>(kBlocks, d, d + 1);
+  CUDA_OK(cudaGetLastError());
+  unsigned long long h[2] = {};
+  CUDA_OK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaFree(d));
+  EXPECT_EQ(0ull, h[0]);
+  // absmax cases 3..15 of 16, of which the exponents in [2^-62, 2^62) are 124 of 146
+  EXPECT_GT(h[1], kBlocks / 2) << "the fast path took too few blocks to test it";
 }
 
 }  // namespace
