@@ -116,15 +116,15 @@ def test_fp32_gradients_agree_to_rounding(name, build, norms, mlps):
 
 def test_saved_bytes_drop_by_exactly_the_recomputed_intermediates():
     """bf16 Llama: each RMSNorm kept an fp32 copy of its input and the bf16 normalized tensor
-    (6 bytes per element) and its fp32 rsqrt per row, and now keeps its bf16 input (2 bytes
-    per element); each SwiGLU product kept silu's output besides gate and up (2 bytes per
-    element of gate)."""
+    (6 bytes per element) besides its fp32 rsqrt per row, and now keeps its bf16 input (2
+    bytes per element) besides that rsqrt; each SwiGLU product kept silu's output besides gate
+    and up (2 bytes per element of gate)."""
     plain = hf_tiny("llama", torch.bfloat16)
     wrapped = copy.deepcopy(plain)
     lean.enable_lean_activations(wrapped)
     (_, before), (_, after), norm_elems, gate_elems = saved_bytes_plain_and_lean(plain, wrapped)
     assert len(norm_elems) == 5 and len(gate_elems) == 2
-    norm_bytes = sum(4 * s.numel() + 4 * (s.numel() // s[-1]) for s in norm_elems)
+    norm_bytes = sum(4 * s.numel() for s in norm_elems)
     assert before - after == norm_bytes + 2 * sum(gate_elems)
 
 
@@ -137,7 +137,7 @@ def test_with_forge_optim_the_linears_keep_recomputable_inputs_too():
     lean.enable_lean_activations(wrapped)
     opts = [forge.optim.AdamW(m, lr=1e-3) for m in (plain, wrapped)]
     (a, before), (b, after), norm_shapes, gate_elems = saved_bytes_plain_and_lean(plain, wrapped)
-    norm_bytes = sum(4 * s.numel() + 4 * (s.numel() // s[-1]) for s in norm_shapes)
+    norm_bytes = sum(4 * s.numel() for s in norm_shapes)
     # The head reads a slice of the final norm's output (HF's logits_to_keep), a view without
     # the recompute marker: that one output is kept, as before.
     outputs = sum(2 * s.numel() for s in norm_shapes[:-1]) + 2 * sum(gate_elems)
@@ -252,3 +252,28 @@ def test_cross_entropy_matches_torch(dtype, monkeypatch):
 def test_cross_entropy_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="logits .* and targets"):
         lean.cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_an_activation_that_is_f_silu_gets_the_written_out_backward():
+    """transformers 5's SiLUActivation (its forward calls F.silu) and nn.SiLU take _SiluProduct
+    (no nested autograd call in backward); an x · sigmoid(x), which rounds differently, and a
+    module with parameters take the generic recomputation."""
+    class Swish(nn.Module):
+        def forward(self, x):
+            return x * torch.sigmoid(x)
+
+    class ScaledSiLU(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return F.silu(x) * self.scale
+
+    assert lean._acts_as_silu(nn.SiLU())
+    assert not lean._acts_as_silu(Swish())
+    assert not lean._acts_as_silu(ScaledSiLU())
+    plain = hf_tiny("llama", torch.bfloat16)
+    lean.enable_lean_activations(plain)
+    mlps = [m for m in plain.modules() if hasattr(m, "gate_proj")]
+    assert mlps and all(m._forge_product_fn is lean._silu_product for m in mlps)
