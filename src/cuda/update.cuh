@@ -407,14 +407,62 @@ struct FastMathT {
   // A non-finite v (NaN or infinity: bits above 0x7F7FFFFF) is outside, so AdamW's v, and
   // with it g (v = β2·v + (1 − β2)·g² is not finite when g is not), need no finite test
   // (rules.h's apply_rule), and apply_quads_fast takes both new states as finite.
+  //
+  // Without zeros (the fused epilogues) the per-element checks become running ranges, checked
+  // once per batch by all_ok(): the bits of v (unsigned min and max), |m| (NaN-propagating
+  // min and max: a NaN fails the check), and d's bound folded into v's upper one:
+  //  - v <= V = RN((2^61 · bc2_sqrt)²) and eps <= 2^60 give d < 2^62: s <= 2^61·bc2_sqrt·
+  //    (1 + 2^-23), s / bc2_sqrt rounds to at most 2^61·(1 + 2^-22), and adding eps <= 2^60
+  //    stays below 1.5·2^61 + ulp, under 2^62. (V overflows to infinity for bc2_sqrt > 4;
+  //    the 2^123 bound then governs.)
+  // So the domain is v in [2^-101, min(2^123, V)] (bits), |m| in [2^-62, 2^62), bc2_sqrt in
+  // [2^-62, 2^62), eps in [2^-62, 2^60]: inside d's old bound, so every accepted element gets
+  // the IEEE result. tests/cpp/gpu/test_gpu_fast_math.cu restates that domain.
+  // NOTE: per element two integer and two float min/max instead of ~7 compares and predicate
+  // merges (Llama's AdamW epilogue: 44 -> ~40 instructions per element).
+  uint32_t v_lo = 0xFFFFFFFFu, v_hi = 0u;  // bits of v, without zeros
+  float m_lo = INFINITY, m_hi = 0.0f;     // |m|, NaN-propagating, without zeros
+  uint32_t v_top = 0x7CFFFFFFu;           // v's upper bound (bits), set from bc2_sqrt
+  static __device__ __forceinline__ float min_nan(float a, float b) {
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+  }
+  static __device__ __forceinline__ float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+  }
   __device__ __forceinline__ float adamw_direction(float m, float v, float bc2_sqrt,
                                                    float eps) {
     const uint32_t u = __float_as_uint(v);
-    require((u + 0xF3000000u <= 0x6FFFFFFFu) | (kTakesZero && u == 0u));
     require((bc2_sqrt >= 0x1p-62f) & (bc2_sqrt < 0x1p62f) & (eps >= 0x1p-62f));
-    const float d = div_unchecked(sqrt_unchecked(v), bc2_sqrt) + eps;
-    require((d < 0x1p62f) & dividend_ok(m));
-    return div_unchecked(m, d);
+    if constexpr (kTakesZero) {
+      require((u + 0xF3000000u <= 0x6FFFFFFFu) | (u == 0u));
+      const float d = div_unchecked(sqrt_unchecked(v), bc2_sqrt) + eps;
+      require((d < 0x1p62f) & dividend_ok(m));
+      return div_unchecked(m, d);
+    } else {
+      require(eps <= 0x1p60f);
+      const float t = __fmul_rn(0x1p61f, bc2_sqrt);
+      v_top = min(v_top, __float_as_uint(__fmul_rn(t, t)));
+      v_lo = min(v_lo, u);
+      v_hi = max(v_hi, u);
+      m_lo = min_nan(m_lo, fabsf(m));
+      m_hi = max_nan(m_hi, fabsf(m));
+      const float d = div_unchecked(sqrt_unchecked(v), bc2_sqrt) + eps;
+      return div_unchecked(m, d);
+    }
+  }
+  // Every check so far passed (the running ranges included).
+  __device__ __forceinline__ bool all_ok() const {
+    if constexpr (kTakesZero) {
+      return ok;
+    } else {
+      // The empty ranges' initial values pass (no adamw_direction call: nothing to check).
+      return ok & (v_lo >= 0x0D000000u) & (v_hi <= v_top) & (m_lo >= 0x1p-62f) &
+             (m_hi < 0x1p62f);
+    }
   }
 };
 using FastMath = FastMathT<false>;
@@ -596,7 +644,7 @@ __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int
     for (int e = 0; e < kQuad; ++e) {
       float st[FORGE_MAX_STATES] = {s[0][q][e], s[1][q][e], s[2][q][e]};
       float wv = w[q][e], g_used;
-      const bool ok_before = math.ok;
+      const Math before = math;
       apply_rule(r, g[q][e], wv, st, g_used, math);
       float out = wv;
       // AdamW: adamw_direction declines unless its m and v, the new states, are finite.
@@ -607,14 +655,14 @@ __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int
       if (e < n[q]) {
         sum = sum + out;
       } else {
-        math.ok = ok_before;  // out of range: computed on zeros, never stored
+        math = before;  // out of range: computed on zeros, never stored
       }
       w_new[q][e] = wv;
 #pragma unroll
       for (int i = 0; i < FORGE_MAX_STATES; ++i) s_new[i][q][e] = st[i];
     }
   math.require(is_finite(sum));
-  return math.ok;
+  return math.all_ok();
 }
 
 // NOTE: apply_rule() switches on k.rule and, for RMSprop, indexes the state array with the

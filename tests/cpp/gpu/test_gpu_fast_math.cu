@@ -10,8 +10,9 @@
 //    bf16_nearest.
 //  - adamw_direction: m / (sqrt(v) / bc2_sqrt + eps) on 2^28 random quadruples and special
 //    values, against the same IEEE operations (each a single rounding) on the combined domain
-//    restated below; outside it FastMath must decline. NaN and infinite v are outside: the
-//    AdamW fast path relies on that to skip its gradient's finite test (rules.h).
+//    restated below; outside it FastMath must decline (all_ok() false). NaN and infinite v
+//    are outside: the AdamW fast path relies on that to skip its gradient's finite test
+//    (rules.h).
 // FastMathWithZeros (the element-wise kernels') passes the same tests with +0 added to its
 // domain (sqrt(+0), +0 / b). Any difference would break the CPU/GPU bit equality of a step.
 #include <cuda_runtime.h>
@@ -167,9 +168,12 @@ __global__ void check_div_special(Counts* out) {
   add_counts(out, c);
 }
 
-// adamw_direction's domain, restated: v in [2^-101, 2^123) (or +0 with zeros), bc2_sqrt in
-// [2^-62, 2^62) (positive), eps >= 2^-62, the denominator sqrt(v) / bc2_sqrt + eps below 2^62,
-// m a dividend.
+// adamw_direction's domain, restated. With zeros (per-element checks): v in [2^-101, 2^123)
+// or +0, bc2_sqrt in [2^-62, 2^62) (positive), eps >= 2^-62, the denominator
+// sqrt(v) / bc2_sqrt + eps below 2^62, m a dividend. Without zeros (running ranges, checked by
+// all_ok()): v in [2^-101, 2^123) and at most RN((2^61 · bc2_sqrt)²), bc2_sqrt as above, eps in
+// [2^-62, 2^60], |m| in [2^-62, 2^62) (so no NaN): update.cuh shows that this bounds the
+// denominator below 2^62 by itself.
 // `want`: the IEEE result (only meaningful inside).
 __device__ bool adamw_domain(float m, float v, float c, float eps, bool zero, float& want) {
   const bool v_ok = (v >= 0x1p-101f && v < 0x1p123f) || (zero && __float_as_uint(v) == 0u);
@@ -177,7 +181,9 @@ __device__ bool adamw_domain(float m, float v, float c, float eps, bool zero, fl
     return false;
   const float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c), eps);
   want = __fdiv_rn(m, d);
-  return d < 0x1p62f;
+  if (zero) return d < 0x1p62f;
+  const float t = __fmul_rn(0x1p61f, c);
+  return eps <= 0x1p60f && v <= __fmul_rn(t, t);
 }
 
 template <class Math>
@@ -186,7 +192,7 @@ __device__ void check_adamw_case(float m, float v, float c, float eps, Counts& c
   const float got = math.adamw_direction(m, v, c, eps);
   float want = 0.0f;
   const bool in_domain = adamw_domain(m, v, c, eps, kTakesZero<Math>, want);
-  counts.record(in_domain, math.ok, __float_as_uint(got) == __float_as_uint(want));
+  counts.record(in_domain, math.all_ok(), __float_as_uint(got) == __float_as_uint(want));
 }
 
 // Random quadruples: exponents across each operand's domain and a few beyond (v's up to the
