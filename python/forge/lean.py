@@ -126,10 +126,14 @@ class _RMSNormRecomputation(_Recomputation):
         super().__init__(dense_forward, (weight,), device_type)
         self.weight, self.eps = weight, eps
         self.parts = None  # x32, the normalized x in x's dtype
+        self.forward_x32 = None  # x32 from rstd() to __call__, within one forward
 
     def rstd(self, x: torch.Tensor) -> torch.Tensor:
+        """rstd for the forward; the fp32 x it computes waits for __call__ (right after, in
+        the Function's forward), which then drops it."""
         with torch.no_grad():
-            return torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + self.eps)
+            self.forward_x32 = x.to(torch.float32)
+            return torch.rsqrt(self.forward_x32.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def _parts(self, x: torch.Tensor, rstd: torch.Tensor):
         if self.parts is None:
@@ -139,8 +143,10 @@ class _RMSNormRecomputation(_Recomputation):
         return self.parts
 
     def __call__(self, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-        # forward: nothing cached (x32 and the normalized x are what this saves)
-        return self.weight * (x.to(torch.float32) * rstd).to(x.dtype)
+        # forward: nothing kept (x32 and the normalized x are what this saves)
+        x32 = self.forward_x32 if self.forward_x32 is not None else x.to(torch.float32)
+        self.forward_x32 = None
+        return self.weight * (x32 * rstd).to(x.dtype)
 
     def value(self, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
         normed = self._parts(x, rstd)[1]
