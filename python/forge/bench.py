@@ -8,6 +8,8 @@ PyTorch users have today, on real model shapes, and the convergence-parity repor
     forge-bench --replot bench/results/X.json     # redraw md/csv/png from a JSON
     forge-bench --models llama-3.1-8b --seqs 512 --ckpt off --modes forge-bf16 --profile 2
                                                   # + GPU time by kernel category (step_profile.py)
+    forge-bench --models llama-3.1-8b --seqs 2048 --ckpt off --modes torch-adamw forge-bf16 --rounds 2
+                                                  # each mode once first, once second: the median
 
 Models are built from their public configs written below (no download): transformers'
 config class, random weights, created directly on the GPU in bf16 under a device context
@@ -849,6 +851,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after each case's timed steps, profile STEPS more with torch.profiler: "
                         "kernel time per step by category and the top kernels "
                         "(forge-profile-*.md)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="measure every case N times, each group of modes (one model, seq and "
+                        "checkpointing) in reverse order every other round; a mode's step "
+                        "time is then the median of its rounds' medians (order-balanced: on "
+                        "the H200 the later of two modes has measured 1-2 %% slower)")
     p.add_argument("--replot", metavar="JSON", help="redraw md/csv/png from a results JSON")
     p.add_argument("--summarize", metavar="DIR",
                    help="print a short summary of the newest bench and parity results in DIR")
@@ -888,12 +895,65 @@ def plan(args) -> List[tuple]:
     return [(m, s, c, mode) for m in models for s in seqs for c in ckpts for mode in modes]
 
 
+def balanced_rounds(cases: List[tuple], rounds: int) -> List[tuple]:
+    """`cases` (plan()'s (model, seq, ckpt, mode) tuples) `rounds` times; in odd rounds each
+    run of consecutive cases with one model, seq and ckpt has its modes reversed, so that no
+    mode always goes first."""
+    groups: List[List[tuple]] = []
+    for case in cases:
+        if groups and groups[-1][0][:3] == case[:3]:
+            groups[-1].append(case)
+        else:
+            groups.append([case])
+    return [case for r in range(rounds) for group in groups
+            for case in (group if r % 2 == 0 else group[::-1])]
+
+
+def merge_rounds(rows: List[dict]) -> List[dict]:
+    """One row per (model, seq, ckpt, mode), in order of first appearance: a case measured in
+    several rounds gets the median of their step and host times, the largest peak, and its
+    rounds' step times in step_ms_rounds. Rounds the time budget skipped are left out; any
+    other round that did not end "ok" (out of memory) stands for the case, with a note saying
+    which."""
+    groups: Dict[tuple, List[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["seq"], row["ckpt"], row["mode"]), []).append(row)
+    merged = []
+    for group in groups.values():
+        # a round the time budget skipped says nothing when another round measured the case
+        group = [r for r in group if r.get("status") != "skipped"] or group[:1]
+        bad = [r for r in group if r.get("status") != "ok"]
+        if len(group) == 1:
+            merged.append(group[0])
+        elif bad:
+            row = dict(bad[0])
+            row["note"] = (f"round {group.index(bad[0]) + 1} of {len(group)}: "
+                           + (row.get("note") or row.get("status", "")))
+            merged.append(row)
+        else:
+            row = dict(group[0])
+            times = [r["step_ms"] for r in group]
+            row["step_ms"] = round(statistics.median(times), 1)
+            row["step_ms_rounds"] = times
+            peaks = [r["peak_gib"] for r in group if r.get("peak_gib") is not None]
+            row["peak_gib"] = max(peaks) if peaks else None  # None: no CUDA peak (the CPU)
+            hosts = [r["host_ms"] for r in group if r.get("host_ms") is not None]
+            if len(hosts) == len(group):
+                row["host_ms"] = round(statistics.median(hosts), 1)
+            row["tokens_per_s"] = round(row["seq"] * 1000.0 / row["step_ms"])
+            row["note"] = "median of rounds " + " / ".join(f"{t:.1f}" for t in times) + " ms"
+            merged.append(row)
+    return merged
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         if args.profile < 0:
             raise BenchError(f"--profile: STEPS must be >= 0, got {args.profile}")
+        if args.rounds < 1:
+            raise BenchError(f"--rounds: N must be >= 1, got {args.rounds}")
         if args.summarize:
             return summarize(args.summarize)
         if args.replot:
@@ -914,6 +974,8 @@ def main(argv=None) -> int:
         if not cases:
             raise BenchError("no case matches --models/--seqs/--modes/--ckpt"
                              + (" in the anchors suite" if args.suite == "anchors" else ""))
+        first_round = len(cases)
+        cases = balanced_rounds(cases, args.rounds)
         big = sorted({c[0] for c in cases} - {"tiny"})
         if device.type == "cpu" and big:
             raise BenchError(f"{', '.join(big)} need a CUDA GPU; on CPU use --models tiny")
@@ -932,14 +994,17 @@ def main(argv=None) -> int:
             print(f"{label}: skipped (time budget)", flush=True)
             continue
         try:
-            row = measure(model, seq, ckpt, mode, device, dtype, args.profile)
+            # NOTE: the profile, if asked for, in the first round only
+            row = measure(model, seq, ckpt, mode, device, dtype,
+                          args.profile if i < first_round else 0)
         except BenchError as e:
             print(f"forge-bench: error: {e}", file=sys.stderr)
             return 2
         rows.append(row)
         print(f"{label}: {cell(row)}" + (f" ({row['note']})" if row.get("note") else ""),
               flush=True)
-        paths = write_results(args.out, info, rows)
+        paths = write_results(args.out, info, merge_rounds(rows))
+    rows = merge_rounds(rows)
     paths = write_results(args.out, info, rows)
     print("\n" + markdown(info, rows))
     print("\n".join(f"{k}: {v}" for k, v in paths.items()), flush=True)

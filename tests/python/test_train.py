@@ -7,6 +7,7 @@ the file takes seconds; one test goes through a subprocess to see what a user se
 """
 import importlib.util
 import json
+import re
 import os
 import statistics
 import subprocess
@@ -193,6 +194,38 @@ def test_bench_smoke_on_cpu(tmp_path):
     rows = saved["results"]
     assert [r["mode"] for r in rows] == bench.MODES
     assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
+
+
+def test_bench_rounds_alternate_the_order_and_merge(tmp_path, capsys):
+    """--rounds 2: the modes of each (model, seq, ckpt) run in order, then in reverse; each mode
+    gets one row, its step time the median of its rounds, both listed."""
+    from forge import bench
+    cases = [("m", 1, False, "a"), ("m", 1, False, "b"), ("m", 2, False, "a"),
+             ("m", 2, False, "b")]
+    assert bench.balanced_rounds(cases, 2) == cases + [cases[1], cases[0], cases[3], cases[2]]
+    assert bench.balanced_rounds(cases, 1) == cases
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
+                       "--modes", "torch-adamw", "forge-bf16", "--rounds", "2",
+                       "--out", str(tmp_path)]) == 0
+    order = re.findall(r"\] tiny seq 32 (\S+):", capsys.readouterr().out)
+    assert order == ["torch-adamw", "forge-bf16", "forge-bf16", "torch-adamw"]
+    with open(tmp_path / next(f for f in os.listdir(tmp_path) if f.endswith(".json"))) as f:
+        rows = json.load(f)["results"]
+    assert [r["mode"] for r in rows] == ["torch-adamw", "forge-bf16"]
+    for r in rows:
+        assert len(r["step_ms_rounds"]) == 2
+        assert r["step_ms"] == round(statistics.median(r["step_ms_rounds"]), 1)
+
+
+def test_bench_merge_rounds_keeps_an_out_of_memory_and_drops_skipped_rounds():
+    from forge import bench
+    ok = dict(model="m", seq=1, ckpt=False, mode="a", status="ok", step_ms=10.0, peak_gib=1.0)
+    oom = dict(ok, status="oom", note="out of memory")
+    skipped = dict(ok, status="skipped", note="time budget spent")
+    assert bench.merge_rounds([ok, skipped]) == [ok]
+    (row,) = bench.merge_rounds([ok, oom])
+    assert row["status"] == "oom" and row["note"].startswith("round 2 of 2")
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--rounds", "0"]) == 2
 
 
 def test_bench_profile_on_cpu(tmp_path):
