@@ -125,8 +125,9 @@ class _RMSNormRecomputation(_Recomputation):
                  device_type: str):
         super().__init__(dense_forward, (weight,), device_type)
         self.weight, self.eps = weight, eps
-        self.parts = None  # x32, the normalized x in x's dtype
+        self.parts = None  # x32, the normalized x in x's dtype (backward)
         self.forward_x32 = None  # x32 from rstd() to __call__, within one forward
+        # self.out (the base class's): the norm's output recomputed for the Linears (backward)
 
     def rstd(self, x: torch.Tensor) -> torch.Tensor:
         """rstd for the forward; the fp32 x it computes waits for __call__ (right after, in
@@ -149,14 +150,18 @@ class _RMSNormRecomputation(_Recomputation):
         return self.weight * (x32 * rstd).to(x.dtype)
 
     def value(self, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-        normed = self._parts(x, rstd)[1]
-        with torch.no_grad():
-            return self.weight * normed
+        # NOTE: made once for every Linear that reads it (q, k and v read the same norm
+        # output): two multiplies fewer per attention norm, one per MLP norm
+        if self.out is None:
+            normed = self._parts(x, rstd)[1]
+            with torch.no_grad():
+                self.out = self.weight * normed
+        return self.out
 
     def grads(self, activations, grad) -> tuple:
         x, rstd = activations
         x32, normed = self._parts(x, rstd)
-        self.parts = None
+        self.parts = self.out = None
         need_x, _, need_weight = self.needs  # rstd: no gradient (computed without a graph)
         with torch.no_grad():
             grad_weight = (grad * normed).sum_to_size(self.weight.shape) if need_weight else None
