@@ -855,7 +855,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure every case N times, each group of modes (one model, seq and "
                         "checkpointing) in reverse order every other round; a mode's step "
                         "time is then the median of its rounds' medians (order-balanced: on "
-                        "the H200 the later of two modes has measured 1-2 %% slower)")
+                        "the H200 the later of two modes has measured 1-2 %% slower); "
+                        "--profile runs in the first round only")
     p.add_argument("--replot", metavar="JSON", help="redraw md/csv/png from a results JSON")
     p.add_argument("--summarize", metavar="DIR",
                    help="print a short summary of the newest bench and parity results in DIR")
