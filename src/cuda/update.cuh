@@ -487,6 +487,34 @@ __device__ __forceinline__ uint16_t bf16_stochastic_nonnan(float x, uint32_t ran
   return static_cast<uint16_t>((__float_as_uint(x) + (random16 & 0xFFFFu)) >> 16);
 }
 
+// ---- the ratios |x| / absmax of an int8 encode ------------------------------------------------
+//
+// ratio[e] = |v[e]| / absmax for the 4 values of a quad in a block whose absmax (>= every
+// |v[e]|) is `absmax`, branch-free, with one check per block instead of FastMath's per
+// element. Both int8 store paths take it (store_state_quad, store_int8_states). Returns false, when absmax is outside [2^-62, 2^62) (zero, tiny, huge, infinite,
+// NaN), and the caller divides the IEEE way instead. FastMath's division is exact for a
+// dividend and a divisor in [2^-62, 2^62); here a block with absmax < 2^-22 has both scaled
+// by 2^64 (exact: nothing overflows, and a subnormal scales exactly too), so the divisor b'
+// lies in [2^-22, 2^62). Then, with n' = |v| · scale:
+//  - where |v| / absmax >= 2^-40, n' >= 2^-40 · b' >= 2^-62: inside the domain, so the ratio
+//    is the IEEE quotient;
+//  - where |v| / absmax < 2^-40 (a zero, a subnormal, anything tiny), the sequence's result
+//    stays below 3 · 2^-40 (q <= n'·y·(1 + 2^-22), |r| <= 2n', y·|r| < 2^-39), and so does
+//    the IEEE quotient: both are under half of level 1 (2^-16.75 or 2^-32.75), so both
+//    encode to level 0, code 0. The ratio may differ from IEEE's there; the code does not.
+// NOTE: per element that is one multiply and the division's three fmas, against ~11
+// instructions with FastMath's per-element checks (and a zero test).
+// tests/cpp/gpu/test_gpu_int8_map.cu checks the codes against formats.h's int8_encode.
+__device__ __forceinline__ bool int8_quad_ratios(float absmax, const float (&v)[kQuad],
+                                                 float (&ratio)[kQuad]) {
+  const float scale = absmax < 0x1p-22f ? 0x1p64f : 1.0f;
+  const float divisor = absmax * scale;
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e)
+    ratio[e] = FastMath::div_unchecked(fabsf(v[e]) * scale, divisor);
+  return fast_div_operand(absmax);
+}
+
 // ---- state i of a quad, in fp32 ----------------------------------------------------------
 
 // kStateFormat: the state format as a compile-time constant, or kAny (p.state_format).
@@ -559,20 +587,8 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
         if (e < n) amax = fmaxf(amax, fabsf(v[e]));
       amax = group_max(amax);
       if (n > 0) {
-        // NOTE: the 4 ratios |x| / absmax branch-free (FastMath, exact in its domain; an exact
-        // zero needs no division), one IEEE fallback for the quad when any is outside.
         float ratio[kQuad];
-        FastMath math;
-#pragma unroll
-        for (int e = 0; e < kQuad; ++e) {
-          const float num = fabsf(v[e]);
-          const bool zero = num == 0.0f;
-          FastMath one;
-          const float r = one.div(zero ? 1.0f : num, amax);
-          math.require(zero | one.ok);
-          ratio[e] = zero ? 0.0f : r;
-        }
-        if (!math.ok) {
+        if (!int8_quad_ratios(amax, v, ratio)) {
 #pragma unroll
           for (int e = 0; e < kQuad; ++e) ratio[e] = fabsf(v[e]) / amax;
         }
@@ -727,34 +743,6 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
   }
 }
 #undef FORGE_RULE_BRANCH
-
-// ---- the ratios |x| / absmax of an int8 encode ------------------------------------------------
-//
-// ratio[e] = |v[e]| / absmax for the 4 values of a quad in a block whose absmax (>= every
-// |v[e]|) is `absmax`, branch-free, with one check per block instead of FastMath's per
-// element. Returns false, when absmax is outside [2^-62, 2^62) (zero, tiny, huge, infinite,
-// NaN), and the caller divides the IEEE way instead. FastMath's division is exact for a
-// dividend and a divisor in [2^-62, 2^62); here a block with absmax < 2^-22 has both scaled
-// by 2^64 (exact: nothing overflows, and a subnormal scales exactly too), so the divisor b'
-// lies in [2^-22, 2^62). Then, with n' = |v| · scale:
-//  - where |v| / absmax >= 2^-40, n' >= 2^-40 · b' >= 2^-62: inside the domain, so the ratio
-//    is the IEEE quotient;
-//  - where |v| / absmax < 2^-40 (a zero, a subnormal, anything tiny), the sequence's result
-//    stays below 3 · 2^-40 (q <= n'·y·(1 + 2^-22), |r| <= 2n', y·|r| < 2^-39), and so does
-//    the IEEE quotient: both are under half of level 1 (2^-16.75 or 2^-32.75), so both
-//    encode to level 0, code 0. The ratio may differ from IEEE's there; the code does not.
-// NOTE: per element that is one multiply and the division's three fmas, against ~11
-// instructions with FastMath's per-element checks (and a zero test).
-// tests/cpp/gpu/test_gpu_int8_map.cu checks the codes against formats.h's int8_encode.
-__device__ __forceinline__ bool int8_quad_ratios(float absmax, const float (&v)[kQuad],
-                                                 float (&ratio)[kQuad]) {
-  const float scale = absmax < 0x1p-22f ? 0x1p64f : 1.0f;
-  const float divisor = absmax * scale;
-#pragma unroll
-  for (int e = 0; e < kQuad; ++e)
-    ratio[e] = FastMath::div_unchecked(fabsf(v[e]) * scale, divisor);
-  return fast_div_operand(absmax);
-}
 
 // ---- int8 states of a batch of quads, in one straight run -------------------------------------
 //
