@@ -406,7 +406,8 @@ ParamView make_param_view(const forge_param& p, int num_states) {
 
 // Environment switches for benchmarking the epilogue's L2 prefetch: FORGE_CUDA_EPILOGUE_PREFETCH=0
 // turns it off, FORGE_CUDA_PREFETCH_LEAD=tokens moves it (default kPrefetchLeadTokens before
-// the main loop's end).
+// the main loop's end). The two-CTA Hopper kernel never prefetches for a stochastically
+// rounded weight (wgrad_step).
 bool epilogue_prefetch_enabled() {
   const char* v = std::getenv("FORGE_CUDA_EPILOGUE_PREFETCH");
   return !(v && v[0] == '0');
@@ -921,6 +922,13 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
                        : 0;
     w.stagger_first = info.num_sms;
     w.stagger_count = info.num_sms;
+    // NOTE: the L2 prefetch of the update's operands is for nearest-rounded weights only, like
+    // the stagger. With a stochastically rounded weight the two CTAs of an SM are mostly out of
+    // phase, and the prefetch then competes with the other CTA's update for L2 and DRAM.
+    // Llama totals, SR weight + SR states, prefetch on -> off: 37.2 -> 35.6 ms at T = 512,
+    // 72.6 -> 69.1 at 2048, 118.2 -> 115.4 at 4096; SR weight + int8 states unchanged; bf16
+    // nearest unchanged in total (run 47, bench/NOTES.md v15).
+    if (param.weight_format == FORGE_WEIGHT_BF16_STOCHASTIC) w.prefetch = 0;
     const char* name = kSm90GenericKernels[1].name;
     const Sm90KernelFn kernel =
         fp16_inputs ? kSm90GenericKernels[1].fn
