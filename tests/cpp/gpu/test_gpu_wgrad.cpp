@@ -384,6 +384,43 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(info.param));
     });
 
+// A weight format and a state format.
+struct FormatPair {
+  forge_weight_format wf;
+  forge_state_format sf;
+};
+
+// ---- several waves of CTAs --------------------------------------------------------------------
+
+// Layers of more than two tiles per SM: several waves of two-CTA launches, and from three full
+// waves the stagger of the nearest-rounded weights (sm90_wgrad.cuh). One shape of ~2.9 tiles
+// per SM with four k-tiles per tile (refills of the ring inside a tile), one of ~6.8 with one
+// k-tile. The formats of the specialized kernels, with and without the L2 prefetch and the
+// stagger.
+TEST(WgradManyTiles, MatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  const int64_t sms = num_sms();
+  const Shape shapes[] = {
+      {16 * 128 - 3, ((27 * sms / 10 + 15) / 16) * 128 + 5, 200},
+      {32 * 128 + 5, ((13 * sms / 2 + 31) / 32) * 128 - 68, 40}};
+  constexpr FormatPair kFormats[] = {{FORGE_WEIGHT_BF16, FORGE_STATE_BF16},
+                                     {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC},
+                                     {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
+                                     {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64},
+                                     {FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32}};
+  forge_hparams adamw{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &adamw));
+  adamw.seed = 5;
+  uint64_t seed = 40;
+  for (const Shape& s : shapes) {
+    const int64_t tiles = ((s.rows + 127) / 128) * ((s.cols + 127) / 128);
+    ASSERT_GT(tiles, 2 * sms) << shape_string(s);
+    for (const FormatPair& f : kFormats)
+      expect_bit_exact_run(s, adamw, f.wf, f.sf, 2, FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 0, 0, 0,
+                           0, seed++);
+  }
+}
+
 // fp32 inputs without split-K: the SIMT kernel adds the rounded products in token order,
 // like the CPU, so the step is bit-identical even on random inputs.
 TEST(WgradFp32, BitExactOnRandomInputsWithoutSplitK) {
@@ -408,10 +445,6 @@ TEST(WgradFp32, BitExactOnRandomInputsWithoutSplitK) {
 }
 
 // Every rule on random bf16 inputs: within the per-format bands of gpu_tolerances.h.
-struct FormatPair {
-  forge_weight_format wf;
-  forge_state_format sf;
-};
 constexpr FormatPair kRandomFormats[] = {{FORGE_WEIGHT_BF16, FORGE_STATE_BF16},
                                          {FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32},
                                          {FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64},
