@@ -10,6 +10,8 @@
 # writing results under $OUT (default ./out: summary.md, bench.md/json, bench-sm80.md, and the
 # logs packed in logs.tgz) and printing a summary table last.
 # `bash scripts/gpu_check.sh trace` times a few layers with a per-CTA phase trace (see below).
+# `bash scripts/gpu_check.sh ab` repeats the whole benchmark per setting, alternating, and
+# prints the medians (see below).
 # `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
 # Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 32 and 512, bf16 SR and
 # int8 states, and bf16 nearest), the element-wise step and the unfused AdamW pass, writing
@@ -78,6 +80,60 @@ if [ "${1:-}" = profile ]; then
   exit 0
 fi
 
+# Builds only the benchmark into build dir $1, with extra CUDA flags $2 (trace and ab modes).
+build_bench() {
+  cmake -S "$ROOT" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+    -DFORGE_BUILD_TESTS=OFF -DFORGE_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS="$2" >"$1.log" 2>&1 &&
+    cmake --build "$1" --target wgrad_bench -j "$JOBS" >>"$1.log" 2>&1
+}
+
+if [ "${1:-}" = ab ]; then
+  # `bash scripts/gpu_check.sh ab`: A/B of benchmark settings, in one call. Builds only the
+  # benchmark (and one more build per "|"-separated set of compile definitions in
+  # FORGE_AB_DEFS, run with its defaults), then runs the full wgrad_bench FORGE_AB_REPS times
+  # (default 3) per setting of FORGE_AB_SETTINGS (space-separated, each "default" or
+  # VAR=value[,VAR=value...]; default "default"), reversing the order of the runs every other
+  # repetition, and prints bench/ab_totals.py's medians. The card's clock moves between runs
+  # (bench/NOTES.md v15): compare only within one call. Results: $OUT/<label>-r<rep>/bench.md.
+  log "ab: build the benchmark${FORGE_AB_DEFS:+ (and with $FORGE_AB_DEFS)}"
+  IFS='|' read -ra defsets <<<"${FORGE_AB_DEFS:-}"
+  build_bench "$BUILD-bench" "" &
+  pids=($!)
+  for i in "${!defsets[@]}"; do
+    build_bench "$BUILD-bench-defs$((i + 1))" "${defsets[$i]}" &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { log "ab: build $i failed"; tail -20 "$BUILD-bench"*.log; exit 1; }
+  done
+  runs=()  # "binary|label|setting"
+  for setting in ${FORGE_AB_SETTINGS:-default}; do
+    runs+=("$BUILD-bench/bench/wgrad_bench|$(echo "$setting" | sed 's/FORGE_CUDA_//g; s/[^A-Za-z0-9=,]//g')|$setting")
+  done
+  for i in "${!defsets[@]}"; do
+    runs+=("$BUILD-bench-defs$((i + 1))/bench/wgrad_bench|defs$((i + 1))|default")
+    echo "defs$((i + 1)): ${defsets[$i]}"
+  done
+  for rep in $(seq 1 "${FORGE_AB_REPS:-3}"); do
+    order=("${runs[@]}")
+    if ((rep % 2 == 0)); then  # every other repetition in reverse order
+      order=()
+      for ((j = ${#runs[@]} - 1; j >= 0; j--)); do order+=("${runs[$j]}"); done
+    fi
+    for run in "${order[@]}"; do
+      IFS='|' read -r bin label setting <<<"$run"
+      d="$OUT/$label-r$rep"
+      mkdir -p "$d"
+      env_args=()
+      [ "$setting" != default ] && IFS=',' read -ra env_args <<<"$setting"
+      env "${env_args[@]}" timeout "$(limit 120 0)" "$bin" --out "$d" >"$d/console.txt" 2>&1 ||
+        log "ab: $label rep $rep failed: $(tail -2 "$d/console.txt")"
+    done
+  done
+  python3 "$ROOT/bench/ab_totals.py" "$OUT"
+  exit 0
+fi
+
 if [ "${1:-}" = trace ]; then
   # `bash scripts/gpu_check.sh trace`: build only the benchmark and run `wgrad_bench --trace`
   # (time + per-CTA phase trace of a few layers, bench/NOTES.md v13) FORGE_TRACE_REPS times
@@ -87,11 +143,6 @@ if [ "${1:-}" = trace ]; then
   # of experiments (e.g. "-DFORGE_X=1|-DFORGE_X=2"), each built too and run with "default".
   # Results: $OUT/<build>-<setting>-r<rep>/trace.md (+ raw CSVs), and bench/trace_sweep.py's
   # table of medians over the repetitions.
-  build_bench() {  # build dir, extra CUDA flags
-    cmake -S "$ROOT" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
-      -DFORGE_BUILD_TESTS=OFF -DFORGE_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS="$2" >"$1.log" 2>&1 &&
-      cmake --build "$1" --target wgrad_bench -j "$JOBS" >>"$1.log" 2>&1
-  }
   log "trace: build the benchmark${FORGE_TRACE_DEFS:+ (and with $FORGE_TRACE_DEFS)}"
   declare -A pids
   build_bench "$BUILD-bench" "" &

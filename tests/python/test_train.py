@@ -292,6 +292,49 @@ def test_host_overhead_bench_runs():
     assert "torch AdamW(foreach)" in line and "forge.optim.AdamW" in line, line
 
 
+def _fake_wgrad_bench_md(bf16_512, unfused_512, layer_ms):
+    """The two tables of a wgrad_bench bench.md that bench/ab_totals.py reads."""
+    return "\n".join([
+        "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | unfused (c) ms | speedup (c)/(a-bf16) |"
+        " epilogue-only ms AdamW / SGD |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| q_proj/o_proj 4096×4096 | 512 | {layer_ms} (219, 2674) | 0.096 | **1.23×** | 0.065 / 0.032 |",
+        "",
+        "## Llama-3.1-8B, all 224 linear layers (sum of the per-layer medians × occurrences)",
+        "",
+        "| T | fused bf16 ms | unfused (c) ms | speedup (c)/(a-bf16) |",
+        "| --- | --- | --- | --- |",
+        f"| 512 | {bf16_512} | {unfused_512} | 1.27× |",
+        "| 2048 | 59.0 | 66.0 | 1.12× |",
+    ])
+
+
+def test_ab_totals_takes_medians_per_setting(tmp_path):
+    """bench/ab_totals.py (what gpu_check.sh ab prints): medians over the repetitions of each
+    setting, the Llama totals and the per-layer times, speedups and epilogue-only left out."""
+    runs = {"default": [(30.0, 39.0, 0.078), (31.0, 38.0, 0.080), (35.0, 40.0, 0.090)],
+            "PREFETCH=0": [(29.0, 39.5, 0.070), (29.4, 39.5, 0.072)]}
+    for setting, reps in runs.items():
+        for rep, values in enumerate(reps, 1):
+            d = tmp_path / f"{setting}-r{rep}"
+            d.mkdir()
+            (d / "bench.md").write_text(_fake_wgrad_bench_md(*values))
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                          "ab_totals.py")
+    proc = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in proc.stdout.splitlines() if line.startswith("| ")]
+    totals = {(r[0], r[1]): r[2:] for r in rows if r[1] in ("512", "2048") and len(r) == 4}
+    assert totals[("default", "512")] == ["31.0 (3)", "39.0 (3)"]
+    assert totals[("PREFETCH=0", "512")] == ["29.2 (2)", "39.5 (2)"]
+    assert totals[("default", "2048")] == ["59.0 (3)", "66.0 (3)"]
+    layer = next(r for r in rows if r[0].startswith("q_proj") and r[1] == "512")
+    assert layer[2:] == ["0.071", "0.080"]  # settings by name: PREFETCH=0, default
+    assert "1.27" not in proc.stdout and "0.065" not in proc.stdout
+
+
 def test_step_profile_times_garbage_collections():
     import gc
     from forge.step_profile import phase_times
