@@ -21,6 +21,8 @@
 # benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_TESTS=0 skips the tests
 # too (a benchmark-only call); FORGE_GPU_CHECK_SWEEP="FORGE_CUDA_GROUP_M=1 FORGE_CUDA_PREFETCH_LEAD=512"
 # adds one benchmark run per VAR=value setting (its totals printed, its tables in logs.tgz).
+# FORGE_GPU_CHECK_CUDA_FLAGS="-DFORGE_CUDA_MULTICAST=1" builds everything (library, tests,
+# benchmark) with those CUDA flags: an experiment's whole check.
 # GoogleTest comes from the system, or is built from build-deps/googletest when the machine
 # has none (copy /usr/src/googletest there and carry build-deps).
 set -uo pipefail
@@ -203,7 +205,8 @@ if ! ls /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/local/lib*/cmake/GTest/GTe
 fi
 log "configure + build (CUDA archs $ARCHS)"
 timeout "$(limit 300 140)" bash -c "cmake -S '$ROOT' -B '$BUILD' -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_ARCHITECTURES='$ARCHS' ${CMAKE_EXTRA[*]:-} && cmake --build '$BUILD' -j $JOBS" \
+    -DCMAKE_CUDA_ARCHITECTURES='$ARCHS' -DCMAKE_CUDA_FLAGS='${FORGE_GPU_CHECK_CUDA_FLAGS:-}' \
+    ${CMAKE_EXTRA[*]:-} && cmake --build '$BUILD' -j $JOBS" \
   >>"$OUT/build.log" 2>&1
 build_rc=$?
 if ((build_rc == 0)); then
