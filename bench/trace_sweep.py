@@ -5,10 +5,12 @@ the other updates) of the median run; then the Llama-3.1-8B totals (224 layers) 
 
     python3 bench/trace_sweep.py OUT_DIR      # OUT_DIR/<build>-<setting>-r<rep>/trace.md
     python3 bench/trace_sweep.py --overlap trace-4096x4096-T512.csv
+    python3 bench/trace_sweep.py --gaps trace-4096x4096-T512.csv
 
 --overlap reads one launch's raw records (wgrad_bench --trace's CSV) and gives the median
 main-loop and update µs of the CTAs grouped by how much of that phase another CTA of the same
-SM spent updating: does a phase run slower beside an update?
+SM spent updating: does a phase run slower beside an update? --gaps gives how long a CTA slot
+stands empty between the end of one CTA and the start of the next on the same SM.
 """
 import csv
 import re
@@ -77,8 +79,14 @@ def main(out_dir):
     return 0
 
 
+def read_records(path):
+    """One launch's raw records (wgrad_bench --trace's CSV), as ints."""
+    with open(path) as f:
+        return [{k: int(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
 def overlap(path):
-    rows = [{k: int(v) for k, v in r.items()} for r in csv.DictReader(open(path))]
+    rows = read_records(path)
     by_sm = defaultdict(list)
     for r in rows:
         by_sm[r["sm"]].append(r)
@@ -101,7 +109,33 @@ def overlap(path):
     return 0
 
 
+def gaps(path, slots_per_sm=2):
+    """How long a CTA slot of an SM stands empty between one CTA's end and the next CTA's
+    start on it (global timer). The SM's CTAs in order of start each take the slot that
+    freed last before it (the first wave fills the empty slots)."""
+    by_sm = defaultdict(list)
+    for r in read_records(path):
+        by_sm[r["sm"]].append((r["ns_start"], r["ns_end"]))
+    waits = []
+    for ctas in by_sm.values():
+        ends = []
+        for start, end in sorted(ctas):
+            if len(ends) < slots_per_sm:
+                ends.append(end)
+                continue
+            freed = [e for e in ends if e <= start]
+            slot = max(freed) if freed else min(ends)
+            waits.append((start - slot) / 1e3)
+            ends[ends.index(slot)] = end
+    waits.sort()
+    print(f"{path}: a slot empty between CTAs for a median {statistics.median(waits):.2f} µs "
+          f"(p90 {waits[int(0.9 * (len(waits) - 1))]:.2f} µs, n={len(waits)})")
+    return 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--overlap":
         sys.exit(overlap(sys.argv[2]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--gaps":
+        sys.exit(gaps(sys.argv[2]))
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "out"))

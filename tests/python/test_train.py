@@ -335,6 +335,24 @@ def test_ab_totals_takes_medians_per_setting(tmp_path):
     assert "1.27" not in proc.stdout and "0.065" not in proc.stdout
 
 
+def test_trace_sweep_gaps_between_ctas(tmp_path):
+    """bench/trace_sweep.py --gaps: how long a CTA slot of an SM stands empty between CTAs."""
+    header = "clock_start,clock_main_end,clock_end,ns_start,ns_end,sm,block"
+    # SM 0: two CTAs start at 0 and end at 10 and 14 µs; the third starts at 12 (the slot
+    # freed at 10: a 2 µs gap), the fourth at 15 (freed at 14: 1 µs). SM 1: one gap of 4 µs.
+    ctas = [(0, 10, 0), (0, 14, 0), (12, 30, 0), (15, 31, 0), (0, 8, 1), (0, 9, 1), (13, 20, 1)]
+    lines = [header] + [f"0,0,0,{s * 1000},{e * 1000},{sm},{i}" for i, (s, e, sm) in enumerate(ctas)]
+    path = tmp_path / "trace.csv"
+    path.write_text("\n".join(lines) + "\n")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                          "trace_sweep.py")
+    proc = subprocess.run([sys.executable, script, "--gaps", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "median 2.00 µs" in proc.stdout and "n=3" in proc.stdout, proc.stdout
+    assert "p90 2.00 µs" in proc.stdout, proc.stdout
+
+
 def test_step_profile_times_garbage_collections():
     import gc
     from forge.step_profile import phase_times
