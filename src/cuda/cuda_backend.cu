@@ -916,19 +916,21 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     }
     w.trace = env.trace.records;
     w.trace_ctas = env.trace.count;
-    w.stagger_ns = splits == 1 && tiles >= kStaggerMinWaves * 2 * info.num_sms &&
-                           param.weight_format != FORGE_WEIGHT_BF16_STOCHASTIC
-                       ? env.stagger_ns
-                       : 0;
+    // NOTE: the stagger and the L2 prefetch of the update's operands are for nearest-rounded
+    // weights only. A stochastically rounded weight's longer update already leaves the two CTAs
+    // of an SM mostly out of phase: the stagger then only delays (v13), and the prefetch
+    // competes with the other CTA's update for L2 and DRAM instead of filling an idle DRAM.
+    // Llama totals, SR weight + SR states, prefetch on -> off: 37.2 -> 35.6 ms at T = 512,
+    // 72.6 -> 69.1 at 2048, 118.2 -> 115.4 at 4096; SR weight + int8 states and bf16 nearest
+    // unchanged in total (run 47, bench/NOTES.md v15).
+    const bool ctas_in_phase = param.weight_format != FORGE_WEIGHT_BF16_STOCHASTIC;
+    w.stagger_ns =
+        splits == 1 && tiles >= kStaggerMinWaves * 2 * info.num_sms && ctas_in_phase
+            ? env.stagger_ns
+            : 0;
     w.stagger_first = info.num_sms;
     w.stagger_count = info.num_sms;
-    // NOTE: the L2 prefetch of the update's operands is for nearest-rounded weights only, like
-    // the stagger. With a stochastically rounded weight the two CTAs of an SM are mostly out of
-    // phase, and the prefetch then competes with the other CTA's update for L2 and DRAM.
-    // Llama totals, SR weight + SR states, prefetch on -> off: 37.2 -> 35.6 ms at T = 512,
-    // 72.6 -> 69.1 at 2048, 118.2 -> 115.4 at 4096; SR weight + int8 states unchanged; bf16
-    // nearest unchanged in total (run 47, bench/NOTES.md v15).
-    if (param.weight_format == FORGE_WEIGHT_BF16_STOCHASTIC) w.prefetch = 0;
+    if (!ctas_in_phase) w.prefetch = 0;
     const char* name = kSm90GenericKernels[1].name;
     const Sm90KernelFn kernel =
         fp16_inputs ? kSm90GenericKernels[1].fn

@@ -186,13 +186,14 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(token), "h"(mask)
       : "memory");
 }
-// Every thread of both CTAs: a cluster-wide barrier (it is also a barrier of this CTA's
-// threads).
+#endif
+
+// Every thread of every CTA of the cluster: a cluster-wide barrier (it is also a barrier of
+// this CTA's threads). Only the multicast experiment uses it.
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n"
                "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-#endif
 
 // The benchmark instruments of WgradParams (off unless the host sets them): this CTA's trace
 // record (thread 0 only, nullptr otherwise), and the stagger wait.
@@ -398,19 +399,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   trace_start(a);
   stagger_wait(a);
-#if defined(FORGE_CUDA_MULTICAST)
-  if (multicast) {
-    // Both CTAs' barriers must be initialized before either multicasts into the other.
-    if (threadIdx.x == 0) init_ring<kSm90Stages>(maps, full0, empty0, 4);
-    cluster_sync();
-  } else if (threadIdx.x == 0) {
-    init_ring<kSm90Stages>(maps, full0, empty0);
-  }
+  if (threadIdx.x == 0) init_ring<kSm90Stages>(maps, full0, empty0, multicast ? 4 : 2);
+  // Both CTAs' barriers must be initialized before either multicasts into the other.
+  if (multicast) cluster_sync();
   if (threadIdx.x == 0) {
-#else
-  if (threadIdx.x == 0) {
-    init_ring<kSm90Stages>(maps, full0, empty0);
-#endif
 #pragma unroll
     for (int s = 0; s < kSm90Stages; ++s)
       if (s < nk) issue_stage(s, kt0 + s);
@@ -482,11 +474,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     rec[kTraceClockEnd] = clock64();
     rec[kTraceNsEnd] = global_timer_ns();
   }
-#if defined(FORGE_CUDA_MULTICAST)
   // The peer may still release stages on this CTA's empty barriers: its shared memory must
   // outlive those arrivals.
   if (multicast) cluster_sync();
-#endif
 #else
   // Not an sm_90a pass: the host never launches this kernel here (cuda_backend.cu).
   (void)a;
