@@ -491,8 +491,9 @@ __device__ __forceinline__ uint16_t bf16_stochastic_nonnan(float x, uint32_t ran
 //
 // ratio[e] = |v[e]| / absmax for the 4 values of a quad in a block whose absmax (>= every
 // |v[e]|) is `absmax`, branch-free, with one check per block instead of FastMath's per
-// element. Both int8 store paths take it (store_state_quad, store_int8_states). Returns false, when absmax is outside [2^-62, 2^62) (zero, tiny, huge, infinite,
-// NaN), and the caller divides the IEEE way instead. FastMath's division is exact for a
+// element. Both int8 store paths take it (store_state_quad, store_int8_states). Returns false
+// when absmax is outside [2^-62, 2^62) (zero, tiny, huge, infinite, NaN); the caller then
+// divides the IEEE way instead. FastMath's division is exact for a
 // dividend and a divisor in [2^-62, 2^62); here a block with absmax < 2^-22 has both scaled
 // by 2^64 (exact: nothing overflows, and a subnormal scales exactly too), so the divisor b'
 // lies in [2^-22, 2^62). Then, with n' = |v| · scale:
