@@ -21,7 +21,7 @@
 # benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_TESTS=0 skips the tests
 # too (a benchmark-only call); FORGE_GPU_CHECK_SWEEP="FORGE_CUDA_GROUP_M=1 FORGE_CUDA_PREFETCH_LEAD=512"
 # adds one benchmark run per VAR=value setting (its totals printed, its tables in logs.tgz).
-# FORGE_GPU_CHECK_CUDA_FLAGS="-DFORGE_CUDA_MULTICAST=1" builds everything (library, tests,
+# FORGE_GPU_CHECK_CUDA_FLAGS="-DFORGE_SOME_EXPERIMENT=1" builds everything (library, tests,
 # benchmark) with those CUDA flags: an experiment's whole check.
 # GoogleTest comes from the system, or is built from build-deps/googletest when the machine
 # has none (copy /usr/src/googletest there and carry build-deps).

@@ -936,34 +936,6 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
         fp16_inputs ? kSm90GenericKernels[1].fn
                     : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format, &name);
     log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
-#if defined(FORGE_CUDA_MULTICAST)
-    // EXPERIMENT: clusters of two CTAs sharing X (sm90_wgrad.cuh), where tile_coords pairs
-    // the tiles along M: no split, even tiles_m and group height. FORGE_CUDA_MULTICAST=0 at
-    // run time turns it off in this build.
-    static const bool multicast_on = [] {
-      const char* v = std::getenv("FORGE_CUDA_MULTICAST");
-      return !(v && v[0] == '0');
-    }();
-    if (multicast_on && splits == 1 && tiles_m % 2 == 0 && w.group_m % 2 == 0) {
-      w.multicast = 1;
-      w.stagger_first &= ~1;  // a cluster's two CTAs wait together
-      w.stagger_count &= ~1;
-      cudaLaunchConfig_t config{};
-      config.gridDim = grid;
-      config.blockDim = dim3(kThreads, 1, 1);
-      config.dynamicSmemBytes = kSm90SmemBytes;
-      config.stream = stream;
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 2;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      FORGE_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, w, maps));
-      return FORGE_OK;
-    }
-#endif
     kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
   } else if (bf16_inputs) {
     const char* name = nullptr;

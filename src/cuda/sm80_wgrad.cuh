@@ -100,11 +100,6 @@ struct WgradParams {
   int64_t trace_ctas;
   int32_t stagger_ns;         // CTAs [stagger_first, stagger_first + stagger_count) wait this
   int32_t stagger_first, stagger_count;  // long before their main loop
-#if defined(FORGE_CUDA_MULTICAST)
-  // EXPERIMENT: 1 = launched in clusters of two CTAs along M that share each X box through a
-  // TMA multicast (sm90_wgrad.cuh).
-  int32_t multicast;
-#endif
 };
 
 // One CTA's record in WgradParams::trace: when it started, when its tile's gradient was in

@@ -152,49 +152,6 @@ __device__ __forceinline__ uint32_t sm_id() {
   return id;
 }
 
-#if defined(FORGE_CUDA_MULTICAST)
-// ---- EXPERIMENT: clusters of two CTAs along M sharing X (not yet run on a GPU) -------------
-//
-// The two CTAs of a cluster have tiles (m0, n0) and (m0 + 128, n0) (tile_coords pairs them when
-// tiles_m and group_m are even), so they read the same two X boxes per stage. CTA rank r loads
-// X box r once and multicasts it into both CTAs' rings (same offset, each CTA's own full
-// barrier), so the main loop reads X through L2 half as often: a quarter fewer L2 reads per
-// tile. A stage may be refilled only when both CTAs are done with it: each warpgroup releases
-// it on its own CTA's empty barrier and on the peer's (4 arrivals per phase).
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// The address of the same shared-memory location in CTA `rank` of the cluster.
-__device__ __forceinline__ uint32_t peer_shared(uint32_t addr, uint32_t rank) {
-  uint32_t out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
-  return out;
-}
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
-               : "memory");
-}
-// tma_load_2d into the same offset of every CTA in `mask`, completing on each one's `bar`.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map,
-                                                      uint32_t bar, int32_t col, int32_t token,
-                                                      uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(token), "h"(mask)
-      : "memory");
-}
-#endif
-
-// Every thread of every CTA of the cluster: a cluster-wide barrier (it is also a barrier of
-// this CTA's threads). Only the multicast experiment uses it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
 // The benchmark instruments of WgradParams (off unless the host sets them): this CTA's trace
 // record (thread 0 only, nullptr otherwise), and the stagger wait.
 __device__ __forceinline__ unsigned long long* trace_record(const WgradParams& a) {
@@ -291,40 +248,28 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
 // tokens [token, token + 64), into the stage at `dst`, completing on `bar`.
 __device__ __forceinline__ void issue_stage_loads(const Sm90TensorMaps& maps, uint32_t dst,
                                                   uint32_t bar, int64_t m0, int64_t n0,
-                                                  int32_t token, bool multicast = false) {
+                                                  int32_t token) {
   mbar_arrive_expect_tx(bar, kSm90StageBytes);
   tma_load_2d(dst, &maps.dy, bar, static_cast<int32_t>(m0), token);
   tma_load_2d(dst + kSm90BoxBytes, &maps.dy, bar, static_cast<int32_t>(m0) + kSm90BoxCols,
               token);
-#if defined(FORGE_CUDA_MULTICAST)
-  if (multicast) {  // X box `rank` for both CTAs; the peer sends the other one
-    const uint32_t rank = cluster_rank();
-    tma_load_2d_multicast(dst + (2 + rank) * kSm90BoxBytes, &maps.x, bar,
-                          static_cast<int32_t>(n0) + static_cast<int32_t>(rank) * kSm90BoxCols,
-                          token, 0x3);
-    return;
-  }
-#else
-  (void)multicast;
-#endif
   tma_load_2d(dst + 2 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0), token);
   tma_load_2d(dst + 3 * kSm90BoxBytes, &maps.x, bar, static_cast<int32_t>(n0) + kSm90BoxCols,
               token);
 }
 
 // Thread 0, before the first load: prefetch both TMA descriptors, initialize the ring's
-// barriers (full: the producer's expect-tx arrival; empty: one arrival per math warpgroup of
-// each CTA whose ring the stage's copies write: 2, or 4 with the multicast experiment) and
+// barriers (full: the producer's expect-tx arrival; empty: one arrival per math warpgroup) and
 // make every barrier initialized so far visible to the copy engine (the async proxy).
 template <int kStages>
 __device__ __forceinline__ void init_ring(const Sm90TensorMaps& maps, uint32_t full0,
-                                          uint32_t empty0, uint32_t empty_arrivals = 2) {
+                                          uint32_t empty0) {
   tma_prefetch_descriptor(&maps.dy);
   tma_prefetch_descriptor(&maps.x);
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
     mbar_init(full0 + 8 * s, 1);
-    mbar_init(empty0 + 8 * s, empty_arrivals);
+    mbar_init(empty0 + 8 * s, 2);
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -387,22 +332,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int nk = work.nk;
 
   // Producer (thread 0): the four boxes of k-tile kt into stage `stage`.
-#if defined(FORGE_CUDA_MULTICAST)
-  const bool multicast = a.multicast != 0;
-#else
-  constexpr bool multicast = false;
-#endif
   auto issue_stage = [&](int stage, int64_t kt) {
     issue_stage_loads(maps, ring + stage * kSm90StageBytes, full0 + 8 * stage, m0, n0,
-                      static_cast<int32_t>(kt * kSm90BK), multicast);
+                      static_cast<int32_t>(kt * kSm90BK));
   };
 
   trace_start(a);
   stagger_wait(a);
-  if (threadIdx.x == 0) init_ring<kSm90Stages>(maps, full0, empty0, multicast ? 4 : 2);
-  // Both CTAs' barriers must be initialized before either multicasts into the other.
-  if (multicast) cluster_sync();
   if (threadIdx.x == 0) {
+    init_ring<kSm90Stages>(maps, full0, empty0);
 #pragma unroll
     for (int s = 0; s < kSm90Stages; ++s)
       if (s < nk) issue_stage(s, kt0 + s);
@@ -436,13 +374,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     fence_accumulators(acc);
     if (it > 0) {
       const int prev = stage == 0 ? kSm90Stages - 1 : stage - 1;
-      if (threadIdx.x % 128 == 0) {
-        mbar_arrive(empty0 + 8 * prev);
-#if defined(FORGE_CUDA_MULTICAST)
-        // the peer multicasts into this stage too: it waits for this release as well
-        if (multicast) mbar_arrive_cluster(peer_shared(empty0 + 8 * prev, cluster_rank() ^ 1u));
-#endif
-      }
+      if (threadIdx.x % 128 == 0) mbar_arrive(empty0 + 8 * prev);
       if (threadIdx.x == 0 && it - 1 + kSm90Stages < nk) {
         // Both warpgroups must be done with k-tile it - 1 before its stage is overwritten.
         mbar_wait(empty0 + 8 * prev, static_cast<uint32_t>((it - 1) / kSm90Stages) & 1u);
@@ -474,9 +406,6 @@ __global__ void __launch_bounds__(kThreads, 2)
     rec[kTraceClockEnd] = clock64();
     rec[kTraceNsEnd] = global_timer_ns();
   }
-  // The peer may still release stages on this CTA's empty barriers: its shared memory must
-  // outlive those arrivals.
-  if (multicast) cluster_sync();
 #else
   // Not an sm_90a pass: the host never launches this kernel here (cuda_backend.cu).
   (void)a;
