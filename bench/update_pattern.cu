@@ -106,7 +106,7 @@ __device__ __forceinline__ void store3(uint16_t* w, uint16_t* m, uint16_t* v, in
 // kVec columns of one row, kCols / kQ columns apart (the fused epilogue: kQ = 2, kVec = 4, so
 // 16 lanes cover a row and a half-warp one 64-column int8 block); the next pass's W, m, v are
 // loaded before this pass is updated (the epilogue's software pipeline).
-template <int kRows, int kCols, int kVec, int kQ, int kThreads>
+template <int kRows, int kCols, int kVec, int kQ, int kThreads, bool kPrefetch = false>
 __global__ void __launch_bounds__(kThreads) tiled_update(uint16_t* w, uint16_t* m, uint16_t* v,
                                                          int64_t cols, int tiles_m, int tiles_n,
                                                          int group_m, Adam k) {
@@ -122,6 +122,18 @@ __global__ void __launch_bounds__(kThreads) tiled_update(uint16_t* w, uint16_t* 
   const int lane = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
   int64_t idx = (m0 + r0) * cols + n0 + lane * kVec;
   const int64_t step = kRowsPerPass * cols;
+  if constexpr (kPrefetch) {
+    // Every 128-byte line of the tile's W, m, v requested into L2 up front (the fused kernel's
+    // prefetch_update_operands does this during its main loop): bytes in flight without
+    // registers.
+    constexpr int kLinesPerRow = kCols * 2 / 128;
+    for (int i = threadIdx.x; i < kRows * kLinesPerRow * 3; i += kThreads) {
+      const int t = i / (kRows * kLinesPerRow), rem = i % (kRows * kLinesPerRow);
+      const int64_t e = (m0 + rem / kLinesPerRow) * cols + n0 + (rem % kLinesPerRow) * 64;
+      const uint16_t* base = t == 0 ? w : t == 1 ? m : v;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + e));
+    }
+  }
   Pack<kVec> next[kQ][3];
 #pragma unroll
   for (int q = 0; q < kQ; ++q) load3<kVec>(w, m, v, idx + q * (kCols / kQ), next[q]);
@@ -204,10 +216,10 @@ size_t cap_smem(int ctas, const cudaDeviceProp& prop) {
   return prop.sharedMemPerMultiprocessor / ctas - 1024 - 1;  // 1 KiB reserved per CTA
 }
 
-template <int kRows, int kCols, int kVec, int kQ, int kThreads>
+template <int kRows, int kCols, int kVec, int kQ, int kThreads, bool kPrefetch = false>
 void run_tiled(Timer& timer, const cudaDeviceProp& prop, const Layer& L, uint16_t* w, uint16_t* m,
                uint16_t* v, int ctas_per_sm, int group_m, int reps) {
-  auto kernel = tiled_update<kRows, kCols, kVec, kQ, kThreads>;
+  auto kernel = tiled_update<kRows, kCols, kVec, kQ, kThreads, kPrefetch>;
   const size_t smem = cap_smem(ctas_per_sm, prop);
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(smem)));
@@ -222,8 +234,8 @@ void run_tiled(Timer& timer, const cudaDeviceProp& prop, const Layer& L, uint16_
       },
       reps);
   const double bytes = 12.0 * static_cast<double>(L.rows * L.cols);
-  std::printf("| %s | tiled %d×%d | %d × %d | %d | %d (%d resident) | %d | %.1f | %.2f |\n",
-              L.name, kRows, kCols, kQ, kVec, kThreads, ctas_per_sm, resident, group_m, ms * 1e3,
+  std::printf("| %s | tiled %d×%d%s | %d × %d | %d | %d (%d resident) | %d | %.1f | %.2f |\n",
+              L.name, kRows, kCols, kPrefetch ? ", L2 prefetch first" : "", kQ, kVec, kThreads, ctas_per_sm, resident, group_m, ms * 1e3,
               bytes / (ms * 1e-3) / 1e12);
   std::fflush(stdout);
 }
@@ -286,6 +298,9 @@ int main(int argc, char** argv) {
     run_tiled<128, 128, 4, 2, 256>(timer, prop, L, w, m, v, 4, 16, reps);   // 4 CTAs per SM
     run_tiled<128, 128, 4, 2, 256>(timer, prop, L, w, m, v, 0, 16, reps);   // no cap
     run_tiled<128, 128, 4, 2, 512>(timer, prop, L, w, m, v, 2, 16, reps);   // 512 threads
+    run_tiled<128, 128, 4, 4, 256>(timer, prop, L, w, m, v, 2, 16, reps);   // 4 quads
+    run_tiled<128, 128, 4, 2, 256, true>(timer, prop, L, w, m, v, 2, 16, reps);  // L2 prefetch
+    run_tiled<128, 128, 4, 2, 256, true>(timer, prop, L, w, m, v, 4, 16, reps);
     // Other tile shapes of the same 16384 elements.
     run_tiled<64, 256, 4, 2, 256>(timer, prop, L, w, m, v, 2, 16, reps);
     run_tiled<32, 512, 4, 2, 256>(timer, prop, L, w, m, v, 2, 16, reps);
