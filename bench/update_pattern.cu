@@ -46,21 +46,14 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// kVec bf16 values as one vector access (8 B for 4, 16 B for 8).
+// kVec bf16 values as kVec / 2 packed words, loaded and stored as one vector access (8 B for
+// 4, 16 B for 8).
 template <int kVec>
-struct Vec;
-template <>
-struct Vec<4> {
-  using T = uint2;
-};
-template <>
-struct Vec<8> {
-  using T = uint4;
-};
-template <int kVec>
-union Pack {
-  typename Vec<kVec>::T v;
-  uint16_t h[kVec];
+struct Pack {
+  uint32_t u[kVec / 2];
+  __device__ __forceinline__ float get(int e) const {
+    return bf16_to_f32(static_cast<uint16_t>(u[e / 2] >> (16 * (e % 2))));
+  }
 };
 
 struct Adam {
@@ -72,33 +65,60 @@ template <int kVec>
 __device__ __forceinline__ void adam_vec(const Adam& k, int64_t idx, Pack<kVec>& w, Pack<kVec>& m,
                                          Pack<kVec>& v) {
 #pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    const float g = static_cast<float>(static_cast<int>((idx + e) & 255) - 128) * 1e-3f;
-    const float mf = k.b1 * bf16_to_f32(m.h[e]) + (1.0f - k.b1) * g;
-    const float vf = k.b2 * bf16_to_f32(v.h[e]) + (1.0f - k.b2) * g * g;
-    float wf = bf16_to_f32(w.h[e]);
-    wf -= k.lr * (mf / (sqrtf(vf) + k.eps) + k.wd * wf);
-    w.h[e] = f32_to_bf16(wf);
-    m.h[e] = f32_to_bf16(mf);
-    v.h[e] = f32_to_bf16(vf);
+  for (int e = 0; e < kVec; e += 2) {
+    uint32_t wo = 0, mo = 0, vo = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float g = static_cast<float>(static_cast<int>((idx + e + h) & 255) - 128) * 1e-3f;
+      const float mf = k.b1 * m.get(e + h) + (1.0f - k.b1) * g;
+      const float vf = k.b2 * v.get(e + h) + (1.0f - k.b2) * g * g;
+      float wf = w.get(e + h);
+      wf -= k.lr * (mf / (sqrtf(vf) + k.eps) + k.wd * wf);
+      wo |= static_cast<uint32_t>(f32_to_bf16(wf)) << (16 * h);
+      mo |= static_cast<uint32_t>(f32_to_bf16(mf)) << (16 * h);
+      vo |= static_cast<uint32_t>(f32_to_bf16(vf)) << (16 * h);
+    }
+    w.u[e / 2] = wo;
+    m.u[e / 2] = mo;
+    v.u[e / 2] = vo;
   }
 }
 
 template <int kVec>
+__device__ __forceinline__ void load1(const uint16_t* base, int64_t idx, Pack<kVec>& out) {
+  if constexpr (kVec == 4) {
+    const uint2 x = *reinterpret_cast<const uint2*>(base + idx);
+    out.u[0] = x.x;
+    out.u[1] = x.y;
+  } else {
+    const uint4 x = *reinterpret_cast<const uint4*>(base + idx);
+    out.u[0] = x.x;
+    out.u[1] = x.y;
+    out.u[2] = x.z;
+    out.u[3] = x.w;
+  }
+}
+template <int kVec>
+__device__ __forceinline__ void store1(uint16_t* base, int64_t idx, const Pack<kVec>& in) {
+  if constexpr (kVec == 4) {
+    *reinterpret_cast<uint2*>(base + idx) = make_uint2(in.u[0], in.u[1]);
+  } else {
+    *reinterpret_cast<uint4*>(base + idx) = make_uint4(in.u[0], in.u[1], in.u[2], in.u[3]);
+  }
+}
+template <int kVec>
 __device__ __forceinline__ void load3(const uint16_t* w, const uint16_t* m, const uint16_t* v,
                                       int64_t idx, Pack<kVec> (&out)[3]) {
-  using T = typename Vec<kVec>::T;
-  out[0].v = *reinterpret_cast<const T*>(w + idx);
-  out[1].v = *reinterpret_cast<const T*>(m + idx);
-  out[2].v = *reinterpret_cast<const T*>(v + idx);
+  load1<kVec>(w, idx, out[0]);
+  load1<kVec>(m, idx, out[1]);
+  load1<kVec>(v, idx, out[2]);
 }
 template <int kVec>
 __device__ __forceinline__ void store3(uint16_t* w, uint16_t* m, uint16_t* v, int64_t idx,
                                        const Pack<kVec> (&in)[3]) {
-  using T = typename Vec<kVec>::T;
-  *reinterpret_cast<T*>(w + idx) = in[0].v;
-  *reinterpret_cast<T*>(m + idx) = in[1].v;
-  *reinterpret_cast<T*>(v + idx) = in[2].v;
+  store1<kVec>(w, idx, in[0]);
+  store1<kVec>(m, idx, in[1]);
+  store1<kVec>(v, idx, in[2]);
 }
 
 // One CTA per kRows × kCols tile, in the fused kernel's order (tile_coords: groups of
@@ -106,7 +126,8 @@ __device__ __forceinline__ void store3(uint16_t* w, uint16_t* m, uint16_t* v, in
 // kVec columns of one row, kCols / kQ columns apart (the fused epilogue: kQ = 2, kVec = 4, so
 // 16 lanes cover a row and a half-warp one 64-column int8 block); the next pass's W, m, v are
 // loaded before this pass is updated (the epilogue's software pipeline).
-template <int kRows, int kCols, int kVec, int kQ, int kThreads, bool kPrefetch = false>
+template <int kRows, int kCols, int kVec, int kQ, int kThreads, bool kPrefetch = false,
+          bool kAdjacent = false>
 __global__ void __launch_bounds__(kThreads) tiled_update(uint16_t* w, uint16_t* m, uint16_t* v,
                                                          int64_t cols, int tiles_m, int tiles_n,
                                                          int group_m, Adam k) {
@@ -120,7 +141,9 @@ __global__ void __launch_bounds__(kThreads) tiled_update(uint16_t* w, uint16_t* 
   const int64_t m0 = static_cast<int64_t>(first_m + in_group % gm) * kRows;
   const int64_t n0 = static_cast<int64_t>(in_group / gm) * kCols;
   const int lane = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
-  int64_t idx = (m0 + r0) * cols + n0 + lane * kVec;
+  // kAdjacent: the thread's kQ vectors are consecutive (kQ · kVec columns in a row).
+  constexpr int kQStride = kAdjacent ? kVec : kCols / kQ;
+  int64_t idx = (m0 + r0) * cols + n0 + lane * kVec * (kAdjacent ? kQ : 1);
   const int64_t step = kRowsPerPass * cols;
   if constexpr (kPrefetch) {
     // Every 128-byte line of the tile's W, m, v requested into L2 up front (the fused kernel's
@@ -136,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) tiled_update(uint16_t* w, uint16_t* 
   }
   Pack<kVec> next[kQ][3];
 #pragma unroll
-  for (int q = 0; q < kQ; ++q) load3<kVec>(w, m, v, idx + q * (kCols / kQ), next[q]);
+  for (int q = 0; q < kQ; ++q) load3<kVec>(w, m, v, idx + q * kQStride, next[q]);
 #pragma unroll 2
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass, idx += step) {
     Pack<kVec> cur[kQ][3];
@@ -148,11 +171,11 @@ __global__ void __launch_bounds__(kThreads) tiled_update(uint16_t* w, uint16_t* 
     }
     if (pass + 1 < kRows / kRowsPerPass) {
 #pragma unroll
-      for (int q = 0; q < kQ; ++q) load3<kVec>(w, m, v, idx + step + q * (kCols / kQ), next[q]);
+      for (int q = 0; q < kQ; ++q) load3<kVec>(w, m, v, idx + step + q * kQStride, next[q]);
     }
 #pragma unroll
     for (int q = 0; q < kQ; ++q) {
-      const int64_t i = idx + q * (kCols / kQ);
+      const int64_t i = idx + q * kQStride;
       adam_vec<kVec>(k, i, cur[q][0], cur[q][1], cur[q][2]);
       store3<kVec>(w, m, v, i, cur[q]);
     }
@@ -216,10 +239,11 @@ size_t cap_smem(int ctas, const cudaDeviceProp& prop) {
   return prop.sharedMemPerMultiprocessor / ctas - 1024 - 1;  // 1 KiB reserved per CTA
 }
 
-template <int kRows, int kCols, int kVec, int kQ, int kThreads, bool kPrefetch = false>
+template <int kRows, int kCols, int kVec, int kQ, int kThreads, bool kPrefetch = false,
+          bool kAdjacent = false>
 void run_tiled(Timer& timer, const cudaDeviceProp& prop, const Layer& L, uint16_t* w, uint16_t* m,
                uint16_t* v, int ctas_per_sm, int group_m, int reps) {
-  auto kernel = tiled_update<kRows, kCols, kVec, kQ, kThreads, kPrefetch>;
+  auto kernel = tiled_update<kRows, kCols, kVec, kQ, kThreads, kPrefetch, kAdjacent>;
   const size_t smem = cap_smem(ctas_per_sm, prop);
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(smem)));
@@ -234,8 +258,9 @@ void run_tiled(Timer& timer, const cudaDeviceProp& prop, const Layer& L, uint16_
       },
       reps);
   const double bytes = 12.0 * static_cast<double>(L.rows * L.cols);
-  std::printf("| %s | tiled %d×%d%s | %d × %d | %d | %d (%d resident) | %d | %.1f | %.2f |\n",
-              L.name, kRows, kCols, kPrefetch ? ", L2 prefetch first" : "", kQ, kVec, kThreads, ctas_per_sm, resident, group_m, ms * 1e3,
+  std::printf("| %s | tiled %d×%d%s%s | %d × %d | %d | %d (%d resident) | %d | %.1f | %.2f |\n",
+              L.name, kRows, kCols, kAdjacent ? ", vectors adjacent" : "",
+              kPrefetch ? ", L2 prefetch first" : "", kQ, kVec, kThreads, ctas_per_sm, resident, group_m, ms * 1e3,
               bytes / (ms * 1e-3) / 1e12);
   std::fflush(stdout);
 }
@@ -301,6 +326,10 @@ int main(int argc, char** argv) {
     run_tiled<128, 128, 4, 4, 256>(timer, prop, L, w, m, v, 2, 16, reps);   // 4 quads
     run_tiled<128, 128, 4, 2, 256, true>(timer, prop, L, w, m, v, 2, 16, reps);  // L2 prefetch
     run_tiled<128, 128, 4, 2, 256, true>(timer, prop, L, w, m, v, 4, 16, reps);
+    // The thread's two quads next to each other (8 columns), as 8-byte and as 16-byte accesses.
+    run_tiled<128, 128, 4, 2, 256, false, true>(timer, prop, L, w, m, v, 2, 16, reps);
+    run_tiled<128, 128, 4, 2, 256, true, true>(timer, prop, L, w, m, v, 2, 16, reps);
+    run_tiled<128, 128, 8, 1, 256, true>(timer, prop, L, w, m, v, 2, 16, reps);
     // Other tile shapes of the same 16384 elements.
     run_tiled<64, 256, 4, 2, 256>(timer, prop, L, w, m, v, 2, 16, reps);
     run_tiled<32, 512, 4, 2, 256>(timer, prop, L, w, m, v, 2, 16, reps);
