@@ -396,13 +396,16 @@ struct FormatPair {
 // waves the stagger of the nearest-rounded weights (sm90_wgrad.cuh). One shape of ~2.9 tiles
 // per SM with four k-tiles per tile (refills of the ring inside a tile), one of ~6.8 with one
 // k-tile. The formats of the specialized kernels, with and without the L2 prefetch and the
-// stagger.
+// stagger. Row lengths: one with no vector access (5 mod 8), one with 4-element vectors and
+// partial tiles, and one of whole tiles only, like the Llama layers (every tile on the
+// pipelined update loop, its first pass loaded during the main loop).
 TEST(WgradManyTiles, MatchesCpuBitForBit) {
   FORGE_REQUIRE_GPU();
   const int64_t sms = num_sms();
   const Shape shapes[] = {
       {16 * 128 - 3, ((27 * sms / 10 + 15) / 16) * 128 + 5, 200},
-      {32 * 128 + 5, ((13 * sms / 2 + 31) / 32) * 128 - 68, 40}};
+      {32 * 128 + 5, ((13 * sms / 2 + 31) / 32) * 128 - 68, 40},
+      {16 * 128, ((27 * sms / 10 + 15) / 16) * 128, 64}};
   constexpr FormatPair kFormats[] = {{FORGE_WEIGHT_BF16, FORGE_STATE_BF16},
                                      {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC},
                                      {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
