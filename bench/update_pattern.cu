@@ -9,7 +9,9 @@
 // fused kernel's ring caps it at 2) and the order of the tiles. If the fused kernel's pattern
 // (128 × 128, 4 columns per thread, 256 threads, 2 CTAs per SM) is slow here too, the pattern
 // is the limit and a different tile shape or occupancy is the lever; if it is fast here, the
-// limit is in the fused kernel itself.
+// limit is in the fused kernel itself. Measured (runs 51-53, bench/NOTES.md v16): with the L2
+// prefetch the fused kernel issues, its pattern streams 14336 × 4096 at 3.40 TB/s, 95 % of the
+// best flat pass, so the limit is in the fused kernel.
 //
 //     update_pattern [--reps N]    (prints a markdown table; run by hand on a GPU machine)
 //
@@ -23,7 +25,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #define CHECK_CUDA(call)                                                              \
