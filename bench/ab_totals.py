@@ -3,8 +3,8 @@
 
 The card's clock moves between and within calls (bench/NOTES.md v15), so a difference of a
 few percent needs several full benchmarks per setting, alternating, in one call. This reads
-them and gives, per setting, the median of each Llama-3.1-8B total (224 layers) and of each
-layer's fused-step times over the repetitions.
+them and gives, per setting, the median of each Llama-3.1-8B total (224 layers), its lowest
+and highest repetition, and the median of each layer's fused-step times.
 
     python3 bench/ab_totals.py DIR   # DIR/<setting>-r<rep>/bench.md or DIR/bench-<setting>-r<rep>.md
 """
@@ -68,14 +68,14 @@ def collect(out_dir):
     return {s: [text for _, text in sorted(v)] for s, v in runs.items()}
 
 
-def median_table(runs):
-    """Markdown: the Llama totals per setting (median over repetitions, n in brackets)."""
+def _totals_table(runs, title, cell):
+    """Markdown: the Llama totals per setting and T, each cell cell(values over repetitions)."""
     per_setting = {s: [read_bench(t)[0] for t in texts] for s, texts in runs.items()}
     columns = []
     for tables in per_setting.values():
         for table in tables:
             columns += [c for c in table if c not in columns]
-    lines = ["Llama-3.1-8B totals, 224 layers: median ms over the repetitions (n)", "",
+    lines = [title, "",
              "| setting | T | " + " | ".join(columns) + " |",
              "| --- | --- | " + " | ".join("---" for _ in columns) + " |"]
     for setting, tables in per_setting.items():
@@ -84,9 +84,23 @@ def median_table(runs):
             row = []
             for c in columns:
                 values = [table[c][t] for table in tables if t in table.get(c, {})]
-                row.append(f"{statistics.median(values):.1f} ({len(values)})" if values else "")
+                row.append(cell(values) if values else "")
             lines.append(f"| {setting} | {t} | " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def median_table(runs):
+    """Markdown: the Llama totals per setting (median over repetitions, n in brackets)."""
+    return _totals_table(runs, "Llama-3.1-8B totals, 224 layers: median ms over the repetitions (n)",
+                         lambda v: f"{statistics.median(v):.1f} ({len(v)})")
+
+
+def spread_table(runs):
+    """Markdown: the same totals' lowest and highest repetition. A difference between settings
+    inside these ranges is not one this call can tell (run 55: 2.7 % between two builds of
+    code the change did not touch)."""
+    return _totals_table(runs, "The same totals: lowest – highest repetition, ms",
+                         lambda v: f"{min(v):.1f} – {max(v):.1f}")
 
 
 def layer_table(runs, column_prefix="fused bf16 ms"):
@@ -121,6 +135,8 @@ def main(argv):
         print(f"ab_totals: no <setting>-r<rep>/bench.md under {argv[1]}", file=sys.stderr)
         return 1
     print(median_table(runs))
+    print()
+    print(spread_table(runs))
     print()
     print(layer_table(runs))
     print()

@@ -95,8 +95,9 @@ if [ "${1:-}" = ab ]; then
   # FORGE_AB_DEFS, run with its defaults), then runs the full wgrad_bench FORGE_AB_REPS times
   # (default 3) per setting of FORGE_AB_SETTINGS (space-separated, each "default" or
   # VAR=value[,VAR=value...]; default "default"), reversing the order of the runs every other
-  # repetition, and prints bench/ab_totals.py's medians. The card's clock moves between runs
-  # (bench/NOTES.md v15): compare only within one call. Results: $OUT/<label>-r<rep>/bench.md.
+  # repetition, and prints bench/ab_totals.py's medians and lowest-highest ranges. The card's
+  # clock moves between runs (bench/NOTES.md v15): compare only within one call. Results:
+  # $OUT/<label>-r<rep>/bench.md.
   log "ab: build the benchmark${FORGE_AB_DEFS:+ (and with $FORGE_AB_DEFS)}"
   IFS='|' read -ra defsets <<<"${FORGE_AB_DEFS:-}"
   build_bench "$BUILD-bench" "" &

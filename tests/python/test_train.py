@@ -326,10 +326,15 @@ def test_ab_totals_takes_medians_per_setting(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in proc.stdout.splitlines() if line.startswith("| ")]
-    totals = {(r[0], r[1]): r[2:] for r in rows if r[1] in ("512", "2048") and len(r) == 4}
+    totals = {(r[0], r[1]): r[2:] for r in rows if r[1] in ("512", "2048") and len(r) == 4
+              and "(" in r[2]}
     assert totals[("default", "512")] == ["31.0 (3)", "39.0 (3)"]
     assert totals[("PREFETCH=0", "512")] == ["29.2 (2)", "39.5 (2)"]
     assert totals[("default", "2048")] == ["59.0 (3)", "66.0 (3)"]
+    spread = {(r[0], r[1]): r[2:] for r in rows if r[1] == "512" and len(r) == 4
+              and "–" in r[2]}
+    assert spread[("default", "512")] == ["30.0 – 35.0", "38.0 – 40.0"]
+    assert spread[("PREFETCH=0", "512")] == ["29.0 – 29.4", "39.5 – 39.5"]
     layer = next(r for r in rows if r[0].startswith("q_proj") and r[1] == "512")
     assert layer[2:] == ["0.071", "0.080"]  # settings by name: PREFETCH=0, default
     assert "1.27" not in proc.stdout and "0.065" not in proc.stdout
