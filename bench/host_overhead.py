@@ -5,8 +5,11 @@ what is timed is the host's work per layer: the forward call, autograd's backwar
 optimizer (forge.optim.AdamW: the patched forward, the backward's hook and the C ABI call;
 torch.optim.AdamW(foreach=True): one multi-tensor step for all layers). On a GPU each step ends
 with a synchronize, so the figure is the wall time per step over LAYERS.
+--dtype bf16 runs the stack in bf16 with forge.optim's default states (stochastically rounded
+bf16), the configuration of forge-bench's forge-bf16 mode: on a Hopper GPU its steps take the
+TMA kernel, whose call also encodes two tensor maps (fp32 takes the SIMT kernel).
 
-    python bench/host_overhead.py [--device cpu|cuda] [--layers 100] [--steps 200]
+    python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100] [--steps 200]
 
 Prints microseconds per Linear per step (median over the steps after 20 warm-ups).
 """
@@ -44,22 +47,25 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=100)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = p.parse_args()
     device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    x = torch.randn(4, 16, device=device)
+    x = torch.randn(4, 16, device=device, dtype=dtype)
 
     def stack():
         return torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False)
-                                     for _ in range(args.layers)]).to(device)
+                                     for _ in range(args.layers)]).to(device, dtype)
 
     model = stack()
     torch_us = per_linear_us(model, torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True),
                              x, args.steps, args.layers)
     model = stack()
-    forge_us = per_linear_us(model, forge.optim.AdamW(model, lr=1e-6, state_format="fp32"),
+    states = {"state_format": "fp32"} if dtype == torch.float32 else {}  # bf16: the default
+    forge_us = per_linear_us(model, forge.optim.AdamW(model, lr=1e-6, **states),
                              x, args.steps, args.layers)
-    print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {device}, torch "
+    print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}, torch "
           f"{torch.__version__}): torch AdamW(foreach) {torch_us:.1f} us, "
           f"forge.optim.AdamW {forge_us:.1f} us")
     return 0

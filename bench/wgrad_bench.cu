@@ -11,7 +11,8 @@
 // Last, forge_elementwise_step (AdamW, bf16 SR and int8 states) on the embedding's shape
 // [128256, 4096] against the unfused AdamW pass of (c).
 //
-// --profile launches a few kernels for Nsight Compute instead (see main()).
+// --profile launches a few kernels for Nsight Compute instead (see main()); --host-cost times
+// the host side of one call.
 //
 // Timing: CUDA events around each call, the L2 flushed (a 256 MiB memset) before each,
 // median of --iters (default 30) after 5 warm-ups; random non-zero inputs. Writes a markdown
@@ -21,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -101,6 +103,9 @@ __global__ void count_nonfinite_bf16(const uint16_t* p, int64_t n, unsigned long
     c += (p[i] & 0x7F80u) == 0x7F80u;
   if (c) atomicAdd(count, c);
 }
+// --host-cost's baseline: the host cost of one kernel launch.
+__global__ void noop_kernel() {}
+
 __global__ void fill_f32(float* p, int64_t n, uint64_t seed, float scale, bool positive) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float u = (hash32(seed * 0x9E3779B97F4A7C15ull + i) + 0.5f) * (1.0f / 4294967296.0f);
@@ -429,12 +434,16 @@ int main(int argc, char** argv) {
   // FORGE_CUDA_STAGGER_NS, or builds with an experiment's compile definitions, are A/B tests
   // (scripts/gpu_check.sh trace).
   bool trace = false;
+  // --host-cost: the host's time per forge_wgrad_step call (argument checks, dispatch, tensor
+  // maps, launch), against one empty kernel launch and one cuBLAS GEMM; no GPU timing.
+  bool host_cost = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_dir = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::max(20, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--profile")) profile = true;
     else if (!std::strcmp(argv[i], "--trace")) trace = true;
+    else if (!std::strcmp(argv[i], "--host-cost")) host_cost = true;
   }
   std::string command;
   for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
@@ -464,6 +473,67 @@ int main(int argc, char** argv) {
   sgd.weight_decay = 0.0;
 
   std::vector<Result> results;
+  if (host_cost) {
+    // Batches of kBatch calls timed on the host clock (enqueue only: the GPU is synchronized
+    // between batches, outside the timing), median over kBatches batches, per call.
+    constexpr int kBatch = 50, kBatches = 41;
+    auto per_call_us = [&](auto&& call) {
+      std::vector<double> us;
+      for (int b = 0; b < kBatches + 2; ++b) {
+        CHECK_CUDA(cudaDeviceSynchronize());
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < kBatch; ++i) call();
+        const auto t1 = std::chrono::steady_clock::now();
+        if (b >= 2) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / kBatch);
+      }
+      CHECK_CUDA(cudaDeviceSynchronize());
+      std::nth_element(us.begin(), us.begin() + us.size() / 2, us.end());
+      return us[us.size() / 2];
+    };
+    std::string md = "# wgrad_bench --host-cost: host µs per call (median of " +
+                     std::to_string(kBatches) + " batches of " + std::to_string(kBatch) +
+                     ", enqueue only)\n\n| call | layer | T | µs |\n| --- | --- | --- | --- |\n";
+    char line[256];
+    std::snprintf(line, sizeof(line), "| empty kernel launch | - | - | %.2f |\n",
+                  per_call_us([] { noop_kernel<<<1, 1>>>(); }));
+    md += line;
+    const Shape tiny{"128×128", 128, 128, 0};
+    for (const Shape* sp : {&tiny, &kShapes[0]}) {
+      const Shape& s = *sp;
+      const int64_t n = s.out * s.in, t = 512;
+      DevMem x(size_t(t) * s.in * 2), dy(size_t(t) * s.out * 2), w(n * 2), m(n * 2), v(n * 2),
+          g(n * 2);
+      fill_bf16<<<grid_for(t * s.in), 256>>>(x.as<uint16_t>(), t * s.in, 1, 1.0f);
+      fill_bf16<<<grid_for(t * s.out), 256>>>(dy.as<uint16_t>(), t * s.out, 2, 1e-2f);
+      fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
+      fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
+      fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
+      const forge_param psr = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
+                                          FORGE_STATE_BF16_STOCHASTIC, m.p, v.p);
+      forge_hparams hp = adamw;
+      const double us = per_call_us([&] {
+        forge_wgrad_args a = fused_args(x.p, dy.p, t, s, psr, hp);
+        hp.step = hp.step % 1000 + 1;
+        CHECK_FORGE(forge_wgrad_step(&a));
+      });
+      std::snprintf(line, sizeof(line), "| forge_wgrad_step (SR W + SR states) | %s | %lld | %.2f |\n",
+                    s.name, static_cast<long long>(t), us);
+      md += line;
+      const double gemm_us =
+          per_call_us([&] { run_cublas(handle, x.p, dy.p, g.p, CUDA_R_16BF, t, s); });
+      std::snprintf(line, sizeof(line), "| cublasGemmEx (dW, bf16 out) | %s | %lld | %.2f |\n",
+                    s.name, static_cast<long long>(t), gemm_us);
+      md += line;
+    }
+    std::fputs(md.c_str(), stdout);
+    const std::string path = out_dir + "/host-cost.md";
+    if (FILE* f = std::fopen(path.c_str(), "w")) {
+      std::fputs(md.c_str(), f);
+      std::fclose(f);
+    }
+    cublasDestroy(handle);
+    return 0;
+  }
   if (trace) {
     struct Case {
       Shape shape;
