@@ -10,11 +10,14 @@ bf16), the configuration of forge-bench's forge-bf16 mode: on a Hopper GPU its s
 TMA kernel, whose call also encodes two tensor maps (fp32 takes the SIMT kernel).
 
     python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100] [--steps 200]
+                                  [--profile N]   # then N more steps under cProfile, both optimizers
 
 Prints microseconds per Linear per step (median over the steps after 20 warm-ups).
 """
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -42,12 +45,29 @@ def per_linear_us(model, opt, x, steps: int, layers: int) -> float:
     return statistics.median(times) / layers * 1e6
 
 
+def profile_steps(model, opt, x, steps: int, label: str) -> None:
+    """`steps` more steps under cProfile: the host's time by Python function (cProfile's own
+    overhead inflates it), the top 15 by own time."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    pr.disable()
+    print(f"--- {label}: {steps} steps under cProfile, top 15 by own time")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=100)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--profile", type=int, default=0, metavar="N")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -59,12 +79,16 @@ def main() -> int:
                                      for _ in range(args.layers)]).to(device, dtype)
 
     model = stack()
-    torch_us = per_linear_us(model, torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True),
-                             x, args.steps, args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+    torch_us = per_linear_us(model, opt, x, args.steps, args.layers)
+    if args.profile:
+        profile_steps(model, opt, x, args.profile, "torch AdamW(foreach)")
     model = stack()
     states = {"state_format": "fp32"} if dtype == torch.float32 else {}  # bf16: the default
-    forge_us = per_linear_us(model, forge.optim.AdamW(model, lr=1e-6, **states),
-                             x, args.steps, args.layers)
+    opt = forge.optim.AdamW(model, lr=1e-6, **states)
+    forge_us = per_linear_us(model, opt, x, args.steps, args.layers)
+    if args.profile:
+        profile_steps(model, opt, x, args.profile, "forge.optim.AdamW")
     print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}, torch "
           f"{torch.__version__}): torch AdamW(foreach) {torch_us:.1f} us, "
           f"forge.optim.AdamW {forge_us:.1f} us")
