@@ -91,8 +91,8 @@ def _totals_table(runs, title, cell):
 
 def median_table(runs):
     """Markdown: the Llama totals per setting (median over repetitions, n in brackets)."""
-    return _totals_table(runs, "Llama-3.1-8B totals, 224 layers: median ms over the repetitions (n)",
-                         lambda v: f"{statistics.median(v):.1f} ({len(v)})")
+    title = "Llama-3.1-8B totals, 224 layers: median ms over the repetitions (n)"
+    return _totals_table(runs, title, lambda v: f"{statistics.median(v):.1f} ({len(v)})")
 
 
 def spread_table(runs):

@@ -9,8 +9,9 @@ with a synchronize, so the figure is the wall time per step over LAYERS.
 bf16), the configuration of forge-bench's forge-bf16 mode: on a Hopper GPU its steps take the
 TMA kernel, whose call also encodes two tensor maps (fp32 takes the SIMT kernel).
 
-    python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100] [--steps 200]
-                                  [--profile N]   # then N more steps under cProfile, both optimizers
+    python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100]
+                                  [--steps 200] [--profile N]
+--profile N: then N more steps of each optimizer under cProfile (the top functions).
 
 Prints microseconds per Linear per step (median over the steps after 20 warm-ups).
 """
@@ -89,8 +90,8 @@ def main() -> int:
     forge_us = per_linear_us(model, opt, x, args.steps, args.layers)
     if args.profile:
         profile_steps(model, opt, x, args.profile, "forge.optim.AdamW")
-    print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}, torch "
-          f"{torch.__version__}): torch AdamW(foreach) {torch_us:.1f} us, "
+    print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}, "
+          f"torch {torch.__version__}): torch AdamW(foreach) {torch_us:.1f} us, "
           f"forge.optim.AdamW {forge_us:.1f} us")
     return 0
 

@@ -261,8 +261,8 @@ void run_tiled(Timer& timer, const cudaDeviceProp& prop, const Layer& L, uint16_
   const double bytes = 12.0 * static_cast<double>(L.rows * L.cols);
   std::printf("| %s | tiled %d×%d%s%s | %d × %d | %d | %d (%d resident) | %d | %.1f | %.2f |\n",
               L.name, kRows, kCols, kAdjacent ? ", vectors adjacent" : "",
-              kPrefetch ? ", L2 prefetch first" : "", kQ, kVec, kThreads, ctas_per_sm, resident, group_m, ms * 1e3,
-              bytes / (ms * 1e-3) / 1e12);
+              kPrefetch ? ", L2 prefetch first" : "", kQ, kVec, kThreads, ctas_per_sm, resident,
+              group_m, ms * 1e3, bytes / (ms * 1e-3) / 1e12);
   std::fflush(stdout);
 }
 
@@ -301,8 +301,8 @@ int main(int argc, char** argv) {
   std::printf("# update_pattern on %s (%d SMs): AdamW on bf16 W, m, v, 12 B per parameter, "
               "L2 flushed, median of %d\n\n",
               prop.name, prop.multiProcessorCount, reps);
-  std::printf("| layer | pattern | vectors × cols per thread | threads | CTAs per SM (cap) | group_m | µs | "
-              "TB/s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  std::printf("| layer | pattern | vectors × cols per thread | threads | CTAs per SM (cap) | "
+              "group_m | µs | TB/s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   const Layer layers[] = {{"4096×4096", 4096, 4096}, {"14336×4096", 14336, 4096}};
   for (const Layer& L : layers) {
     const size_t n = static_cast<size_t>(L.rows * L.cols);

@@ -484,7 +484,8 @@ int main(int argc, char** argv) {
         const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < kBatch; ++i) call();
         const auto t1 = std::chrono::steady_clock::now();
-        if (b >= 2) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / kBatch);
+        const double batch_us = std::chrono::duration<double, std::micro>(t1 - t0).count();
+        if (b >= 2) us.push_back(batch_us / kBatch);
       }
       CHECK_CUDA(cudaDeviceSynchronize());
       std::nth_element(us.begin(), us.begin() + us.size() / 2, us.end());
@@ -516,8 +517,9 @@ int main(int argc, char** argv) {
         hp.step = hp.step % 1000 + 1;
         CHECK_FORGE(forge_wgrad_step(&a));
       });
-      std::snprintf(line, sizeof(line), "| forge_wgrad_step (SR W + SR states) | %s | %lld | %.2f |\n",
-                    s.name, static_cast<long long>(t), us);
+      std::snprintf(line, sizeof(line),
+                    "| forge_wgrad_step (SR W + SR states) | %s | %lld | %.2f |\n", s.name,
+                    static_cast<long long>(t), us);
       md += line;
       const double gemm_us =
           per_call_us([&] { run_cublas(handle, x.p, dy.p, g.p, CUDA_R_16BF, t, s); });
