@@ -337,6 +337,14 @@ void run_cublas(cublasHandle_t h, const void* x, const void* dy, void* dw, cudaD
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+// Writes `text` to `path` (a report next to the printed one; skipped if it cannot be opened).
+void write_text(const std::string& path, const std::string& text) {
+  if (FILE* f = std::fopen(path.c_str(), "w")) {
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  }
+}
+
 std::string fmt(const char* f, double v) {
   char b[64];
   std::snprintf(b, sizeof(b), f, v);
@@ -528,11 +536,7 @@ int main(int argc, char** argv) {
       md += line;
     }
     std::fputs(md.c_str(), stdout);
-    const std::string path = out_dir + "/host-cost.md";
-    if (FILE* f = std::fopen(path.c_str(), "w")) {
-      std::fputs(md.c_str(), f);
-      std::fclose(f);
-    }
+    write_text(out_dir + "/host-cost.md", md);
     cublasDestroy(handle);
     return 0;
   }
@@ -614,11 +618,7 @@ int main(int argc, char** argv) {
         }
       }
     }
-    const std::string path = out_dir + "/trace.md";
-    if (FILE* f = std::fopen(path.c_str(), "w")) {
-      std::fputs(md.c_str(), f);
-      std::fclose(f);
-    }
+    write_text(out_dir + "/trace.md", md);
     cublasDestroy(handle);
     return 0;
   }
@@ -905,15 +905,8 @@ int main(int argc, char** argv) {
   json += "\n}\n";
 
   std::printf("\n%s", md.c_str());
-  const std::string md_path = out_dir + "/bench.md", json_path = out_dir + "/bench.json";
-  if (FILE* f = std::fopen(md_path.c_str(), "w")) {
-    std::fputs(md.c_str(), f);
-    std::fclose(f);
-  }
-  if (FILE* f = std::fopen(json_path.c_str(), "w")) {
-    std::fputs(json.c_str(), f);
-    std::fclose(f);
-  }
+  write_text(out_dir + "/bench.md", md);
+  write_text(out_dir + "/bench.json", json);
   cublasDestroy(handle);
   return 0;
 }
