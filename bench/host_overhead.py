@@ -31,14 +31,18 @@ import forge.optim  # noqa: E402
 WARMUP = 20
 
 
+def train_step(model, opt, x) -> None:
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def per_linear_us(model, opt, x, steps: int, layers: int) -> float:
     cuda = x.is_cuda
     times = []
     for i in range(WARMUP + steps):
         t = time.perf_counter()
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, x)
         if cuda:
             torch.cuda.synchronize()
         if i >= WARMUP:
@@ -52,9 +56,7 @@ def profile_steps(model, opt, x, steps: int, label: str) -> None:
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(steps):
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, x)
     if x.is_cuda:
         torch.cuda.synchronize()
     pr.disable()
