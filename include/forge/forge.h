@@ -29,7 +29,7 @@ extern "C" {
 #define FORGE_API __attribute__((visibility("default")))
 #endif
 
-#define FORGE_ABI_VERSION 1
+#define FORGE_ABI_VERSION 2
 /* Elements of a row that share one int8 absmax. */
 #define FORGE_INT8_BLOCK 64
 /* Most optimizer states any rule keeps per parameter element. */
@@ -113,7 +113,17 @@ typedef struct {
   double initial_accumulator_value; /* Adagrad */
   double grad_scale;         /* the gradient is multiplied by this before anything (1 = none) */
   uint64_t seed;             /* stochastic rounding: bits = hash(seed, step, stream, element) */
+  /* CUDA graphs. NULL: the step uses step, lr and seed above, as they are at the call.
+   * Otherwise FORGE_RUN_SCALARS_BYTES of memory on the step's device, 16-byte aligned,
+   * holding what forge_run_scalars_fill() wrote from hyper-parameters that differ from
+   * these in step, lr and seed only. The step reads its step-dependent scalars from there
+   * when it runs, so a captured launch replays with whatever was copied there before the
+   * replay. The other fields are still checked here, and choose the kernel. */
+  const void* run_scalars;
 } forge_hparams;
+
+/* Bytes of a run_scalars buffer (forge_hparams.run_scalars, forge_run_scalars_fill). */
+#define FORGE_RUN_SCALARS_BYTES 256
 
 /* One parameter: its weight and optimizer states. */
 typedef struct {
@@ -192,6 +202,12 @@ FORGE_API forge_status forge_state_to_fp32(const forge_param* param, const forge
 FORGE_API forge_status forge_state_from_fp32(const forge_param* param,
                                              const forge_hparams* hparams, int32_t index,
                                              const float* in, forge_device device);
+
+/* Writes into `out` (host memory, `bytes` >= FORGE_RUN_SCALARS_BYTES) the scalars a step
+ * with these hyper-parameters uses: what a run_scalars buffer must hold, once copied to the
+ * step's device (hparams->run_scalars itself is ignored). */
+FORGE_API forge_status forge_run_scalars_fill(const forge_hparams* hparams, void* out,
+                                              int64_t bytes);
 
 FORGE_API forge_status forge_wgrad_step(const forge_wgrad_args* args);
 FORGE_API forge_status forge_elementwise_step(const forge_elementwise_args* args);

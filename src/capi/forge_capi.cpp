@@ -2,6 +2,8 @@
 // computes the rule's step scalars, and dispatches to the CPU or CUDA backend.
 // No math here. Nothing is written unless every check passes.
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "backend.h"
 #include "core/hparams.h"
@@ -69,8 +71,13 @@ forge_status check_param(const forge_param& p, const RuleScalars& k) {
   return FORGE_OK;
 }
 
+static_assert(sizeof(RuleScalars) <= FORGE_RUN_SCALARS_BYTES,
+              "FORGE_RUN_SCALARS_BYTES must hold the RuleScalars a run_scalars buffer carries");
+
 forge_status check_hparams(const forge_hparams* hp) {
   if (!hp) return fail(kBad, "hparams: NULL");
+  if (reinterpret_cast<uintptr_t>(hp->run_scalars) % 16 != 0)
+    return fail(kBad, "hparams.run_scalars: %p is not 16-byte aligned", hp->run_scalars);
   return validate_hparams(*hp);
 }
 
@@ -215,6 +222,20 @@ forge_status forge_state_from_fp32(const forge_param* param, const forge_hparams
   if (forge_status s = check_state_access(param, hparams, index, in, "in", device, &is_signed))
     return s;
   return FORGE_DISPATCH(device, state_from_fp32(*param, index, is_signed, in, device));
+}
+
+forge_status forge_run_scalars_fill(const forge_hparams* hparams, void* out, int64_t bytes) {
+  clear_error();
+  if (!hparams) return fail(kBad, "hparams: NULL");
+  if (forge_status s = validate_hparams(*hparams)) return s;
+  if (!out) return fail(kBad, "out: NULL");
+  if (bytes < FORGE_RUN_SCALARS_BYTES)
+    return fail(kBad, "bytes: %lld, but a run_scalars buffer is FORGE_RUN_SCALARS_BYTES = %d",
+                static_cast<long long>(bytes), FORGE_RUN_SCALARS_BYTES);
+  const RuleScalars k = make_rule_scalars(*hparams);
+  std::memset(out, 0, FORGE_RUN_SCALARS_BYTES);
+  std::memcpy(out, &k, sizeof(k));
+  return FORGE_OK;
 }
 
 forge_status forge_wgrad_step(const forge_wgrad_args* args) {

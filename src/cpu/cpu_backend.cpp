@@ -217,9 +217,16 @@ void add_outputs(const forge_step_outputs& out, const StepTotals& totals) {
   if (out.nonfinite_count) *out.nonfinite_count += totals.nonfinite;
 }
 
+// The scalars a step uses: hparams.run_scalars' (host memory here: what
+// forge_run_scalars_fill wrote) when set, else those the C API made from the call's hparams.
+const RuleScalars& step_scalars(const forge_hparams& hp, const RuleScalars& k) {
+  return hp.run_scalars ? *static_cast<const RuleScalars*>(hp.run_scalars) : k;
+}
+
 }  // namespace
 
-forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
+forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
+  const RuleScalars& k = step_scalars(a.hparams, call_k);
   const forge_param& p = a.param;
   const int64_t tile_rows = a.tile_rows > 0 ? a.tile_rows : kDefaultTile;
   const int64_t tile_cols = a.tile_cols > 0 ? a.tile_cols : kDefaultTile;
@@ -262,7 +269,8 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   return FORGE_OK;
 }
 
-forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars& k) {
+forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars& call_k) {
+  const RuleScalars& k = step_scalars(a.hparams, call_k);
   const forge_param& p = a.param;
   double sq_sum = 0;
   int64_t nonfinite = 0;

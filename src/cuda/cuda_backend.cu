@@ -143,6 +143,21 @@ const WgradKernel kSpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM80_SPEC_KERNEL)};
 const Sm90Kernel kSm90SpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_SPEC_KERNEL)};
 #undef FORGE_SM80_SPEC_KERNEL
 #undef FORGE_SM90_SPEC_KERNEL
+
+// The same kernels reading the step's scalars from device memory (forge_hparams.run_scalars,
+// CUDA graphs): UpdateSpec's kRunScalars.
+#define FORGE_SM80_RUN_KERNEL(RULE, WEIGHT, STATE, NAME)                           \
+  WgradKernel{wgrad_mma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE, true>>,      \
+              spec_matches<UpdateSpec<RULE, WEIGHT, STATE, true>>,                 \
+              "wgrad_mma<bf16, " NAME ", run scalars>"},
+#define FORGE_SM90_RUN_KERNEL(RULE, WEIGHT, STATE, NAME)                           \
+  Sm90Kernel{wgrad_wgmma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE, true>>,     \
+             spec_matches<UpdateSpec<RULE, WEIGHT, STATE, true>>,                  \
+             "wgrad_wgmma<bf16, " NAME ", run scalars>"},
+const WgradKernel kSpecRunKernels[] = {FORGE_SPEC_LIST(FORGE_SM80_RUN_KERNEL)};
+const Sm90Kernel kSm90SpecRunKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_RUN_KERNEL)};
+#undef FORGE_SM80_RUN_KERNEL
+#undef FORGE_SM90_RUN_KERNEL
 // (FORGE_SPEC_LIST also builds the element-wise kernels' table, further down.)
 
 // The configurations forge.optim runs most, the ones the experimental kernels below are built
@@ -169,15 +184,22 @@ const Sm90Kernel kPersistentGenericKernels[] = {
     {wgrad_wgmma_persistent_kernel<true>, nullptr, "wgrad_wgmma_persistent<fp16>"},
 };
 
-const WgradKernel kGenericKernels[] = {
-    {wgrad_mma_kernel<false>, nullptr, "wgrad_mma<bf16>"},
-    {wgrad_mma_kernel<true>, nullptr, "wgrad_mma<fp16>"},
-    {wgrad_simt_kernel, nullptr, "wgrad_simt"},
+// [run scalars]: the generic kernels, then the same reading the step's scalars from device
+// memory. Entries: bf16 inputs, fp16 inputs, fp32 (sm80 only).
+const WgradKernel kGenericKernels[2][3] = {
+    {{wgrad_mma_kernel<false>, nullptr, "wgrad_mma<bf16>"},
+     {wgrad_mma_kernel<true>, nullptr, "wgrad_mma<fp16>"},
+     {wgrad_simt_kernel<>, nullptr, "wgrad_simt"}},
+    {{wgrad_mma_kernel<false, GenericRunSpec>, nullptr, "wgrad_mma<bf16, run scalars>"},
+     {wgrad_mma_kernel<true, GenericRunSpec>, nullptr, "wgrad_mma<fp16, run scalars>"},
+     {wgrad_simt_kernel<GenericRunSpec>, nullptr, "wgrad_simt<run scalars>"}},
 };
 
-const Sm90Kernel kSm90GenericKernels[] = {
-    {wgrad_wgmma_kernel<false>, nullptr, "wgrad_wgmma<bf16>"},
-    {wgrad_wgmma_kernel<true>, nullptr, "wgrad_wgmma<fp16>"},
+const Sm90Kernel kSm90GenericKernels[2][2] = {
+    {{wgrad_wgmma_kernel<false>, nullptr, "wgrad_wgmma<bf16>"},
+     {wgrad_wgmma_kernel<true>, nullptr, "wgrad_wgmma<fp16>"}},
+    {{wgrad_wgmma_kernel<false, GenericRunSpec>, nullptr, "wgrad_wgmma<bf16, run scalars>"},
+     {wgrad_wgmma_kernel<true, GenericRunSpec>, nullptr, "wgrad_wgmma<fp16, run scalars>"}},
 };
 
 // The entry of `table` whose Spec matches (k, weight format, state format), or nullptr.
@@ -190,19 +212,23 @@ const Kernel* find_spec_kernel(const Kernel (&table)[kN], const RuleScalars& k,
 }
 
 // The bf16-input kernel for (k, weight format, state format): a specialized one if listed.
-// `name` receives its name (for the FORGE_CUDA_VERBOSE log).
+// `run`: one that reads the step's scalars from device memory. `name` receives its name (for
+// the FORGE_CUDA_VERBOSE log).
 WgradKernelFn pick_bf16_kernel(const RuleScalars& k, int weight_format, int state_format,
-                               const char** name) {
-  const WgradKernel* kernel = find_spec_kernel(kSpecKernels, k, weight_format, state_format);
-  if (kernel == nullptr) kernel = &kGenericKernels[0];
+                               bool run, const char** name) {
+  const WgradKernel* kernel = run ? find_spec_kernel(kSpecRunKernels, k, weight_format, state_format)
+                                  : find_spec_kernel(kSpecKernels, k, weight_format, state_format);
+  if (kernel == nullptr) kernel = &kGenericKernels[run][0];
   *name = kernel->name;
   return kernel->fn;
 }
 
 Sm90KernelFn pick_bf16_sm90_kernel(const RuleScalars& k, int weight_format, int state_format,
-                                   const char** name) {
-  const Sm90Kernel* kernel = find_spec_kernel(kSm90SpecKernels, k, weight_format, state_format);
-  if (kernel == nullptr) kernel = &kSm90GenericKernels[0];
+                                   bool run, const char** name) {
+  const Sm90Kernel* kernel =
+      run ? find_spec_kernel(kSm90SpecRunKernels, k, weight_format, state_format)
+          : find_spec_kernel(kSm90SpecKernels, k, weight_format, state_format);
+  if (kernel == nullptr) kernel = &kSm90GenericKernels[run][0];
   *name = kernel->name;
   return kernel->fn;
 }
@@ -277,8 +303,10 @@ forge_status device_info(int index, DeviceInfo* out) {
           return s;
       return FORGE_OK;
     };
-    if (forge_status s = configure_all(kGenericKernels, kWgradSmemBytes)) return s;
+    for (const auto& generic : kGenericKernels)
+      if (forge_status s = configure_all(generic, kWgradSmemBytes)) return s;
     if (forge_status s = configure_all(kSpecKernels, kWgradSmemBytes)) return s;
+    if (forge_status s = configure_all(kSpecRunKernels, kWgradSmemBytes)) return s;
     // The Hopper kernels: only on compute capability 9.0 (sm_90a code runs nowhere else), and
     // only when the code loaded for this device is the sm_90a build of them. The stub that
     // every other pass compiles has no static shared memory; the real kernel has (its
@@ -289,7 +317,7 @@ forge_status device_info(int index, DeviceInfo* out) {
     if (major == 9 && minor == 0) {
       cudaFuncAttributes attr{};
       const cudaError_t e =
-          cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kSm90GenericKernels[0].fn));
+          cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kSm90GenericKernels[0][0].fn));
       if (e != cudaSuccess) {
         (void)cudaGetLastError();  // no loadable code for it: the sm80 kernels it is
       } else {
@@ -302,8 +330,10 @@ forge_status device_info(int index, DeviceInfo* out) {
     if (info.wgmma) {
       // (the persistent kernels too, whether or not FORGE_CUDA_PERSISTENT is set: once per
       // device, and the tests switch it per process)
-      if (forge_status s = configure_all(kSm90GenericKernels, kSm90SmemBytes)) return s;
+      for (const auto& generic : kSm90GenericKernels)
+        if (forge_status s = configure_all(generic, kSm90SmemBytes)) return s;
       if (forge_status s = configure_all(kSm90SpecKernels, kSm90SmemBytes)) return s;
+      if (forge_status s = configure_all(kSm90SpecRunKernels, kSm90SmemBytes)) return s;
       if (forge_status s = configure_all(kPersistentGenericKernels, kPersistentSmemBytes,
                                          kPersistentThreads))
         return s;
@@ -353,6 +383,15 @@ forge_status get_workspace(int device, cudaStream_t stream, int slots, Workspace
   std::lock_guard<std::mutex> lock(g_workspace_mutex);
   Workspace& ws = g_workspaces[{device, key}];
   if (ws.slots < slots) {
+    // A CUDA graph being captured cannot take memory allocated now (nor may it outlive a
+    // cudaFree of what an earlier capture recorded): the workspace must exist before.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FORGE_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      return fail(FORGE_ERR_UNSUPPORTED,
+                  "CUDA: device.stream is being captured into a CUDA graph, and its split-K "
+                  "workspace does not exist yet: run one step of this layer on that stream "
+                  "before capturing");
     if (ws.partials) (void)cudaFree(ws.partials);
     if (ws.counters) (void)cudaFree(ws.counters);
     ws = Workspace{};
@@ -380,6 +419,24 @@ forge_status get_workspace(int device, cudaStream_t stream, int slots, Workspace
 }
 
 // ---- parameters ------------------------------------------------------------------------------
+
+// hparams.run_scalars (CUDA graphs), checked to be memory of this device; nullptr when unset.
+forge_status run_scalars_of(const forge_hparams& hp, int device, const RuleScalars** out) {
+  *out = nullptr;
+  if (hp.run_scalars == nullptr) return FORGE_OK;
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, hp.run_scalars);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  const bool on_device =
+      e == cudaSuccess && (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
+  if (!on_device || attr.device != device)
+    return fail(FORGE_ERR_INVALID_ARGUMENT,
+                "hparams.run_scalars: %p is not memory of CUDA device %d (the step reads its "
+                "scalars there when it runs)",
+                hp.run_scalars, device);
+  *out = static_cast<const RuleScalars*>(hp.run_scalars);
+  return FORGE_OK;
+}
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -678,10 +735,10 @@ constexpr bool kElementwisePipelined = !Spec::kGeneric && raw_quads_words<Spec, 
 // NOTE: 2 CTAs per SM asked for: without it ptxas gave the int8 kernels up to 144 registers
 // (one CTA, 8 warps per SM); the others were at <= 128 already.
 template <class Spec, int kQ>
-__global__ void __launch_bounds__(kElementwiseThreads, 2)
-    elementwise_kernel(const void* grad, int grad_dtype, bool grad_vec, bool flat,
-                       const ParamView p, const RuleScalars k, double* grad_sq_sum,
-                       unsigned long long* nonfinite_count) {
+__device__ __forceinline__ void elementwise_body(const void* grad, int grad_dtype, bool grad_vec,
+                                                 bool flat, const ParamView& p,
+                                                 const RuleScalars& k, double* grad_sq_sum,
+                                                 unsigned long long* nonfinite_count) {
   const int lane = threadIdx.x % 32, lane16 = lane % 16;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -722,8 +779,24 @@ __global__ void __launch_bounds__(kElementwiseThreads, 2)
     flush_totals<kElementwiseThreads>(totals, grad_sq_sum, nonfinite_count);
 }
 
+// run_k: the step's scalars in device memory, for a kRunScalars Spec (CUDA graphs); k then
+// only holds what chose the kernel. Otherwise unused.
+template <class Spec, int kQ>
+__global__ void __launch_bounds__(kElementwiseThreads, 2)
+    elementwise_kernel(const void* grad, int grad_dtype, bool grad_vec, bool flat,
+                       const ParamView p, const RuleScalars k, const RuleScalars* run_k,
+                       double* grad_sq_sum, unsigned long long* nonfinite_count) {
+  if constexpr (Spec::kRunScalars) {
+    elementwise_body<Spec, kQ>(grad, grad_dtype, grad_vec, flat, p, *run_k, grad_sq_sum,
+                               nonfinite_count);
+  } else {
+    elementwise_body<Spec, kQ>(grad, grad_dtype, grad_vec, flat, p, k, grad_sq_sum,
+                               nonfinite_count);
+  }
+}
+
 using ElementwiseKernelFn = void (*)(const void*, int, bool, bool, ParamView, RuleScalars,
-                                     double*, unsigned long long*);
+                                     const RuleScalars*, double*, unsigned long long*);
 struct ElementwiseKernel {
   ElementwiseKernelFn fn;
   SpecMatchFn matches;
@@ -739,9 +812,18 @@ struct ElementwiseKernel {
 const ElementwiseKernel kElementwiseSpecKernels[] = {
     FORGE_SPEC_LIST(FORGE_ELEMENTWISE_SPEC_KERNEL)};
 #undef FORGE_ELEMENTWISE_SPEC_KERNEL
+#define FORGE_ELEMENTWISE_RUN_KERNEL(RULE, WEIGHT, STATE, NAME)                             \
+  ElementwiseKernel{elementwise_kernel<UpdateSpec<RULE, WEIGHT, STATE, true>, 2>,           \
+                    spec_matches<UpdateSpec<RULE, WEIGHT, STATE, true>>, 4,                 \
+                    "elementwise<" NAME ", run scalars>"},
+const ElementwiseKernel kElementwiseSpecRunKernels[] = {
+    FORGE_SPEC_LIST(FORGE_ELEMENTWISE_RUN_KERNEL)};
+#undef FORGE_ELEMENTWISE_RUN_KERNEL
 #undef FORGE_SPEC_LIST
-const ElementwiseKernel kElementwiseGenericKernel{elementwise_kernel<GenericSpec, 1>, nullptr, 2,
-                                                  "elementwise"};
+// [run scalars], as kGenericKernels.
+const ElementwiseKernel kElementwiseGenericKernels[2] = {
+    {elementwise_kernel<GenericSpec, 1>, nullptr, 2, "elementwise"},
+    {elementwise_kernel<GenericRunSpec, 1>, nullptr, 2, "elementwise<run scalars>"}};
 
 enum StateOp : int { kStateFill = 0, kStateToFp32 = 1, kStateFromFp32 = 2 };
 
@@ -819,6 +901,8 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   if (forge_status s = device_info(a.device.index, &info)) return s;
   const cudaStream_t stream = static_cast<cudaStream_t>(a.device.stream);
   const forge_param& param = a.param;
+  const RuleScalars* run = nullptr;
+  if (forge_status s = run_scalars_of(a.hparams, a.device.index, &run)) return s;
 
   const int64_t tiles_m = (param.rows + kBM - 1) / kBM;
   const int64_t tiles_n = (param.cols + kBN - 1) / kBN;
@@ -882,6 +966,7 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   w.nonfinite_count = reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count);
   w.p = make_param_view(param, k.num_states);
   w.k = k;
+  w.run_k = run;
   if (splits > 1) {
     Workspace ws;
     if (forge_status s = get_workspace(a.device.index, stream, info.num_sms, &ws)) return s;
@@ -901,7 +986,8 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     if (forge_status s = encode_operand_map(encode, &maps.x, a.x, a.x_dtype, param.cols,
                                             a.tokens, a.ldx, "x"))
       return s;
-    if (splits == 1 && env.persistent) {
+    // (The persistent kernels have no run-scalars variant: a graph's step runs the others.)
+    if (splits == 1 && env.persistent && run == nullptr) {
       // One CTA per SM, each looping over tiles (tiles j·SMs + blockIdx.x).
       const char* name = nullptr;
       const Sm90KernelFn kernel = pick_persistent_kernel(k, param.weight_format,
@@ -931,24 +1017,25 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     w.stagger_first = info.num_sms;
     w.stagger_count = info.num_sms;
     if (!ctas_in_phase) w.prefetch = 0;
-    const char* name = kSm90GenericKernels[1].name;
+    const Sm90Kernel& fp16_kernel = kSm90GenericKernels[run != nullptr][1];
+    const char* name = fp16_kernel.name;
     const Sm90KernelFn kernel =
-        fp16_inputs ? kSm90GenericKernels[1].fn
-                    : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format, &name);
+        fp16_inputs ? fp16_kernel.fn
+                    : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format,
+                                            run != nullptr, &name);
     log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
     kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
   } else if (bf16_inputs) {
     const char* name = nullptr;
     const WgradKernelFn kernel =
-        pick_bf16_kernel(k, param.weight_format, param.state_format, &name);
+        pick_bf16_kernel(k, param.weight_format, param.state_format, run != nullptr, &name);
     log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
     kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
-  } else if (fp16_inputs) {
-    log_kernel_choice(kGenericKernels[1].name, k, param.weight_format, param.state_format, splits);
-    wgrad_mma_kernel<true><<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   } else {
-    log_kernel_choice(kGenericKernels[2].name, k, param.weight_format, param.state_format, splits);
-    wgrad_simt_kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
+    // fp16 inputs: the mma kernel; anything else (fp32 or mixed): the SIMT one.
+    const WgradKernel& kernel = kGenericKernels[run != nullptr][fp16_inputs ? 1 : 2];
+    log_kernel_choice(kernel.name, k, param.weight_format, param.state_format, splits);
+    kernel.fn<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   }
   FORGE_CUDA_TRY(cudaGetLastError());
   return FORGE_OK;
@@ -959,16 +1046,22 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
   if (forge_status s = guard.enter(a.device.index)) return s;
   DeviceInfo info;
   if (forge_status s = device_info(a.device.index, &info)) return s;
+  const RuleScalars* run = nullptr;
+  if (forge_status s = run_scalars_of(a.hparams, a.device.index, &run)) return s;
   const ParamView view = make_param_view(a.param, k.num_states);
   const cudaStream_t stream = static_cast<cudaStream_t>(a.device.stream);
-  const ElementwiseKernel* kernel = find_spec_kernel(kElementwiseSpecKernels, k,
-                                                     a.param.weight_format, a.param.state_format);
-  if (kernel == nullptr) kernel = &kElementwiseGenericKernel;
+  const ElementwiseKernel& generic = kElementwiseGenericKernels[run != nullptr];
+  const ElementwiseKernel* kernel =
+      run ? find_spec_kernel(kElementwiseSpecRunKernels, k, a.param.weight_format,
+                             a.param.state_format)
+          : find_spec_kernel(kElementwiseSpecKernels, k, a.param.weight_format,
+                             a.param.state_format);
+  if (kernel == nullptr) kernel = &generic;
   log_kernel_choice(kernel->name, k, a.param.weight_format, a.param.state_format, 1);
   const bool grad_vec = view.vec4 != 0 && aligned16(a.grad);
   // The flat view (see elementwise_flat_pipelined): same offsets, one row, no division per
   // pair. The kernels that do not pipeline run their ordinary loop on it.
-  const bool flat = kernel != &kElementwiseGenericKernel && grad_vec &&
+  const bool flat = kernel != &generic && grad_vec &&
                     a.grad_dtype == FORGE_DTYPE_BF16 && view.cols % FORGE_INT8_BLOCK == 0;
   ParamView run_view = view;
   if (flat) {
@@ -978,7 +1071,7 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
   }
   kernel->fn<<<elementwise_blocks(run_view, info.num_sms, kernel->pairs_per_warp),
                kElementwiseThreads, 0, stream>>>(
-      a.grad, a.grad_dtype, grad_vec, flat, run_view, k, a.outputs.grad_sq_sum,
+      a.grad, a.grad_dtype, grad_vec, flat, run_view, k, run, a.outputs.grad_sq_sum,
       reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count));
   FORGE_CUDA_TRY(cudaGetLastError());
   return FORGE_OK;

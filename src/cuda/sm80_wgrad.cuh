@@ -100,7 +100,20 @@ struct WgradParams {
   int64_t trace_ctas;
   int32_t stagger_ns;         // CTAs [stagger_first, stagger_first + stagger_count) wait this
   int32_t stagger_first, stagger_count;  // long before their main loop
+  // kRunScalars kernels only (CUDA graphs): the step's scalars, read when the kernel runs;
+  // k above then only holds what chose the kernel (rule, formats, number of states).
+  const RuleScalars* run_k;
 };
+
+// The RuleScalars the update of a Spec uses: the launch's own, or a.run_k's (kRunScalars).
+template <class Spec>
+__device__ __forceinline__ const RuleScalars& scalars_of(const WgradParams& a) {
+  if constexpr (Spec::kRunScalars) {
+    return *a.run_k;
+  } else {
+    return a.k;
+  }
+}
 
 // One CTA's record in WgradParams::trace: when it started, when its tile's gradient was in
 // sC, when it ended (the SM's clock64, comparable between CTAs of one SM only), the global
@@ -332,7 +345,7 @@ __device__ __forceinline__ void update_raw_pass(const WgradParams& a, const RawQ
   }
   float w[kQ][kQuad], s[FORGE_MAX_STATES][kQ][kQuad];
   cur.unpack(w, s);
-  update_loaded<kQ, Spec>(a.k, a.p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
+  update_loaded<kQ, Spec>(scalars_of<Spec>(a), a.p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
 }
 
 // update_tile's fast loop: interior tiles (all of them on the Llama shapes) of specialized
@@ -451,7 +464,7 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
       int n[kQ];
 #pragma unroll
       for (int q = 0; q < kQ; ++q) n[q] = kQuad;
-      update_quads<kQ, Spec, true>(a.k, a.p, row, col, idx, n, lane16, want_sq, g, totals);
+      update_quads<kQ, Spec, true>(scalars_of<Spec>(a), a.p, row, col, idx, n, lane16, want_sq, g, totals);
     }
     return;
   }
@@ -466,7 +479,7 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
 #pragma unroll
     for (int q = 0; q < kQ; ++q)
       n[q] = row[q] < rows && col[q] < cols ? static_cast<int>(min64(kQuad, cols - col[q])) : 0;
-    update_quads<kQ, Spec, false>(a.k, a.p, row, col, idx, n, lane16, want_sq, g, totals);
+    update_quads<kQ, Spec, false>(scalars_of<Spec>(a), a.p, row, col, idx, n, lane16, want_sq, g, totals);
   }
 }
 
@@ -644,6 +657,8 @@ __device__ __forceinline__ void load_operand_stage_f32(float* stage, const void*
   }
 }
 
+// Spec: GenericSpec, or GenericRunSpec (the step's scalars from a.run_k).
+template <class Spec = GenericSpec>
 __global__ void __launch_bounds__(kThreads, 2) wgrad_simt_kernel(const WgradParams a) {
   extern __shared__ __align__(128) unsigned char smem[];
   float* const sA = reinterpret_cast<float*>(smem);  // [2][kBK][kLdF] dY, m fastest
@@ -711,7 +726,7 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_simt_kernel(const WgradPara
   }
   int8_tables_init(threadIdx.x);
   __syncthreads();
-  finish_tile<GenericSpec>(a, sC, m0, n0);
+  finish_tile<Spec>(a, sC, m0, n0);
 }
 
 }  // namespace cuda

@@ -60,7 +60,11 @@ __host__ __device__ constexpr bool spec_state_signed(int rule, int i) {
 // forge_state_format values, or kAny. A specialized spec (kRule != kAny) also assumes
 // maximize == 0 and wd_coupled == 0 (AdamW with decoupled decay, Lion, SGD without decay):
 // apply_rule's two branches on them then fold away. spec_matches() checks all of it.
-template <int kRuleT, int kWeightFormatT, int kStateFormatT>
+// kRunScalars: the kernel reads the step's RuleScalars from device memory when it runs
+// (forge_hparams.run_scalars: a CUDA graph replays with new ones), not from its launch
+// parameters. A separate instantiation, so the usual kernels keep their scalars as
+// constant-bank operands.
+template <int kRuleT, int kWeightFormatT, int kStateFormatT, bool kRunScalarsT = false>
 struct UpdateSpec {
   static constexpr int kRule = kRuleT;
   static constexpr int kWeightFormat = kWeightFormatT;
@@ -68,8 +72,10 @@ struct UpdateSpec {
   static constexpr bool kGeneric = kRuleT == kAny;
   static_assert(kGeneric == (kWeightFormatT == kAny), "specialize everything or nothing");
   static constexpr int kNumStates = kGeneric ? FORGE_MAX_STATES : spec_num_states(kRuleT);
+  static constexpr bool kRunScalars = kRunScalarsT;
 };
 using GenericSpec = UpdateSpec<kAny, kAny, kAny>;
+using GenericRunSpec = UpdateSpec<kAny, kAny, kAny, true>;
 
 // Whether Spec computes exactly what the generic path would for this (k, p).
 template <class Spec>
