@@ -1,0 +1,299 @@
+// test_gpu_graphs.cpp — the step's scalars read from device memory (forge_hparams.run_scalars)
+// and steps captured into a CUDA graph. A step that takes its scalars from a buffer filled
+// for step s must give the CPU backend's bits for step s, whatever step, lr and seed the call
+// itself carried; a captured graph replayed with the buffer refilled between replays must
+// give the bits of the same eager steps. Integer inputs, as test_gpu_wgrad.cpp's exact
+// suite, so every sum is exact and the comparison is bit for bit.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gpu_test_util.h"
+
+namespace fgt {
+namespace {
+
+// The call's own step, lr and seed: valid, and all different from the filled ones.
+forge_hparams stale(const forge_hparams& hp, const void* run) {
+  forge_hparams call = hp;
+  call.step = 1;
+  call.lr = hp.lr * 3;
+  call.seed = hp.seed + 1;
+  call.run_scalars = run;
+  return call;
+}
+
+void fill_run_scalars(const forge_hparams& hp, DeviceBuffer& run, cudaStream_t stream) {
+  std::vector<unsigned char> host(FORGE_RUN_SCALARS_BYTES);
+  FORGE_OK(forge_run_scalars_fill(&hp, host.data(), FORGE_RUN_SCALARS_BYTES));
+  CUDA_OK(cudaMemcpyAsync(run.data(), host.data(), host.size(), cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+}
+
+struct Shape {
+  int64_t rows, cols, tokens;
+};
+
+// ---- every rule, the formats of the specialized kernels, bit for bit --------------------
+
+using RunParam = std::tuple<int, forge_weight_format, forge_state_format>;
+class WgradRunScalars : public ::testing::TestWithParam<RunParam> {};
+
+TEST_P(WgradRunScalars, MatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  const auto [rule_index, wf, sf] = GetParam();
+  forge_hparams hp = rule_cases()[rule_index].hp;
+  DeviceBuffer run(FORGE_RUN_SCALARS_BYTES);
+  // One tile-straddling shape, one through split-K (2 tiles, 35 k-tiles).
+  for (const Shape& s : {Shape{129, 200, 67}, Shape{96, 160, 1100}}) {
+    SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.cols) + ", T " +
+                 std::to_string(s.tokens));
+    HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 300 + rule_index);
+    DeviceParam gpu;
+    gpu.upload(cpu);
+    for (int step = 0; step < 3; ++step, hp.step += 1) {
+      const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0,
+                                     Fill::kInteger, 50 + 2 * step);
+      const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0,
+                                      Fill::kInteger, 51 + 2 * step);
+      wgrad_cpu(x, dy, hp, cpu, nullptr);
+      fill_run_scalars(hp, run, nullptr);
+      wgrad_gpu(x, dy, stale(hp, run.data()), cpu, gpu, nullptr);
+      ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << hp.step;
+    }
+    EXPECT_TRUE(gpu.guards_intact());
+  }
+  EXPECT_TRUE(run.guards_intact());
+}
+
+// The specialized kernels' configurations (cuda_backend.cu's FORGE_SPEC_LIST) for AdamW,
+// Lion and SGD, and fp32 everything for every rule (the generic kernels).
+std::vector<RunParam> run_params() {
+  std::vector<RunParam> v;
+  for (int i = 0; i < static_cast<int>(rule_cases().size()); ++i)
+    v.emplace_back(i, FORGE_WEIGHT_FP32, FORGE_STATE_FP32);
+  for (int i = 0; i < static_cast<int>(rule_cases().size()); ++i) {
+    const forge_rule rule = rule_cases()[i].hp.rule;
+    if (rule != FORGE_RULE_ADAMW && rule != FORGE_RULE_LION && rule != FORGE_RULE_SGD) continue;
+    for (forge_weight_format wf :
+         {FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_WEIGHT_BF16_MASTER})
+      for (forge_state_format sf :
+           {FORGE_STATE_BF16, FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64})
+        v.emplace_back(i, wf, sf);
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Rules, WgradRunScalars, ::testing::ValuesIn(run_params()),
+    [](const ::testing::TestParamInfo<RunParam>& info) {
+      return std::string(rule_cases()[std::get<0>(info.param)].name) + "_" +
+             weight_format_name(std::get<1>(info.param)) + "_" +
+             state_format_name(std::get<2>(info.param));
+    });
+
+// ---- the element-wise step ---------------------------------------------------------------
+
+forge_elementwise_args elementwise_args(const void* grad, const forge_param& p,
+                                        const forge_hparams& hp, forge_device device) {
+  forge_elementwise_args a{};
+  a.abi_version = FORGE_ABI_VERSION;
+  a.device = device;
+  a.grad = grad;
+  a.grad_dtype = FORGE_DTYPE_BF16;
+  a.param = p;
+  a.hparams = hp;
+  return a;
+}
+
+TEST(ElementwiseRunScalars, MatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  DeviceBuffer run(FORGE_RUN_SCALARS_BYTES);
+  for (int i = 0; i < static_cast<int>(rule_cases().size()); ++i) {
+    forge_hparams hp = rule_cases()[i].hp;
+    // 37 × 320: the flat, pipelined loop of the specialized kernels; 5 × 129: the other.
+    for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{37, 320}, {5, 129}})
+      for (forge_state_format sf : {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64}) {
+        SCOPED_TRACE(std::string(rule_cases()[i].name) + ", " + std::to_string(rows) + " x " +
+                     std::to_string(cols) + ", " + state_format_name(sf));
+        HostParam cpu = make_param(rows, cols, FORGE_WEIGHT_BF16_STOCHASTIC, sf, hp, 40 + i);
+        DeviceParam gpu;
+        gpu.upload(cpu);
+        const Operand g = make_operand(rows, cols, FORGE_DTYPE_BF16, cols, 0, Fill::kNormal, 7);
+        DeviceBuffer grad(g.bytes.size());
+        grad.upload(g.bytes.data(), g.bytes.size());
+        forge_elementwise_args a = elementwise_args(g.data(), cpu.view(), hp, cpu_device());
+        FORGE_OK(forge_elementwise_step(&a));
+        fill_run_scalars(hp, run, nullptr);
+        a = elementwise_args(grad.data(), gpu.view(cpu), stale(hp, run.data()), gpu_device());
+        FORGE_OK(forge_elementwise_step(&a));
+        CUDA_OK(cudaDeviceSynchronize());
+        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu)));
+        EXPECT_TRUE(gpu.guards_intact());
+      }
+  }
+}
+
+// ---- captured into a CUDA graph ----------------------------------------------------------
+
+// A fused step and an element-wise step captured once, replayed for steps 2..5 with the
+// buffers refilled before each replay: the bits of the eager steps 2..5 on the CPU. The
+// split-K shape's workspace exists because step 1 ran eagerly on the same stream first.
+TEST(CudaGraph, ReplaysWithRefilledScalarsMatchEagerSteps) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  hp.lr = 0.01;
+  hp.weight_decay = 0.1;
+  hp.seed = 1234;
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const Shape& s : {Shape{256, 384, 96}, Shape{96, 160, 1100}})
+    for (forge_state_format sf : {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64}) {
+      SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.cols) + ", " +
+                   state_format_name(sf));
+      hp.step = 1;
+      HostParam cpu = make_param(s.rows, s.cols, FORGE_WEIGHT_BF16_STOCHASTIC, sf, hp, 77);
+      HostParam cpu_e = make_param(3, 200, FORGE_WEIGHT_BF16_STOCHASTIC, sf, hp, 78);
+      DeviceParam gpu, gpu_e;
+      gpu.upload(cpu);
+      gpu_e.upload(cpu_e);
+      const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0,
+                                     Fill::kInteger, 5);
+      const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0,
+                                      Fill::kInteger, 6);
+      const Operand g = make_operand(3, 200, FORGE_DTYPE_BF16, 200, 0, Fill::kNormal, 8);
+      DeviceBuffer dx(x.bytes.size()), ddy(dy.bytes.size()), dg(g.bytes.size());
+      dx.upload(x.bytes.data(), x.bytes.size());
+      ddy.upload(dy.bytes.data(), dy.bytes.size());
+      dg.upload(g.bytes.data(), g.bytes.size());
+      DeviceBuffer run(FORGE_RUN_SCALARS_BYTES), run_e(FORGE_RUN_SCALARS_BYTES);
+
+      forge_wgrad_args w{};
+      w.abi_version = FORGE_ABI_VERSION;
+      w.device = gpu_device(stream);
+      w.tokens = s.tokens;
+      w.x = dx.data();
+      w.x_dtype = FORGE_DTYPE_BF16;
+      w.ldx = s.cols;
+      w.dy = ddy.data();
+      w.dy_dtype = FORGE_DTYPE_BF16;
+      w.lddy = s.rows;
+      w.param = gpu.view(cpu);
+      w.hparams = hp;
+      forge_elementwise_args e = elementwise_args(dg.data(), gpu_e.view(cpu_e), hp,
+                                                  gpu_device(stream));
+      e.hparams.seed = hp.seed + 1;
+      // Step 1, eager, on the stream (creates its split-K workspace where there is one).
+      FORGE_OK(forge_wgrad_step(&w));
+      FORGE_OK(forge_elementwise_step(&e));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      forge_hparams hp_e = e.hparams;
+      wgrad_cpu(x, dy, hp, cpu, nullptr);
+      forge_elementwise_args ce = elementwise_args(g.data(), cpu_e.view(), hp_e, cpu_device());
+      FORGE_OK(forge_elementwise_step(&ce));
+
+      // Capture once, with run scalars and a step number that is never right.
+      w.hparams.run_scalars = run.data();
+      e.hparams.run_scalars = run_e.data();
+      cudaGraph_t graph = nullptr;
+      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      const forge_status ws = forge_wgrad_step(&w);
+      const forge_status es = forge_elementwise_step(&e);
+      CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      FORGE_OK(ws);
+      FORGE_OK(es);
+      cudaGraphExec_t exec = nullptr;
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int64_t step = 2; step <= 5; ++step) {
+        hp.step = hp_e.step = step;
+        fill_run_scalars(hp, run, stream);
+        fill_run_scalars(hp_e, run_e, stream);
+        CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        wgrad_cpu(x, dy, hp, cpu, nullptr);
+        ce = elementwise_args(g.data(), cpu_e.view(), hp_e, cpu_device());
+        FORGE_OK(forge_elementwise_step(&ce));
+        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "replay of step " << step;
+        ASSERT_TRUE(same_bits(cpu_e, gpu_e.download(cpu_e))) << "replay of step " << step;
+      }
+      CUDA_OK(cudaGraphExecDestroy(exec));
+      CUDA_OK(cudaGraphDestroy(graph));
+      EXPECT_TRUE(gpu.guards_intact());
+      EXPECT_TRUE(gpu_e.guards_intact());
+    }
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// A split-K step captured on a stream that never ran one: its workspace would be allocated
+// during the capture. Refused with an error that says what to do; nothing is launched.
+TEST(CudaGraph, SplitKWorkspaceMustExistBeforeCapture) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  const Shape s{96, 160, 1100};  // 2 tiles, 35 k-tiles: split-K
+  HostParam cpu = make_param(s.rows, s.cols, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, hp, 9);
+  DeviceParam gpu;
+  gpu.upload(cpu);
+  const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 1);
+  const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 2);
+  DeviceBuffer dx(x.bytes.size()), ddy(dy.bytes.size());
+  dx.upload(x.bytes.data(), x.bytes.size());
+  ddy.upload(dy.bytes.data(), dy.bytes.size());
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  forge_wgrad_args w{};
+  w.abi_version = FORGE_ABI_VERSION;
+  w.device = gpu_device(stream);
+  w.tokens = s.tokens;
+  w.x = dx.data();
+  w.x_dtype = FORGE_DTYPE_BF16;
+  w.ldx = s.cols;
+  w.dy = ddy.data();
+  w.dy_dtype = FORGE_DTYPE_BF16;
+  w.lddy = s.rows;
+  w.param = gpu.view(cpu);
+  w.hparams = hp;
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const forge_status status = forge_wgrad_step(&w);
+  const std::string message = forge_last_error();
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  EXPECT_EQ(status, FORGE_ERR_UNSUPPORTED);
+  EXPECT_NE(message.find("before capturing"), std::string::npos) << message;
+  size_t nodes = 0;
+  CUDA_OK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  EXPECT_EQ(nodes, 0u);
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
+  EXPECT_TRUE(same_bits(cpu, gpu.download(cpu)));
+}
+
+// A run_scalars buffer in host memory on a CUDA step: refused, naming the field.
+TEST(RunScalarsErrors, HostMemoryOnACudaStepIsRefused) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  alignas(16) static unsigned char host_run[FORGE_RUN_SCALARS_BYTES];
+  FORGE_OK(forge_run_scalars_fill(&hp, host_run, sizeof(host_run)));
+  HostParam cpu = make_param(4, 64, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, hp, 3);
+  DeviceParam gpu;
+  gpu.upload(cpu);
+  const Operand g = make_operand(4, 64, FORGE_DTYPE_BF16, 64, 0, Fill::kNormal, 4);
+  DeviceBuffer grad(g.bytes.size());
+  grad.upload(g.bytes.data(), g.bytes.size());
+  forge_hparams call = hp;
+  call.run_scalars = host_run;
+  forge_elementwise_args a = elementwise_args(grad.data(), gpu.view(cpu), call, gpu_device());
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("hparams.run_scalars"), std::string::npos)
+      << forge_last_error();
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bits(cpu, gpu.download(cpu)));
+}
+
+}  // namespace
+}  // namespace fgt
