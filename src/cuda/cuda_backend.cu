@@ -353,7 +353,10 @@ forge_status device_info(int index, DeviceInfo* out) {
 // kSlots = number of SMs fp32 tiles (the partials) + one arrival counter per tile. The
 // host never lets tiles × splits exceed the slots, so a step needs at most SMs × 64 KiB,
 // whatever the layer's size. Kernels on one stream run in order, so one workspace per
-// stream is never used by two launches at once; the map is guarded by a mutex.
+// stream is never used by two launches at once; the maps are guarded by a mutex.
+// A step captured into a CUDA graph gets the workspace of its capture instead (one per
+// capture sequence, also kept for the life of the process): a graph may be replayed on any
+// stream, beside eager steps on the stream it was captured from.
 struct Workspace {
   float* partials = nullptr;      // [slots][kBM][kBN]
   unsigned int* counters = nullptr;  // [slots], zero between launches
@@ -361,7 +364,8 @@ struct Workspace {
 };
 
 std::mutex g_workspace_mutex;
-std::map<std::pair<int, unsigned long long>, Workspace> g_workspaces;
+std::map<std::pair<int, unsigned long long>, Workspace> g_workspaces;          // by stream id
+std::map<std::pair<int, unsigned long long>, Workspace> g_capture_workspaces;  // by capture id
 
 forge_status stream_key(cudaStream_t stream, unsigned long long* key) {
   // NOTE: keyed by the stream's unique id, not its handle: a destroyed stream's handle can
@@ -377,42 +381,50 @@ forge_status stream_key(cudaStream_t stream, unsigned long long* key) {
   return FORGE_OK;
 }
 
+// Allocates ws (slots tiles, counters zeroed in stream order). While `stream` is being
+// captured, in relaxed capture mode: the allocation is not part of the graph.
+forge_status allocate_workspace(cudaStream_t stream, int slots, bool capturing, Workspace* ws) {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (capturing) FORGE_CUDA_TRY(cudaThreadExchangeStreamCaptureMode(&mode));
+  float* partials = nullptr;
+  unsigned int* counters = nullptr;
+  cudaError_t e = cudaMalloc(&partials, sizeof(float) * kTileElems * static_cast<size_t>(slots));
+  if (e == cudaSuccess) e = cudaMalloc(&counters, sizeof(unsigned int) * static_cast<size_t>(slots));
+  if (capturing) (void)cudaThreadExchangeStreamCaptureMode(&mode);  // the caller's mode back
+  if (e != cudaSuccess) {
+    if (partials) (void)cudaFree(partials);
+    return device_error(e, "cudaMalloc(split-K workspace)");
+  }
+  // (Under capture the memset is a node of the graph: it zeroes counters that are zero.)
+  e = cudaMemsetAsync(counters, 0, sizeof(unsigned int) * static_cast<size_t>(slots), stream);
+  if (e != cudaSuccess) {
+    (void)cudaFree(partials);
+    (void)cudaFree(counters);
+    return device_error(e, "cudaMemsetAsync(split-K counters)");
+  }
+  ws->partials = partials;
+  ws->counters = counters;
+  ws->slots = slots;
+  return FORGE_OK;
+}
+
 forge_status get_workspace(int device, cudaStream_t stream, int slots, Workspace* out) {
-  unsigned long long key = 0;
-  if (forge_status s = stream_key(stream, &key)) return s;
+  // NOTE: asked first: cudaStreamGetId is not permitted on a stream being captured.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  unsigned long long capture_id = 0;
+  FORGE_CUDA_TRY(cudaStreamGetCaptureInfo(stream, &capture, &capture_id));
+  const bool capturing = capture == cudaStreamCaptureStatusActive;
+  unsigned long long key = capture_id;
+  if (!capturing)
+    if (forge_status s = stream_key(stream, &key)) return s;
   std::lock_guard<std::mutex> lock(g_workspace_mutex);
-  Workspace& ws = g_workspaces[{device, key}];
+  Workspace& ws = (capturing ? g_capture_workspaces : g_workspaces)[{device, key}];
   if (ws.slots < slots) {
-    // A CUDA graph being captured cannot take memory allocated now (nor may it outlive a
-    // cudaFree of what an earlier capture recorded): the workspace must exist before.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    FORGE_CUDA_TRY(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone)
-      return fail(FORGE_ERR_UNSUPPORTED,
-                  "CUDA: device.stream is being captured into a CUDA graph, and its split-K "
-                  "workspace does not exist yet: run one step of this layer on that stream "
-                  "before capturing");
+    // (A capture's workspace is made once at full size: nothing it recorded is ever freed.)
     if (ws.partials) (void)cudaFree(ws.partials);
     if (ws.counters) (void)cudaFree(ws.counters);
     ws = Workspace{};
-    float* partials = nullptr;
-    unsigned int* counters = nullptr;
-    cudaError_t e = cudaMalloc(&partials, sizeof(float) * kTileElems * static_cast<size_t>(slots));
-    if (e != cudaSuccess) return device_error(e, "cudaMalloc(split-K workspace)");
-    e = cudaMalloc(&counters, sizeof(unsigned int) * static_cast<size_t>(slots));
-    if (e != cudaSuccess) {
-      (void)cudaFree(partials);
-      return device_error(e, "cudaMalloc(split-K counters)");
-    }
-    e = cudaMemsetAsync(counters, 0, sizeof(unsigned int) * static_cast<size_t>(slots), stream);
-    if (e != cudaSuccess) {
-      (void)cudaFree(partials);
-      (void)cudaFree(counters);
-      return device_error(e, "cudaMemsetAsync(split-K counters)");
-    }
-    ws.partials = partials;
-    ws.counters = counters;
-    ws.slots = slots;
+    if (forge_status s = allocate_workspace(stream, slots, capturing, &ws)) return s;
   }
   *out = ws;
   return FORGE_OK;
