@@ -4,7 +4,8 @@
     opt = forge.optim.AdamW(model, lr=3e-4, weight_decay=0.1, state_format="int8")
 
 forge.optim holds the optimizers (optim.py says how the update moves into backward);
-forge.lean the memory-lean activations (lean.py). forge.optim is
+forge.lean the memory-lean activations (lean.py); forge.graphs captures whole training
+steps as CUDA graphs (graphs.py). forge.optim is
 imported on first use and loads libforge then (through ctypes; _lib.py says where it is
 looked for), so `import forge` alone works without the library (forge.models, forge.data,
 forge-train --baseline torch), while `import forge.optim` fails early with a clear
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name in ("optim", "lean"):  # forge.lean needs no libforge
+    if name in ("optim", "lean", "graphs"):  # forge.lean and forge.graphs need no libforge
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'forge' has no attribute {name!r}")
 
@@ -34,4 +35,5 @@ def has_cuda() -> bool:
     return library().has_cuda
 
 
-__all__ = ["optim", "lean", "ForgeError", "LibraryNotFound", "library", "has_cuda", "__version__"]
+__all__ = ["optim", "lean", "graphs", "ForgeError", "LibraryNotFound", "library", "has_cuda",
+           "__version__"]

@@ -18,9 +18,12 @@ import threading
 from pathlib import Path
 from typing import List, Optional
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 INT8_BLOCK = 64
 MAX_STATES = 3
+# Bytes of a run-scalars buffer (Hparams.run_scalars, Library.run_scalars_fill): what a
+# CUDA-graph-captured step reads its step, lr and seed dependent scalars from when it runs.
+RUN_SCALARS_BYTES = 256
 
 # forge_status
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OUT_OF_MEMORY, ERR_INTERNAL = range(6)
@@ -61,7 +64,8 @@ class Hparams(ctypes.Structure):  # forge_hparams
                 ("momentum_decay", _c_double), ("alpha", _c_double), ("momentum", _c_double),
                 ("dampening", _c_double), ("nesterov", _c_int32), ("centered", _c_int32),
                 ("lr_decay", _c_double), ("initial_accumulator_value", _c_double),
-                ("grad_scale", _c_double), ("seed", ctypes.c_uint64)]
+                ("grad_scale", _c_double), ("seed", ctypes.c_uint64),
+                ("run_scalars", _c_void_p)]
 
 
 class Param(ctypes.Structure):  # forge_param
@@ -152,9 +156,14 @@ class Library:
         self.path = path
         lib = ctypes.CDLL(str(path))
         self._lib = lib
+        # The version first: an older library lacks newer entry points (a clearer error).
+        lib.forge_abi_version.argtypes, lib.forge_abi_version.restype = [], _c_int32
+        abi = lib.forge_abi_version()
+        if abi != ABI_VERSION:
+            raise ImportError(f"{path}: libforge speaks ABI {abi}, this package {ABI_VERSION}; "
+                              "rebuild the library from this checkout")
         P = ctypes.POINTER
         sigs = {
-            "forge_abi_version": ([], _c_int32),
             "forge_version_string": ([], ctypes.c_char_p),
             "forge_capabilities": ([], ctypes.c_uint32),
             "forge_last_error": ([], ctypes.c_char_p),
@@ -165,15 +174,13 @@ class Library:
             "forge_state_to_fp32": ([P(Param), P(Hparams), _c_int32, _c_float_p, Device], _c_int32),
             "forge_state_from_fp32": ([P(Param), P(Hparams), _c_int32, _c_float_p, Device],
                                       _c_int32),
+            "forge_run_scalars_fill": ([P(Hparams), _c_void_p, _c_int64], _c_int32),
             "forge_wgrad_step": ([P(WgradArgs)], _c_int32),
             "forge_elementwise_step": ([P(ElementwiseArgs)], _c_int32),
         }
         for name, (argtypes, restype) in sigs.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
-        abi = lib.forge_abi_version()
-        if abi != ABI_VERSION:
-            raise ImportError(f"{path}: libforge speaks ABI {abi}, this package {ABI_VERSION}")
         self.capabilities = int(lib.forge_capabilities())
         self.version = lib.forge_version_string().decode()
 
@@ -216,6 +223,14 @@ class Library:
         self.check(self._lib.forge_state_from_fp32(ctypes.byref(param), ctypes.byref(hp), index,
                                                    ctypes.cast(in_ptr, _c_float_p), device),
                    "forge_state_from_fp32")
+
+    def run_scalars_fill(self, hp: Hparams, address: int, nbytes: int) -> None:
+        """Writes the scalars a step with hp's step, lr and seed reads into the host memory
+        at `address` (`nbytes` >= RUN_SCALARS_BYTES); hp.run_scalars is ignored. Called
+        once per parameter before every graph replay: passed as the per-update calls below."""
+        status = self._lib.forge_run_scalars_fill(hp, address, nbytes)
+        if status:
+            self.check(status, "forge_run_scalars_fill")
 
     # NOTE: the two per-update calls pass the struct itself (ctypes takes its address, as
     # argtypes is a POINTER to its type: ~130 ns less than ctypes.byref) and call check()

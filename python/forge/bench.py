@@ -10,6 +10,8 @@ PyTorch users have today, on real model shapes, and the convergence-parity repor
                                                   # + GPU time by kernel category (step_profile.py)
     forge-bench --models llama-3.1-8b --seqs 2048 --ckpt off --modes torch-adamw forge-bf16 --rounds 2
                                                   # each mode once first, once second: the median
+    forge-bench --models llama-3.1-8b --seqs 512 --ckpt off --cuda-graph
+                                                  # every timed step replayed as one CUDA graph
 
 Models are built from their public configs written below (no download): transformers'
 config class, random weights, created directly on the GPU in bf16 under a device context
@@ -21,6 +23,9 @@ Modes, batch 1, one step = forward + backward + optimizer:
   forge-bf16 / forge-int8 / forge-fp32-master   forge.optim.AdamW with those states
 Peak = torch.cuda.max_memory_allocated() (reset after the model is built, so weights count),
 time = median of 8 steps after 2 warm-ups, timed with CUDA events. Out-of-memory is a result.
+--cuda-graph: each step runs through forge.graphs.CUDAGraphStep (the warm-ups eager, one
+untimed call that captures, then the timed steps are replays; torch AdamW with
+capturable=True; torch-hooks is reported unsupported).
 Results are rewritten after every case, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import gc
 import json
 import os
@@ -114,7 +120,7 @@ TARGETS = [
     ("llama-3.1-8b", 512, False, "forge-int8-lean", "step_ms", 150.0),
 ]
 FIELDS = ["model", "seq", "ckpt", "mode", "status", "peak_gib", "step_ms", "tokens_per_s",
-          "params_b", "weights_gib", "note"]
+          "params_b", "weights_gib", "note", "graph"]
 
 
 class BenchError(Exception):
@@ -170,11 +176,12 @@ def model_loss(model, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- modes
 
-def make_optimizer(mode: str, model, device: torch.device):
-    """The optimizer object for a mode (None for torch-hooks, which lives in the hooks)."""
+def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
+    """The optimizer object for a mode (None for torch-hooks, which lives in the hooks);
+    graph: its steps will be captured as a CUDA graph (torch's AdamW then capturable)."""
     fused = device.type == "cuda"
     if mode == "torch-adamw":
-        return torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
+        return torch.optim.AdamW(model.parameters(), lr=LR, fused=fused, capturable=graph)
     if mode == "torch-hooks":
         return OptimizerInBackward(model, fused)
     import forge.optim
@@ -245,9 +252,13 @@ class Timer:
 
 
 def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.device,
-             dtype: torch.dtype, profile: int = 0) -> dict:
+             dtype: torch.dtype, profile: int = 0, graph: bool = False) -> dict:
     """Builds the model, runs WARMUP_STEPS + TIMED_STEPS steps (then `profile` steps under
-    torch.profiler when > 0); raises on OOM."""
+    torch.profiler when > 0; graph: the steps as CUDA graph replays); raises on OOM."""
+    if graph and mode == "torch-hooks":
+        return dict(status="unsupported",
+                    note="not captured as a CUDA graph: its per-parameter torch optimizers step "
+                         "in autograd hooks")
     # Memory still held from earlier cases would inflate this case's peak: record it.
     leftover = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     model = build_model(model_name, device, dtype)
@@ -266,10 +277,10 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
         weights = torch.cuda.memory_allocated()
     else:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    optimizer = make_optimizer(mode, model, device)
+    optimizer = make_optimizer(mode, model, device, graph)
     try:
         return timed_steps(model, optimizer, seq, device, n_params, weights, leftover, profile,
-                           lean=mode in LEAN_MODES)
+                           lean=mode in LEAN_MODES, graph=graph)
     finally:
         if isinstance(optimizer, OptimizerInBackward):
             optimizer.close()
@@ -303,11 +314,19 @@ def train_phases(model, optimizer, tokens: torch.Tensor, lean: bool = False):
 
 
 def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
-                weights: int, leftover: int, profile: int = 0, lean: bool = False) -> dict:
+                weights: int, leftover: int, profile: int = 0, lean: bool = False,
+                graph: bool = False) -> dict:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, seq), generator=g).to(device)
     timer = Timer(device)
+    warmup, step = WARMUP_STEPS, functools.partial(train_step, model, optimizer, tokens, lean)
+    if graph:
+        from forge.graphs import CUDAGraphStep
+        graphed = CUDAGraphStep(functools.partial(train_step, model, optimizer, lean=lean),
+                                optimizers=[optimizer], warmup=WARMUP_STEPS)
+        # the call that captures (and replays once) is one more warm-up, not timed
+        warmup, step = WARMUP_STEPS + 1, functools.partial(graphed, tokens)
 
     def timed(count: int):
         """`count` steps: each one's milliseconds (events on a GPU) and the host's time to
@@ -316,12 +335,12 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
         for _ in range(count):
             timer.start()
             t0 = time.perf_counter()
-            loss = train_step(model, optimizer, tokens, lean)
+            loss = step()
             host.append((time.perf_counter() - t0) * 1e3)
             times.append(timer.stop_ms())
         return times, host, loss
 
-    timed(WARMUP_STEPS)
+    timed(warmup)
     times, host, loss = timed(TIMED_STEPS)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     step_ms = statistics.median(times)
@@ -355,13 +374,16 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(model_name, seq, ckpt, mode, device, dtype, profile: int = 0) -> dict:
+def measure(model_name, seq, ckpt, mode, device, dtype, profile: int = 0,
+            graph: bool = False) -> dict:
     """One row; out-of-memory and other failures are recorded, never raised."""
     row = dict(model=model_name, seq=seq, ckpt=ckpt, mode=mode)
+    if graph:
+        row["graph"] = True
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            row.update(run_case(model_name, seq, ckpt, mode, device, dtype, profile))
+            row.update(run_case(model_name, seq, ckpt, mode, device, dtype, profile, graph))
         # FORGE's own warnings (e.g. a tied weight on the materialized-gradient path)
         # qualify the measurement: keep them with the row.
         forge_notes = sorted({str(w.message)[len("forge:"):].strip()[:200] for w in caught
@@ -417,7 +439,8 @@ def cell(row: dict) -> str:
     if row["status"] == "ok":
         mem = f"{row['peak_gib']:.1f} GiB, " if row.get("peak_gib") is not None else ""
         return f"{mem}{row['step_ms']:.1f} ms"
-    return {"oom": "OOM", "skipped": "skipped"}.get(row["status"], "error")
+    labels = {"oom": "OOM", "skipped": "skipped", "unsupported": "unsupported"}
+    return labels.get(row["status"], "error")
 
 
 def markdown(info: dict, rows: List[dict]) -> str:
@@ -426,7 +449,10 @@ def markdown(info: dict, rows: List[dict]) -> str:
              f"torch {info['torch']}, transformers {info['transformers']}, forge "
              f"{info['forge']}, {info['date']}. Batch 1, bf16 weights, median of "
              f"{TIMED_STEPS} steps after {WARMUP_STEPS} warm-ups (forward + backward + "
-             "optimizer); peak = torch.cuda.max_memory_allocated() (GPU runs only).", "",
+             "optimizer); peak = torch.cuda.max_memory_allocated() (GPU runs only)."
+             + (" Every timed step was one CUDA graph replay (--cuda-graph: "
+                "forge.graphs.CUDAGraphStep, torch AdamW capturable=True)."
+                if any(r.get("graph") for r in rows) else ""), "",
              f"Command: `{info['command']}`", "",
              "| model | seq | " + " | ".join(modes) + " |",
              "| --- | --- | " + " | ".join("---" for _ in modes) + " |"]
@@ -489,12 +515,13 @@ def summarize(directory: str) -> int:
         with open(benches[-1]) as f:
             saved = json.load(f)
         rows = saved["results"]
-        counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "oom", "error", "skipped")}
+        counts = {s: sum(r["status"] == s for r in rows)
+                  for s in ("ok", "oom", "error", "skipped", "unsupported")}
         lines.append(f"bench ({os.path.basename(benches[-1])}): " +
                      ", ".join(f"{n} {s}" for s, n in counts.items() if n))
         for r in rows:
             lines.append(f"  {r['model']:>13} {r['seq']:>5}{' ckpt' if r['ckpt'] else '     '} "
-                         f"{r['mode']:<18} {cell(r)}")
+                         f"{r['mode'] + ('+graph' if r.get('graph') else ''):<24} {cell(r)}")
         for c in target_checks(rows):
             lines.append(f"  target {c['case']}: {c['target']}: {c['measured']} -> {c['met']}")
     else:
@@ -857,6 +884,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "time is then the median of its rounds' medians (order-balanced: on "
                         "the H200 the later of two modes has measured 1-2 %% slower); "
                         "--profile runs in the first round only")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="run every step through forge.graphs.CUDAGraphStep: the warm-ups eager, "
+                        "then one capture, then the timed steps as CUDA graph replays (torch "
+                        "AdamW with capturable=True; torch-hooks: unsupported); host time is "
+                        "the replay call's")
     p.add_argument("--replot", metavar="JSON", help="redraw md/csv/png from a results JSON")
     p.add_argument("--summarize", metavar="DIR",
                    help="print a short summary of the newest bench and parity results in DIR")
@@ -955,6 +987,9 @@ def main(argv=None) -> int:
             raise BenchError(f"--profile: STEPS must be >= 0, got {args.profile}")
         if args.rounds < 1:
             raise BenchError(f"--rounds: N must be >= 1, got {args.rounds}")
+        if args.cuda_graph and (args.profile or args.parity):
+            raise BenchError("--cuda-graph: not with --profile or --parity (a replay is one "
+                             "launch: the profile's phases and the training runs are eager)")
         if args.summarize:
             return summarize(args.summarize)
         if args.replot:
@@ -968,6 +1003,8 @@ def main(argv=None) -> int:
                               else ("cpu" if args.device == "auto" else args.device))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise BenchError("--device cuda: no CUDA GPU is available to torch")
+        if args.cuda_graph and device.type != "cuda":
+            raise BenchError(f"--cuda-graph: CUDA graphs need a CUDA device, not {device}")
         info = environment(device, argv)
         if args.parity:
             return parity_report(args, info)
@@ -997,7 +1034,7 @@ def main(argv=None) -> int:
         try:
             # NOTE: the profile, if asked for, in the first round only
             row = measure(model, seq, ckpt, mode, device, dtype,
-                          args.profile if i < first_round else 0)
+                          args.profile if i < first_round else 0, args.cuda_graph)
         except BenchError as e:
             print(f"forge-bench: error: {e}", file=sys.stderr)
             return 2

@@ -29,6 +29,13 @@ A second backward before step() raises, unless accumulate_grad=True: then no upd
 in backward, every parameter's full gradient is kept in .grad (as torch.optim does: one
 gradient-sized buffer per parameter, the memory FORGE otherwise saves), and step()
 applies them. That mode also makes global-norm clipping of .grad exact.
+
+CUDA graphs (forge.graphs.CUDAGraphStep): while a step is captured, each update is
+launched with hparams.run_scalars pointing at the parameter's 256-byte region of a device
+buffer, from which the kernel reads its step, lr and seed dependent scalars when it runs;
+the capture advances no step count. Before each replay _prepare_replay advances the counts,
+fills the regions from the param groups of that moment (so an LR scheduler applies) and
+copies them to the device in one transfer.
 """
 from __future__ import annotations
 
@@ -144,6 +151,61 @@ def _materialize_dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> 
     return dy2.t().matmul(x2).to(weight.dtype)
 
 
+class _RunScalars:
+    """One device's run-scalars buffer: RUN_SCALARS_BYTES per parameter (by slot index), read
+    by captured kernels, and two pinned host staging buffers _prepare_replay fills in turn.
+
+    NOTE: two staging buffers, each with an event recorded after its copy: the host fills
+    one while the copy from the other may still be pending, and waits on a buffer's event
+    only before refilling it, so filling step n+1 never writes bytes step n's copy reads."""
+
+    def __init__(self, count: int, device: torch.device):
+        nbytes = count * _lib.RUN_SCALARS_BYTES
+        self.count = count
+        self.device = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.device_address = self.device.data_ptr()  # 512-byte aligned (caching allocator)
+        self.staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(2)]
+        self.events = [torch.cuda.Event(), torch.cuda.Event()]
+        self.current = 1
+        self.host_address = 0
+
+    def next_staging(self) -> None:
+        """The other staging buffer, once its last copy is done: host_address is its start."""
+        self.current ^= 1
+        self.events[self.current].synchronize()  # (returns at once if never recorded)
+        self.host_address = self.staging[self.current].data_ptr()
+
+    def upload(self) -> None:
+        """Copies the current staging buffer to the device on the device's current stream."""
+        self.device.copy_(self.staging[self.current], non_blocking=True)
+        self.events[self.current].record(torch.cuda.current_stream(self.device.device))
+
+
+class _Capture:
+    """What one capture of an optimizer's step recorded (_begin_capture .. _end_capture)."""
+
+    def __init__(self, step_id: int, states_loaded: int, last_stats):
+        self.step_id = step_id              # opt._step_id when the capture began
+        self.states_loaded = states_loaded  # opt._states_loaded then
+        self.last_stats = last_stats        # opt._last_stats then (restored after)
+        self.run_scalars: Dict[int, _RunScalars] = {}  # device index -> buffers it reads
+        # (slot, its hyper-parameters but step/lr/seed, its buffers) per update captured
+        self.slots: List[Tuple[_Slot, tuple, _RunScalars]] = []
+        self.seen: set = set()              # id(slot) of those
+        self.fixed: Dict[tuple, tuple] = {}  # the distinct _fixed_hparams of those, interned
+        self.steps = 0                      # opt.step() calls captured
+        self.stats = None                   # the statistics tensors the captured step writes
+
+
+# What a captured update keeps: every field but these, which are read at each replay.
+_REPLAY_FIELDS = ("step", "lr", "seed", "run_scalars")
+
+
+def _fixed_hparams(hp: _lib.Hparams) -> tuple:
+    return tuple(getattr(hp, name) for name, _ in hp._fields_ if name not in _REPLAY_FIELDS)
+
+
 class _ForgeOptimizer(torch.optim.Optimizer):
     """The shared machinery; the public classes only say which rule and which keys.
 
@@ -220,6 +282,15 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._stats_outputs: Dict[torch.device, _lib.StepOutputs] = {}  # pointers into _stats
         self._last_stats: Optional[Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]]] = None
+        # CUDA graphs (see forge.graphs): the capture in progress (its updates read their
+        # scalars from run-scalars buffers), the last one ended, the buffers by device index,
+        # and a count of load_state_dict calls (they replace the state tensors a graph reads).
+        self._capturing = False
+        self._capture: Optional[_Capture] = None
+        self._last_capture: Optional[_Capture] = None
+        self._run_scalars: Dict[int, _RunScalars] = {}
+        self._states_loaded = 0
+        self._any_cuda = False  # a parameter on CUDA (set by _attach)
         self._attached = True
         self._attach(model, all_params, names)
 
@@ -264,6 +335,12 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._capturing and self._any_cuda and torch.cuda.is_current_stream_capturing():
+            warnings.warn(
+                "forge: this step is being captured into a CUDA graph, but not by a "
+                "forge.graphs.CUDAGraphStep given this optimizer: every replay would repeat this "
+                "step's step number, lr and rounding seed; capture it with "
+                "forge.graphs.CUDAGraphStep(fn, optimizers=[..., this optimizer])", stacklevel=2)
         missed = [s.name for s in self._slots.values() if s.pending or s.partial is not None]
         if missed:
             warnings.warn(
@@ -319,6 +396,26 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             slot.partial = None
             slot.uses = 0
         super().zero_grad(set_to_none=set_to_none)
+
+    def rebind_streams(self) -> None:
+        """Binds the gradient nodes of the fused nn.Linear weights to the current CUDA stream.
+
+        FORGE holds each fused weight's AccumulateGrad node to hook it; torch (2.11) records
+        in that node the stream current when it was made (this optimizer's construction).
+        Backward on another stream then syncs with that stream and warns that "the
+        AccumulateGrad node's stream does not match", and a CUDA-graph capture on another
+        stream fails (cudaErrorStreamCaptureInvalidated). Call this, between steps, under the
+        stream the steps will run on; forge.graphs.CUDAGraphStep does."""
+        if not self._attached:
+            return
+        for slot in self._slots.values():
+            if slot.mode != "fused":
+                continue
+            for h in slot.handles:
+                h.remove()
+            slot.handles.clear()
+            slot.acc_node = None  # the only reference: the node goes, the next one is new
+            self._hook_weight_node(slot)
 
     def detach(self) -> None:
         """Gives the model back: plain nn.Linear forwards, no hooks. The optimizer is
@@ -427,6 +524,7 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             step = saved_state["step"]
             st["step"] = int(step.item() if torch.is_tensor(step) else step)
         self._step_id = int(meta.get("step_id", 0))
+        self._states_loaded += 1  # new state tensors: a captured step no longer reads them
         for slot in self._slots.values():
             slot.updated_at = -1
             slot.pending.clear()
@@ -519,6 +617,7 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             if isinstance(m, nn.Linear):
                 linears.setdefault(id(m.weight), []).append(m)
         post_hook, pre_hook = _has_post_accumulate_hook(), _has_node_prehook()
+        self._any_cuda = self._any_cuda or any(p.is_cuda for p in params)
         shared = []
         for p in params:
             p_names = names[id(p)]
@@ -536,15 +635,7 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             self._slots[id(p)] = slot
             _OWNERS[id(p)] = weakref.ref(slot)
             if mode == "fused":
-                with torch.enable_grad():
-                    slot.acc_node = p.view_as(p).grad_fn.next_functions[0][0]
-                ref = weakref.ref(slot)
-                slot.handles.append(slot.acc_node.register_prehook(
-                    lambda grads, ref=ref: _weight_grad_ready(ref, grads)))
-                # Fallback: torch 2.4's non-reentrant checkpoint runs W's AccumulateGrad
-                # without its pre-hooks (but with its post-hooks); see _on_weight_grad_done.
-                slot.handles.append(slot.acc_node.register_hook(
-                    lambda grad_inputs, grad_outputs, ref=ref: _weight_grad_done(ref)))
+                self._hook_weight_node(slot)
                 for m in mods:
                     _linear.patch(m, slot)
                     slot.modules.append(m)
@@ -557,6 +648,20 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                 "forge: parameters used in more than one place take the materialized-gradient "
                 "path (their full gradient is accumulated and applied in opt.step()): "
                 + "; ".join(shared), stacklevel=4)  # the user's constructor call
+
+    def _hook_weight_node(self, slot: _Slot) -> None:
+        """Holds W's AccumulateGrad node (torch makes it now if none exists, for the current
+        stream) and hooks it: the pre-hook runs the fused step (_on_weight_grad_ready)."""
+        p = slot.param
+        with torch.enable_grad():
+            slot.acc_node = p.view_as(p).grad_fn.next_functions[0][0]
+        ref = weakref.ref(slot)
+        slot.handles.append(slot.acc_node.register_prehook(
+            lambda grads, ref=ref: _weight_grad_ready(ref, grads)))
+        # Fallback: torch 2.4's non-reentrant checkpoint runs W's AccumulateGrad without its
+        # pre-hooks (but with its post-hooks); see _on_weight_grad_done.
+        slot.handles.append(slot.acc_node.register_hook(
+            lambda grad_inputs, grad_outputs, ref=ref: _weight_grad_done(ref)))
 
     # ------------------------------------------------------------------ backward callbacks
 
@@ -673,6 +778,100 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             raise self._second_update_error(slot)
         self._update(slot, grad=p.grad)
         p.grad = None
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _begin_capture(self) -> None:
+        """forge.graphs calls this before it captures a step: the updates launched until
+        _end_capture read their scalars from this optimizer's run-scalars buffers. (The
+        caller has checked that every parameter is on CUDA.)"""
+        if not self._attached:
+            raise RuntimeError("forge: this optimizer was detached from its model")
+        # NOTE: no statistics tensors yet: the capture makes its own with torch.zeros, whose
+        # fill is captured, so every replay adds into zeros (the step's grad_norm).
+        if self._stats or any(s.pending or s.partial is not None for s in self._slots.values()):
+            raise RuntimeError("forge: a step is in progress (a backward ran without "
+                               "opt.step()); finish it before capturing a step")
+        cap = _Capture(self._step_id, self._states_loaded, self._last_stats)
+        # NOTE: the buffers are made here, outside the capture (allocations inside it come
+        # from the graph's private pool); a graph keeps the ones it reads through its _Capture.
+        count = 1 + max((slot.index for slot in self._slots.values()), default=0)
+        for index in {slot.device.index for slot in self._slots.values()}:
+            rs = self._run_scalars.get(index)
+            if rs is None or rs.count < count:  # (parameters added since: a larger one)
+                rs = self._run_scalars[index] = _RunScalars(count, torch.device("cuda", index))
+            cap.run_scalars[index] = rs
+        self._capture, self._capturing = cap, True
+
+    def _end_capture(self) -> "_Capture":
+        """Ends the capture begun by _begin_capture (also after a failed one) and returns what
+        it recorded. The capture ran nothing, so this undoes its bookkeeping: the step it went
+        through is not a step taken (the first replay is)."""
+        cap, self._capture, self._capturing = self._capture, None, False
+        cap.steps = self._step_id - cap.step_id
+        cap.stats = self._last_stats if cap.steps == 1 else None
+        cap.slots.sort(key=lambda entry: entry[0].index)  # NOTE: a group's slots adjacent
+        self._step_id, self._last_stats = cap.step_id, cap.last_stats
+        self._stats, self._stats_outputs = {}, {}
+        for slot in self._slots.values():
+            slot.pending.clear()
+            slot.partial = None
+            slot.uses = 0
+            if slot.updated_at >= cap.step_id:
+                slot.updated_at = cap.step_id - 1
+        self._last_capture = cap
+        return cap
+
+    def _capture_region(self, slot: _Slot, hparams: _lib.Hparams) -> int:
+        """The device address of slot's run-scalars region, for an update being captured
+        with the group's hyper-parameters `hparams`; records the slot for _prepare_replay."""
+        cap = self._capture
+        if id(slot) in cap.seen:
+            raise RuntimeError(f"forge: parameter '{slot.name}' was updated twice in one "
+                               "captured step; a CUDA graph step holds one optimizer step")
+        fixed = _fixed_hparams(hparams)
+        fixed = cap.fixed.setdefault(fixed, fixed)  # one object per value: compared by identity
+        rs = cap.run_scalars[slot.device.index]
+        cap.seen.add(id(slot))
+        cap.slots.append((slot, fixed, rs))
+        return rs.device_address + slot.index * _lib.RUN_SCALARS_BYTES
+
+    def _prepare_replay(self, capture: Optional["_Capture"] = None) -> None:
+        """Before a replay of a captured step (`capture`, _end_capture's; default the last):
+        advances every captured parameter's step count, fills its run-scalars region for that
+        step from its param group as it is now (a scheduler's new lr), copies the regions to
+        the device in one transfer on the current stream, and closes the step's bookkeeping
+        (the statistics are the tensors the replay writes)."""
+        cap = capture if capture is not None else self._last_capture
+        if cap is None:
+            raise RuntimeError("forge: no captured step to replay")
+        if cap.states_loaded != self._states_loaded:
+            raise RuntimeError("forge: load_state_dict replaced the optimizer states after this "
+                               "step was captured; capture it again (a new CUDAGraphStep)")
+        for rs in cap.run_scalars.values():
+            rs.next_staging()
+        step_id, nbytes = self._step_id, _lib.RUN_SCALARS_BYTES
+        base = fixed_checked = hp = None
+        for slot, fixed, rs in cap.slots:
+            group_hp = self._group_hparams(self._group_of(slot))[0]
+            if group_hp is not base or fixed is not fixed_checked:  # NOTE: once per group
+                if _fixed_hparams(group_hp) != fixed:
+                    raise RuntimeError(
+                        f"forge: the hyper-parameters of parameter '{slot.name}' changed since "
+                        "its step was captured; between replays only lr may change (capture "
+                        "again for other changes)")
+                base, fixed_checked = group_hp, fixed
+                hp = _lib.Hparams.from_buffer_copy(group_hp)
+            st = self.state[slot.param]
+            step = st["step"] + 1
+            hp.step, hp.seed = step, self.seed + slot.index
+            self._lib.run_scalars_fill(hp, rs.host_address + slot.index * nbytes, nbytes)
+            st["step"] = step
+            slot.updated_at = step_id
+        for rs in cap.run_scalars.values():
+            rs.upload()
+        self._last_stats = cap.stats
+        self._step_id = step_id + 1
 
     # ------------------------------------------------------------------ the update
 
@@ -883,7 +1082,12 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                                "the model")
         group = self._group_of(slot)
         st = self.state.get(p)
+        capturing = self._capturing
         if not st:
+            if capturing:  # the states' initialization would be replayed with every step
+                raise RuntimeError(f"forge: parameter '{slot.name}' has no optimizer state yet: "
+                                   "run at least one step eagerly before capturing one "
+                                   "(CUDAGraphStep's warmup)")
             st = self._allocate_state(slot, group, init=True)
         elif slot.signature is None:
             slot.signature = self._signature(slot, group)
@@ -913,6 +1117,8 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             # args), not in a fresh struct copied in: half the time.
             hp = args.hparams
             hp.step, hp.seed = step, self.seed + slot.index
+            if capturing:
+                hp.run_scalars = self._capture_region(slot, hparams)
             self._lib.wgrad_step(args)
         else:
             with torch.no_grad():
@@ -926,8 +1132,11 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             args.param, args.hparams, args.outputs = param, hparams, outputs
             hp = args.hparams
             hp.step, hp.seed = step, self.seed + slot.index
+            if capturing:
+                hp.run_scalars = self._capture_region(slot, hparams)
             self._lib.elementwise_step(args)
-        st["step"] = step
+        if not capturing:  # a captured update runs at each replay: _prepare_replay counts it
+            st["step"] = step
         slot.updated_at = self._step_id
 
 
@@ -1022,8 +1231,9 @@ def _refuse(**flags) -> None:
                           "state); use amsgrad=False",
                "differentiable": "differentiable=True is not supported: FORGE updates weights "
                                  "in place outside autograd",
-               "capturable": "capturable=True is not supported (no CUDA-graph capture of the "
-                             "host-side step scalars)"}
+               "capturable": "capturable=True is not supported: capture FORGE steps as CUDA "
+                             "graphs with forge.graphs.CUDAGraphStep, which gives every "
+                             "replay its step number and lr"}
     for key, value in flags.items():
         if value:
             raise ValueError(reasons[key])
