@@ -76,7 +76,7 @@ HPARAM_FLAGS = {"betas": "--betas", "eps": "--eps", "weight_decay": "--weight-de
 TRAJECTORY_OPTIONS = ("model", "data", "max_data_mb", "optimizer", "lr", "betas", "eps",
                       "weight_decay", "alpha", "momentum", "centered", "lr_decay", "dampening",
                       "nesterov", "state_format", "master_weights", "stochastic_rounding",
-                      "seq_len", "batch_size", "warmup", "min_lr_ratio", "bf16", "seed",
+                      "seq_len", "batch_size", "warmup", "min_lr_ratio", "bf16", "amp", "seed",
                       "baseline", "steps",
                       # NOTE: bit-identical in bf16 only; in fp32 it sums an RMSNorm's
                       # gradient terms in another order (forge.lean).
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-lr-ratio", type=float, default=0.1,
                    help="the cosine ends at this fraction of --lr")
     g.add_argument("--bf16", action="store_true", help="bf16 weights (default: fp32)")
+    g.add_argument("--amp", action="store_true",
+                   help="mixed precision: fp32 weights (and optimizer states), forward and "
+                        "backward under torch.autocast(bfloat16); not with --bf16")
     g.add_argument("--activation-checkpointing", action="store_true")
     g.add_argument("--lean-activations", action=argparse.BooleanOptionalAction, default=False,
                    help="recompute RMSNorm and the SwiGLU product in backward instead of "
@@ -181,6 +184,12 @@ def resolve_optimizer(args, explicit) -> OptimizerSpec:
             raise TrainError(f"--{forge_only[0].replace('_', '-')} is a FORGE option; it "
                              "does not apply with --baseline torch")
     return spec
+
+
+def check_precision(args):
+    if args.amp and args.bf16:
+        raise TrainError("--amp keeps fp32 weights and computes in bf16 under autocast; "
+                         "--bf16 stores the weights in bf16: choose one")
 
 
 def check_numbers(args):
@@ -474,6 +483,7 @@ def train(args, explicit=frozenset()) -> TrainResult:
         resume_state = load_checkpoint(resume_from)
         apply_saved_args(args, explicit, resume_state["args"], resume_from)
         spec = resolve_optimizer(args, explicit)
+    check_precision(args)
     device = pick_device(args.device)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     warmup = args.warmup if args.warmup is not None else args.steps // 20
@@ -530,7 +540,8 @@ def train(args, explicit=frozenset()) -> TrainResult:
 
     n_params = forge_models.count_parameters(model)
     print(f"forge-train: model {args.model} ({n_params / 1e6:.2f} M parameters, "
-          f"{str(dtype).replace('torch.', '')}) on {device}; data {data.description}; "
+          f"{str(dtype).replace('torch.', '')}{', bf16 autocast' if args.amp else ''}) on "
+          f"{device}; data {data.description}; "
           f"tokenizer {tokenizer.name}; optimizer {opt_label}; "
           f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
           + (f"; resuming at step {start}" if start else ""), flush=True)
@@ -548,7 +559,8 @@ def train(args, explicit=frozenset()) -> TrainResult:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             tokens = data.batch(step, device)
-            loss = lm_loss(model, tokens)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+                loss = lm_loss(model, tokens)
             loss.backward()           # FORGE: every nn.Linear weight is updated here
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

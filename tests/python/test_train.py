@@ -69,6 +69,28 @@ def test_other_optimizers_and_options_run(tmp_path):
                 "--out", tmp_path / "lion"] + SMALL) == 0
 
 
+@pytest.mark.parametrize("baseline", [[], ["--baseline", "torch"]], ids=["forge", "torch"])
+def test_amp_keeps_fp32_weights_and_computes_in_bf16(tmp_path, monkeypatch, baseline):
+    """--amp: fp32 parameters, the loss computed under bf16 autocast (the matmuls' outputs are
+    bf16), and a loss curve that differs from the fp32 run's by bf16 rounding only."""
+    seen = []
+    real_loss = forge_train.lm_loss
+
+    def spy(model, tokens, lean=False):
+        seen.append((next(model.parameters()).dtype, torch.is_autocast_enabled("cpu")))
+        return real_loss(model, tokens, lean)
+    monkeypatch.setattr(forge_train, "lm_loss", spy)
+    common = ["--steps", 4, "--lr", "3e-3"] + SMALL + baseline
+    assert run(common + ["--amp", "--out", tmp_path / "amp"]) == 0
+    assert seen and all(s == (torch.float32, True) for s in seen)
+    seen.clear()
+    assert run(common + ["--out", tmp_path / "fp32"]) == 0
+    assert all(s == (torch.float32, False) for s in seen)
+    amp, fp32 = metrics(tmp_path / "amp")["losses"], metrics(tmp_path / "fp32")["losses"]
+    assert amp != fp32
+    assert max(abs(a - b) for a, b in zip(amp, fp32)) < 0.05
+
+
 @pytest.mark.parametrize("formats", [[], ["--bf16", "--state-format", "int8"]],
                          ids=["fp32", "bf16-int8-states"])
 def test_resume_after_interruption_is_bit_exact(tmp_path, monkeypatch, formats):
@@ -142,6 +164,7 @@ BAD_INPUTS = {
                           "torch.optim has no Lion"),
     "negative steps": (lambda t: ["--steps", -1], "--steps must be positive"),
     "empty data directory": (lambda t: ["--data", t], "no text files"),
+    "--amp with --bf16": (lambda t: ["--amp", "--bf16"], "choose one"),
 }
 
 
@@ -404,8 +427,12 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
     assert len(report["spread"]["torch_pairs"]) == 3  # reference and two noise runs
     assert set(report["spread"]["forge"]) == {"forge-bf16-sr", "forge-int8"}
     # run order: a call cut short keeps the bf16 comparison beside a noise floor
-    assert list(report["runs"]) == [bench.PARITY_REFERENCE, "forge-bf16-sr", noise[0],
-                                    "forge-int8", noise[1]]
+    assert list(report["runs"]) == [bench.PARITY_REFERENCE, "forge-bf16-sr",
+                                    bench.PARITY_AMP_REFERENCE, noise[0], "forge-int8", noise[1]]
+    # every other run measured against the mixed-precision (fp32 weights, autocast) run
+    assert set(report["against_amp"]) == set(report["runs"]) - {bench.PARITY_AMP_REFERENCE}
+    assert report["runs"][bench.PARITY_AMP_REFERENCE]["losses"] != \
+        report["runs"][bench.PARITY_REFERENCE]["losses"]  # fp32 weights: another run
     for c in report["comparisons"].values():
         assert c["steps"] == 4 and c["mean_abs_diff_last_half"] >= 0
     # two noise seeds: two different perturbed runs, both measured as the floor
