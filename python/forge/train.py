@@ -82,7 +82,8 @@ TRAJECTORY_OPTIONS = ("model", "data", "max_data_mb", "optimizer", "lr", "betas"
                       # gradient terms in another order (forge.lean).
                       "lean_activations")
 # Options a resumed run also takes from the checkpoint unless given again (free to change).
-INHERITED_OPTIONS = ("save_every", "activation_checkpointing", "no_plot", "log_every")
+INHERITED_OPTIONS = ("save_every", "activation_checkpointing", "no_plot", "log_every",
+                     "cuda_graph")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed precision: fp32 weights (and optimizer states), forward and "
                         "backward under torch.autocast(bfloat16); not with --bf16")
     g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="after two eager steps, capture the whole step as one CUDA graph and "
+                        "replay it (forge.graphs.CUDAGraphStep): the same updates without the "
+                        "host's per-layer time; forge.optim on a GPU only")
     g.add_argument("--lean-activations", action=argparse.BooleanOptionalAction, default=False,
                    help="recompute RMSNorm and the SwiGLU product in backward instead of "
                         "keeping their intermediates (less memory, same gradients in bf16: "
@@ -190,6 +195,17 @@ def check_precision(args):
     if args.amp and args.bf16:
         raise TrainError("--amp keeps fp32 weights and computes in bf16 under autocast; "
                          "--bf16 stores the weights in bf16: choose one")
+
+
+def check_cuda_graph(args, device: torch.device):
+    if not args.cuda_graph:
+        return
+    if args.baseline == "torch":
+        raise TrainError("--cuda-graph replays forge.optim's steps with each step's lr; "
+                         "torch.optim's would keep the lr of the capture: not with --baseline "
+                         "torch")
+    if device.type != "cuda":
+        raise TrainError(f"--cuda-graph needs a CUDA device; this run is on {device}")
 
 
 def check_numbers(args):
@@ -485,6 +501,7 @@ def train(args, explicit=frozenset()) -> TrainResult:
         spec = resolve_optimizer(args, explicit)
     check_precision(args)
     device = pick_device(args.device)
+    check_cuda_graph(args, device)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     warmup = args.warmup if args.warmup is not None else args.steps // 20
 
@@ -555,16 +572,24 @@ def train(args, explicit=frozenset()) -> TrainResult:
     progress = Progress(start, args.steps, args.log_every)
     timed_tokens, timed_s = 0, 0.0
     nonfinite = resume_state.get("nonfinite", 0) if resume_state else 0
+
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = lm_loss(model, tokens)
+        loss.backward()           # FORGE: every nn.Linear weight is updated here
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    if args.cuda_graph:  # two eager steps, then one capture: every call is one step
+        from forge.graphs import CUDAGraphStep
+        train_step = CUDAGraphStep(train_step, optimizers=[optimizer], warmup=2)
     try:
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             tokens = data.batch(step, device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-                loss = lm_loss(model, tokens)
-            loss.backward()           # FORGE: every nn.Linear weight is updated here
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
+            loss = train_step(tokens)
+            schedule.step()           # (forge.optim reads the new lr at the next replay)
             loss_value = loss.item()  # synchronises: the step's time is complete
             dt = time.perf_counter() - t0
             if not math.isfinite(loss_value):

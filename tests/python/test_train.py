@@ -91,6 +91,21 @@ def test_amp_keeps_fp32_weights_and_computes_in_bf16(tmp_path, monkeypatch, base
     assert max(abs(a - b) for a, b in zip(amp, fp32)) < 0.05
 
 
+@requires_cuda
+def test_cuda_graph_run_is_bit_identical_to_eager_on_cuda(tmp_path, deterministic):
+    """--cuda-graph: two eager steps, then replays; with an lr that changes every step
+    (warm-up, then cosine) the losses and the final weights equal the eager run's."""
+    common = ["--steps", 8, "--warmup", 3, "--bf16", "--state-format", "int8", "--device",
+              "cuda", "--save-every", 8] + SMALL
+    assert run(common + ["--out", tmp_path / "eager"]) == 0
+    assert run(common + ["--cuda-graph", "--out", tmp_path / "graph"]) == 0
+    eager, graph = metrics(tmp_path / "eager"), metrics(tmp_path / "graph")
+    assert eager["losses"] == graph["losses"]
+    a = torch.load(tmp_path / "eager" / "checkpoint.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "graph" / "checkpoint.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("formats", [[], ["--bf16", "--state-format", "int8"]],
                          ids=["fp32", "bf16-int8-states"])
 def test_resume_after_interruption_is_bit_exact(tmp_path, monkeypatch, formats):
@@ -165,6 +180,10 @@ BAD_INPUTS = {
     "negative steps": (lambda t: ["--steps", -1], "--steps must be positive"),
     "empty data directory": (lambda t: ["--data", t], "no text files"),
     "--amp with --bf16": (lambda t: ["--amp", "--bf16"], "choose one"),
+    "--cuda-graph with torch.optim": (lambda t: ["--cuda-graph", "--baseline", "torch"],
+                                      "not with --baseline torch"),
+    "--cuda-graph on the CPU": (lambda t: ["--cuda-graph", "--device", "cpu"],
+                                "--cuda-graph needs a CUDA device"),
 }
 
 
