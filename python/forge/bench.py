@@ -90,12 +90,16 @@ ALL = MODES
 # (RMSNorm and the SwiGLU product recomputed in backward; bit-identical gradients in bf16)
 # and its chunked cross entropy (model_loss).
 LEAN_MODES = ["forge-bf16-lean", "forge-int8-lean"]
-KNOWN_MODES = MODES + LEAN_MODES
+# A mode's steps as CUDA graph replays (forge.graphs.CUDAGraphStep, as --cuda-graph does for
+# every mode): seq 512 is bound by the host's Python when eager, and these measure the GPU.
+GRAPH_SUFFIX = "-graph"
+GRAPH_MODES = ["torch-adamw-graph", "forge-bf16-lean-graph", "forge-int8-lean-graph"]
+KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES
 # The cases of ../shared/ANCHORS.md and issue 5's targets, most important first:
 # (model, seq, activation checkpointing, modes). torch-adamw leads each group: its number
 # is the reference, and it is safe from a FORGE kernel fault that could spoil the rest.
 ANCHOR_SUITE = [
-    ("llama-3.1-8b", 512, False, ALL + LEAN_MODES),
+    ("llama-3.1-8b", 512, False, ALL + LEAN_MODES + GRAPH_MODES),
     ("llama-3.1-8b", 2048, False, ["torch-adamw", "forge-bf16", "forge-int8", "torch-hooks"]),
     ("qwen3-14b", 2048, True, ["torch-adamw", "forge-int8", "forge-bf16"]),
     ("llama-3.1-8b", 512, True, ["torch-adamw", "forge-bf16", "forge-int8"]),
@@ -118,6 +122,11 @@ TARGETS = [
     ("llama-3.1-8b", 512, False, "forge-bf16-lean", "step_ms", 140.0),
     ("llama-3.1-8b", 512, False, "forge-int8-lean", "peak_gib", 34.0),
     ("llama-3.1-8b", 512, False, "forge-int8-lean", "step_ms", 150.0),
+    # ... and with every step a CUDA graph replay (the step's GPU time, on any host).
+    ("llama-3.1-8b", 512, False, "forge-bf16-lean-graph", "peak_gib", 47.0),
+    ("llama-3.1-8b", 512, False, "forge-bf16-lean-graph", "step_ms", 140.0),
+    ("llama-3.1-8b", 512, False, "forge-int8-lean-graph", "peak_gib", 34.0),
+    ("llama-3.1-8b", 512, False, "forge-int8-lean-graph", "step_ms", 150.0),
 ]
 FIELDS = ["model", "seq", "ckpt", "mode", "status", "peak_gib", "step_ms", "tokens_per_s",
           "params_b", "weights_gib", "note", "graph"]
@@ -255,10 +264,14 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
              dtype: torch.dtype, profile: int = 0, graph: bool = False) -> dict:
     """Builds the model, runs WARMUP_STEPS + TIMED_STEPS steps (then `profile` steps under
     torch.profiler when > 0; graph: the steps as CUDA graph replays); raises on OOM."""
+    if mode.endswith(GRAPH_SUFFIX):  # (measure() marks the row)
+        mode, graph = mode[:-len(GRAPH_SUFFIX)], True
     if graph and mode == "torch-hooks":
         return dict(status="unsupported",
                     note="not captured as a CUDA graph: its per-parameter torch optimizers step "
                          "in autograd hooks")
+    if graph and device.type != "cuda":
+        return dict(status="unsupported", note="CUDA graphs need a CUDA GPU")
     # Memory still held from earlier cases would inflate this case's peak: record it.
     leftover = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     model = build_model(model_name, device, dtype)
@@ -354,7 +367,10 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
                params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 2),
                note=note, step_ms_each=[round(t, 1) for t in times],
                host_ms=round(statistics.median(host), 1))
-    if profile > 0:  # after the peak and the times are taken: the profiler perturbs both
+    if profile > 0 and graph:
+        row["note"] = (row["note"] + "; " if row["note"] else "") + \
+            "not profiled (--profile profiles eager steps)"
+    elif profile > 0:  # after the peak and the times are taken: the profiler perturbs both
         from forge.step_profile import profile_steps
         row["profile"] = profile_steps(lambda: train_step(model, optimizer, tokens, lean),
                                        profile, device,
@@ -378,7 +394,7 @@ def measure(model_name, seq, ckpt, mode, device, dtype, profile: int = 0,
             graph: bool = False) -> dict:
     """One row; out-of-memory and other failures are recorded, never raised."""
     row = dict(model=model_name, seq=seq, ckpt=ckpt, mode=mode)
-    if graph:
+    if graph or mode.endswith(GRAPH_SUFFIX):
         row["graph"] = True
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -443,6 +459,22 @@ def cell(row: dict) -> str:
     return labels.get(row["status"], "error")
 
 
+def display_mode(row: dict) -> str:
+    """The row's mode, with "+graph" when --cuda-graph ran it as a CUDA graph."""
+    graphed = row.get("graph") and not row["mode"].endswith(GRAPH_SUFFIX)
+    return row["mode"] + ("+graph" if graphed else "")
+
+
+def graph_sentence(rows: List[dict]) -> str:
+    """What the markdown says about rows timed as CUDA graph replays."""
+    how = "forge.graphs.CUDAGraphStep, torch AdamW capturable=True"
+    if rows and all(r.get("graph") for r in rows):
+        return f" Every timed step was one CUDA graph replay (--cuda-graph: {how})."
+    if any(r.get("graph") for r in rows):
+        return f" The -graph modes' timed steps were CUDA graph replays ({how})."
+    return ""
+
+
 def markdown(info: dict, rows: List[dict]) -> str:
     modes = [m for m in KNOWN_MODES if any(r["mode"] == m for r in rows)]
     lines = [f"# forge-bench, {info['date'][:10]}, {info['gpu']}", "",
@@ -450,9 +482,7 @@ def markdown(info: dict, rows: List[dict]) -> str:
              f"{info['forge']}, {info['date']}. Batch 1, bf16 weights, median of "
              f"{TIMED_STEPS} steps after {WARMUP_STEPS} warm-ups (forward + backward + "
              "optimizer); peak = torch.cuda.max_memory_allocated() (GPU runs only)."
-             + (" Every timed step was one CUDA graph replay (--cuda-graph: "
-                "forge.graphs.CUDAGraphStep, torch AdamW capturable=True)."
-                if any(r.get("graph") for r in rows) else ""), "",
+             + graph_sentence(rows), "",
              f"Command: `{info['command']}`", "",
              "| model | seq | " + " | ".join(modes) + " |",
              "| --- | --- | " + " | ".join("---" for _ in modes) + " |"]
@@ -521,7 +551,7 @@ def summarize(directory: str) -> int:
                      ", ".join(f"{n} {s}" for s, n in counts.items() if n))
         for r in rows:
             lines.append(f"  {r['model']:>13} {r['seq']:>5}{' ckpt' if r['ckpt'] else '     '} "
-                         f"{r['mode'] + ('+graph' if r.get('graph') else ''):<24} {cell(r)}")
+                         f"{display_mode(r):<24} {cell(r)}")
         for c in target_checks(rows):
             lines.append(f"  target {c['case']}: {c['target']}: {c['measured']} -> {c['met']}")
     else:

@@ -9,6 +9,7 @@ same start gives bit-identical parameters, states and losses after every step, a
 changed between replays included.
 """
 import ctypes
+import json
 import os
 import re
 
@@ -321,6 +322,42 @@ def test_bench_cuda_graph_flag_checks(capsys):
     text = bench.markdown(dict(date="2026-01-01T00:00:00", gpu="x", torch="t",
                                transformers=None, forge="f", command="c"), rows)
     assert "CUDA graph replay" in text and "| unsupported |" in text
+
+
+def test_bench_graph_modes_on_cpu_are_unsupported_rows(tmp_path, capsys):
+    """The -graph modes (what --suite anchors runs at seq 512) on the CPU: a row saying
+    unsupported, not a crash; the eager mode beside them is measured as usual."""
+    from forge import bench
+    assert set(bench.GRAPH_MODES) <= set(bench.KNOWN_MODES)
+    assert all(m.endswith(bench.GRAPH_SUFFIX) for m in bench.GRAPH_MODES)
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
+                       "--modes", "forge-bf16-lean", "forge-bf16-lean-graph",
+                       "--out", str(tmp_path)]) == 0
+    json_file = next(f for f in os.listdir(tmp_path) if f.endswith(".json"))
+    with open(tmp_path / json_file) as f:
+        rows = {r["mode"]: r for r in json.load(f)["results"]}
+    assert rows["forge-bf16-lean"]["status"] == "ok" and not rows["forge-bf16-lean"].get("graph")
+    graph = rows["forge-bf16-lean-graph"]
+    assert graph["status"] == "unsupported" and graph["graph"] is True
+    assert "CUDA" in graph["note"]
+    md = open(tmp_path / json_file.replace(".json", ".md")).read()
+    assert "The -graph modes' timed steps were CUDA graph replays" in md
+    assert "Every timed step" not in md
+    assert bench.display_mode(graph) == "forge-bf16-lean-graph"
+    assert bench.display_mode(dict(mode="forge-bf16", graph=True)) == "forge-bf16+graph"
+
+
+@requires_cuda
+def test_bench_graph_mode_on_cuda(tmp_path):
+    """A -graph mode end to end on the GPU: measured, marked, forge.lean included."""
+    from forge import bench
+    assert bench.main(["--models", "tiny", "--device", "cuda", "--seqs", "32", "--ckpt", "off",
+                       "--modes", "forge-int8-lean-graph", "torch-adamw-graph",
+                       "--out", str(tmp_path)]) == 0
+    with open(tmp_path / next(f for f in os.listdir(tmp_path) if f.endswith(".json"))) as f:
+        rows = json.load(f)["results"]
+    assert [r["mode"] for r in rows] == ["forge-int8-lean-graph", "torch-adamw-graph"]
+    assert all(r["status"] == "ok" and r["graph"] and r["step_ms"] > 0 for r in rows), rows
 
 
 # ----------------------------------------------------------------------------- on the GPU
