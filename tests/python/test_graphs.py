@@ -370,6 +370,17 @@ def loss_fn(model, x, y):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def make_train_step(model, opt):
+    """One training step of `model` with `opt` on a batch (x, y); returns the loss."""
+    def train_step(x, y):
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step
+
+
 def train_cuda(state_format, graphed, lrs, dtype=torch.bfloat16):
     """(losses, [snapshot after each step]) of len(lrs) steps of a bf16 TinyTransformer."""
     torch.manual_seed(0)
@@ -377,13 +388,7 @@ def train_cuda(state_format, graphed, lrs, dtype=torch.bfloat16):
     opt = forge.optim.AdamW(model, lr=lrs[0], weight_decay=0.1, state_format=state_format,
                             seed=11)
 
-    def train_step(x, y):
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    train_step = make_train_step(model, opt)
     step = forge.graphs.CUDAGraphStep(train_step, optimizers=[opt], warmup=2) if graphed \
         else train_step
     losses, snapshots = [], []
@@ -437,13 +442,7 @@ def test_cuda_graph_step_refuses_cpu_tensors_and_other_shapes():
     model = TinyTransformer().to("cuda")
     opt = forge.optim.AdamW(model, lr=1e-2)
 
-    def train_step(x, y):
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    train_step = make_train_step(model, opt)
     step = forge.graphs.CUDAGraphStep(train_step, optimizers=[opt], warmup=1)
     x, y = batch(0, "cuda")
     with pytest.raises(ValueError, match="input 0.*cpu"):
@@ -484,13 +483,7 @@ def test_cuda_graph_step_refuses_replays_after_load_state_dict():
     model = TinyTransformer().to("cuda")
     opt = forge.optim.AdamW(model, lr=1e-2)
 
-    def train_step(x, y):
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    train_step = make_train_step(model, opt)
     step = forge.graphs.CUDAGraphStep(train_step, optimizers=[opt], warmup=1)
     for i in range(2):
         step(*batch(i, "cuda"))

@@ -460,8 +460,6 @@ Operand make_operand(int64_t tokens, int64_t cols, forge_dtype dtype, int64_t ld
 
 // ---- one step ------------------------------------------------------------------------------------
 
-namespace {
-
 forge_wgrad_args wgrad_args(const void* x, const void* dy, const Operand& xo, const Operand& dyo,
                             const forge_hparams& hp, const forge_param& param, forge_device device,
                             double* sq, int64_t* nonfinite) {
@@ -482,7 +480,20 @@ forge_wgrad_args wgrad_args(const void* x, const void* dy, const Operand& xo, co
   return a;
 }
 
-}  // namespace
+forge_elementwise_args elementwise_args(const void* grad, forge_dtype dtype, const forge_param& p,
+                                        const forge_hparams& hp, forge_device device, double* sq,
+                                        int64_t* nonfinite) {
+  forge_elementwise_args a{};
+  a.abi_version = FORGE_ABI_VERSION;
+  a.device = device;
+  a.grad = grad;
+  a.grad_dtype = dtype;
+  a.param = p;
+  a.hparams = hp;
+  a.outputs.grad_sq_sum = sq;
+  a.outputs.nonfinite_count = nonfinite;
+  return a;
+}
 
 void wgrad_cpu(const Operand& x, const Operand& dy, const forge_hparams& hp, HostParam& p,
                StepOutputs* out) {

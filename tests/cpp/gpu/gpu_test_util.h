@@ -124,6 +124,15 @@ struct StepOutputs {
   int64_t nonfinite = 0;
 };
 
+// The argument structs of the two steps. x and dy (device or host pointers) hold xo's and
+// dyo's elements; sq and nonfinite may be nullptr.
+forge_wgrad_args wgrad_args(const void* x, const void* dy, const Operand& xo, const Operand& dyo,
+                            const forge_hparams& hp, const forge_param& param, forge_device device,
+                            double* sq, int64_t* nonfinite);
+forge_elementwise_args elementwise_args(const void* grad, forge_dtype dtype, const forge_param& p,
+                                        const forge_hparams& hp, forge_device device, double* sq,
+                                        int64_t* nonfinite);
+
 // One fused step through forge_wgrad_step: W [dy.cols, x.cols].
 void wgrad_cpu(const Operand& x, const Operand& dy, const forge_hparams& hp, HostParam& p,
                StepOutputs* out);

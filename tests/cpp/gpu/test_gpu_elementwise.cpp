@@ -28,21 +28,6 @@ std::vector<uint8_t> make_grad(int64_t rows, int64_t cols, forge_dtype dtype, ui
   return g.bytes;
 }
 
-forge_elementwise_args elementwise_args(const void* grad, forge_dtype dtype, const forge_param& p,
-                                        const forge_hparams& hp, forge_device device, double* sq,
-                                        int64_t* nonfinite) {
-  forge_elementwise_args a{};
-  a.abi_version = FORGE_ABI_VERSION;
-  a.device = device;
-  a.grad = grad;
-  a.grad_dtype = dtype;
-  a.param = p;
-  a.hparams = hp;
-  a.outputs.grad_sq_sum = sq;
-  a.outputs.nonfinite_count = nonfinite;
-  return a;
-}
-
 using ElementwiseParam = std::tuple<int, forge_weight_format, forge_state_format>;
 class ElementwiseExact : public ::testing::TestWithParam<ElementwiseParam> {};
 

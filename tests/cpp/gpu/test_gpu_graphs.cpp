@@ -97,18 +97,6 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- the element-wise step ---------------------------------------------------------------
 
-forge_elementwise_args elementwise_args(const void* grad, const forge_param& p,
-                                        const forge_hparams& hp, forge_device device) {
-  forge_elementwise_args a{};
-  a.abi_version = FORGE_ABI_VERSION;
-  a.device = device;
-  a.grad = grad;
-  a.grad_dtype = FORGE_DTYPE_BF16;
-  a.param = p;
-  a.hparams = hp;
-  return a;
-}
-
 TEST(ElementwiseRunScalars, MatchesCpuBitForBit) {
   FORGE_REQUIRE_GPU();
   DeviceBuffer run(FORGE_RUN_SCALARS_BYTES);
@@ -125,10 +113,12 @@ TEST(ElementwiseRunScalars, MatchesCpuBitForBit) {
         const Operand g = make_operand(rows, cols, FORGE_DTYPE_BF16, cols, 0, Fill::kNormal, 7);
         DeviceBuffer grad(g.bytes.size());
         grad.upload(g.bytes.data(), g.bytes.size());
-        forge_elementwise_args a = elementwise_args(g.data(), cpu.view(), hp, cpu_device());
+        forge_elementwise_args a = elementwise_args(g.data(), FORGE_DTYPE_BF16, cpu.view(), hp,
+                                                    cpu_device(), nullptr, nullptr);
         FORGE_OK(forge_elementwise_step(&a));
         fill_run_scalars(hp, run, nullptr);
-        a = elementwise_args(grad.data(), gpu.view(cpu), stale(hp, run.data()), gpu_device());
+        a = elementwise_args(grad.data(), FORGE_DTYPE_BF16, gpu.view(cpu), stale(hp, run.data()),
+                             gpu_device(), nullptr, nullptr);
         FORGE_OK(forge_elementwise_step(&a));
         CUDA_OK(cudaDeviceSynchronize());
         ASSERT_TRUE(same_bits(cpu, gpu.download(cpu)));
@@ -174,20 +164,11 @@ TEST(CudaGraph, ReplaysWithRefilledScalarsMatchEagerSteps) {
       dg.upload(g.bytes.data(), g.bytes.size());
       DeviceBuffer run(FORGE_RUN_SCALARS_BYTES), run_e(FORGE_RUN_SCALARS_BYTES);
 
-      forge_wgrad_args w{};
-      w.abi_version = FORGE_ABI_VERSION;
-      w.device = gpu_device(stream);
-      w.tokens = s.tokens;
-      w.x = dx.data();
-      w.x_dtype = FORGE_DTYPE_BF16;
-      w.ldx = s.cols;
-      w.dy = ddy.data();
-      w.dy_dtype = FORGE_DTYPE_BF16;
-      w.lddy = s.rows;
-      w.param = gpu.view(cpu);
-      w.hparams = stale(hp, run.data());
-      forge_elementwise_args e = elementwise_args(dg.data(), gpu_e.view(cpu_e),
-                                                  stale(hp_e, run_e.data()), gpu_device(stream));
+      forge_wgrad_args w = wgrad_args(dx.data(), ddy.data(), x, dy, stale(hp, run.data()),
+                                      gpu.view(cpu), gpu_device(stream), nullptr, nullptr);
+      forge_elementwise_args e =
+          elementwise_args(dg.data(), FORGE_DTYPE_BF16, gpu_e.view(cpu_e),
+                           stale(hp_e, run_e.data()), gpu_device(stream), nullptr, nullptr);
       // Captured once, with a step, lr and seed of the call that are never the right ones.
       cudaGraph_t graph = nullptr;
       CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -205,7 +186,8 @@ TEST(CudaGraph, ReplaysWithRefilledScalarsMatchEagerSteps) {
         CUDA_OK(cudaGraphLaunch(exec, stream));
         CUDA_OK(cudaStreamSynchronize(stream));
         wgrad_cpu(x, dy, hp, cpu, nullptr);
-        forge_elementwise_args ce = elementwise_args(g.data(), cpu_e.view(), hp_e, cpu_device());
+        forge_elementwise_args ce = elementwise_args(g.data(), FORGE_DTYPE_BF16, cpu_e.view(),
+                                                     hp_e, cpu_device(), nullptr, nullptr);
         FORGE_OK(forge_elementwise_step(&ce));
         ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "replay of step " << step;
         ASSERT_TRUE(same_bits(cpu_e, gpu_e.download(cpu_e))) << "replay of step " << step;
@@ -233,7 +215,8 @@ TEST(RunScalarsErrors, HostMemoryOnACudaStepIsRefused) {
   grad.upload(g.bytes.data(), g.bytes.size());
   forge_hparams call = hp;
   call.run_scalars = host_run;
-  forge_elementwise_args a = elementwise_args(grad.data(), gpu.view(cpu), call, gpu_device());
+  forge_elementwise_args a = elementwise_args(grad.data(), FORGE_DTYPE_BF16, gpu.view(cpu), call,
+                                              gpu_device(), nullptr, nullptr);
   EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(forge_last_error()).find("hparams.run_scalars"), std::string::npos)
       << forge_last_error();
