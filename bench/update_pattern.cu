@@ -15,8 +15,9 @@
 //
 //     update_pattern [--reps N]    (prints a markdown table; run by hand on a GPU machine)
 //     update_pattern --orders      (only the fused kernel's pattern, L2 prefetch included, on
-//                                   gate_proj's 14336 × 4096 and down_proj's 4096 × 14336, for
-//                                   group heights 1 to 128: why down_proj's update is slower)
+//                                   gate_proj's 14336 × 4096, down_proj's 4096 × 14336 and
+//                                   q_proj's 4096 × 4096, for group heights 1 to 128: why
+//                                   down_proj's update is slower)
 //
 // Timing: CUDA events around each launch, the L2 flushed (a 256 MiB memset) before each, the
 // median of N (default 30) after 3 warm-ups. Bytes counted: 12 per parameter (W, m, v read and
@@ -333,7 +334,9 @@ int main(int argc, char** argv) {
   if (orders) {
     // The Llama MLP shapes at T = 512: the fused step takes 0.244 ms on gate_proj and 0.271 on
     // down_proj, the same 58.7 M parameters (run 56); their update alone 0.208 against 0.223.
-    const Layer mlp[] = {{"14336×4096", 14336, 4096}, {"4096×14336", 4096, 14336}};
+    // And q_proj's 4096 × 4096 (1.23× at T = 512 in run 64, the MLP layers 1.24-1.32×).
+    const Layer mlp[] = {{"14336×4096", 14336, 4096}, {"4096×14336", 4096, 14336},
+                         {"4096×4096", 4096, 4096}};
     for (const Layer& L : mlp) {
       const LayerBuffers b(L);
       run_stream<8>(timer, prop, L, b.w, b.m, b.v, 8, reps);

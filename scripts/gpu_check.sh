@@ -25,6 +25,11 @@
 # benchmark) with those CUDA flags: an experiment's whole check.
 # GoogleTest comes from the system, or is built from build-deps/googletest when the machine
 # has none (copy /usr/src/googletest there and carry build-deps).
+# FORGE_GPU_PREBUILT=build-sm90 skips every build and uses that build tree instead, configured
+# and built elsewhere for the same archs (e.g. here, on the CPU machine: cmake -B build-sm90
+# -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a, then ninja; then carry
+# build-sm90): its recorded source and build paths are rewritten to this checkout's. It saves
+# the device machine the ~150 s build.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -38,6 +43,23 @@ TESTS=${FORGE_GPU_CHECK_TESTS:-1}
 SWEEP=${FORGE_GPU_CHECK_SWEEP:-}
 JOBS=$(nproc)
 START=$(date +%s)
+PREBUILT=${FORGE_GPU_PREBUILT:-}
+if [ -n "$PREBUILT" ]; then
+  PREBUILT=$(cd "$PREBUILT" && pwd) || exit 1
+  BUILD=$PREBUILT
+  # The paths CMake recorded where the tree was built (ctest's test lists, the RPATHs aside).
+  built_src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")
+  built_dir=$(sed -n 's/^CMAKE_CACHEFILE_DIR:INTERNAL=//p' "$BUILD/CMakeCache.txt")
+  if [ -z "$built_src" ] || [ -z "$built_dir" ]; then
+    echo "FORGE_GPU_PREBUILT=$PREBUILT: no CMakeCache.txt with the recorded paths" >&2
+    exit 1
+  fi
+  if [ "$built_dir" != "$BUILD" ]; then
+    grep -rlF --include='*.cmake' --include=CMakeCache.txt -e "$built_dir" -e "$built_src" "$BUILD" |
+      xargs -r sed -i "s#$built_dir#$BUILD#g; s#$built_src#$ROOT#g"
+  fi
+  export LD_LIBRARY_PATH=$BUILD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 SUMMARY=()
 
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
@@ -55,6 +77,11 @@ limit() {
   echo "$cap"
 }
 row() { SUMMARY+=("| $1 | $2 | $3 |"); }
+
+if [ -n "$PREBUILT" ] && { [ "${1:-}" = trace ] || [ "${1:-}" = profile ]; }; then
+  echo "FORGE_GPU_PREBUILT: the $1 mode builds its own benchmark; leave FORGE_GPU_PREBUILT unset" >&2
+  exit 1
+fi
 
 if [ "${1:-}" = profile ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -98,10 +125,23 @@ if [ "${1:-}" = ab ]; then
   # repetition, and prints bench/ab_totals.py's medians and lowest-highest ranges. The card's
   # clock moves between runs (bench/NOTES.md v15): compare only within one call. Results:
   # $OUT/<label>-r<rep>/bench.md.
-  log "ab: build the benchmark${FORGE_AB_DEFS:+ (and with $FORGE_AB_DEFS)}"
+  # FORGE_AB_ARGS: more arguments for every run (e.g. --quick: T = 512 only). An earlier ab
+  # call's results in $OUT (a machine kept warm between calls) are removed first: the medians
+  # would mix them in.
+  rm -rf "$OUT"/*-r[0-9]*
+  bench_bin=$BUILD-bench/bench/wgrad_bench
+  [ -n "$PREBUILT" ] && bench_bin=$BUILD/bench/wgrad_bench
   IFS='|' read -ra defsets <<<"${FORGE_AB_DEFS:-}"
-  build_bench "$BUILD-bench" "" &
-  pids=($!)
+  if [ -n "$PREBUILT" ] && ((${#defsets[@]})); then
+    echo "FORGE_AB_DEFS needs builds here: leave FORGE_GPU_PREBUILT unset" >&2
+    exit 1
+  fi
+  pids=()
+  if [ -z "$PREBUILT" ]; then
+    log "ab: build the benchmark${FORGE_AB_DEFS:+ (and with $FORGE_AB_DEFS)}"
+    build_bench "$BUILD-bench" "" &
+    pids=($!)
+  fi
   for i in "${!defsets[@]}"; do
     build_bench "$BUILD-bench-defs$((i + 1))" "${defsets[$i]}" &
     pids+=($!)
@@ -111,7 +151,7 @@ if [ "${1:-}" = ab ]; then
   done
   runs=()  # "binary|label|setting"
   for setting in ${FORGE_AB_SETTINGS:-default}; do
-    runs+=("$BUILD-bench/bench/wgrad_bench|$(echo "$setting" | sed 's/FORGE_CUDA_//g; s/[^A-Za-z0-9=,]//g')|$setting")
+    runs+=("$bench_bin|$(echo "$setting" | sed 's/FORGE_CUDA_//g; s/[^A-Za-z0-9=,]//g')|$setting")
   done
   for i in "${!defsets[@]}"; do
     runs+=("$BUILD-bench-defs$((i + 1))/bench/wgrad_bench|defs$((i + 1))|default")
@@ -129,7 +169,7 @@ if [ "${1:-}" = ab ]; then
       mkdir -p "$d"
       env_args=()
       [ "$setting" != default ] && IFS=',' read -ra env_args <<<"$setting"
-      env "${env_args[@]}" timeout "$(limit 120 0)" "$bin" --out "$d" >"$d/console.txt" 2>&1 ||
+      env "${env_args[@]}" timeout "$(limit 120 0)" "$bin" ${FORGE_AB_ARGS:-} --out "$d" >"$d/console.txt" 2>&1 ||
         log "ab: $label rep $rep failed: $(tail -2 "$d/console.txt")"
     done
   done
@@ -204,13 +244,20 @@ if ! ls /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/local/lib*/cmake/GTest/GTe
     log "no GoogleTest on this machine and no build-deps/googletest: the configure step will fail"
   fi
 fi
-log "configure + build (CUDA archs $ARCHS)"
-timeout "$(limit 300 140)" bash -c "cmake -S '$ROOT' -B '$BUILD' -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_ARCHITECTURES='$ARCHS' -DCMAKE_CUDA_FLAGS='${FORGE_GPU_CHECK_CUDA_FLAGS:-}' \
-    ${CMAKE_EXTRA[*]:-} && cmake --build '$BUILD' -j $JOBS" \
-  >>"$OUT/build.log" 2>&1
+if [ -n "$PREBUILT" ]; then
+  log "prebuilt: $BUILD (archs $(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$BUILD/CMakeCache.txt"))"
+  true
+else
+  log "configure + build (CUDA archs $ARCHS)"
+  timeout "$(limit 300 140)" bash -c "cmake -S '$ROOT' -B '$BUILD' -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CUDA_ARCHITECTURES='$ARCHS' -DCMAKE_CUDA_FLAGS='${FORGE_GPU_CHECK_CUDA_FLAGS:-}' \
+      ${CMAKE_EXTRA[*]:-} && cmake --build '$BUILD' -j $JOBS" \
+    >>"$OUT/build.log" 2>&1
+fi
 build_rc=$?
-if ((build_rc == 0)); then
+if [ -n "$PREBUILT" ]; then
+  row build "prebuilt ($BUILD)" "0 s"
+elif ((build_rc == 0)); then
   row build "ok (archs $ARCHS)" "$(($(elapsed) - t0)) s"
 else
   row build "FAILED rc=$build_rc (see build.log)" "$(($(elapsed) - t0)) s"
@@ -253,7 +300,7 @@ if ((build_rc == 0)); then
   t0=$(elapsed)
   log "ctest -L gpu, sm80 path (FORGE_CUDA_WGMMA=0)"
   FORGE_CUDA_WGMMA=0 OMP_NUM_THREADS=2 timeout "$(limit 120 110)" ctest --test-dir "$BUILD" -L gpu -j 8 \
-    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradSplitK' \
+    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradSplitK|ManyWaves' \
     --output-on-failure --timeout 300 >"$OUT/ctest_gpu_sm80.log" 2>&1
   row "ctest -L gpu (sm80 path, Wgrad bit-exact subset)" "$(ctest_result "$OUT/ctest_gpu_sm80.log")" \
     "$(($(elapsed) - t0)) s"
@@ -265,7 +312,7 @@ if ((build_rc == 0)); then
   log "ctest -L gpu, persistent kernel (FORGE_CUDA_PERSISTENT=1, 3 CTAs)"
   FORGE_CUDA_PERSISTENT=1 FORGE_CUDA_PERSISTENT_CTAS=3 OMP_NUM_THREADS=2 \
     timeout "$(limit 120 100)" ctest --test-dir "$BUILD" -L gpu -j 8 \
-    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradRandom' \
+    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradRandom|ManyWaves' \
     --output-on-failure --timeout 120 >"$OUT/ctest_gpu_persistent.log" 2>&1
   row "ctest -L gpu (persistent kernel, Wgrad subset)" \
     "$(ctest_result "$OUT/ctest_gpu_persistent.log")" "$(($(elapsed) - t0)) s"
