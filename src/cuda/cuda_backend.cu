@@ -488,11 +488,18 @@ int prefetch_lead_tokens() {
 }
 
 // Benchmark knob: FORGE_CUDA_GROUP_M=n sets the tile rasterization's group height in tile-rows
-// (default kGroupM; 1 walks each tile-row left to right).
+// for every layer (1 walks each tile-row left to right); unset (0): group_height's choice.
 int group_m_tiles() {
   const char* v = std::getenv("FORGE_CUDA_GROUP_M");
-  const int n = v ? std::atoi(v) : kGroupM;
-  return n > 0 ? n : kGroupM;
+  const int n = v ? std::atoi(v) : 0;
+  return n > 0 ? n : 0;
+}
+
+// The tile rasterization's group height for a layer of `tiles` tiles on `num_sms` SMs (the
+// measurements behind it: kGroupM in sm80_wgrad.cuh).
+int group_height(int64_t tiles, int num_sms) {
+  const int64_t resident_ctas = 2 * static_cast<int64_t>(num_sms);  // two CTAs per SM
+  return tiles <= kFewWaves * resident_ctas ? kGroupMFewWaves : kGroupM;
 }
 
 // Environment switch: FORGE_CUDA_PERSISTENT=1 runs the persistent, warp-specialized Hopper
@@ -972,7 +979,7 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   w.ktiles_per_split = static_cast<int32_t>(per);
   w.prefetch = splits == 1 && env.epilogue_prefetch;
   w.prefetch_lead = env.prefetch_lead;
-  w.group_m = env.group_m;
+  w.group_m = env.group_m > 0 ? env.group_m : group_height(tiles, info.num_sms);
   w.want_sq = a.outputs.grad_sq_sum != nullptr;
   w.grad_sq_sum = a.outputs.grad_sq_sum;
   w.nonfinite_count = reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count);

@@ -398,7 +398,9 @@ struct FormatPair {
 // k-tile. The formats of the specialized kernels, with and without the L2 prefetch and the
 // stagger. Row lengths: one with no vector access (5 mod 8), one with 4-element vectors and
 // partial tiles, and one of whole tiles only, like the Llama layers (every tile on the
-// pipelined update loop, its first pass loaded during the main loop).
+// pipelined update loop, its first pass loaded during the main loop). These run the tile
+// order of layers of at most four waves (groups of 2 tile-rows); the last shape is larger:
+// see ManyWavesMatchesCpuBitForBit.
 TEST(WgradManyTiles, MatchesCpuBitForBit) {
   FORGE_REQUIRE_GPU();
   const int64_t sms = num_sms();
@@ -422,6 +424,23 @@ TEST(WgradManyTiles, MatchesCpuBitForBit) {
       expect_bit_exact_run(s, adamw, f.wf, f.sf, 2, FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 0, 0, 0,
                            0, seed++);
   }
+}
+
+// A layer of more than four waves (37 × 31 tiles, > 8 per SM), where the host picks the large
+// layers' tile order: groups of 8 tile-rows, the last one partial (kGroupM in sm80_wgrad.cuh).
+// One step, two formats: the CPU reference of this layer is the slow part.
+TEST(WgradManyTiles, ManyWavesMatchesCpuBitForBit) {
+  FORGE_REQUIRE_GPU();
+  const int64_t sms = num_sms();
+  const Shape s{37 * 128 - 3, (8 * sms / 37 + 2) * 128 + 5, 16};
+  ASSERT_GT(((s.rows + 127) / 128) * ((s.cols + 127) / 128), 8 * sms) << shape_string(s);
+  forge_hparams adamw{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &adamw));
+  adamw.seed = 6;
+  expect_bit_exact_run(s, adamw, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 1, FORGE_DTYPE_BF16,
+                       FORGE_DTYPE_BF16, 0, 0, 0, 0, 50);
+  expect_bit_exact_run(s, adamw, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 1,
+                       FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 0, 0, 0, 0, 51);
 }
 
 // fp32 inputs without split-K: the SIMT kernel adds the rounded products in token order,
