@@ -398,9 +398,8 @@ struct FormatPair {
 // k-tile. The formats of the specialized kernels, with and without the L2 prefetch and the
 // stagger. Row lengths: one with no vector access (5 mod 8), one with 4-element vectors and
 // partial tiles, and one of whole tiles only, like the Llama layers (every tile on the
-// pipelined update loop, its first pass loaded during the main loop). These run the tile
-// order of layers of at most four waves (groups of 2 tile-rows); the last shape is larger:
-// see ManyWavesMatchesCpuBitForBit.
+// pipelined update loop, its first pass loaded during the main loop). All three are layers of
+// at most four waves (groups of 2 tile-rows); ManyWavesMatchesCpuBitForBit has a larger one.
 TEST(WgradManyTiles, MatchesCpuBitForBit) {
   FORGE_REQUIRE_GPU();
   const int64_t sms = num_sms();
