@@ -680,6 +680,18 @@ int main(int argc, char** argv) {
   if (reverse_shapes) std::reverse(shape_order.begin(), shape_order.end());
   for (const Shape* shape : shape_order) {
     const Shape& s = *shape;
+    // On stdout, the local time each layer starts, in nvidia-smi's timestamp format: gpu_check's
+    // ab mode logs the card's clocks and power in that time (clocks.csv).
+    {
+      const auto now = std::chrono::system_clock::now();
+      const std::time_t secs = std::chrono::system_clock::to_time_t(now);
+      const int ms = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          now.time_since_epoch()).count() % 1000);
+      char stamp[32];
+      std::strftime(stamp, sizeof(stamp), "%Y/%m/%d %H:%M:%S", std::localtime(&secs));
+      std::printf("%s.%03d start %s\n", stamp, ms, s.name);
+      std::fflush(stdout);
+    }
     const int64_t n = s.out * s.in;
     const int64_t t_max = quick ? 512 : kTokens[2];
     DevMem x(size_t(t_max) * s.in * 2), dy(size_t(t_max) * s.out * 2);

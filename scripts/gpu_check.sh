@@ -157,6 +157,22 @@ if [ "${1:-}" = ab ]; then
     runs+=("$BUILD-bench-defs$((i + 1))/bench/wgrad_bench|defs$((i + 1))|default")
     echo "defs$((i + 1)): ${defsets[$i]}"
   done
+  # The card's clocks, power, temperature and clock-event reasons every 100 ms during the runs
+  # ($OUT/clocks.csv), and each run's start in the same local time ($OUT/runs.log): whether a
+  # slow run ran slowed down.
+  clock_pid=
+  : >"$OUT/runs.log"
+  if command -v nvidia-smi >/dev/null; then
+    fields=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
+    for extra in clocks_event_reasons.active clocks_throttle_reasons.active; do
+      nvidia-smi --query-gpu="$fields,$extra" --format=csv >/dev/null 2>&1 && {
+        fields=$fields,$extra
+        break
+      }
+    done
+    nvidia-smi --query-gpu="$fields" --format=csv -lms 100 >"$OUT/clocks.csv" 2>&1 &
+    clock_pid=$!
+  fi
   for rep in $(seq 1 "${FORGE_AB_REPS:-3}"); do
     order=("${runs[@]}")
     if ((rep % 2 == 0)); then  # every other repetition in reverse order
@@ -169,10 +185,13 @@ if [ "${1:-}" = ab ]; then
       mkdir -p "$d"
       env_args=()
       [ "$setting" != default ] && IFS=',' read -ra env_args <<<"$setting"
+      echo "$(date '+%Y/%m/%d %H:%M:%S.%N' | cut -c1-23) start $label rep $rep" >>"$OUT/runs.log"
       env "${env_args[@]}" timeout "$(limit 120 0)" "$bin" ${FORGE_AB_ARGS:-} --out "$d" >"$d/console.txt" 2>&1 ||
         log "ab: $label rep $rep failed: $(tail -2 "$d/console.txt")"
     done
   done
+  echo "$(date '+%Y/%m/%d %H:%M:%S.%N' | cut -c1-23) end" >>"$OUT/runs.log"
+  [ -n "$clock_pid" ] && kill "$clock_pid" 2>/dev/null
   python3 "$ROOT/bench/ab_totals.py" "$OUT"
   exit 0
 fi
