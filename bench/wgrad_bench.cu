@@ -15,9 +15,10 @@
 // the host side of one call.
 //
 // Timing: CUDA events around each call, the L2 flushed (a 256 MiB memset) before each,
-// median of --iters (default 30) after 5 warm-ups; random non-zero inputs. Writes a markdown
-// table and JSON to --out (default $OUT or ./out). A correctness check rides along: the
-// fused step's dW (SGD, lr = 1, W = 0, fp32) against cuBLAS's fp32 dW, per shape.
+// median of --iters (default 30) after 5 warm-ups, the variants of one (layer, T) interleaved
+// call by call (Timer::medians_ms); random non-zero inputs. Writes a markdown table and JSON
+// to --out (default $OUT or ./out). A correctness check rides along: the fused step's dW
+// (SGD, lr = 1, W = 0, fp32) against cuBLAS's fp32 dW, per shape.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -29,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -193,25 +195,40 @@ struct Timer {
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
   }
-  // Median milliseconds of fn() over `iters` calls, each after an L2 flush.
-  template <typename Fn>
-  double median_ms(int iters, Fn fn) {
-    for (int i = 0; i < kWarmup; ++i) fn();
-    std::vector<double> ms;
+  // Median milliseconds of each fns[j]() over `iters` rounds, interleaved: round i calls every
+  // fn once, starting from fns[i % n], each call after an L2 flush.
+  // NOTE: interleaved, not one fn's `iters` calls then the next's. Under the card's power cap
+  // the SM clock moves by hundreds of MHz within a run (bench/NOTES.md v19), so variants timed
+  // one after another ran at different clocks: down_proj's fused step at T = 512 moved 20%
+  // between runs while the unfused step timed after it did not. Interleaved, every variant of
+  // a (layer, T) sees the same clocks and the speedup column compares like with like.
+  std::vector<double> medians_ms(int iters, const std::vector<std::function<void()>>& fns) {
+    const size_t n = fns.size();
+    for (const auto& fn : fns)
+      for (int i = 0; i < kWarmup; ++i) fn();
+    std::vector<std::vector<double>> ms(n);
     for (int i = 0; i < iters; ++i) {
-      CHECK_CUDA(cudaMemsetAsync(flush.p, i & 0xFF, size_t(256) << 20));
-      CHECK_CUDA(cudaEventRecord(start));
-      fn();
-      CHECK_CUDA(cudaEventRecord(stop));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float t = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-      ms.push_back(t);
+      for (size_t k = 0; k < n; ++k) {
+        const size_t j = (i + k) % n;
+        CHECK_CUDA(cudaMemsetAsync(flush.p, i & 0xFF, size_t(256) << 20));
+        CHECK_CUDA(cudaEventRecord(start));
+        fns[j]();
+        CHECK_CUDA(cudaEventRecord(stop));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float t = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+        ms[j].push_back(t);
+      }
     }
     CHECK_CUDA(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
+    std::vector<double> medians(n);
+    for (size_t j = 0; j < n; ++j) {
+      std::sort(ms[j].begin(), ms[j].end());
+      medians[j] = ms[j][ms[j].size() / 2];
+    }
+    return medians;
   }
+  double median_ms(int iters, std::function<void()> fn) { return medians_ms(iters, {std::move(fn)})[0]; }
 };
 
 struct Shape {
@@ -765,31 +782,36 @@ int main(int argc, char** argv) {
       hp.step = hp.step % 1000 + 1;
       CHECK_FORGE(forge_wgrad_step(&a));
     };
-    const double epilogue_ms = timer.median_ms(iters, [&] { fused(p16, 32); });
     forge_param psgd = p16;
     psgd.state_format = FORGE_STATE_FP32;
     psgd.state[0] = psgd.state[1] = nullptr;
     forge_hparams sgd_step{};
     CHECK_FORGE(forge_hparams_default(FORGE_RULE_SGD, &sgd_step));
-    const double epilogue_sgd_ms = timer.median_ms(iters, [&] {
-      forge_wgrad_args a = fused_args(x.p, dy.p, 32, s, psgd, sgd_step);
-      CHECK_FORGE(forge_wgrad_step(&a));
-    });
+    const std::vector<double> epilogue = timer.medians_ms(iters, {
+        [&] { fused(p16, 32); },
+        [&] {
+          forge_wgrad_args a = fused_args(x.p, dy.p, 32, s, psgd, sgd_step);
+          CHECK_FORGE(forge_wgrad_step(&a));
+        }});
+    const double epilogue_ms = epilogue[0], epilogue_sgd_ms = epilogue[1];
 
     for (int64_t tokens : kTokens) {
       if (tokens > t_max) continue;
       Result r{&s, tokens, {}, epilogue_ms, epilogue_sgd_ms, rel_error};
-      r.ms[kFusedBf16] = timer.median_ms(iters, [&] { fused(p16, tokens); });
-      r.ms[kFusedInt8] = timer.median_ms(iters, [&] { fused(p8, tokens); });
-      r.ms[kFusedMaster] = timer.median_ms(iters, [&] { fused(pm, tokens); });
-      r.ms[kFusedSr] = timer.median_ms(iters, [&] { fused(psr, tokens); });
-      r.ms[kFusedInt8Sr] = timer.median_ms(iters, [&] { fused(p8sr, tokens); });
-      r.ms[kCublasF32] = timer.median_ms(iters, [&] { run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, tokens, s); });
-      r.ms[kCublasBf16] = timer.median_ms(iters, [&] { run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s); });
-      r.ms[kUnfused] = timer.median_ms(iters, [&] {
+      std::vector<std::function<void()>> variants(kVariants);  // indexed by Variant
+      variants[kFusedBf16] = [&] { fused(p16, tokens); };
+      variants[kFusedInt8] = [&] { fused(p8, tokens); };
+      variants[kFusedMaster] = [&] { fused(pm, tokens); };
+      variants[kFusedSr] = [&] { fused(psr, tokens); };
+      variants[kFusedInt8Sr] = [&] { fused(p8sr, tokens); };
+      variants[kCublasF32] = [&] { run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, tokens, s); };
+      variants[kCublasBf16] = [&] { run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s); };
+      variants[kUnfused] = [&] {
         run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s);
         adamw_bf16<<<grid_for(n / 8), 256>>>(grad16.as<uint4>(), w.as<uint4>(), m16.as<uint4>(), v16.as<uint4>(), n / 8, as);
-      });
+      };
+      const std::vector<double> ms = timer.medians_ms(iters, variants);
+      std::copy(ms.begin(), ms.end(), r.ms);
       results.push_back(r);
       std::printf("%-18s T=%-5lld fused bf16 %.3f ms | int8 %.3f | master %.3f | bf16 sr %.3f | cuBLAS f32 %.3f bf16 %.3f | unfused %.3f | speedup %.2fx\n",
                   s.name, static_cast<long long>(tokens), r.ms[kFusedBf16], r.ms[kFusedInt8], r.ms[kFusedMaster],
@@ -822,7 +844,7 @@ int main(int argc, char** argv) {
   md += std::string("- date: ") + date + "\n- GPU: " + prop.name + " (" + std::to_string(g_sms) + " SMs)\n";
   md += "- command: `" + command + "`\n";
   md += "- median of " + std::to_string(iters) + " after " + std::to_string(kWarmup) +
-        " warm-ups, L2 flushed before each call; bf16 inputs, bf16 W, AdamW\n";
+        " warm-ups, L2 flushed before each call, the variants of a row interleaved call by call; bf16 inputs, bf16 W, AdamW\n";
   md += "- TFLOP/s = 2·out·in·T / t; GB/s = (T·(out + in)·2 B + bytes per parameter × out·in) / t\n";
   md += "- epilogue-only = the fused step at T = 32 (GEMM negligible): AdamW bf16 states / SGD, no states\n\n";
   md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | fused bf16 SR W + int8 states ms (the same, int8) | epilogue-only ms AdamW / SGD | dW check |\n";
@@ -911,11 +933,13 @@ int main(int argc, char** argv) {
     };
     AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(1.0f - 0.999f), -1e-3f / 0.1f,
                     1.0f - 1e-3f * 1e-2f};
-    const double sr_ms = timer.median_ms(iters, [&] { step(psr); });
-    const double int8_ms = timer.median_ms(iters, [&] { step(p8); });
-    const double ref_ms = timer.median_ms(iters, [&] {
-      adamw_bf16<<<grid_for(n / 8), 256>>>(g.as<uint4>(), w.as<uint4>(), m16.as<uint4>(), v16.as<uint4>(), n / 8, as);
-    });
+    const std::vector<double> ms = timer.medians_ms(iters, {
+        [&] { step(psr); },
+        [&] { step(p8); },
+        [&] {
+          adamw_bf16<<<grid_for(n / 8), 256>>>(g.as<uint4>(), w.as<uint4>(), m16.as<uint4>(), v16.as<uint4>(), n / 8, as);
+        }});
+    const double sr_ms = ms[0], int8_ms = ms[1], ref_ms = ms[2];
     // Bytes per element: the bf16 gradient read, then W + states read and written.
     const double sr_bytes = 2 + 12, int8_bytes = 2 + 4 + 4 + 2 * 2 * 4.0 / 64, ref_bytes = 2 + 12;
     auto gbs = [&](double bytes, double ms) { return bytes * double(n) / (ms * 1e-3) / 1e9; };

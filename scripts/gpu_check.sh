@@ -121,8 +121,9 @@ if [ "${1:-}" = ab ]; then
   # benchmark (and one more build per "|"-separated set of compile definitions in
   # FORGE_AB_DEFS, run with its defaults), then runs the full wgrad_bench FORGE_AB_REPS times
   # (default 3) per setting of FORGE_AB_SETTINGS (space-separated, each "default" or
-  # VAR=value[,VAR=value...]; default "default"), reversing the order of the runs every other
-  # repetition, and prints bench/ab_totals.py's medians and lowest-highest ranges. The card's
+  # VAR=value[,VAR=value...], where an item may also be a wgrad_bench flag such as
+  # --reverse-shapes, or --flag=value for "--flag value"; default "default"), reversing the
+  # order of the runs every other repetition, and prints bench/ab_totals.py's medians and lowest-highest ranges. The card's
   # clock moves between runs (bench/NOTES.md v15): compare only within one call. Results:
   # $OUT/<label>-r<rep>/bench.md.
   # FORGE_AB_ARGS: more arguments for every run (e.g. --quick: T = 512 only). An earlier ab
@@ -183,10 +184,20 @@ if [ "${1:-}" = ab ]; then
       IFS='|' read -r bin label setting <<<"$run"
       d="$OUT/$label-r$rep"
       mkdir -p "$d"
-      env_args=()
-      [ "$setting" != default ] && IFS=',' read -ra env_args <<<"$setting"
+      # A setting's VAR=value items go to the environment, its --flag items to the command line.
+      env_args=() arg_items=()
+      if [ "$setting" != default ]; then
+        IFS=',' read -ra items <<<"$setting"
+        for item in "${items[@]}"; do
+          case $item in
+            --*=*) arg_items+=("${item%%=*}" "${item#*=}") ;;  # --iters=60: --iters 60
+            --*) arg_items+=("$item") ;;
+            *) env_args+=("$item") ;;
+          esac
+        done
+      fi
       echo "$(date '+%Y/%m/%d %H:%M:%S.%N' | cut -c1-23) start $label rep $rep" >>"$OUT/runs.log"
-      env "${env_args[@]}" timeout "$(limit 120 0)" "$bin" ${FORGE_AB_ARGS:-} --out "$d" >"$d/console.txt" 2>&1 ||
+      env "${env_args[@]}" timeout "$(limit 120 0)" "$bin" ${FORGE_AB_ARGS:-} "${arg_items[@]}" --out "$d" >"$d/console.txt" 2>&1 ||
         log "ab: $label rep $rep failed: $(tail -2 "$d/console.txt")"
     done
   done
