@@ -123,8 +123,9 @@ if [ "${1:-}" = ab ]; then
   # (default 3) per setting of FORGE_AB_SETTINGS (space-separated, each "default" or
   # VAR=value[,VAR=value...], where an item may also be a wgrad_bench flag such as
   # --reverse-shapes, or --flag=value for "--flag value"; default "default"), reversing the
-  # order of the runs every other repetition, and prints bench/ab_totals.py's medians and lowest-highest ranges. The card's
-  # clock moves between runs (bench/NOTES.md v15): compare only within one call. Results:
+  # order of the runs every other repetition, and prints bench/ab_totals.py's medians and
+  # lowest-highest ranges. The card's clock moves between runs (bench/NOTES.md v15, v19):
+  # compare only within one call. Results:
   # $OUT/<label>-r<rep>/bench.md.
   # FORGE_AB_ARGS: more arguments for every run (e.g. --quick: T = 512 only). An earlier ab
   # call's results in $OUT (a machine kept warm between calls) are removed first: the medians
