@@ -918,6 +918,15 @@ struct RawQuads {
             kWF == FORGE_WEIGHT_FP32 ? static_cast<const float*>(p.weight) : p.master;
         const uint4 v = *reinterpret_cast<const uint4*>(base + idx[q]);
         w[q][0] = v.x; w[q][1] = v.y; w[q][2] = v.z; w[q][3] = v.w;
+      } else if constexpr (kSF == FORGE_STATE_INT8_BLOCK64 &&
+                           kWF == FORGE_WEIGHT_BF16_STOCHASTIC) {
+        // NOTE: a stochastically rounded weight next to int8 states is read cache-streaming
+        // (evict first). Llama totals of that step, 63.0 -> 61.1 / 102.6 -> 101.3 / 150.1 ->
+        // 147.6 ms at T = 512 / 2048 / 4096 (run 85, bench/NOTES.md v20). Not with a nearest
+        // weight (int8 states: 55.6 -> 56.7 at T = 512; bf16 states: 30.4 -> 30.9, run 79).
+        const uint16_t* base = static_cast<const uint16_t*>(p.weight);
+        const uint2 v = __ldcs(reinterpret_cast<const uint2*>(base + idx[q]));
+        w[q][0] = v.x; w[q][1] = v.y;
       } else {
         const uint16_t* base = static_cast<const uint16_t*>(p.weight);
         const uint2 v = *reinterpret_cast<const uint2*>(base + idx[q]);
