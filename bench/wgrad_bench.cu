@@ -240,7 +240,8 @@ constexpr Shape kShapes[] = {{"q_proj/o_proj", 4096, 4096, 2},
                              {"k_proj/v_proj", 1024, 4096, 2},
                              {"gate_proj/up_proj", 14336, 4096, 2},
                              {"down_proj", 4096, 14336, 1}};
-constexpr int64_t kTokens[] = {512, 2048, 4096};
+// The token counts benchmarked (--tokens replaces them).
+std::vector<int64_t> g_tokens = {512, 2048, 4096};
 constexpr int kLayers = 32;
 
 enum Variant { kFusedBf16, kFusedInt8, kFusedMaster, kCublasF32, kCublasBf16, kUnfused, kFusedSr, kFusedInt8Sr,
@@ -445,6 +446,40 @@ TraceSummary summarize_trace(const std::vector<unsigned long long>& rec, int cta
   for (double& x : t.share) x = total > 0 ? x / total : 0;
   return t;
 }
+
+// The persistent kernel's records (FORGE_CUDA_PERSISTENT=1: one CTA per SM looping over tiles;
+// the layout is sm90_wgrad.cuh's PersistentTrace): per tile, the mean CTA span in kilocycles,
+// and the shares of the span that math thread 0 waited on loads (full barriers), that the
+// producer waited for free stages (empty barriers), that the main loop waited for sC to be
+// free (the update behind), and that the update waited for sC to be full (the main loop
+// behind).
+struct PersistentSummary {
+  int ctas = 0;
+  double tiles = 0, kcycles_per_tile = 0, load = 0, empty = 0, slot = 0, grad = 0;
+};
+PersistentSummary summarize_persistent(const std::vector<unsigned long long>& rec, int records) {
+  PersistentSummary t;
+  double span = 0, tiles = 0, load = 0, empty = 0, slot = 0, grad = 0;
+  for (int i = 0; i < records; ++i) {
+    const unsigned long long* r = &rec[size_t(i) * 6];
+    if (r[2] == 0) continue;  // past the grid
+    ++t.ctas;
+    span += double(r[2] - r[0]);
+    tiles += double(r[5] & 0xFFFF);
+    load += double(r[1]);
+    empty += double(r[5] >> 16);
+    slot += double(r[3]);
+    grad += double(r[4]);
+  }
+  if (t.ctas == 0 || span <= 0) return t;
+  t.tiles = tiles / t.ctas;
+  t.kcycles_per_tile = span / tiles / 1e3;
+  t.load = load / span;
+  t.empty = empty / span;
+  t.slot = slot / span;
+  t.grad = grad / span;
+  return t;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -471,12 +506,26 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_dir = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::max(20, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) {
+      // --tokens 1024,8192: benchmark these token counts instead of 512, 2048, 4096.
+      g_tokens.clear();
+      for (const char* c = argv[++i]; *c;) {
+        char* end = nullptr;
+        const long long t = std::strtoll(c, &end, 10);
+        if (end == c || t < 1) {
+          std::fprintf(stderr, "--tokens: expected positive integers separated by commas\n");
+          return 2;
+        }
+        g_tokens.push_back(t);
+        c = *end == ',' ? end + 1 : end;
+      }
+    }
     else if (!std::strcmp(argv[i], "--profile")) profile = true;
     else if (!std::strcmp(argv[i], "--trace")) trace = true;
     else if (!std::strcmp(argv[i], "--host-cost")) host_cost = true;
     else if (!std::strcmp(argv[i], "--reverse-shapes")) reverse_shapes = true;
     else {
-      std::fprintf(stderr, "unknown argument %s (--out DIR, --iters N, --quick, --profile, --trace, "
+      std::fprintf(stderr, "unknown argument %s (--out DIR, --iters N, --quick, --tokens LIST, --profile, --trace, "
                    "--host-cost, --reverse-shapes)\n", argv[i]);
       return 2;
     }
@@ -620,8 +669,22 @@ int main(int argc, char** argv) {
                       static_cast<long long>(t), states, ms);
           continue;
         }
-        const TraceSummary ts = summarize_trace(rec, ctas);
         char line[512];
+        if (const char* pv = std::getenv("FORGE_CUDA_PERSISTENT"); pv && pv[0] == '1') {
+          const PersistentSummary ps = summarize_persistent(rec, ctas);
+          std::snprintf(line, sizeof(line),
+                        "| %s %lldx%lld | %lld | %s | %.4f | persistent: %d CTAs, %.1f tiles each "
+                        "| %.2f kcycles/tile | load wait %.2f | empty wait %.2f | sC-free wait %.2f "
+                        "| sC-full wait %.2f |\n",
+                        s.name, static_cast<long long>(s.out), static_cast<long long>(s.in),
+                        static_cast<long long>(t), states, ms, ps.ctas, ps.tiles,
+                        ps.kcycles_per_tile, ps.load, ps.empty, ps.slot, ps.grad);
+          md += line;
+          std::printf("%s", line);
+          std::fflush(stdout);
+          continue;
+        }
+        const TraceSummary ts = summarize_trace(rec, ctas);
         std::snprintf(line, sizeof(line),
                       "| %s %lldx%lld | %lld | %s | %.4f | %d | %.1f | %.2f | %.2f | %.0f | %.2f | "
                       "%.2f | %.2f | %.2f | %.2f | %.2f |\n",
@@ -710,7 +773,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     const int64_t n = s.out * s.in;
-    const int64_t t_max = quick ? 512 : kTokens[2];
+    const int64_t t_max = quick ? 512 : *std::max_element(g_tokens.begin(), g_tokens.end());
     DevMem x(size_t(t_max) * s.in * 2), dy(size_t(t_max) * s.out * 2);
     fill_bf16<<<grid_for(t_max * s.in), 256>>>(x.as<uint16_t>(), t_max * s.in, 1, 1.0f);
     fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
@@ -795,7 +858,7 @@ int main(int argc, char** argv) {
         }});
     const double epilogue_ms = epilogue[0], epilogue_sgd_ms = epilogue[1];
 
-    for (int64_t tokens : kTokens) {
+    for (int64_t tokens : g_tokens) {
       if (tokens > t_max) continue;
       Result r{&s, tokens, {}, epilogue_ms, epilogue_sgd_ms, rel_error};
       std::vector<std::function<void()>> variants(kVariants);  // indexed by Variant
@@ -889,7 +952,7 @@ int main(int argc, char** argv) {
   md += "| T | fused bf16 ms | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms | fused bf16 SR W + int8 states ms |\n";
   md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   bool first_t = true;
-  for (int64_t tokens : kTokens) {
+  for (int64_t tokens : g_tokens) {
     double tot[kVariants] = {};
     int found = 0;
     for (const Result& r : results)
