@@ -337,8 +337,9 @@ if ((build_rc == 0)); then
     "$(($(elapsed) - t0)) s"
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_sm80.log" | head -30
 
-  # The experimental persistent Hopper kernel (FORGE_CUDA_PERSISTENT=1), with its grid capped
-  # at 3 CTAs so that every test layer runs several tiles per CTA.
+  # The persistent Hopper kernel, forced on every layer it applies to (FORGE_CUDA_PERSISTENT=1;
+  # by default only large layers at T >= 1024 run it), with its grid capped at 3 CTAs so that
+  # every test layer runs several tiles per CTA.
   t0=$(elapsed)
   log "ctest -L gpu, persistent kernel (FORGE_CUDA_PERSISTENT=1, 3 CTAs)"
   FORGE_CUDA_PERSISTENT=1 FORGE_CUDA_PERSISTENT_CTAS=3 OMP_NUM_THREADS=2 \
@@ -406,6 +407,13 @@ if ((build_rc == 0)); then
   }
   sanitize "" memcheck "$MEMCHECK_FILTER" 150 60
   sanitize "" racecheck "$RACECHECK_FILTER" 120 25
+  # The persistent kernel (forced, 3 CTAs: several tiles per CTA), a specialized and a generic
+  # configuration, odd shapes, non-finite gradients.
+  PERSISTENT_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/RMSpropCenteredMomentum_Wbf16master_Sbf16sr:*WgradOddShapes*/out129_in17_T4097:*WgradNonFinite*/Wbf16sr_Sint8'
+  sanitize "persistent kernel" memcheck "$PERSISTENT_FILTER" 90 40 FORGE_CUDA_PERSISTENT=1 \
+    FORGE_CUDA_PERSISTENT_CTAS=3
+  sanitize "persistent kernel" racecheck "$PERSISTENT_FILTER" 90 20 FORGE_CUDA_PERSISTENT=1 \
+    FORGE_CUDA_PERSISTENT_CTAS=3
 
   # ---- 4. CPU tests --------------------------------------------------------------------------
   t0=$(elapsed)

@@ -170,8 +170,8 @@ const Sm90Kernel kSm90SpecRunKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_RUN_KERNEL)
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,                     \
     "adamw, bf16 sr, int8")
 
-// The persistent, warp-specialized Hopper kernels (sm90_wgrad.cuh; opt-in, experimental):
-// the generic ones (below) and the hot configurations.
+// The persistent, warp-specialized Hopper kernels (sm90_wgrad.cuh; chosen by persistent_pays,
+// or forced with FORGE_CUDA_PERSISTENT): the generic ones (below) and the hot configurations.
 #define FORGE_PERSISTENT_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                             \
   Sm90Kernel{wgrad_wgmma_persistent_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,         \
              spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_persistent<bf16, " NAME ">"},
@@ -502,12 +502,51 @@ int group_height(int64_t tiles, int num_sms) {
   return tiles <= kFewWaves * resident_ctas ? kGroupMFewWaves : kGroupM;
 }
 
-// Environment switch: FORGE_CUDA_PERSISTENT=1 runs the persistent, warp-specialized Hopper
-// kernel (sm90_wgrad.cuh) where it applies (the wgmma path without split-K). Experimental:
-// off by default: correct, but slower than the two-CTA kernel (bench/NOTES.md, v7).
-bool persistent_enabled() {
+// Environment switch for the persistent, warp-specialized Hopper kernel (sm90_wgrad.cuh), which
+// applies to the wgmma path without split-K outside CUDA graphs: FORGE_CUDA_PERSISTENT=1 runs
+// it wherever it applies (the tests of it), =0 never; unset, where it pays (persistent_pays).
+enum PersistentMode { kPersistentAuto, kPersistentAlways, kPersistentNever };
+PersistentMode persistent_mode() {
   const char* v = std::getenv("FORGE_CUDA_PERSISTENT");
-  return v != nullptr && v[0] == '1';
+  if (v != nullptr && v[0] == '1') return kPersistentAlways;
+  if (v != nullptr && v[0] == '0') return kPersistentNever;
+  return kPersistentAuto;
+}
+
+// Whether the persistent kernel is the faster one for a step of `tokens` tokens on a layer of
+// `tiles` tiles in these formats. `spec_kernel`: it has a specialized kernel for the step's
+// rule and formats (AdamW, bf16 or bf16-SR weight, bf16, bf16-SR or int8 states; bf16 inputs).
+// NOTE: measured on the H200 against the two-CTA kernel, interleaved (runs 85-86 and 89-90,
+// bench/NOTES.md v20). gate_proj and down_proj of Llama-3.1-8B (27 tiles per SM), the
+// persistent kernel's time against the two-CTA kernel's, by T:
+//   T:                    768     1024       2048         4096        8192
+//   bf16 W, bf16 states:  +1 %    -9 %       -6 to -12    -2 to 0     -2 to 0
+//   bf16 W, int8 states:  +9 %    0 to +2    -4 to -11    -6 to -9    -2 to -4
+//   SR W, SR states:      -2 %    -5 to -6   -3 to -10    -1 to +2    0 to +2
+//   SR W, int8 states:    +25 %   +14        -5 to +6     -2 to -7    -3 to -4
+// At T = 512 it is slower in every format (run 85): there its update, 8 warps per SM against up
+// to 16 when both CTAs of the two-CTA kernel update, is the limit. On layers of few tiles per
+// SM it loses (k_proj, v_proj: 1.9), and on 7.8 (q_proj, o_proj) it is mixed.
+constexpr int64_t kPersistentMinTilesPerSm = 16;
+struct PersistentWindow {
+  int weight_format, state_format;
+  int64_t min_tokens, max_tokens;  // [min, max]
+};
+constexpr int64_t kNoMaxTokens = INT64_MAX;
+constexpr PersistentWindow kPersistentWindows[] = {
+    {FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 1024, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 2048, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 1024, 4095},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 4096, kNoMaxTokens},
+};
+bool persistent_pays(int64_t tokens, int64_t tiles, int num_sms, int weight_format,
+                     int state_format, bool spec_kernel) {
+  if (!spec_kernel || tiles < kPersistentMinTilesPerSm * static_cast<int64_t>(num_sms))
+    return false;
+  for (const PersistentWindow& w : kPersistentWindows)
+    if (w.weight_format == weight_format && w.state_format == state_format)
+      return tokens >= w.min_tokens && tokens <= w.max_tokens;
+  return false;
 }
 
 // Test knob: FORGE_CUDA_PERSISTENT_CTAS=n caps the persistent grid at n CTAs, so that small
@@ -557,7 +596,8 @@ int stagger_ns() {
 // The switches above, read once per process (at the first step).
 // NOTE: a getenv scans the whole environment; six per step cost host time on every Linear.
 struct EnvSwitches {
-  bool wgmma, epilogue_prefetch, persistent;
+  bool wgmma, epilogue_prefetch;
+  PersistentMode persistent;
   int prefetch_lead, group_m;
   int64_t persistent_ctas;
   TraceBuffer trace;
@@ -565,7 +605,7 @@ struct EnvSwitches {
 };
 const EnvSwitches& env_switches() {
   static const EnvSwitches switches{wgmma_enabled(),        epilogue_prefetch_enabled(),
-                                    persistent_enabled(),   prefetch_lead_tokens(),
+                                    persistent_mode(),      prefetch_lead_tokens(),
                                     group_m_tiles(),        persistent_cta_cap(),
                                     trace_buffer(),         stagger_ns()};
   return switches;
@@ -1005,8 +1045,20 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     if (forge_status s = encode_operand_map(encode, &maps.x, a.x, a.x_dtype, param.cols,
                                             a.tokens, a.ldx, "x"))
       return s;
+    w.trace = env.trace.records;
+    w.trace_ctas = env.trace.count;
     // (The persistent kernels have no run-scalars variant: a graph's step runs the others.)
-    if (splits == 1 && env.persistent && run == nullptr) {
+    bool use_persistent = false;
+    if (splits == 1 && run == nullptr) {
+      const bool spec_kernel =
+          !fp16_inputs && find_spec_kernel(kPersistentSpecKernels, k, param.weight_format,
+                                           param.state_format) != nullptr;
+      use_persistent = env.persistent == kPersistentAlways ||
+                       (env.persistent == kPersistentAuto &&
+                        persistent_pays(a.tokens, tiles, info.num_sms, param.weight_format,
+                                        param.state_format, spec_kernel));
+    }
+    if (use_persistent) {
       // One CTA per SM, each looping over tiles (tiles j·SMs + blockIdx.x).
       const char* name = nullptr;
       const Sm90KernelFn kernel = pick_persistent_kernel(k, param.weight_format,
@@ -1019,8 +1071,6 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
       FORGE_CUDA_TRY(cudaGetLastError());
       return FORGE_OK;
     }
-    w.trace = env.trace.records;
-    w.trace_ctas = env.trace.count;
     // NOTE: the stagger and the L2 prefetch of the update's operands are for nearest-rounded
     // weights only. A stochastically rounded weight's longer update already leaves the two CTAs
     // of an SM mostly out of phase: the stagger then only delays (v13), and the prefetch

@@ -135,6 +135,16 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
+// mbar_wait; with the benchmark's trace on (a.trace), the first thread of each 256 also adds
+// the cycles it waited to `total` (shared memory: nothing held in registers).
+__device__ __forceinline__ void mbar_wait_traced(const WgradParams& a, uint32_t bar,
+                                                 uint32_t parity, unsigned long long& total) {
+  if (a.trace == nullptr || threadIdx.x % 256 != 0) return mbar_wait(bar, parity);
+  const unsigned long long t0 = clock64();
+  mbar_wait(bar, parity);
+  total += clock64() - t0;
+}
+
 // One TMA box (64 columns × 64 tokens) at (col, token) of `map` into shared memory at `dst`;
 // completes `bytes` on `bar`. Out-of-range elements are written as zeros.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
@@ -414,30 +424,51 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
-// ---- the persistent, warp-specialized variant (opt-in: FORGE_CUDA_PERSISTENT=1) ---------------
+// ---- the persistent, warp-specialized variant ------------------------------------------------------
 //
-// EXPERIMENTAL: correct on the H200 but slower than the kernel above (bench/NOTES.md, v7: its
-// main loop runs at ~60% of that kernel's rate, latency-bound with one CTA per SM).
-// The kernel above serializes each CTA's update after its main loop; its two CTAs per SM
-// overlap only when they happen to be out of phase, and tiles of equal work keep them in
-// phase. Here one CTA per SM loops over tiles with the roles fixed: warpgroups 0-1 run the
-// TMA + wgmma main loop of tile j + 1 while warpgroups 2-3 run the update of tile j from sC,
-// so the update always overlaps the tensor cores. The same main loop (thread 0 is also the
-// producer, its k-tile counter running on across tiles so the next tile's first stages load
-// during the current tile's hand-off) and the same update (update_tile) as the kernel above;
-// sC no longer aliases the ring.
-// Only without split-K (splits == 1).
-constexpr int kPersistentThreads = 512;   // warpgroups 0-1: main loop; 2-3: the update
+// The host runs it where it was measured faster than the kernel above (cuda_backend.cu,
+// persistent_pays: AdamW's hot formats on large layers at T >= 2048; bench/NOTES.md v20), or
+// everywhere it applies with FORGE_CUDA_PERSISTENT=1 (its tests). The kernel above serializes
+// each CTA's update after its main loop; its two CTAs per SM overlap only when they happen to
+// be out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
+// tiles with the roles fixed: warpgroups 0-1 run the wgmma main loop of tile j + 1 while
+// warpgroups 2-3 run the update of tile j from sC, so the update always overlaps the tensor
+// cores, and warpgroup 4's first thread is the TMA producer (its k-tile counter runs on across
+// tiles, so the next tile's first stages load during the current tile's hand-off). The same
+// wgmma stage and the same update (update_tile) as the kernel above; sC does not alias the
+// ring. Only without split-K (splits == 1).
+// NOTE: the producer has its own warpgroup (v20). In v7 thread 0 of math warpgroup 0 was also
+// the producer: per k-tile it waited for the other warpgroup's release and computed the next
+// item's tile with 64-bit divisions while its warpgroup's next wgmma waited for it. Run 82's
+// trace: 63 kcycles per 128 × 128 × 2048 tile, 34 with the producer apart (run 83).
+constexpr int kPersistentThreads = 640;  // warpgroups 0-1: main loop; 2-3: update; 4: producer
+constexpr int kPersistentProducerThread = 512;
 constexpr int kPersistentStages = 4;
 constexpr int kPersistentUpdateBarrier = 1;  // named barrier of the update warpgroups
-constexpr int kPersistentMathRegisters = 104;     // per thread, warpgroups 0-1 (setmaxnreg)
-constexpr int kPersistentUpdateRegisters = 152;   // per thread, warpgroups 2-3
-static_assert(2 * kPersistentMathRegisters + 2 * kPersistentUpdateRegisters == 4 * 128,
-              "the register file: 512 threads x 128 registers at launch");
+// NOTE: setmaxnreg. Each SM sub-partition holds one warp of each warpgroup and 16 Ki
+// registers, so 640 threads launch with 96 each (512 per lane over 5 warps, in steps of 8:
+// 480). The producer needs few, the math warpgroups ~80 (64 accumulators) and the update
+// more (at 128 it spilled 32-88 B in v7); what the first two give up, the update takes.
+constexpr int kPersistentLaunchRegisters = 96;
+constexpr int kPersistentProducerRegisters = 24;  // warpgroup 4
+constexpr int kPersistentMathRegisters = 96;      // warpgroups 0-1
+constexpr int kPersistentUpdateRegisters = 128;   // warpgroups 2-3
+static_assert(kPersistentProducerRegisters + 2 * kPersistentMathRegisters +
+                      2 * kPersistentUpdateRegisters <=
+                  5 * kPersistentLaunchRegisters,
+              "the registers given up cover the ones taken");
+static_assert(kPersistentLaunchRegisters * kPersistentThreads <= 64 * 1024, "the register file");
 constexpr size_t kPersistentRingBytes = size_t(kPersistentStages) * kSm90StageBytes;
 constexpr size_t kPersistentSmemBytes = kPersistentRingBytes + kEpilogueBytes + kSm90Align;
 static_assert(kPersistentSmemBytes <= 227 * 1024, "one CTA per SM");
-static_assert(kPersistentThreads - 2 * 128 == kThreads, "update_tile's thread count");
+static_assert(4 * 128 - 2 * 128 == kThreads, "update_tile's thread count");
+// The persistent kernel's WgradParams::trace record (one per CTA; kTraceWords words): SM clock
+// at start and end, and the cycles spent waiting, summed over the CTA's tiles: math thread 0
+// on the ring's full barriers (loads late), the producer on its empty barriers (no stage
+// free), the math warpgroups on sC to be free (the update behind), the update on sC to be
+// full (the main loop behind). Read by bench/wgrad_bench --trace.
+enum PersistentTrace { kPtClockStart, kPtLoadWait, kPtClockEnd, kPtSlotWait, kPtGradWait,
+                       kPtTilesEmptyWait /* tiles | empty-barrier wait cycles << 16 */ };
 
 template <bool kFp16, class Spec = GenericSpec>
 __global__ void __launch_bounds__(kPersistentThreads, 1)
@@ -459,103 +490,130 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
   const int my_tiles =
       static_cast<int>(blockIdx.x) < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int nk = static_cast<int>((a.tokens + kSm90BK - 1) / kSm90BK);
-  const int64_t items = static_cast<int64_t>(my_tiles) * nk;  // k-tiles this CTA loads
   auto tile_origin = [&](int j, int64_t& m0, int64_t& n0) {
     int tm, tn;
     tile_coords(a, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x), tm, tn);
     m0 = static_cast<int64_t>(tm) * kBM;
     n0 = static_cast<int64_t>(tn) * kBN;
   };
-
-  // Producer (thread 0): k-tile item h = j * nk + kt of this CTA into stage h % kStages.
-  auto issue_item = [&](int64_t h) {
-    int64_t m0, n0;
-    tile_origin(static_cast<int>(h / nk), m0, n0);
-    const int stage = static_cast<int>(h % kPersistentStages);
-    issue_stage_loads(maps, ring + stage * kSm90StageBytes, full0 + 8 * stage, m0, n0,
-                      static_cast<int32_t>((h % nk) * kSm90BK));
+  // The benchmark's trace (PersistentTrace), filled by threads 0 (math), 256 (update) and 512
+  // (producer), written out by each at its end.
+  __shared__ unsigned long long s_trace[kTraceWords];
+  auto trace_out = [&](int word) {
+    if (blockIdx.x < a.trace_ctas) a.trace[blockIdx.x * kTraceWords + word] = s_trace[word];
   };
 
   if (threadIdx.x == 0) {
+    if (a.trace != nullptr) {
+      for (int i = 0; i < kTraceWords; ++i) s_trace[i] = 0;
+      s_trace[kPtClockStart] = clock64();
+    }
     mbar_init(c_full, 256);
     mbar_init(c_empty, 256);
     init_ring<kPersistentStages>(maps, full0, empty0);  // fences cover c_full / c_empty too
-    for (int64_t h = 0; h < kPersistentStages && h < items; ++h) issue_item(h);
   }
   if constexpr (int8_table_needed<Spec>()) int8_tables_init(threadIdx.x);
-  __syncthreads();
+  __syncthreads();  // the last CTA-wide barrier: the producer's idle threads exit below
 
   const int warpgroup = threadIdx.x / 128;
-  // NOTE: 512 threads × 128 registers fill the register file; the main loop needs ~100 (64
-  // accumulators), the update more (at 128 it spilled 32-88 B): 2 × 104 + 2 × 152 = 4 × 128.
-  if (warpgroup < 2) {
+  if (warpgroup == 4) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPersistentProducerRegisters));
+    if (threadIdx.x != kPersistentProducerThread) return;
+    // ---- the producer: item h = j * nk + kt (k-tile kt of tile j) into stage h % kStages ------
+    int stage = 0;
+    uint32_t phase = 0;  // of the empty barriers, once the ring has gone round once
+    int64_t h = 0;
+#pragma unroll 1
+    for (int j = 0; j < my_tiles; ++j) {
+      int64_t m0, n0;
+      tile_origin(j, m0, n0);
+#pragma unroll 1
+      for (int kt = 0; kt < nk; ++kt, ++h) {
+        // Both math warpgroups are done with item h - kStages in this stage.
+        if (h >= kPersistentStages)
+          mbar_wait_traced(a, empty0 + 8 * stage, phase, s_trace[kPtTilesEmptyWait]);
+        issue_stage_loads(maps, ring + stage * kSm90StageBytes, full0 + 8 * stage, m0, n0,
+                          kt * kSm90BK);
+        if (++stage == kPersistentStages) {
+          stage = 0;
+          if (h >= kPersistentStages) phase ^= 1u;
+        }
+      }
+    }
+    if (a.trace != nullptr) {
+      s_trace[kPtTilesEmptyWait] = static_cast<unsigned long long>(my_tiles) |
+                                   (s_trace[kPtTilesEmptyWait] << 16);
+      trace_out(kPtTilesEmptyWait);
+    }
+  } else if (warpgroup < 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPersistentMathRegisters));
     // ---- main loop: warpgroup g sums rows 64g..64g+63 of each tile --------------------------
-    // Both math warpgroups release item h (its stage) once their wgmmas reading it are done;
-    // thread 0 then refills that stage with item h + kStages.
-    auto release = [&](int64_t h) {
-      const int stage = static_cast<int>(h % kPersistentStages);
-      if (threadIdx.x % 128 == 0) mbar_arrive(empty0 + 8 * stage);
-      if (threadIdx.x == 0 && h + kPersistentStages < items) {
-        mbar_wait(empty0 + 8 * stage, static_cast<uint32_t>(h / kPersistentStages) & 1u);
-        issue_item(h + kPersistentStages);
-      }
-      __syncwarp();
-    };
     const uint64_t desc_a0 =
         sw128_mn_desc(ring + warpgroup * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
     const uint64_t desc_b0 = sw128_mn_desc(ring + 2 * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
-    int64_t h = 0;
+    int stage = 0, prev = 0;
+    uint32_t phase = 0;
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       float acc[64];
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
 #pragma unroll 1
-      for (int it = 0; it < nk; ++it, ++h) {
-        const int stage = static_cast<int>(h % kPersistentStages);
-        mbar_wait(full0 + 8 * stage, static_cast<uint32_t>(h / kPersistentStages) & 1u);
+      for (int it = 0; it < nk; ++it) {
+        mbar_wait_traced(a, full0 + 8 * stage, phase, s_trace[kPtLoadWait]);
         fence_accumulators(acc);
         wgmma_fence();
         wgmma_stage<kFp16>(acc, desc_a0, desc_b0, stage);
         wgmma_commit();
-        wgmma_wait<1>();  // the previous item's batch is complete: release its stage
+        // NOTE: one batch stays in flight; the previous item's is complete after this, so its
+        // stage goes back to the producer (one arrival per warpgroup).
+        wgmma_wait<1>();
         fence_accumulators(acc);
-        if (it > 0) release(h - 1);
+        if (it > 0 && threadIdx.x % 128 == 0) mbar_arrive(empty0 + 8 * prev);
+        prev = stage;
+        if (++stage == kPersistentStages) {
+          stage = 0;
+          phase ^= 1u;
+        }
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
-      release(h - 1);  // the tile's last item
+      if (threadIdx.x % 128 == 0) mbar_arrive(empty0 + 8 * prev);  // the tile's last item
       // Hand the tile over: wait until the update has read the previous one out of sC.
-      if (j > 0) mbar_wait(c_empty, static_cast<uint32_t>(j - 1) & 1u);
+      if (j > 0) mbar_wait_traced(a, c_empty, static_cast<uint32_t>(j - 1) & 1u, s_trace[kPtSlotWait]);
       store_accumulators(sC, acc, warpgroup);
       mbar_arrive(c_full);  // release: this thread's sC writes are visible to the waiter
+    }
+    if (a.trace != nullptr && threadIdx.x == 0) {
+      trace_out(kPtClockStart);
+      trace_out(kPtLoadWait);
+      trace_out(kPtSlotWait);
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPersistentUpdateRegisters));
     // ---- the update: warpgroups 2-3 ----------------------------------------------------------
     const int tid = threadIdx.x - 256;
     StepTotals totals{0.0, 0u};
-    int64_t m0 = 0, n0 = 0;
-    if (my_tiles > 0) tile_origin(0, m0, n0);
-    if (a.prefetch && my_tiles > 0) prefetch_update_operands(a, m0, n0, tid);
+    // NOTE: no L2 prefetch of the next tile's weight and states (WgradParams::prefetch is
+    // ignored here). Issued at the start of the previous tile's update, at its pass 2, 4 or 6,
+    // or not at all, the Llama layers at T = 512 were no faster with it, and at T = 2048 up to
+    // 12 % slower (run 84, bench/NOTES.md v20).
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
-      int64_t next_m0 = 0, next_n0 = 0;
-      // NOTE: the next tile's weight and states go to L2 while this one is updated.
-      if (j + 1 < my_tiles) {
-        tile_origin(j + 1, next_m0, next_n0);
-        if (a.prefetch) prefetch_update_operands(a, next_m0, next_n0, tid);
-      }
-      mbar_wait(c_full, static_cast<uint32_t>(j) & 1u);
+      int64_t m0, n0;
+      tile_origin(j, m0, n0);
+      mbar_wait_traced(a, c_full, static_cast<uint32_t>(j) & 1u, s_trace[kPtGradWait]);
       update_tile<Spec>(a, sC, m0, n0, totals, tid);
       mbar_arrive(c_empty);  // every read of sC by this thread is done
-      m0 = next_m0;
-      n0 = next_n0;
     }
     if (a.grad_sq_sum != nullptr || a.nonfinite_count != nullptr)
       flush_totals<kThreads, kPersistentUpdateBarrier>(totals, a.grad_sq_sum,
                                                         a.nonfinite_count, tid);
+    if (a.trace != nullptr && tid == 0) {
+      s_trace[kPtClockEnd] = clock64();
+      trace_out(kPtClockEnd);
+      trace_out(kPtGradWait);
+    }
   }
 #else
   (void)a;
