@@ -447,12 +447,14 @@ TraceSummary summarize_trace(const std::vector<unsigned long long>& rec, int cta
   return t;
 }
 
-// The persistent kernel's records (FORGE_CUDA_PERSISTENT=1: one CTA per SM looping over tiles;
-// the layout is sm90_wgrad.cuh's PersistentTrace): per tile, the mean CTA span in kilocycles,
-// and the shares of the span that math thread 0 waited on loads (full barriers), that the
-// producer waited for free stages (empty barriers), that the main loop waited for sC to be
-// free (the update behind), and that the update waited for sC to be full (the main loop
-// behind).
+// The persistent kernel's records (one CTA per SM looping over tiles; the layout is
+// sm90_wgrad.cuh's PersistentTrace, marked by kPersistentTraceFlag in the start word, whether
+// the library chose that kernel or FORGE_CUDA_PERSISTENT=1 forced it): per tile, the mean CTA
+// span in kilocycles, and the shares of the span that math thread 0 waited on loads (full
+// barriers), that the producer waited for free stages (empty barriers), that the main loop
+// waited for sC to be free (the update behind), and that the update waited for sC to be full
+// (the main loop behind).
+constexpr unsigned long long kPersistentTraceFlag = 1ull << 63;  // as in sm90_wgrad.cuh
 struct PersistentSummary {
   int ctas = 0;
   double tiles = 0, kcycles_per_tile = 0, load = 0, empty = 0, slot = 0, grad = 0;
@@ -464,7 +466,7 @@ PersistentSummary summarize_persistent(const std::vector<unsigned long long>& re
     const unsigned long long* r = &rec[size_t(i) * 6];
     if (r[2] == 0) continue;  // past the grid
     ++t.ctas;
-    span += double(r[2] - r[0]);
+    span += double(r[2] - (r[0] & ~kPersistentTraceFlag));
     tiles += double(r[5] & 0xFFFF);
     load += double(r[1]);
     empty += double(r[5] >> 16);
@@ -670,7 +672,7 @@ int main(int argc, char** argv) {
           continue;
         }
         char line[512];
-        if (const char* pv = std::getenv("FORGE_CUDA_PERSISTENT"); pv && pv[0] == '1') {
+        if (rec[0] & kPersistentTraceFlag) {
           const PersistentSummary ps = summarize_persistent(rec, ctas);
           std::snprintf(line, sizeof(line),
                         "| %s %lldx%lld | %lld | %s | %.4f | persistent: %d CTAs, %.1f tiles each "

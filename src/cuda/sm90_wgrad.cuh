@@ -427,7 +427,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 // ---- the persistent, warp-specialized variant ------------------------------------------------------
 //
 // The host runs it where it was measured faster than the kernel above (cuda_backend.cu,
-// persistent_pays: AdamW's hot formats on large layers at T >= 2048; bench/NOTES.md v20), or
+// persistent_pays: AdamW's hot formats on large layers, in measured ranges of T from 1024 up;
+// bench/NOTES.md v20), or
 // everywhere it applies with FORGE_CUDA_PERSISTENT=1 (its tests). The kernel above serializes
 // each CTA's update after its main loop; its two CTAs per SM overlap only when they happen to
 // be out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
@@ -447,8 +448,9 @@ constexpr int kPersistentStages = 4;
 constexpr int kPersistentUpdateBarrier = 1;  // named barrier of the update warpgroups
 // NOTE: setmaxnreg. Each SM sub-partition holds one warp of each warpgroup and 16 Ki
 // registers, so 640 threads launch with 96 each (512 per lane over 5 warps, in steps of 8:
-// 480). The producer needs few, the math warpgroups ~80 (64 accumulators) and the update
-// more (at 128 it spilled 32-88 B in v7); what the first two give up, the update takes.
+// 480). The producer needs few; the math warpgroups keep 96 (64 accumulators; at 88 they
+// spilled 200-290 B); the update takes what the producer gives up, 128 (ptxas: no spills
+// but 8 B in the SR weight + int8 states configuration).
 constexpr int kPersistentLaunchRegisters = 96;
 constexpr int kPersistentProducerRegisters = 24;  // warpgroup 4
 constexpr int kPersistentMathRegisters = 96;      // warpgroups 0-1
@@ -466,9 +468,11 @@ static_assert(4 * 128 - 2 * 128 == kThreads, "update_tile's thread count");
 // at start and end, and the cycles spent waiting, summed over the CTA's tiles: math thread 0
 // on the ring's full barriers (loads late), the producer on its empty barriers (no stage
 // free), the math warpgroups on sC to be free (the update behind), the update on sC to be
-// full (the main loop behind). Read by bench/wgrad_bench --trace.
+// full (the main loop behind). Read by bench/wgrad_bench --trace, which tells these records
+// from the two-CTA kernel's TileTrace by kPersistentTraceFlag in the start word.
 enum PersistentTrace { kPtClockStart, kPtLoadWait, kPtClockEnd, kPtSlotWait, kPtGradWait,
                        kPtTilesEmptyWait /* tiles | empty-barrier wait cycles << 16 */ };
+constexpr unsigned long long kPersistentTraceFlag = 1ull << 63;  // | the start clock
 
 template <bool kFp16, class Spec = GenericSpec>
 __global__ void __launch_bounds__(kPersistentThreads, 1)
@@ -506,7 +510,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
   if (threadIdx.x == 0) {
     if (a.trace != nullptr) {
       for (int i = 0; i < kTraceWords; ++i) s_trace[i] = 0;
-      s_trace[kPtClockStart] = clock64();
+      s_trace[kPtClockStart] = clock64() | kPersistentTraceFlag;
     }
     mbar_init(c_full, 256);
     mbar_init(c_empty, 256);
@@ -580,7 +584,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       fence_accumulators(acc);
       if (threadIdx.x % 128 == 0) mbar_arrive(empty0 + 8 * prev);  // the tile's last item
       // Hand the tile over: wait until the update has read the previous one out of sC.
-      if (j > 0) mbar_wait_traced(a, c_empty, static_cast<uint32_t>(j - 1) & 1u, s_trace[kPtSlotWait]);
+      if (j > 0)
+        mbar_wait_traced(a, c_empty, static_cast<uint32_t>(j - 1) & 1u, s_trace[kPtSlotWait]);
       store_accumulators(sC, acc, warpgroup);
       mbar_arrive(c_full);  // release: this thread's sC writes are visible to the waiter
     }
@@ -595,9 +600,9 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     const int tid = threadIdx.x - 256;
     StepTotals totals{0.0, 0u};
     // NOTE: no L2 prefetch of the next tile's weight and states (WgradParams::prefetch is
-    // ignored here). Issued at the start of the previous tile's update, at its pass 2, 4 or 6,
-    // or not at all, the Llama layers at T = 512 were no faster with it, and at T = 2048 up to
-    // 12 % slower (run 84, bench/NOTES.md v20).
+    // ignored here). Tried at the start of the previous tile's update and at its passes 2, 4
+    // and 6: at T = 512 none was faster than no prefetch, and at T = 2048 all were slower, by
+    // up to 12 % (run 84, bench/NOTES.md v20).
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       int64_t m0, n0;
