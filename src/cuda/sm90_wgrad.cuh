@@ -426,12 +426,11 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // ---- the persistent, warp-specialized variant ------------------------------------------------------
 //
-// The host runs it where it was measured faster than the kernel above (cuda_backend.cu,
-// persistent_pays: AdamW's hot formats on large layers, in measured ranges of T from 1024 up;
-// bench/NOTES.md v20), or
-// everywhere it applies with FORGE_CUDA_PERSISTENT=1 (its tests). The kernel above serializes
-// each CTA's update after its main loop; its two CTAs per SM overlap only when they happen to
-// be out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
+// The host runs it where it was measured faster than the kernel above (persistent_rule.h:
+// AdamW's hot formats on large layers, in measured ranges of T from 1024 up; bench/NOTES.md
+// v20), or everywhere it applies with FORGE_CUDA_PERSISTENT=1 (its tests). The kernel above
+// serializes each CTA's update after its main loop; its two CTAs per SM overlap only when they
+// happen to be out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
 // tiles with the roles fixed: warpgroups 0-1 run the wgmma main loop of tile j + 1 while
 // warpgroups 2-3 run the update of tile j from sC, so the update always overlaps the tensor
 // cores, and warpgroup 4's first thread is the TMA producer (its k-tile counter runs on across
