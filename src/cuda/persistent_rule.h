@@ -39,7 +39,7 @@ constexpr PersistentWindow kPersistentWindows[] = {
     {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 4096, kNoMaxTokens},
 };
 constexpr bool persistent_pays(int64_t tokens, int64_t tiles, int num_sms, int weight_format,
-                     int state_format, bool spec_kernel) {
+                               int state_format, bool spec_kernel) {
   if (!spec_kernel || tiles < kPersistentMinTilesPerSm * static_cast<int64_t>(num_sms))
     return false;
   for (const PersistentWindow& w : kPersistentWindows)
