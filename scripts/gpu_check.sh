@@ -344,7 +344,7 @@ if ((build_rc == 0)); then
   log "ctest -L gpu, persistent kernel (FORGE_CUDA_PERSISTENT=1, 3 CTAs)"
   FORGE_CUDA_PERSISTENT=1 FORGE_CUDA_PERSISTENT_CTAS=3 OMP_NUM_THREADS=2 \
     timeout "$(limit 120 100)" ctest --test-dir "$BUILD" -L gpu -j 8 \
-    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradRandom|ManyWaves' \
+    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradRandom|ManyWaves|WgradRunScalars|CudaGraph' \
     --output-on-failure --timeout 120 >"$OUT/ctest_gpu_persistent.log" 2>&1
   row "ctest -L gpu (persistent kernel, Wgrad subset)" \
     "$(ctest_result "$OUT/ctest_gpu_persistent.log")" "$(($(elapsed) - t0)) s"

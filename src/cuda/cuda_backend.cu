@@ -172,12 +172,19 @@ const Sm90Kernel kSm90SpecRunKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_RUN_KERNEL)
     "adamw, bf16 sr, int8")
 
 // The persistent, warp-specialized Hopper kernels (sm90_wgrad.cuh; chosen by persistent_pays,
-// or forced with FORGE_CUDA_PERSISTENT): the generic ones (below) and the hot configurations.
+// or forced with FORGE_CUDA_PERSISTENT): the generic ones (below) and the hot configurations,
+// those also reading the step's scalars from device memory (a CUDA graph's step).
 #define FORGE_PERSISTENT_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                             \
   Sm90Kernel{wgrad_wgmma_persistent_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,         \
              spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_persistent<bf16, " NAME ">"},
+#define FORGE_PERSISTENT_RUN_KERNEL(RULE, WEIGHT, STATE, NAME)                                 \
+  Sm90Kernel{wgrad_wgmma_persistent_kernel<false, UpdateSpec<RULE, WEIGHT, STATE, true>>,      \
+             spec_matches<UpdateSpec<RULE, WEIGHT, STATE, true>>,                              \
+             "wgrad_wgmma_persistent<bf16, " NAME ", run scalars>"},
 const Sm90Kernel kPersistentSpecKernels[] = {FORGE_HOT_SPEC_LIST(FORGE_PERSISTENT_SPEC_KERNEL)};
+const Sm90Kernel kPersistentSpecRunKernels[] = {FORGE_HOT_SPEC_LIST(FORGE_PERSISTENT_RUN_KERNEL)};
 #undef FORGE_PERSISTENT_SPEC_KERNEL
+#undef FORGE_PERSISTENT_RUN_KERNEL
 #undef FORGE_HOT_SPEC_LIST
 
 const Sm90Kernel kPersistentGenericKernels[] = {
@@ -230,15 +237,6 @@ Sm90KernelFn pick_bf16_sm90_kernel(const RuleScalars& k, int weight_format, int 
       run ? find_spec_kernel(kSm90SpecRunKernels, k, weight_format, state_format)
           : find_spec_kernel(kSm90SpecKernels, k, weight_format, state_format);
   if (kernel == nullptr) kernel = &kSm90GenericKernels[run][0];
-  *name = kernel->name;
-  return kernel->fn;
-}
-
-Sm90KernelFn pick_persistent_kernel(const RuleScalars& k, int weight_format, int state_format,
-                                    bool fp16, const char** name) {
-  const Sm90Kernel* kernel =
-      fp16 ? nullptr : find_spec_kernel(kPersistentSpecKernels, k, weight_format, state_format);
-  if (kernel == nullptr) kernel = &kPersistentGenericKernels[fp16 ? 1 : 0];
   *name = kernel->name;
   return kernel->fn;
 }
@@ -339,6 +337,9 @@ forge_status device_info(int index, DeviceInfo* out) {
                                          kPersistentThreads))
         return s;
       if (forge_status s = configure_all(kPersistentSpecKernels, kPersistentSmemBytes,
+                                         kPersistentThreads))
+        return s;
+      if (forge_status s = configure_all(kPersistentSpecRunKernels, kPersistentSmemBytes,
                                          kPersistentThreads))
         return s;
     }
@@ -1012,22 +1013,30 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
       return s;
     w.trace = env.trace.records;
     w.trace_ctas = env.trace.count;
-    // (The persistent kernels have no run-scalars variant: a graph's step runs the others.)
-    bool use_persistent = false;
-    if (splits == 1 && run == nullptr) {
-      const bool spec_kernel =
-          !fp16_inputs && find_spec_kernel(kPersistentSpecKernels, k, param.weight_format,
-                                           param.state_format) != nullptr;
-      use_persistent = env.persistent == kPersistentAlways ||
-                       (env.persistent == kPersistentAuto &&
-                        persistent_pays(a.tokens, tiles, info.num_sms, param.weight_format,
-                                        param.state_format, spec_kernel));
-    }
+    // The persistent kernel: its specialized kernel for these formats, if any (a graph's step,
+    // run != nullptr, has only those), else the generic one (forced only).
+    const Sm90Kernel* persistent_spec = nullptr;
+    if (splits == 1 && !fp16_inputs)
+      persistent_spec =
+          run != nullptr
+              ? find_spec_kernel(kPersistentSpecRunKernels, k, param.weight_format,
+                                 param.state_format)
+              : find_spec_kernel(kPersistentSpecKernels, k, param.weight_format,
+                                 param.state_format);
+    const bool persistent_applies = splits == 1 && (run == nullptr || persistent_spec != nullptr);
+    const bool use_persistent =
+        persistent_applies &&
+        (env.persistent == kPersistentAlways ||
+         (env.persistent == kPersistentAuto &&
+          persistent_pays(a.tokens, tiles, info.num_sms, param.weight_format,
+                          param.state_format, persistent_spec != nullptr)));
     if (use_persistent) {
       // One CTA per SM, each looping over tiles (tiles j·SMs + blockIdx.x).
-      const char* name = nullptr;
-      const Sm90KernelFn kernel = pick_persistent_kernel(k, param.weight_format,
-                                                         param.state_format, fp16_inputs, &name);
+      const Sm90Kernel& chosen = persistent_spec != nullptr
+                                     ? *persistent_spec
+                                     : kPersistentGenericKernels[fp16_inputs ? 1 : 0];
+      const Sm90KernelFn kernel = chosen.fn;
+      const char* name = chosen.name;
       log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
       int64_t ctas = tiles < info.num_sms ? tiles : info.num_sms;
       if (const int64_t cap = env.persistent_ctas) ctas = ctas < cap ? ctas : cap;

@@ -47,8 +47,10 @@ TEST_P(WgradRunScalars, MatchesCpuBitForBit) {
   const auto [rule_index, wf, sf] = GetParam();
   forge_hparams hp = rule_cases()[rule_index].hp;
   DeviceBuffer run(FORGE_RUN_SCALARS_BYTES);
-  // One tile-straddling shape, one through split-K (2 tiles, 35 k-tiles).
-  for (const Shape& s : {Shape{129, 200, 67}, Shape{96, 160, 1100}}) {
+  // One tile-straddling shape (dY's rows not a multiple of 8: no TMA), the same with TMA
+  // alignment (the Hopper kernels, the persistent one when forced), one through split-K (2
+  // tiles, 35 k-tiles).
+  for (const Shape& s : {Shape{129, 200, 67}, Shape{136, 200, 67}, Shape{96, 160, 1100}}) {
     SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.cols) + ", T " +
                  std::to_string(s.tokens));
     HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 300 + rule_index);
