@@ -531,9 +531,10 @@ bool wgmma_enabled() {
 }
 
 // Benchmark instrument: FORGE_CUDA_TRACE=<device address in hex>:<records> makes the Hopper
-// kernel write one TileTrace record (kTraceWords 64-bit words) per CTA into that buffer, which
-// the caller allocated on the device of the steps (bench/wgrad_bench --trace sets it). Every
-// launch overwrites it from record 0.
+// kernels write one record (kTraceWords 64-bit words) per CTA into that buffer: TileTrace from
+// the two-CTA kernel, PersistentTrace from the persistent one. The caller allocated it on the
+// device of the steps (bench/wgrad_bench --trace sets it). Every launch overwrites it from
+// record 0.
 struct TraceBuffer {
   unsigned long long* records = nullptr;
   int64_t count = 0;

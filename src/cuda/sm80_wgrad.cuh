@@ -102,9 +102,10 @@ struct WgradParams {
   unsigned long long* nonfinite_count;
   ParamView p;               // W: [M, N]
   RuleScalars k;
-  // wgrad_wgmma_kernel only: the benchmark's trace (cuda_backend.cu's FORGE_CUDA_TRACE; off:
-  // nullptr) and the stagger (sm90_wgrad.cuh's kStaggerNs; off: stagger_ns == 0).
-  unsigned long long* trace;  // [trace_ctas][kTraceWords]: see TileTrace
+  // The Hopper kernels only: the benchmark's trace (cuda_backend.cu's FORGE_CUDA_TRACE; off:
+  // nullptr) and, wgrad_wgmma_kernel only, the stagger (sm90_wgrad.cuh's kStaggerNs; off:
+  // stagger_ns == 0).
+  unsigned long long* trace;  // [trace_ctas][kTraceWords]: TileTrace, or PersistentTrace
   int64_t trace_ctas;
   int32_t stagger_ns;         // CTAs [stagger_first, stagger_first + stagger_count) wait this
   int32_t stagger_first, stagger_count;  // long before their main loop
