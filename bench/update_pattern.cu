@@ -18,6 +18,9 @@
 //                                   gate_proj's 14336 × 4096, down_proj's 4096 × 14336 and
 //                                   q_proj's 4096 × 4096, for group heights 1 to 128: why
 //                                   down_proj's update is slower)
+//     update_pattern --threads     (the fused kernel's 2 CTAs per SM with 512 threads held to
+//                                   64 registers, one or two vectors per thread, against its
+//                                   256: run 100, bench/NOTES.md v21)
 //
 // Timing: CUDA events around each launch, the L2 flushed (a 256 MiB memset) before each, the
 // median of N (default 30) after 3 warm-ups. Bytes counted: 12 per parameter (W, m, v read and
@@ -132,8 +135,8 @@ __device__ __forceinline__ void store3(uint16_t* w, uint16_t* m, uint16_t* v, in
 // 16 lanes cover a row and a half-warp one 64-column int8 block); the next pass's W, m, v are
 // loaded before this pass is updated (the epilogue's software pipeline).
 template <int kRows, int kCols, int kVec, int kQ, int kThreads, bool kPrefetch = false,
-          bool kAdjacent = false>
-__global__ void __launch_bounds__(kThreads) tiled_update(uint16_t* w, uint16_t* m, uint16_t* v,
+          bool kAdjacent = false, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) tiled_update(uint16_t* w, uint16_t* m, uint16_t* v,
                                                          int64_t cols, int tiles_m, int tiles_n,
                                                          int group_m, Adam k) {
   constexpr int kLanesPerRow = kCols / (kVec * kQ);
@@ -245,10 +248,10 @@ size_t cap_smem(int ctas, const cudaDeviceProp& prop) {
 }
 
 template <int kRows, int kCols, int kVec, int kQ, int kThreads, bool kPrefetch = false,
-          bool kAdjacent = false>
+          bool kAdjacent = false, int kMinBlocks = 1>
 void run_tiled(Timer& timer, const cudaDeviceProp& prop, const Layer& L, uint16_t* w, uint16_t* m,
                uint16_t* v, int ctas_per_sm, int group_m, int reps) {
-  auto kernel = tiled_update<kRows, kCols, kVec, kQ, kThreads, kPrefetch, kAdjacent>;
+  auto kernel = tiled_update<kRows, kCols, kVec, kQ, kThreads, kPrefetch, kAdjacent, kMinBlocks>;
   const size_t smem = cap_smem(ctas_per_sm, prop);
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(smem)));
@@ -308,14 +311,16 @@ struct LayerBuffers {
 
 int main(int argc, char** argv) {
   int reps = 30;
-  bool orders = false;
+  bool orders = false, threads = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
       reps = std::atoi(argv[++i]);
     } else if (!std::strcmp(argv[i], "--orders")) {
       orders = true;
+    } else if (!std::strcmp(argv[i], "--threads")) {
+      threads = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--orders]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--orders | --threads]\n", argv[0]);
       return 2;
     }
   }
@@ -342,6 +347,27 @@ int main(int argc, char** argv) {
       run_stream<8>(timer, prop, L, b.w, b.m, b.v, 8, reps);
       for (int group_m : {1, 2, 4, 8, 16, 32, 64, 128})
         run_tiled<128, 128, 4, 2, 256, true>(timer, prop, L, b.w, b.m, b.v, 2, group_m, reps);
+    }
+    return 0;
+  }
+  if (threads) {
+    // The fused kernel's CTA shape (2 per SM) with 512 threads instead of 256, held to 64
+    // registers so that two still fit: does doubling the update's warps per SM lift it the
+    // way more CTAs do (v21)?
+    const Layer mlp[] = {{"14336×4096", 14336, 4096}, {"4096×4096", 4096, 4096}};
+    for (const Layer& L : mlp) {
+      const LayerBuffers b(L);
+      run_stream<8>(timer, prop, L, b.w, b.m, b.v, 4, reps);
+      run_tiled<128, 128, 4, 2, 256, true>(timer, prop, L, b.w, b.m, b.v, 2, 8, reps);  // fused
+      run_tiled<128, 128, 4, 2, 256>(timer, prop, L, b.w, b.m, b.v, 2, 8, reps);
+      run_tiled<128, 128, 4, 2, 512, true, false, 2>(timer, prop, L, b.w, b.m, b.v, 2, 8, reps);
+      run_tiled<128, 128, 4, 2, 512, false, false, 2>(timer, prop, L, b.w, b.m, b.v, 2, 8, reps);
+      run_tiled<128, 128, 4, 1, 512, true, false, 2>(timer, prop, L, b.w, b.m, b.v, 2, 8, reps);
+      run_tiled<128, 128, 4, 1, 512, false, false, 2>(timer, prop, L, b.w, b.m, b.v, 2, 8, reps);
+      run_tiled<128, 128, 8, 1, 512, true, false, 2>(timer, prop, L, b.w, b.m, b.v, 2, 8, reps);
+      run_tiled<128, 128, 8, 1, 512, false, false, 2>(timer, prop, L, b.w, b.m, b.v, 2, 8, reps);
+      run_tiled<128, 128, 4, 2, 256, true>(timer, prop, L, b.w, b.m, b.v, 4, 8, reps);
+      run_tiled<128, 128, 4, 2, 256>(timer, prop, L, b.w, b.m, b.v, 4, 8, reps);
     }
     return 0;
   }
