@@ -81,7 +81,8 @@ def main() -> int:
                           check=True).stdout
     for spec in sys.argv[2:]:
         r, w, s = spec.split(",")
-        key = f"wgrad_wgmma_kernelILb0ENS0_10UpdateSpecILi{r}ELi{w}ELi{s}EEE"
+        # UpdateSpec<rule, weight, state, run scalars = false> (the launch's own scalars)
+        key = f"wgrad_wgmma_kernelILb0ENS0_10UpdateSpecILi{r}ELi{w}ELi{s}ELb0EEE"
         found = [rows for name, rows in functions(sass) if key in name]
         if not found:
             print(f"{spec}: no wgrad_wgmma_kernel for UpdateSpec<{spec}> in {sys.argv[1]}")
