@@ -17,7 +17,7 @@ for tool in memcheck racecheck; do
   echo "$tool rc=$? $((SECONDS-t0))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $OUT/wide-$tool.log | tail -1) $(grep -oE '\[  PASSED  \] [0-9]+ test' $OUT/wide-$tool.log)"
 done
 echo "== A/B"
-BENCH_ARGS="--tokens 512,1024,2048,4096" bash $R/abpair.sh 3 base:build-sm90 wide:build-sm90:FORGE_CUDA_WIDE=1 \
+BENCH_ARGS="--tokens 512,1024,2048,4096" bash bench/results/2026-11-30-h200-run81-tile-loop/abpair.sh 3 base:build-sm90 wide:build-sm90:FORGE_CUDA_WIDE=1 \
   'wide-np:build-sm90:FORGE_CUDA_WIDE=1 FORGE_CUDA_PERSISTENT=0' > $OUT/ab101.md 2>&1; echo $((SECONDS-t0))s; cat $OUT/ab101.md
 echo "== trace"
 FORGE_CUDA_WIDE=1 FORGE_CUDA_PERSISTENT=0 LD_LIBRARY_PATH=$PWD/build-sm90 timeout 60 build-sm90/bench/wgrad_bench --trace --out /tmp/trw > $OUT/trace-wide.txt 2>&1

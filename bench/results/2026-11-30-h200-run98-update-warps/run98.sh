@@ -19,7 +19,7 @@ for tool in memcheck racecheck; do
   echo "$tool rc=$? $((SECONDS-t0))s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $OUT/wg3-$tool.log | tail -1) $(grep -oE '\[  PASSED  \] [0-9]+ test' $OUT/wg3-$tool.log)"
 done
 echo "== A/B"
-BENCH_ARGS="--tokens 512,1024,2048" bash $R/abpair.sh 3 auto:build-sm90 p8:build-sm90:FORGE_CUDA_PERSISTENT=1 \
+BENCH_ARGS="--tokens 512,1024,2048" bash bench/results/2026-11-30-h200-run81-tile-loop/abpair.sh 3 auto:build-sm90 p8:build-sm90:FORGE_CUDA_PERSISTENT=1 \
   p11:build-wg3:FORGE_CUDA_PERSISTENT=1 > $OUT/ab.md 2>&1; echo $((SECONDS-t0))s; cat $OUT/ab.md
 echo "== trace, 11 update warps, T = 512"
 FORGE_CUDA_PERSISTENT=1 LD_LIBRARY_PATH=$PWD/build-wg3 timeout 60 build-wg3/bench/wgrad_bench --tokens 512 --trace \
