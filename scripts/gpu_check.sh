@@ -5,10 +5,11 @@
 #   2. ctest -L gpu (the CUDA backend against the CPU backend; on Hopper the wgmma main loop),
 #      its Wgrad bit-exact subset again on the portable sm80 path (FORGE_CUDA_WGMMA=0), then
 #      the benchmark (bench/wgrad_bench: fused step vs cuBLAS + unfused AdamW) on both paths,
+#      and bench/torch_unfused.py (the same fused step vs cuBLAS + torch's fused AdamW),
 #   3. compute-sanitizer memcheck and racecheck on a representative subset of the GPU tests,
 #   4. ctest -L cpu (the CPU suite, against the library built with CUDA),
-# writing results under $OUT (default ./out: summary.md, bench.md/json, bench-sm80.md, and the
-# logs packed in logs.tgz) and printing a summary table last.
+# writing results under $OUT (default ./out: summary.md, bench.md/json, bench-sm80.md,
+# torch-unfused.md, and the logs packed in logs.tgz) and printing a summary table last.
 # `bash scripts/gpu_check.sh trace` times a few layers with a per-CTA phase trace (see below).
 # `bash scripts/gpu_check.sh ab` repeats the whole benchmark per setting, alternating, and
 # prints the medians (see below).
@@ -356,7 +357,15 @@ if ((build_rc == 0)); then
   FORGE_CUDA_VERBOSE=1 timeout "$(limit 150 80)" "$BUILD/bench/wgrad_bench" --out "$OUT" \
     >"$OUT/bench.log" 2>&1
   bench_rc=$?
-  others=""
+  # The unfused way as torch runs it (cuBLAS dW through torch.mm + torch's fused AdamW kernel)
+  # against the same fused step, from Python: bench/torch_unfused.py, into torch-unfused.md.
+  if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    FORGE_LIBRARY="$BUILD" timeout "$(limit 90 60)" python3 "$ROOT/bench/torch_unfused.py" \
+      --out "$OUT" >"$OUT/torch_unfused.log" 2>&1
+    others="; torch_unfused.py rc=$?"
+  else
+    others="; torch_unfused.py skipped (no torch with CUDA)"
+  fi
   for setting in $SWEEP; do
     dir="$OUT/$(sweep_dir "$setting")"
     mkdir -p "$dir"
@@ -439,10 +448,11 @@ fi
 SWEEP_DIRS=$(cd "$OUT" && ls -d sweep-* 2>/dev/null)
 (cd "$OUT" && tar czf logs.tgz --ignore-failed-read build.log ctest_gpu.log ctest_gpu_sm80.log \
   ctest_gpu_persistent.log ctest_cpu.log sanitizer.log bench.log sm80 persistent ncu.txt \
-  $SWEEP_DIRS 2>/dev/null &&
+  torch_unfused.log torch-unfused.json $SWEEP_DIRS 2>/dev/null &&
   rm -rf build.log ctest_gpu.log ctest_gpu_sm80.log ctest_gpu_persistent.log ctest_cpu.log \
-    sanitizer.log bench.log sm80 persistent $SWEEP_DIRS)
+    sanitizer.log bench.log sm80 persistent torch_unfused.log torch-unfused.json $SWEEP_DIRS)
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+[ -f "$OUT/torch-unfused.md" ] && { echo; echo "## against cuBLAS dW + torch's fused AdamW (bench/torch_unfused.py), Llama-3.1-8B totals"; grep -A6 "^Llama-3.1-8B totals" "$OUT/torch-unfused.md" | tail -5; }
 [ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
 for setting in $SWEEP; do
   echo; echo "## $setting: Llama-3.1-8B totals and the 4096×4096 rows (full table in logs.tgz)"
