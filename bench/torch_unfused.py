@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -149,13 +148,52 @@ def bench_shape(lib, name, out, inp, tokens_list, iters, flush, gen):
     return rows
 
 
+def llama_totals(rows, tokens_list):
+    """{T: {variant: ms}}: each layer's median × its occurrences per decoder layer × LAYERS."""
+    per_layer = {name: n for name, _, _, n in SHAPES}
+    return {t: {v: sum(r[v] * per_layer[r["layer"]] * LAYERS for r in rows if r["tokens"] == t)
+                for v in VARIANTS}
+            for t in tokens_list}
+
+
+def report_md(header, rows, tokens_list):
+    """The markdown report: the per-layer table, then the Llama totals."""
+    md = ["# FORGE fused step against cuBLAS dW + torch's fused AdamW (torch_unfused.py)", "",
+          f"- date: {header['date']}", f"- GPU: {header['gpu']}; torch {header['torch']}",
+          f"- command: `{header['command']}`",
+          f"- median of {header['iters']} interleaved rounds after {WARMUP} warm-ups, L2 flushed "
+          "and the launch hidden behind a sleep kernel before each call; bf16 x, dy, W, m, v; "
+          "AdamW", "",
+          "| layer (out×in) | T | FORGE fused ms | torch dW ms | torch AdamW ms | torch (c) ms | "
+          "speedup (c)/FORGE |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        md.append(f"| {r['layer']} {r['out']}x{r['inp']} | {r['tokens']} | {r['forge_fused']:.4f} | "
+                  f"{r['torch_dw']:.4f} | {r['torch_adamw']:.4f} | {r['torch_unfused']:.4f} | "
+                  f"{r['torch_unfused'] / r['forge_fused']:.2f}x |")
+    md += ["", f"Llama-3.1-8B totals ({LAYERS} layers × 7 linear layers, ms):", "",
+           "| T | FORGE fused | torch dW | torch AdamW | torch (c) | speedup |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for t, tot in llama_totals(rows, tokens_list).items():
+        md.append(f"| {t} | {tot['forge_fused']:.2f} | {tot['torch_dw']:.2f} | "
+                  f"{tot['torch_adamw']:.2f} | {tot['torch_unfused']:.2f} | "
+                  f"{tot['torch_unfused'] / tot['forge_fused']:.2f}x |")
+    return "\n".join(md) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="512,2048,4096", help="comma-separated T values")
     ap.add_argument("--iters", type=int, default=20, help="timed rounds per (layer, T)")
     ap.add_argument("--out", type=Path, help="folder for torch-unfused.md and .json")
     opts = ap.parse_args()
-    tokens_list = [int(t) for t in opts.tokens.split(",")]
+    try:
+        tokens_list = [int(t) for t in opts.tokens.split(",")]
+    except ValueError:
+        ap.error(f"--tokens: {opts.tokens!r} is not a comma-separated list of integers")
+    if min(tokens_list) < 1:
+        ap.error(f"--tokens: every T must be at least 1, got {opts.tokens!r}")
+    if opts.iters < 1:
+        ap.error(f"--iters: at least 1 timed round, got {opts.iters}")
     if not torch.cuda.is_available():
         raise SystemExit("torch_unfused.py needs a CUDA device")
     lib = _lib.get()
@@ -169,40 +207,19 @@ def main():
         rows += bench_shape(lib, name, out, inp, tokens_list, opts.iters, flush, gen)
         torch.cuda.empty_cache()
 
-    per_layer = {name: n for name, _, _, n in SHAPES}
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python3 bench/torch_unfused.py " + " ".join(sys.argv[1:])
-    md = ["# FORGE fused step against cuBLAS dW + torch's fused AdamW (torch_unfused.py)", "",
-          f"- date: {date}", f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}",
-          f"- command: `{command.strip()}`",
-          f"- median of {opts.iters} interleaved rounds after {WARMUP} warm-ups, L2 flushed and "
-          "the launch hidden behind a sleep kernel before each call; bf16 x, dy, W, m, v; AdamW",
-          "", "| layer (out×in) | T | FORGE fused ms | torch dW ms | torch AdamW ms | "
-          "torch (c) ms | speedup (c)/FORGE |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        md.append(f"| {r['layer']} {r['out']}x{r['inp']} | {r['tokens']} | {r['forge_fused']:.4f} | "
-                  f"{r['torch_dw']:.4f} | {r['torch_adamw']:.4f} | {r['torch_unfused']:.4f} | "
-                  f"{r['torch_unfused'] / r['forge_fused']:.2f}x |")
-    md += ["", f"Llama-3.1-8B totals ({LAYERS} layers × 7 linear layers, ms):", "",
-           "| T | FORGE fused | torch dW | torch AdamW | torch (c) | speedup |",
-           "| --- | --- | --- | --- | --- | --- |"]
-    totals = {}
-    for tokens in tokens_list:
-        tot = {v: sum(r[v] * per_layer[r["layer"]] * LAYERS for r in rows if r["tokens"] == tokens)
-               for v in VARIANTS}
-        totals[tokens] = tot
-        md.append(f"| {tokens} | {tot['forge_fused']:.2f} | {tot['torch_dw']:.2f} | "
-                  f"{tot['torch_adamw']:.2f} | {tot['torch_unfused']:.2f} | "
-                  f"{tot['torch_unfused'] / tot['forge_fused']:.2f}x |")
-    text = "\n".join(md) + "\n"
+    command = ("python3 bench/torch_unfused.py " + " ".join(sys.argv[1:])).strip()
+    header = dict(date=date, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  command=command, iters=opts.iters)
+    text = report_md(header, rows, tokens_list)
     print(text)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / "torch-unfused.md").write_text(text)
+        totals = llama_totals(rows, tokens_list)
         (opts.out / "torch-unfused.json").write_text(json.dumps(
-            dict(date=date, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                 command=command.strip(), iters=opts.iters, results=rows,
-                 totals={str(k): v for k, v in totals.items()}), indent=2) + "\n")
+            dict(header, results=rows, totals={str(k): v for k, v in totals.items()}),
+            indent=2) + "\n")
     return 0
 
 

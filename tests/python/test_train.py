@@ -494,3 +494,60 @@ def test_bench_rejects_unknown_model(capsys):
     from forge import bench
     assert bench.main(["--models", "gpt-5", "--device", "cpu"]) == 2
     assert "unknown model 'gpt-5'" in capsys.readouterr().err
+
+
+def _torch_unfused_module():
+    """bench/torch_unfused.py imported as a module (its report helpers run without a GPU)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                        "torch_unfused.py")
+    spec = importlib.util.spec_from_file_location("torch_unfused", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_torch_unfused_totals_and_report():
+    """bench/torch_unfused.py's Llama totals weigh each layer by its occurrences (2 q/o, 2 k/v,
+    2 gate/up, 1 down per decoder layer, 32 layers) and its report gives per-layer and total
+    speedups as torch (c) / FORGE."""
+    mod, _ = _torch_unfused_module()
+    ms = {"q_proj/o_proj": 1.0, "k_proj/v_proj": 10.0, "gate_proj/up_proj": 100.0,
+          "down_proj": 1000.0}
+    rows = []
+    for name, out, inp, _ in mod.SHAPES:
+        for t, scale in ((512, 1.0), (2048, 3.0)):
+            rows.append(dict(layer=name, out=out, inp=inp, tokens=t, forge_fused=ms[name] * scale,
+                             torch_dw=0.5 * ms[name] * scale, torch_adamw=ms[name] * scale,
+                             torch_unfused=2.0 * ms[name] * scale))
+    totals = mod.llama_totals(rows, [512, 2048])
+    assert totals[512]["forge_fused"] == pytest.approx(32 * (2 * 1 + 2 * 10 + 2 * 100 + 1000))
+    assert totals[2048]["torch_unfused"] == pytest.approx(3 * 2 * totals[512]["forge_fused"])
+    text = mod.report_md(dict(date="d", gpu="g", torch="t", command="c", iters=7), rows,
+                         [512, 2048])
+    assert "| down_proj 4096x14336 | 512 | 1000.0000 | 500.0000 | 1000.0000 | 2000.0000 | 2.00x |" \
+        in text
+    assert f"| 512 | {totals[512]['forge_fused']:.2f} |" in text
+    assert "median of 7 interleaved rounds" in text
+
+
+@pytest.mark.parametrize("argv, named", [(["--iters", "0"], "--iters"),
+                                         (["--tokens", "512,x"], "--tokens"),
+                                         (["--tokens", "0"], "--tokens")])
+def test_torch_unfused_refuses_bad_arguments(argv, named):
+    """Bad arguments end the benchmark before it touches a device, naming the argument."""
+    _, path = _torch_unfused_module()
+    proc = subprocess.run([sys.executable, path] + argv, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr, proc.stderr
+
+
+def test_torch_unfused_needs_a_gpu():
+    """Without CUDA the benchmark says so and fails, rather than timing nothing."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the benchmark would run")
+    _, path = _torch_unfused_module()
+    proc = subprocess.run([sys.executable, path, "--tokens", "512"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "needs a CUDA device" in proc.stderr, proc.stderr
