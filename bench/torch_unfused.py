@@ -4,8 +4,9 @@ Llama-3.1-8B linear layer (issue 3's benchmark, from Python).
 
 wgrad_bench's column (c) is cuBLAS dW plus a hand-written flat AdamW pass (16-byte vectors,
 full occupancy). That pass streams faster than the kernel torch.optim.AdamW(fused=True)
-launches (ANCHORS.md, in ../shared/ beside the repository: 36.0 ms over the model's linear weights, ~2.7 TB/s). This
-program times what a torch user runs instead of FORGE, on the same shapes and formats:
+launches (ANCHORS.md, in ../shared/ beside the repository: 36.0 ms over the model's linear
+weights, ~2.7 TB/s). This program times what a torch user runs instead of FORGE, on the same
+shapes and formats:
 
   torch dW      torch.mm(dy.t(), x) into a bf16 gradient: the GEMM of Linear's backward (cuBLAS)
   torch AdamW   torch._fused_adamw_ on the bf16 weight and bf16 states: the one kernel
