@@ -10,8 +10,8 @@ shapes and formats:
 
   torch dW      torch.mm(dy.t(), x) into a bf16 gradient: the GEMM of Linear's backward (cuBLAS)
   torch AdamW   torch._fused_adamw_ on the bf16 weight and bf16 states: the one kernel
-                AdamW(fused=True).step() launches for them (its step counter is bumped
-                outside the timing; the optimizer adds one tiny launch per step for it)
+                AdamW(fused=True).step() launches for them (its step tensor stays at 1:
+                the optimizer's own launch that bumps it each step is left out)
   torch (c)     the two in a row
   FORGE fused   forge_wgrad_step (ctypes binding), AdamW, bf16 weight, bf16 states
 
