@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Medians over repeated wgrad_bench runs, per setting: what `gpu_check.sh ab` prints.
 
-The card's clock moves between and within calls (bench/NOTES.md v15), so a difference of a
+The card's SM clock moves between and within calls under its power cap (docs/design.md), so a difference of a
 few percent needs several full benchmarks per setting, alternating, in one call. This reads
 them and gives, per setting, the median of each Llama-3.1-8B total (224 layers), its lowest
 and highest repetition, and the median of each layer's fused-step times.
@@ -97,8 +97,8 @@ def median_table(runs):
 
 def spread_table(runs):
     """Markdown: the same totals' lowest and highest repetition. A difference between settings
-    inside these ranges is not one this call can tell (run 55: 2.7 % between two builds of
-    code the change did not touch)."""
+    inside these ranges is not one this call can tell (2.7 % has been measured between two
+    builds of code a change did not touch)."""
     return _totals_table(runs, "The same totals: lowest – highest repetition, ms",
                          lambda v: f"{min(v):.1f} – {max(v):.1f}")
 

@@ -13,10 +13,12 @@ TMA kernel, whose call also encodes two tensor maps (fp32 takes the SIMT kernel)
                                   [--steps 200] [--profile N]
 --profile N: then N more steps of each optimizer under cProfile (the top functions).
 
-Prints microseconds per Linear per step (median over the steps after 20 warm-ups).
+Prints microseconds per Linear per step (median over the steps after 20 warm-ups); --json PATH
+also writes them for bench/record.py.
 """
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import statistics
@@ -71,6 +73,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--json", metavar="PATH", help="also write the figures there (bench/record.py "
+                   "appends them to the results table)")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -95,6 +99,18 @@ def main() -> int:
     print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}, "
           f"torch {torch.__version__}): torch AdamW(foreach) {torch_us:.1f} us, "
           f"forge.optim.AdamW {forge_us:.1f} us")
+    if args.json:
+        case = f"{args.layers} Linears 16x16 {args.dtype} {device.type}"
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "host_overhead", "gpu": gpu,
+                       "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                       "command": " ".join(["python3", "bench/host_overhead.py"] + sys.argv[1:]),
+                       "torch": torch.__version__,
+                       "results": [{"case": case, "variant": "torch AdamW(foreach)",
+                                    "us_per_linear": torch_us},
+                                   {"case": case, "variant": "forge.optim.AdamW",
+                                    "us_per_linear": forge_us}]}, f, indent=1)
     return 0
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torch_unfused.py — FORGE's fused step against the unfused way as torch runs it, per
-Llama-3.1-8B linear layer (issue 3's benchmark, from Python).
+Llama-3.1-8B linear layer (wgrad_bench's comparison, from Python).
 
 wgrad_bench's column (c) is cuBLAS dW plus a hand-written flat AdamW pass (16-byte vectors,
 full occupancy). That pass streams faster than the kernel torch.optim.AdamW(fused=True)

@@ -75,7 +75,7 @@ if ((bench_budget > 30)); then
   # shellcheck disable=SC2086
   # FORGE_CUDA_VERBOSE: the log says which wgrad kernel each configuration ran (a generic
   # kernel where a specialized one was expected is a performance bug).
-  FORGE_CUDA_VERBOSE=1 timeout $((bench_budget + 60)) $PY -m forge.bench --suite anchors --time-budget "$bench_budget" \
+  FORGE_CUDA_VERBOSE=1 timeout $((bench_budget + 60)) $PY -m forge.tools.bench --suite anchors --time-budget "$bench_budget" \
     --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" | grep --line-buffered -E '^\[[0-9]+/|error'
   say "forge-bench finished (status ${PIPESTATUS[0]})"
 else
@@ -87,7 +87,7 @@ parity_budget=$((TOTAL - $(elapsed) - 10))
 [ "${SKIP_PARITY:-0}" = 1 ] && parity_budget=0
 if ((parity_budget > 30)); then
   say "forge-bench --parity, ${PARITY_STEPS} steps (hard limit ${parity_budget}s)"
-  timeout "$parity_budget" $PY -m forge.bench --parity --parity-steps "$PARITY_STEPS" \
+  timeout "$parity_budget" $PY -m forge.tools.bench --parity --parity-steps "$PARITY_STEPS" \
     --parity-noise-runs "${PARITY_NOISE_RUNS:-1}" \
     --out "$OUT" --parity-work-dir /tmp/forge-parity 2>&1 | tee -a "$LOG" |
     grep --line-buffered -E '^forge-train: (model|done|error)|^parity|^  (forge|torch|report)'
@@ -101,6 +101,6 @@ echo
 say "done in $(elapsed)s; files in $OUT:"
 ls -1 "$OUT"
 echo
-$PY -m forge.bench --summarize "$OUT" 2>&1 | tee -a "$LOG"
+$PY -m forge.tools.bench --summarize "$OUT" 2>&1 | tee -a "$LOG"
 echo "kernels the benchmark ran (FORGE_CUDA_VERBOSE):"
 grep -h "forge cuda: step runs" "$LOG" | sort -u | head -20

@@ -3,13 +3,13 @@
     import forge
     opt = forge.optim.AdamW(model, lr=3e-4, weight_decay=0.1, state_format="int8")
 
-forge.optim holds the optimizers (optim.py says how the update moves into backward);
-forge.lean the memory-lean activations (lean.py); forge.graphs captures whole training
-steps as CUDA graphs (graphs.py). forge.optim is
-imported on first use and loads libforge then (through ctypes; _lib.py says where it is
-looked for), so `import forge` alone works without the library (forge.models, forge.data,
-forge-train --baseline torch), while `import forge.optim` fails early with a clear
-ImportError when libforge cannot be found.
+The library: forge.optim (the optimizers; optim/routing.py says how the update moves into
+backward), forge.lean (memory-lean activations), forge.graphs (whole training steps as CUDA
+graphs). The programs built on it live in forge.tools (forge-train, forge-bench), which the
+library never imports. forge.optim is imported on first use and loads libforge then
+(through ctypes; _lib.py says where it is looked for), so `import forge` alone works without
+the library (forge.tools' models and data, forge-train --baseline torch), while
+`import forge.optim` fails early with a clear ImportError when libforge cannot be found.
 """
 import importlib
 

@@ -8,7 +8,7 @@ calls FusedLinearFunction:
               None for W: the weight never gets a .grad.
 The optimizer applies the fused step (forge_wgrad_step) when autograd reaches W's
 AccumulateGrad node, i.e. once every consumer of W in this backward is done (see
-optim.py); that is what makes a Linear applied twice, or a weight also used outside its
+forge/optim/routing.py); that is what makes a Linear applied twice, or a weight also used outside its
 Linear, come out right instead of being updated from a partial gradient.
 
 The patched forward finds its slot through a registry keyed by the weight's id, so a

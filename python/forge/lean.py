@@ -6,27 +6,33 @@ element-wise intermediates and the inputs of its matrix products. Hugging Face's
 keeps an fp32 copy of its input and the bf16 normalized tensor (3x the input's bytes in
 bf16); the SwiGLU product silu(gate) * up keeps silu's output besides gate and up; the
 Linears after a norm keep its output, down_proj keeps the product. On Llama-3.1-8B at seq
-512 this file removes 54.5 of the ~103 MB a layer keeps, and 140 MB at the loss
-(bench/results/2026-11-29-h200-run36-lean-loss/).
+512 this file removes 54.5 of the ~103 MB a layer keeps, and 140 MB at the loss (measured
+with torch.cuda.max_memory_allocated on one H200, forge-bench's lean modes).
 
 enable_lean_activations(model) wraps
   - every RMSNorm (a module whose class name ends in "RMSNorm", with one direct parameter and
     no children) so that it keeps only its input,
-  - every SwiGLU MLP (forge.models.SwiGLU, and Hugging Face's Llama, Mistral, Qwen2 and
-    Qwen3 MLPs with a SiLU activation) so that the product keeps only gate and up,
+  - every SwiGLU MLP (Hugging Face's Llama, Mistral, Qwen2 and Qwen3 MLPs with a SiLU
+    activation, and any class declaring forge_lean_role = "swiglu_mlp") so that the product
+    keeps only gate and up,
 and recomputes the rest once in backward with the module's own code (_Recomputation). With
 forge.optim, the Linears that read a norm's output or the product (q/k/v, gate/up,
 down_proj) keep those inputs instead and take what they read from the same recomputation
 (_linear.RECOMPUTE_ATTR). So the gradients are bit-identical to the unwrapped model's in bf16:
 the same operations in the same order, run twice. The cost is the recomputation (element-wise,
 small next to the layer's GEMMs) and its host time, which a host-bound step pays in full. For
-the known norm classes (Llama, Mistral, Qwen2, Qwen3, forge.models; they also keep their
+the known norm classes (Llama, Mistral, Qwen2, Qwen3, and any class declaring
+forge_lean_role = "rms_norm"; they also keep their
 fp32 rsqrt per row, so backward does not redo the reduction) and a SiLU product (nn.SiLU, or
 an activation that computes F.silu bit for bit, such as transformers 5's SiLUActivation) the
 backward is written out with autograd's own operations (checked bit for bit by the tests on
 torch 2.4.1 and 2.15); any other wrapped module costs one nested autograd call. On a
 host-bound CPU step (16 tiny HF Llama layers, forge.optim) lean costs ~2 ms over plain (3.4
 before those two changes) and 47 more aten operations (292 before).
+
+A model class of one's own opts in with a class attribute: forge_lean_role = "rms_norm" for
+a norm computing weight * (x32 · rsqrt(mean(x32²) + self.eps)).to(x.dtype) like Llama's, or
+"swiglu_mlp" for down_proj(F.silu(gate_proj(x)) * up_proj(x)) (forge.tools.models does).
 
 It composes with activation checkpointing and with forge.optim (no Linear is wrapped: the
 fused weight-gradient path is untouched).
@@ -111,7 +117,7 @@ class _SiluProduct(_Recomputation):
 
 
 class _RMSNormRecomputation(_Recomputation):
-    """Llama's / Qwen's / Mistral's / forge.models' RMSNorm: weight * (x32 · rstd) rounded to x's
+    """Llama's / Qwen's / Mistral's / a declared rms_norm's: weight * (x32 · rstd) rounded to x's
     dtype, x32 = x in fp32, rstd = rsqrt(mean(x32²) + eps) (the classes' own operations, in
     their order). Its activations are x and rstd (rstd(), computed before the Function, 4
     bytes per row): backward rebuilds x32 and the normalized x from them in two operations
@@ -212,17 +218,19 @@ _KNOWN_RMS_NORMS = {"LlamaRMSNorm": "variance_epsilon", "MistralRMSNorm": "varia
                     "Qwen2RMSNorm": "variance_epsilon", "Qwen3RMSNorm": "variance_epsilon"}
 
 
+def _declared_role(module: nn.Module):
+    return getattr(type(module), "forge_lean_role", None)
+
+
 def _known_rms_norm_eps(module: nn.Module):
-    from forge.models import RMSNorm
-    if type(module) is RMSNorm:
+    if _declared_role(module) == "rms_norm":
         return module.eps
     attr = _KNOWN_RMS_NORMS.get(type(module).__name__)
     return getattr(module, attr, None) if attr is not None else None
 
 
 def _is_swiglu_mlp(module: nn.Module) -> bool:
-    from forge.models import SwiGLU
-    if type(module) is SwiGLU:  # forge.models' own: F.silu, no act_fn
+    if _declared_role(module) == "swiglu_mlp":  # declares F.silu, no act_fn
         return True
     if type(module).__name__ not in _HF_SWIGLU_MLPS:
         return False

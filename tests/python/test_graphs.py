@@ -212,7 +212,7 @@ def test_rebind_streams_keeps_the_training_bit_exact():
 
 
 class HostRunScalars:
-    """forge.optim._RunScalars on the CPU (no pinned memory, no events): lets the capture
+    """forge.optim.capture._RunScalars on the CPU (no pinned memory, no events): lets the capture
     bookkeeping run in CI."""
 
     def __init__(self, count, device):
@@ -232,7 +232,7 @@ class HostRunScalars:
 
 def test_capture_bookkeeping(monkeypatch):
     """What CUDAGraphStep drives, on the CPU with the kernels left out: a captured update
-    points at its parameter's region and counts no step; each _prepare_replay counts one and
+    points at its parameter's region and counts no step; each prepare_graph_replay counts one and
     fills every region with that step's scalars (lr of the moment, seed + index)."""
     torch.manual_seed(0)
     model = TinyTransformer()
@@ -248,13 +248,13 @@ def test_capture_bookkeeping(monkeypatch):
         launched.append((args.hparams.run_scalars, args.hparams.step))
     monkeypatch.setattr(_lib.Library, "wgrad_step", record)
     monkeypatch.setattr(_lib.Library, "elementwise_step", record)
-    monkeypatch.setattr(forge.optim, "_RunScalars", HostRunScalars)
+    monkeypatch.setattr(forge.optim.capture, "_RunScalars", HostRunScalars)
     stats_before = opt._last_stats
-    opt._begin_capture()
+    opt.begin_graph_capture()
     lm_loss(model, 2).backward()
     opt.step()
     opt.zero_grad()
-    cap = opt._end_capture()
+    cap = opt.end_graph_capture()
 
     slots = list(opt._slots.values())
     rs = cap.run_scalars[None]
@@ -268,7 +268,7 @@ def test_capture_bookkeeping(monkeypatch):
     for i, lr in enumerate([5e-3, 0.0, 2e-2]):
         for group in opt.param_groups:
             group["lr"] = lr
-        opt._prepare_replay(cap)
+        opt.prepare_graph_replay(cap)
         assert opt._step_id == 3 + i and opt._last_stats is cap.stats
         for s in slots:
             assert opt.state[s.param]["step"] == 3 + i
@@ -280,11 +280,11 @@ def test_capture_bookkeeping(monkeypatch):
             assert torch.equal(region, expected), f"{s.name}, replay {i}"
     opt.param_groups[1]["betas"] = (0.8, 0.999)
     with pytest.raises(RuntimeError, match="only lr may change"):
-        opt._prepare_replay(cap)
+        opt.prepare_graph_replay(cap)
     opt.param_groups[1]["betas"] = (0.9, 0.999)
     opt.load_state_dict(opt.state_dict())
     with pytest.raises(RuntimeError, match="load_state_dict"):
-        opt._prepare_replay(cap)
+        opt.prepare_graph_replay(cap)
 
 
 def test_capturable_points_to_cuda_graph_step():
@@ -310,7 +310,7 @@ def test_cuda_graph_step_without_cuda_is_a_clear_error():
 
 
 def test_bench_cuda_graph_flag_checks(capsys):
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cpu", "--cuda-graph"]) == 2
     assert "--cuda-graph" in capsys.readouterr().err
     assert bench.main(["--models", "tiny", "--cuda-graph", "--profile", "1"]) == 2
@@ -327,7 +327,7 @@ def test_bench_cuda_graph_flag_checks(capsys):
 def test_bench_graph_modes_on_cpu_are_unsupported_rows(tmp_path, capsys):
     """The -graph modes (what --suite anchors runs at seq 512) on the CPU: a row saying
     unsupported, not a crash; the eager mode beside them is measured as usual."""
-    from forge import bench
+    from forge.tools import bench
     assert set(bench.GRAPH_MODES) <= set(bench.KNOWN_MODES)
     assert all(m.endswith(bench.GRAPH_SUFFIX) for m in bench.GRAPH_MODES)
     assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
@@ -350,7 +350,7 @@ def test_bench_graph_modes_on_cpu_are_unsupported_rows(tmp_path, capsys):
 @requires_cuda
 def test_bench_graph_mode_on_cuda(tmp_path):
     """A -graph mode end to end on the GPU: measured, marked, forge.lean included."""
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cuda", "--seqs", "32", "--ckpt", "off",
                        "--modes", "forge-int8-lean-graph", "torch-adamw-graph",
                        "--out", str(tmp_path)]) == 0

@@ -9,8 +9,9 @@ import torch
 import torch.nn as nn
 
 import forge
-from forge import lean, models
-from forge.train import lm_loss
+from forge import lean
+from forge.tools import models
+from forge.tools.train import lm_loss
 import torch.nn.functional as F
 
 from tolerances import LEAN_CE_RTOL, LEAN_FP32_GRAD_RTOL
@@ -192,7 +193,7 @@ def test_a_model_without_norms_or_swiglu_is_left_alone():
 
 
 def test_forge_train_lean_activations_runs_and_resume_keeps_it(tmp_path, capsys):
-    from forge import train
+    from forge.tools import train
     common = ["--batch-size", "2", "--seq-len", "32", "--device", "cpu", "--no-plot",
               "--out", str(tmp_path)]
     assert train.main(["--steps", "3", "--save-every", "3", "--lean-activations"] + common) == 0
@@ -205,7 +206,7 @@ def test_forge_train_lean_activations_runs_and_resume_keeps_it(tmp_path, capsys)
 
 
 def test_forge_bench_lean_modes_on_cpu(tmp_path):
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
                        "--modes", "forge-bf16", "forge-bf16-lean", "--out", str(tmp_path)]) == 0
     import json
@@ -219,7 +220,7 @@ def test_forge_bench_lean_modes_on_cpu(tmp_path):
 def test_bench_lean_loss_is_the_models_loss():
     """forge-bench's lean modes take the loss through the head on the positions with a next
     token and forge.lean.cross_entropy: the same value as the model's own loss."""
-    from forge import bench
+    from forge.tools import bench
     model = hf_tiny("llama", torch.float32)
     tokens = batch(97)
     with torch.no_grad():

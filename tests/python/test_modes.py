@@ -77,7 +77,7 @@ def test_accumulate_grad_switches_between_steps_only():
 def test_fallback_without_autograd_hooks(monkeypatch, record_difference):
     """torch without post-accumulate-grad hooks / node pre-hooks: every parameter is
     stepped from its .grad in step(); same contract."""
-    monkeypatch.setattr(forge.optim, "_FORCE_NO_HOOKS", True)
+    monkeypatch.setattr(forge.optim.routing, "_FORCE_NO_HOOKS", True)
     errors = trajectories(TinyTransformer, "AdamW", dict(lr=1e-2, weight_decay=0.1), "cpu",
                           steps=5)
     record_difference("AdamW without hooks (fallback)", errors["forge_vs_stock"])
@@ -156,7 +156,7 @@ def test_fused_path_holds_across_steps(device, monkeypatch):
     Linear falls back to the materialized gradient (which would warn and call _add_dw)."""
     def no_materialized_gradient(*args):
         raise AssertionError("a Linear took the materialized-gradient path")
-    monkeypatch.setattr(forge.optim, "_add_dw", no_materialized_gradient)
+    monkeypatch.setattr(forge.optim.routing, "_add_dw", no_materialized_gradient)
     model = TinyTransformer().to(device)
     opt = forge.optim.AdamW(model, lr=1e-2)
     fused = [s for s in opt._slots.values() if s.mode == "fused"]

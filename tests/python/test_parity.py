@@ -1,18 +1,18 @@
-"""test_parity.py — convergence parity on CPU (issue 5): forge-train's tiny model trained
+"""test_parity.py — convergence parity on CPU: forge-train's tiny model trained
 with forge.optim.AdamW and with torch.optim.AdamW, same seed, same batches, fp32, for
 PARITY_STEPS steps; the two loss curves must agree at every step.
 
-The runs go through forge.train.train(), the code path users run, with nothing mocked.
+The runs go through forge.tools.train.train(), the code path users run, with nothing mocked.
 """
 import pytest
 import torch
 
-from forge import train as forge_train
+from forge.tools import train as forge_train
 
 PARITY_STEPS = 120
 # In fp32 FORGE's fused update equals torch's up to the summation order of the dW GEMM
 # (relative ~1e-7 per gradient element). Why 1e-4 nats (the issue's bound) holds with a wide
-# margin: at PARITY_LR the run is not chaotic. Measured on this model (2026-11-29): forge vs
+# margin: at PARITY_LR the run is not chaotic. Measured on this model: forge vs
 # torch differ by <= 5e-7 nats over the 120 steps, and scaling every initial weight by
 # (1 + 1e-7·noise) moves the torch curve by <= 1.5e-6. At lr 2e-3 the same 1e-7 noise
 # grows to 4e-2 nats by step 50 (edge-of-stability chaos, for torch against itself), so a

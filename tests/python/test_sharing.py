@@ -122,7 +122,7 @@ def test_linear_weights_never_get_grad(checkpoint, device):
         for n in linear_weights:
             assert not seen.get(n + ".weight", False), f"{n}.weight got a .grad"
     # else: this torch skips W's AccumulateGrad pre-hook under non-reentrant checkpoint, and
-    # FORGE's post-hook fallback (optim.py, _on_weight_grad_done) sees a transient zero
+    # FORGE's post-hook fallback (forge/optim/routing.py, _on_weight_grad_done) sees a transient zero
     # .grad per weight, freed at once: the assertion below still holds.
     assert all(p.grad is None for p in model.parameters()), "every .grad is freed in backward"
     opt.step()

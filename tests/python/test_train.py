@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from forge import train as forge_train
+from forge.tools import train as forge_train
 
 SMALL = ["--seq-len", "32", "--batch-size", "4", "--no-plot"]
 
@@ -212,7 +212,7 @@ def test_command_line_error_has_no_traceback(tmp_path):
     package_root = os.path.dirname(os.path.dirname(forge_train.__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, "-m", "forge.train", "--data",
+    proc = subprocess.run([sys.executable, "-m", "forge.tools.train", "--data",
                            str(tmp_path / "missing.txt"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2
@@ -224,7 +224,7 @@ def test_command_line_error_has_no_traceback(tmp_path):
 
 def test_bench_smoke_on_cpu(tmp_path):
     """forge-bench end to end on a tiny model: every mode measured, every file written."""
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
                        "--out", str(tmp_path)]) == 0
     files = sorted(os.listdir(tmp_path))
@@ -241,7 +241,7 @@ def test_bench_smoke_on_cpu(tmp_path):
 def test_bench_rounds_alternate_the_order_and_merge(tmp_path, capsys):
     """--rounds 2: the modes of each (model, seq, ckpt) run in order, then in reverse; each mode
     gets one row, its step time the median of its rounds, both listed."""
-    from forge import bench
+    from forge.tools import bench
     cases = [("m", 1, False, "a"), ("m", 1, False, "b"), ("m", 2, False, "a"),
              ("m", 2, False, "b")]
     assert bench.balanced_rounds(cases, 2) == cases + [cases[1], cases[0], cases[3], cases[2]]
@@ -260,7 +260,7 @@ def test_bench_rounds_alternate_the_order_and_merge(tmp_path, capsys):
 
 
 def test_bench_merge_rounds_keeps_an_out_of_memory_and_drops_skipped_rounds():
-    from forge import bench
+    from forge.tools import bench
     ok = dict(model="m", seq=1, ckpt=False, mode="a", status="ok", step_ms=10.0, peak_gib=1.0)
     oom = dict(ok, status="oom", note="out of memory")
     skipped = dict(ok, status="skipped", note="time budget spent")
@@ -273,7 +273,7 @@ def test_bench_merge_rounds_keeps_an_out_of_memory_and_drops_skipped_rounds():
 def test_bench_profile_on_cpu(tmp_path):
     """--profile: each case's row gets per-step times by category and the host profile, and
     forge-profile-*.md is written; on the CPU the categories hold operator self times."""
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
                        "--modes", "torch-adamw", "forge-bf16", "--profile", "1",
                        "--out", str(tmp_path)]) == 0
@@ -304,7 +304,7 @@ def test_bench_profile_on_cpu(tmp_path):
 @requires_cuda
 def test_bench_profile_on_cuda(tmp_path):
     """--profile's GPU side: kernel times, runtime calls, phases timed with events, peaks."""
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cuda", "--seqs", "32", "--ckpt", "off",
                        "--modes", "torch-adamw", "forge-bf16", "--profile", "1",
                        "--out", str(tmp_path)]) == 0
@@ -402,7 +402,7 @@ def test_trace_sweep_gaps_between_ctas(tmp_path):
 
 def test_step_profile_times_garbage_collections():
     import gc
-    from forge.step_profile import phase_times
+    from forge.tools.step_profile import phase_times
     callbacks = list(gc.callbacks)
     phases = [("collect", gc.collect), ("nothing", lambda: None)]
     times = phase_times(phases, 2, torch.device("cpu"))
@@ -412,7 +412,7 @@ def test_step_profile_times_garbage_collections():
 
 
 def test_step_profile_categories():
-    from forge.step_profile import category
+    from forge.tools.step_profile import category
     assert category("void forge::cuda::wgrad_wgmma_kernel<false, UpdateSpec<2, 2, 2> >(...)") \
         == "forge wgrad + update"
     assert category("forge::cuda::(anonymous namespace)::elementwise_kernel(void const*, int)") \
@@ -426,13 +426,13 @@ def test_step_profile_categories():
 
 
 def test_bench_rejects_negative_profile_steps(capsys):
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cpu", "--profile", "-1"]) == 2
     assert "--profile" in capsys.readouterr().err
 
 
 def test_bench_parity_report_smoke_on_cpu(tmp_path):
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "4",
                        "--parity-seq-len", "16", "--parity-batch-size", "2", "--device", "cpu",
                        "--parity-noise-runs", "2", "--out", str(tmp_path / "out"),
@@ -465,7 +465,7 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
 
 
 def test_bench_parity_spread_compares_with_every_torch_run():
-    from forge import bench
+    from forge.tools import bench
     torch_runs = [bench.PARITY_REFERENCE, bench.NOISE_RUN]
     curves = {bench.PARITY_REFERENCE: [1.0] * 10, bench.NOISE_RUN: [1.1] * 10,
               "near": [1.05] * 10, "far": [1.3] * 10}
@@ -484,14 +484,14 @@ def test_bench_parity_spread_compares_with_every_torch_run():
 
 
 def test_bench_parity_rejects_negative_noise_runs(tmp_path, capsys):
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--parity", "--parity-model", "tiny", "--device", "cpu",
                        "--parity-noise-runs", "-1", "--out", str(tmp_path)]) == 2
     assert "--parity-noise-runs" in capsys.readouterr().err
 
 
 def test_bench_rejects_unknown_model(capsys):
-    from forge import bench
+    from forge.tools import bench
     assert bench.main(["--models", "gpt-5", "--device", "cpu"]) == 2
     assert "unknown model 'gpt-5'" in capsys.readouterr().err
 

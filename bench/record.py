@@ -1,0 +1,208 @@
+"""record.py — appends a benchmark's measurements to the results table, bench/results/results.csv.
+
+    python3 bench/record.py OUTPUT.json [...] [--commit HASH] [--table PATH]
+
+Every benchmark writes a JSON file; this turns it into rows of the one append-only table
+(one measurement per row) and appends them. It knows the JSON of
+  bench/wgrad_bench          (bench.json: per-layer variants and the Llama-3.1-8B totals)
+  bench/torch_unfused.py     (torch-unfused.json: the fused step against torch's unfused way)
+  bench/host_overhead.py     (host-overhead.json: host time per Linear per step)
+  forge-bench                (forge-bench-*.json: whole training steps; forge-parity-*.json)
+and refuses anything else. Rows: date (UTC), gpu, commit, benchmark, case, variant, metric,
+value, command. The commit defaults to `git rev-parse --short HEAD` of this checkout, with
+"+dirty" when the tree has uncommitted changes. bench/render.py renders the current tables
+from the table.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, Iterable, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TABLE = os.path.join(HERE, "results", "results.csv")
+COLUMNS = ("date", "gpu", "commit", "benchmark", "case", "variant", "metric", "value", "command")
+
+
+class RecordError(ValueError):
+    pass
+
+
+def current_commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def iso_date(text: str) -> str:
+    """'2026-11-30 04:37 UTC' or '2026-11-29T18:34:22' -> '2026-11-30T04:37Z'."""
+    text = text.replace(" UTC", "").replace("Z", "").strip()
+    for fmt in ("%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M:%S"):
+        try:
+            return datetime.datetime.strptime(text, fmt).strftime("%Y-%m-%dT%H:%MZ")
+        except ValueError:
+            continue
+    raise RecordError(f"date: cannot read {text!r}")
+
+
+def _row(base: dict, case: str, variant: str, metric: str, value) -> dict:
+    return dict(base, case=case, variant=variant, metric=metric, value=f"{float(value):.6g}")
+
+
+def wgrad_rows(d: dict, base: dict) -> Iterable[dict]:
+    """bench/wgrad_bench's bench.json."""
+    base = dict(base, benchmark="wgrad")
+    for r in d["results"]:
+        case = f"{r['layer']} T={r['T']}"
+        if "ms" in r:
+            yield _row(base, case, r["variant"], "ms", r["ms"])
+        elif "value" in r:
+            yield _row(base, case, r["variant"], "value", r["value"])
+    for tokens, totals in d.get("model_totals_ms", {}).items():
+        for variant, ms in totals.items():
+            yield _row(base, f"llama-3.1-8b linears T={tokens}", variant, "ms", ms)
+    for variant, ms in d.get("elementwise_embedding_ms", {}).items():
+        yield _row(base, "elementwise 128256x4096", variant, "ms", ms)
+
+
+def torch_unfused_rows(d: dict, base: dict) -> Iterable[dict]:
+    """bench/torch_unfused.py's torch-unfused.json."""
+    base = dict(base, benchmark="torch_unfused")
+    for r in d["results"]:
+        case = f"{r['layer']} T={r['tokens']}"
+        for variant in ("forge_fused", "torch_dw", "torch_adamw", "torch_unfused"):
+            if variant in r:
+                yield _row(base, case, variant, "ms", r[variant])
+    for tokens, totals in d.get("totals", {}).items():
+        for variant, ms in totals.items():
+            yield _row(base, f"llama-3.1-8b linears T={tokens}", variant, "ms", ms)
+
+
+def host_overhead_rows(d: dict, base: dict) -> Iterable[dict]:
+    """bench/host_overhead.py's host-overhead.json."""
+    base = dict(base, benchmark="host_overhead")
+    for r in d["results"]:
+        yield _row(base, r["case"], r["variant"], "us_per_linear", r["us_per_linear"])
+
+
+def step_rows(d: dict, base: dict) -> Iterable[dict]:
+    """forge-bench's forge-bench-*.json: whole training steps."""
+    env = d["environment"]
+    mode_suffix = "-graph" if "--cuda-graph" in env.get("command", "") else ""
+    base = dict(base, benchmark="step")
+    for r in d["results"]:
+        if r.get("status") != "ok":
+            if r.get("status") == "oom":
+                yield _row(dict(base, value="nan"), _step_case(r), r["mode"] + mode_suffix,
+                           "oom", 1)
+            continue
+        case, variant = _step_case(r), r["mode"] + mode_suffix
+        for metric in ("peak_gib", "step_ms", "tokens_per_s"):
+            if r.get(metric) is not None:
+                yield _row(base, case, variant, metric, r[metric])
+
+
+def _step_case(r: dict) -> str:
+    return f"{r['model']} seq={r['seq']}" + (" ckpt" if r.get("ckpt") else "")
+
+
+def parity_rows(d: dict, base: dict) -> Iterable[dict]:
+    """forge-bench --parity's forge-parity-*.json: each run's mean |Δloss| per step over the
+    second half against every torch run of the file (the references)."""
+    base = dict(base, benchmark="parity")
+    settings = d.get("settings", [])
+    model = settings[settings.index("--model") + 1] if "--model" in settings else "?"
+    runs = {name: r["losses"] for name, r in d["runs"].items() if r.get("losses")}
+    for ref_name, ref in runs.items():
+        if not ref_name.startswith("torch"):
+            continue
+        for name, losses in runs.items():
+            if name == ref_name:
+                continue
+            n = min(len(ref), len(losses))
+            a, b = ref[n // 2:n], losses[n // 2:n]
+            mean = sum(abs(x - y) for x, y in zip(a, b)) / max(1, len(a))
+            yield _row(base, f"{model} {n} steps", f"{name} vs {ref_name}",
+                       "mean_abs_dloss_last_half", mean)
+
+
+def rows_of(path: str, commit: str) -> List[dict]:
+    with open(path) as f:
+        d = json.load(f)
+    name = os.path.basename(path)
+    if "environment" in d:
+        env = d["environment"]
+        base = {"date": iso_date(env["date"]), "gpu": env.get("gpu", "cpu"), "commit": commit,
+                "command": env.get("command", "")}
+        convert = parity_rows if "comparisons" in d else step_rows
+    elif "model_totals_ms" in d:
+        base = {"date": iso_date(d["date"]), "gpu": d["gpu"], "commit": commit,
+                "command": d.get("command", "")}
+        convert = wgrad_rows
+    elif "totals" in d and "torch" in d:
+        base = {"date": iso_date(d["date"]), "gpu": d["gpu"], "commit": commit,
+                "command": d.get("command", "")}
+        convert = torch_unfused_rows
+    elif d.get("benchmark") == "host_overhead":
+        base = {"date": iso_date(d["date"]), "gpu": d.get("gpu", "cpu"), "commit": commit,
+                "command": d.get("command", "")}
+        convert = host_overhead_rows
+    else:
+        raise RecordError(f"{name}: not the JSON of a known benchmark")
+    rows = list(convert(d, base))
+    if not rows:
+        raise RecordError(f"{name}: no measurements in it")
+    return rows
+
+
+def append(rows: List[dict], table: str = TABLE) -> None:
+    new = not os.path.exists(table) or os.path.getsize(table) == 0
+    os.makedirs(os.path.dirname(table), exist_ok=True)
+    with open(table, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row[k] for k in COLUMNS})
+
+
+def read(table: str = TABLE) -> List[Dict[str, str]]:
+    with open(table, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json", nargs="+", help="a benchmark's JSON output")
+    parser.add_argument("--commit", default=None, help="the measured commit (default: HEAD)")
+    parser.add_argument("--table", default=TABLE, help=f"the table (default {TABLE})")
+    args = parser.parse_args(argv)
+    commit = args.commit or current_commit()
+    total = 0
+    try:
+        for path in args.json:
+            rows = rows_of(path, commit)
+            append(rows, args.table)
+            total += len(rows)
+            print(f"record: {len(rows)} rows from {path}")
+    except (OSError, KeyError, json.JSONDecodeError, RecordError) as e:
+        print(f"record: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"record: {total} rows appended to {args.table}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""render.py — the current tables and plots, rendered from the results table.
+
+    python3 bench/render.py [--table bench/results/results.csv] [--out bench/results]
+
+For every (benchmark, case, variant, metric) the latest row of bench/results/results.csv is
+current. Writes, replacing what was there:
+  wgrad.md / wgrad.png     the fused step over Llama-3.1-8B's 224 linear layers against
+                           cuBLAS dW and the unfused ways (bench/wgrad_bench,
+                           bench/torch_unfused.py), totals and per layer
+  steps.md / steps.png     whole training steps (forge-bench): peak memory and step time
+  parity.md                convergence parity (forge-bench --parity)
+  host.md                  the host's cost per Linear (bench/host_overhead.py)
+Every table says which date, GPU, commit and command its figures come from.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from typing import Dict, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import record  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "results")
+
+# wgrad_bench / torch_unfused variants shown in the totals, with their column titles.
+WGRAD_TOTALS = [
+    ("wgrad", "fused_bf16", "FORGE bf16 W + states, nearest"),
+    ("wgrad", "fused_sr", "FORGE bf16, stochastic rounding (default)"),
+    ("wgrad", "fused_int8", "FORGE int8 states"),
+    ("wgrad", "fused_sr_int8", "FORGE SR W + int8 states"),
+    ("wgrad", "fused_master", "FORGE fp32 master + states"),
+    ("wgrad", "cublas_fp32_out", "cuBLAS dW alone"),
+    ("wgrad", "unfused", "cuBLAS dW + our AdamW pass"),
+    ("torch_unfused", "torch_unfused", "cuBLAS dW + torch fused AdamW"),
+]
+WGRAD_LAYER = [
+    ("fused_adamw_bf16_states", "FORGE bf16"),
+    ("fused_adamw_bf16_sr_weight_bf16_sr_states", "FORGE SR"),
+    ("fused_adamw_int8_states", "FORGE int8"),
+    ("cublas_dw_fp32_out", "cuBLAS dW"),
+    ("unfused_cublas_plus_adamw_bf16", "unfused"),
+    ("epilogue_only_T32", "update alone (T = 32)"),
+]
+
+
+def current(rows: List[Dict[str, str]]) -> Dict[Tuple[str, str, str, str], Dict[str, str]]:
+    latest: Dict[Tuple[str, str, str, str], Dict[str, str]] = {}
+    for r in rows:
+        key = (r["benchmark"], r["case"], r["variant"], r["metric"])
+        if key not in latest or r["date"] >= latest[key]["date"]:
+            latest[key] = r
+    return latest
+
+
+def sources(rows) -> List[str]:
+    seen = collections.OrderedDict()
+    for r in sorted(rows, key=lambda r: r["date"]):
+        seen[(r["date"], r["gpu"], r["commit"], r["command"])] = None
+    return [f"- {d}, {g}, commit {c}: `{cmd}`" for d, g, c, cmd in seen]
+
+
+def fmt(value: str, digits: int = 1) -> str:
+    try:
+        return f"{float(value):.{digits}f}"
+    except ValueError:
+        return value
+
+
+def render_wgrad(cur, out: str) -> List[str]:
+    totals = {}
+    used = []
+    for (bench, case, variant, metric), r in cur.items():
+        if metric == "ms" and case.startswith("llama-3.1-8b linears T="):
+            tokens = int(case.rsplit("=", 1)[1])
+            totals[(bench, variant, tokens)] = float(r["value"])
+            used.append(r)
+    if not totals:
+        return []
+    ts = sorted({t for _, _, t in totals})
+    cols = [(b, v, title) for b, v, title in WGRAD_TOTALS if any((b, v, t) in totals for t in ts)]
+    lines = ["# The fused step over Llama-3.1-8B's 224 linear layers", "",
+             "Milliseconds, sum over the layers of each layer's median (bench/wgrad_bench: "
+             "L2 flushed before each call, variants interleaved call by call; "
+             "bench/torch_unfused.py: torch's dW GEMM then `torch._fused_adamw_`). bf16 inputs "
+             "and weights, AdamW.", "",
+             "| T | " + " | ".join(title for _, _, title in cols) + " |",
+             "| --- |" + " --- |" * len(cols)]
+    for t in ts:
+        cells = [fmt(totals[(b, v, t)]) if (b, v, t) in totals else "" for b, v, _ in cols]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    # per layer, latest wgrad run
+    layer_rows = [r for (b, c, v, m), r in cur.items() if b == "wgrad" and m == "ms"
+                  and not c.startswith(("llama", "elementwise"))]
+    if layer_rows:
+        cases = sorted({r["case"] for r in layer_rows},
+                       key=lambda c: (c.split(" T=")[0], int(c.split("T=")[1])))
+        by = {(r["case"], r["variant"]): r["value"] for r in layer_rows}
+        lines += ["", "## Per layer (ms)", "",
+                  "| layer | " + " | ".join(t for _, t in WGRAD_LAYER) + " |",
+                  "| --- |" + " --- |" * len(WGRAD_LAYER)]
+        for c in cases:
+            lines.append(f"| {c} | " + " | ".join(fmt(by.get((c, v), ""), 3)
+                                                   for v, _ in WGRAD_LAYER) + " |")
+        used += layer_rows
+    lines += ["", "Measured:"] + sources(used) + [""]
+    _plot_wgrad(totals, ts, cols, os.path.join(out, "wgrad.png"))
+    lines.insert(2, "![totals](wgrad.png)\n")
+    return lines
+
+
+def _plot_wgrad(totals, ts, cols, path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(cols)
+    for i, (b, v, title) in enumerate(cols):
+        xs = [j + i * width for j, t in enumerate(ts) if (b, v, t) in totals]
+        ys = [totals[(b, v, t)] for t in ts if (b, v, t) in totals]
+        ax.bar(xs, ys, width, label=title)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ts))])
+    ax.set_xticklabels([f"T = {t}" for t in ts])
+    ax.set_ylabel("ms (224 layers)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("Llama-3.1-8B linear layers: dW + AdamW update")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render_steps(cur) -> List[str]:
+    rows = [r for (b, _, _, _), r in cur.items() if b == "step"]
+    if not rows:
+        return []
+    cases = sorted({r["case"] for r in rows})
+    variants = sorted({r["variant"] for r in rows})
+    by = {(r["case"], r["variant"], r["metric"]): r["value"] for r in rows}
+    lines = ["# Whole training steps", "",
+             "forge-bench: random-init models from their public configs, batch 1, bf16 "
+             "parameters, median step of 8 after 2 warm-ups (forward, backward, optimizer), peak "
+             "= torch.cuda.max_memory_allocated. Cells: peak GiB, step ms (`-graph`: the step "
+             "replayed as one CUDA graph).", "",
+             "| case | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
+    for c in cases:
+        cells = []
+        for v in variants:
+            if (c, v, "oom") in by:
+                cells.append("OOM")
+            elif (c, v, "step_ms") in by:
+                cells.append(f"{fmt(by.get((c, v, 'peak_gib'), ''))} GiB, "
+                             f"{fmt(by[(c, v, 'step_ms')])} ms")
+            else:
+                cells.append("")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines + ["", "Measured:"] + sources(rows) + [""]
+
+
+def render_simple(cur, bench: str, title: str, intro: str, digits: int) -> List[str]:
+    rows = [r for (b, _, _, _), r in cur.items() if b == bench]
+    if not rows:
+        return []
+    lines = [f"# {title}", "", intro, "", "| case | variant | metric | value |",
+             "| --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["case"], r["variant"])):
+        lines.append(f"| {r['case']} | {r['variant']} | {r['metric']} | "
+                     f"{fmt(r['value'], digits)} |")
+    return lines + ["", "Measured:"] + sources(rows) + [""]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--table", default=record.TABLE)
+    p.add_argument("--out", default=OUT)
+    args = p.parse_args(argv)
+    cur = current(record.read(args.table))
+    os.makedirs(args.out, exist_ok=True)
+    pages = {
+        "wgrad.md": render_wgrad(cur, args.out),
+        "steps.md": render_steps(cur),
+        "parity.md": render_simple(
+            cur, "parity", "Convergence parity",
+            "forge-bench --parity: the ~100M model of forge-train, bf16, seq 512 × batch 8, "
+            "on text; mean |Δloss| over the second half of the run against the reference.", 4),
+        "host.md": render_simple(
+            cur, "host_overhead", "The host's cost per Linear per step",
+            "bench/host_overhead.py: a stack of tiny Linears, so that only the host's work per "
+            "layer is timed (median µs per Linear per step).", 1),
+    }
+    for name, lines in pages.items():
+        if lines:
+            with open(os.path.join(args.out, name), "w") as f:
+                f.write("\n".join(lines))
+            print(f"render: {os.path.join(args.out, name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""forge.optim: drop-in torch.optim optimizers whose updates run inside backward.
+
+    opt = forge.optim.AdamW(model, lr=3e-4, weight_decay=0.1, state_format="int8")
+    loss.backward()   # every parameter is updated here, as soon as its gradient is complete
+    opt.step()        # completes the step: bookkeeping, and anything not yet updated
+    opt.zero_grad()
+
+Constructors take the nn.Module first, then torch.optim's own keyword names and defaults.
+How each parameter's update moves into backward: routing.py. The optimizer itself: base.py
+(assembled from routing, states, call and capture). The public classes: rules.py.
+
+A second backward before step() raises, unless accumulate_grad=True: then no update runs
+in backward, every parameter's full gradient is kept in .grad (as torch.optim does: one
+gradient-sized buffer per parameter, the memory FORGE otherwise saves), and step()
+applies them. That mode also makes global-norm clipping of .grad exact.
+"""
+from .. import _lib
+
+# Load libforge now: `import forge.optim` fails here, with the places it looked, when the
+# library cannot be found (forge._lib.LibraryNotFound, an ImportError).
+_lib.get()
+
+from .base import _ForgeOptimizer, param_groups_no_decay  # noqa: E402,F401 (isinstance checks)
+from .capture import GraphCapture  # noqa: E402
+from .rules import SGD, Adagrad, Adam, AdamW, Lion, NAdam, RAdam, RMSprop  # noqa: E402
+from .states import STATE_FORMATS  # noqa: E402
+
+__all__ = ["AdamW", "Adam", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "SGD",
+           "param_groups_no_decay", "GraphCapture", "STATE_FORMATS"]

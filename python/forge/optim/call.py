@@ -1,0 +1,223 @@
+"""call.py — one update of one parameter: the libforge call, built from its param group.
+
+_update builds forge_wgrad_args (from the X and dY a fused Linear's backward left) or
+forge_elementwise_args (from a gradient tensor) and calls libforge. Every update reads its
+hyper-parameters from the param group at the time it runs (so LR schedulers apply), uses
+the parameter's own 1-based step count (torch's state['step']), and seeds stochastic
+rounding with seed + the parameter's index. This is the host's hot path (once per parameter
+per step): the structs it passes are built once and cached while nothing changes.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from .. import _lib
+from .. import _linear
+
+# Entries of the optimizer's small caches (hyper-parameters, devices) before they are
+# emptied: a scheduler's new lr every step, or a new CUDA stream every step, stays bounded.
+_CACHE_LIMIT = 64
+
+
+def _as_float(value, name: str) -> float:
+    if type(value) is float:  # NOTE: the common case first: ~7 calls per update
+        return value
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise ValueError(f"{name}: a tensor hyper-parameter must have one element")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+_IMMUTABLE_TYPES = (float, int, bool, type(None))
+
+
+def _immutable_values(values: tuple) -> bool:
+    """Every value a number, None, or a tuple of them: nothing that can change in place
+    (a tensor, a list) and so leave a cache key equal while the value it stands for moves."""
+    for v in values:
+        if type(v) is tuple:
+            if not all(type(e) in _IMMUTABLE_TYPES for e in v):
+                return False
+        elif type(v) not in _IMMUTABLE_TYPES:
+            return False
+    return True
+
+
+class _CallMixin:
+    """Building and making the libforge call of one update (see the file header)."""
+
+    def _group_of(self, slot) -> Dict[str, Any]:
+        cached = self._group_cache.get(id(slot.param))
+        if cached is not None:
+            for g in self.param_groups:  # NOTE: a plain loop, ~0.2 µs less than any(<genexpr>)
+                if g is cached:
+                    return cached
+        for g in self.param_groups:  # param_groups were replaced or extended: look again
+            for q in g["params"]:
+                self._group_cache[id(q)] = g
+                if q is slot.param:
+                    cached = g
+        if cached is None:
+            raise RuntimeError(f"forge: parameter '{slot.name}' is in no param group")
+        return cached
+
+    def _hparams(self, group: Dict[str, Any], step: int, seed: int) -> _lib.Hparams:
+        """group's forge_hparams for one call (a copy: the caller may change it)."""
+        hp = _lib.Hparams.from_buffer_copy(self._group_hparams(group)[0])
+        hp.step = step
+        hp.seed = seed
+        return hp
+
+    def _group_hparams(self, group: Dict[str, Any]) -> Tuple[_lib.Hparams, tuple]:
+        """(forge_hparams of group's current values, step and seed 0; its _layout_key).
+        The pair is shared and never changed: callers copy the struct (_hparams, or a ctypes
+        field assignment, which copies).
+
+        NOTE: cached on the values of every key _hparams reads (self._hparam_keys), read
+        from the group on every call, so a scheduler's new lr or a user's new betas is
+        honoured at the next update; the cache only skips the ~10 conversions and ctypes
+        stores (1.0 µs per update for the old _hparams, 0.2 µs for this on a hit, 2-core CPU
+        dev host). Values that could change in place without the key changing (a tensor lr,
+        a list of betas) are never cached."""
+        try:
+            key = self._hparam_values(group)  # NOTE: one C call: 1/3 of tuple(map(group.get))
+        except KeyError:  # a key deleted from the group by hand (maximize defaults to False)
+            key = tuple(map(group.get, self._hparam_keys))
+        try:
+            cached = self._hparams_cache.get(key)
+        except TypeError:  # an unhashable value (betas given as a list): never cached
+            cached = None
+        if cached is not None:
+            return cached
+        rule = self._rule(group)
+        default = self._default_hparams.get(rule)
+        if default is None:
+            default = self._default_hparams[rule] = self._lib.hparams_default(rule)
+        hp = _lib.Hparams.from_buffer_copy(default)
+        hp.lr = _as_float(group["lr"], "lr")
+        hp.weight_decay = _as_float(group["weight_decay"], "weight_decay")
+        hp.maximize = int(bool(group.get("maximize", False)))
+        self._fill(hp, group)
+        cached = (hp, self._layout_key(group))
+        if _immutable_values(key):
+            if len(self._hparams_cache) >= _CACHE_LIMIT:  # e.g. a new lr every step
+                self._hparams_cache.clear()
+            self._hparams_cache[key] = cached
+        return cached
+
+    def _device_struct(self, t: torch.Tensor, stream: Optional[int] = None) -> _lib.Device:
+        """Where a call on t runs: its CUDA device and `stream` (the raw cudaStream_t handle,
+        as _linear.current_stream_handle gives; None: the device's current stream), or the
+        CPU with num_threads.
+
+        NOTE: one struct per (device index, stream) or thread count, made once: the callers
+        pass it on by value (a ctypes Structure assigned to a field, or passed as an argument,
+        is copied) and never change it."""
+        if t.is_cuda:
+            index = t.get_device()
+            if stream is None:
+                stream = _linear.current_stream_handle(index)
+            key = (index, stream)
+        else:
+            key = (-1, self.num_threads or torch.get_num_threads())
+        d = self._devices.get(key)
+        if d is None:
+            d = _lib.Device()
+            if key[0] >= 0:
+                d.kind, d.index, d.stream = _lib.DEVICE_CUDA, key[0], key[1]
+            else:
+                d.kind, d.num_threads = _lib.DEVICE_CPU, key[1]
+            if len(self._devices) >= _CACHE_LIMIT:  # streams made and dropped by the user
+                self._devices.clear()
+            self._devices[key] = d
+        return d
+
+    def _outputs(self, device: torch.device) -> _lib.StepOutputs:
+        """This step's statistics outputs on `device` (made at its first update)."""
+        out = self._stats_outputs.get(device)
+        if out is not None:
+            return out
+        stats = (torch.zeros((), dtype=torch.float64, device=device),
+                 torch.zeros((), dtype=torch.int64, device=device))
+        self._stats[device] = stats
+        out = _lib.StepOutputs()
+        out.grad_sq_sum = ctypes.cast(stats[0].data_ptr(), ctypes.POINTER(ctypes.c_double))
+        out.nonfinite_count = ctypes.cast(stats[1].data_ptr(), ctypes.POINTER(ctypes.c_int64))
+        self._stats_outputs[device] = out
+        return out
+
+    def _update(self, slot, grad: Optional[torch.Tensor] = None, x=None, dy=None,
+                stream=None) -> None:
+        """One step of slot's parameter, from a gradient tensor or from (X, dY), on `stream`
+        (the raw handle of a CUDA stream, _linear.current_stream_handle's; None: the current
+        one)."""
+        p = slot.param
+        if p.dtype != slot.dtype or p.device != slot.device or not p.is_contiguous():
+            raise RuntimeError(f"forge: parameter '{slot.name}' changed dtype, device or layout "
+                               f"after the optimizer was built ({slot.dtype} on {slot.device} -> "
+                               f"{p.dtype} on {p.device}); build the optimizer after moving "
+                               "the model")
+        group = self._group_of(slot)
+        st = self.state.get(p)
+        capturing = self._capturing
+        if not st:
+            if capturing:  # the states' initialization would be replayed with every step
+                raise RuntimeError(f"forge: parameter '{slot.name}' has no optimizer state yet: "
+                                   "run at least one step eagerly before capturing one "
+                                   "(CUDAGraphStep's warmup)")
+            st = self._allocate_state(slot, group, init=True)
+        elif slot.signature is None:
+            slot.signature = self._signature(slot, group)
+        hparams, layout_key = self._group_hparams(group)  # shared: copied into args below
+        if slot.signature[0] != layout_key:
+            raise RuntimeError(f"forge: parameter '{slot.name}': its group's settings changed "
+                               "the update rule or its states (e.g. momentum 0 <-> > 0, centered) "
+                               "after the states were created")
+        step = st["step"] + 1
+        param = self._param_struct(slot, st)
+        device = self._device_struct(p, stream)
+        outputs = self._outputs(slot.device)  # NOTE: == p.device (checked), no new object
+        if x is not None:
+            # NOTE: no torch.no_grad() here (host time on every Linear): forge_dtype's only
+            # tensor op, a cast, works on a detached tensor.
+            (x2, ldx), (dy2, lddy) = x, dy
+            x2, x_code = _linear.forge_dtype(x2)
+            dy2, dy_code = _linear.forge_dtype(dy2)
+            args = _lib.WgradArgs()
+            args.abi_version = _lib.ABI_VERSION
+            args.device = device
+            args.tokens = x2.size(0)
+            args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
+            args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
+            args.param, args.hparams, args.outputs = param, hparams, outputs
+            # NOTE: step and seed set in args' own copy of the hyper-parameters (a view of
+            # args), not in a fresh struct copied in: half the time.
+            hp = args.hparams
+            hp.step, hp.seed = step, self.seed + slot.index
+            if capturing:
+                hp.run_scalars = self._capture_region(slot, hparams)
+            self._lib.wgrad_step(args)
+        else:
+            with torch.no_grad():
+                if grad.device != p.device:
+                    grad = grad.to(p.device)
+                grad, code = _linear.forge_dtype(grad.contiguous())
+            args = _lib.ElementwiseArgs()
+            args.abi_version = _lib.ABI_VERSION
+            args.device = device
+            args.grad, args.grad_dtype = grad.data_ptr(), code
+            args.param, args.hparams, args.outputs = param, hparams, outputs
+            hp = args.hparams
+            hp.step, hp.seed = step, self.seed + slot.index
+            if capturing:
+                hp.run_scalars = self._capture_region(slot, hparams)
+            self._lib.elementwise_step(args)
+        if not capturing:  # a captured update runs at each replay: prepare_graph_replay counts it
+            st["step"] = step
+        slot.updated_at = self._step_id

@@ -1,0 +1,357 @@
+"""routing.py — which path each parameter takes, and the backward callbacks that run its update.
+
+Each optimized parameter gets a slot (_Slot) and one of three paths:
+
+  fused     the weight of an nn.Linear: its forward is rerouted to FusedLinearFunction
+            (forge/_linear.py), whose backward computes dX and hands (X, dY) to the slot. When
+            autograd reaches the weight's AccumulateGrad node (all consumers of W in this
+            backward are done), a pre-hook runs forge_wgrad_step: dW = dYᵀX tile by tile
+            with the update applied in place; no dW tensor exists. If W had more than one
+            use (a Linear applied twice, or W also read outside its Linear) the hook sums
+            the full gradient in fp32 instead and applies forge_elementwise_step once.
+  hook      any other parameter (bias, norm, embedding): a post-accumulate-grad hook
+            (torch >= 2.1) applies forge_elementwise_step and frees .grad at once.
+  deferred  a parameter registered in more than one place (tied embeddings), or every
+            parameter when torch lacks the hooks: autograd accumulates its full .grad and
+            step() applies the update, then frees the .grad.
+
+_RoutingMixin attaches the slots to the model and detaches them; the callbacks call
+_update (call.py) when a parameter's gradient is complete.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from .. import _linear
+
+if TYPE_CHECKING:
+    from .base import _ForgeOptimizer
+
+# Tests set this to exercise the fallback for torch without the autograd hooks.
+_FORCE_NO_HOOKS = False
+
+
+def _has_post_accumulate_hook() -> bool:
+    return (not _FORCE_NO_HOOKS
+            and hasattr(torch.Tensor, "register_post_accumulate_grad_hook"))
+
+
+def _has_node_prehook() -> bool:
+    return not _FORCE_NO_HOOKS and hasattr(torch.autograd.graph.Node, "register_prehook")
+
+
+class _Slot:
+    """One optimized parameter: its path, names, and what backward left for it."""
+
+    def __init__(self, opt: "_ForgeOptimizer", param: torch.Tensor, index: int,
+                 names: List[str], mode: str):
+        self.opt_ref = weakref.ref(opt)
+        self.param = param
+        self.index = index          # position in param_groups order (state_dict index)
+        self.names = names
+        self.name = names[0]
+        self.mode = mode            # "fused" | "hook" | "deferred"
+        self.dtype = param.dtype
+        self.device = param.device
+        shape = param.shape
+        self.cols = int(shape[-1]) if param.dim() >= 1 else 1
+        self.rows = param.numel() // self.cols if self.cols else 0
+        # (x [T, cols], ldx, dy [T, rows], lddy, raw handle of the CUDA stream they were made
+        # on, its device index); the last two are None on the CPU
+        self.pending: List[Tuple[torch.Tensor, int, torch.Tensor, int,
+                                 Optional[int], Optional[int]]] = []
+        self.partial: Optional[torch.Tensor] = None  # fp32 dW sum, for weights with > 1 use
+        self.uses = 0               # Linear backward calls seen since the last update
+        self.updated_at = -1        # opt._step_id when last updated
+        self.signature = None       # (rule, names of states) the states were made for
+        self.handles: List[Any] = []
+        self.acc_node = None        # W's AccumulateGrad node, held so its hook lives
+        self.marker: Optional[torch.Tensor] = None  # stand-in dW of this backward (see below)
+        self.stand_in: Optional[torch.Tensor] = None  # the marker, made once (a zero, expanded)
+        # (formats and data pointers, forge_param) of the last update; rebuilt on any change
+        self.param_cache: Optional[Tuple[tuple, Any]] = None
+        self.modules: List[nn.Linear] = []
+        self.warned_multi_use = False
+
+    def is_live(self) -> bool:
+        opt = self.opt_ref()
+        return opt is not None and opt._attached
+
+    def linear_backward(self, x, dy, weight):
+        opt = self.opt_ref()
+        if opt is None or not opt._attached:
+            return _materialize_dw(x, dy, weight)  # plain nn.Linear behaviour
+        return opt._linear_backward(self, x, dy, weight)
+
+
+def _materialize_dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀ·X in the compute dtype, as torch's linear backward, cast to W's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    return dy2.t().matmul(x2).to(weight.dtype)
+
+
+def _weight_grad_done(ref) -> None:
+    slot = ref()
+    opt = slot.opt_ref() if slot is not None else None
+    if opt is not None and opt._attached:
+        opt._on_weight_grad_done(slot)
+
+
+def _weight_grad_ready(ref, grads):
+    slot = ref()
+    opt = slot.opt_ref() if slot is not None else None
+    if opt is None or not opt._attached:
+        return None
+    return opt._on_weight_grad_ready(slot, grads)
+
+
+def _param_grad_ready(ref) -> None:
+    slot = ref()
+    opt = slot.opt_ref() if slot is not None else None
+    if opt is not None and opt._attached:
+        opt._on_param_grad_ready(slot)
+
+
+def _add_dw(acc: Optional[torch.Tensor], x2: torch.Tensor, dy2: torch.Tensor) -> torch.Tensor:
+    """acc += dYᵀ·X in fp32 ([rows, cols])."""
+    dw = dy2.float().t().matmul(x2.float())
+    return dw if acc is None else acc.add_(dw)
+
+
+# id(param) -> weakref to the slot of the live optimizer that drives it (one at a time:
+# two would both update it in backward).
+_OWNERS: Dict[int, "weakref.ReferenceType"] = {}
+
+
+def _owner_of(p: torch.Tensor) -> Optional["_ForgeOptimizer"]:
+    ref = _OWNERS.get(id(p))
+    slot = ref() if ref is not None else None
+    if slot is None or slot.param is not p or not slot.is_live():
+        return None
+    return slot.opt_ref()
+
+
+class _RoutingMixin:
+    """Slots, hooks and backward callbacks of _ForgeOptimizer (see the file header)."""
+
+    def rebind_streams(self) -> None:
+        """Binds the gradient nodes of the fused nn.Linear weights to the current CUDA stream.
+
+        FORGE holds each fused weight's AccumulateGrad node to hook it; torch (2.11) records
+        in that node the stream current when it was made (this optimizer's construction).
+        Backward on another stream then syncs with that stream and warns that "the
+        AccumulateGrad node's stream does not match", and a CUDA-graph capture on another
+        stream fails (cudaErrorStreamCaptureInvalidated). Call this, between steps, under the
+        stream the steps will run on; forge.graphs.CUDAGraphStep does."""
+        if not self._attached:
+            return
+        for slot in self._slots.values():
+            if slot.mode != "fused":
+                continue
+            for h in slot.handles:
+                h.remove()
+            slot.handles.clear()
+            slot.acc_node = None  # the only reference: the node goes, the next one is new
+            self._hook_weight_node(slot)
+
+    def detach(self) -> None:
+        """Gives the model back: plain nn.Linear forwards, no hooks. The optimizer is
+        unusable afterwards (except state_dict())."""
+        if not self._attached:
+            return
+        for slot in self._slots.values():
+            for h in slot.handles:
+                h.remove()
+            slot.handles.clear()
+            slot.acc_node = None
+            for m in slot.modules:
+                _linear.unpatch(m, slot.param)
+            slot.modules.clear()
+            if _OWNERS.get(id(slot.param)) is not None and _owner_of(slot.param) is self:
+                del _OWNERS[id(slot.param)]
+        self._attached = False
+
+    def __del__(self):
+        try:
+            self.detach()
+        except Exception:  # interpreter shutdown: nothing left to restore
+            pass
+
+    # ------------------------------------------------------------------ attaching
+
+    def _attach(self, model: nn.Module, params: Sequence[torch.Tensor],
+                names: Dict[int, List[str]]) -> None:
+        index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups
+                                                   for p in g["params"])}
+        linears: Dict[int, List[nn.Linear]] = {}
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                linears.setdefault(id(m.weight), []).append(m)
+        post_hook, pre_hook = _has_post_accumulate_hook(), _has_node_prehook()
+        self._any_cuda = self._any_cuda or any(p.is_cuda for p in params)
+        shared = []
+        for p in params:
+            p_names = names[id(p)]
+            mods = linears.get(id(p), [])
+            if len(p_names) > 1:
+                mode = "deferred"
+                shared.append(" = ".join(p_names))
+            elif mods and pre_hook and all(_linear.can_patch(m) for m in mods):
+                mode = "fused"
+            elif post_hook:
+                mode = "hook"
+            else:
+                mode = "deferred"
+            slot = _Slot(self, p, index_of[id(p)], p_names, mode)
+            self._slots[id(p)] = slot
+            _OWNERS[id(p)] = weakref.ref(slot)
+            if mode == "fused":
+                self._hook_weight_node(slot)
+                for m in mods:
+                    _linear.patch(m, slot)
+                    slot.modules.append(m)
+            elif mode == "hook":
+                ref = weakref.ref(slot)
+                slot.handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, ref=ref: _param_grad_ready(ref)))
+        if shared:
+            warnings.warn(
+                "forge: parameters used in more than one place take the materialized-gradient "
+                "path (their full gradient is accumulated and applied in opt.step()): "
+                + "; ".join(shared), stacklevel=4)  # the user's constructor call
+
+    def _hook_weight_node(self, slot: _Slot) -> None:
+        """Holds W's AccumulateGrad node (torch makes it now if none exists, for the current
+        stream) and hooks it: the pre-hook runs the fused step (_on_weight_grad_ready)."""
+        p = slot.param
+        with torch.enable_grad():
+            slot.acc_node = p.view_as(p).grad_fn.next_functions[0][0]
+        ref = weakref.ref(slot)
+        slot.handles.append(slot.acc_node.register_prehook(
+            lambda grads, ref=ref: _weight_grad_ready(ref, grads)))
+        # Fallback: torch 2.4's non-reentrant checkpoint runs W's AccumulateGrad without its
+        # pre-hooks (but with its post-hooks); see _on_weight_grad_done.
+        slot.handles.append(slot.acc_node.register_hook(
+            lambda grad_inputs, grad_outputs, ref=ref: _weight_grad_done(ref)))
+
+    # ------------------------------------------------------------------ backward callbacks
+
+    def _second_update_error(self, slot: _Slot) -> RuntimeError:
+        return RuntimeError(
+            f"forge: parameter '{slot.name}' got a second gradient before opt.step(): FORGE "
+            "applies the update inside backward, so call opt.step() after every backward(), "
+            "or build the optimizer with accumulate_grad=True to accumulate micro-batches "
+            "(keeps a full .grad per parameter). A parameter used in several reentrant "
+            "checkpoint segments also does this: use use_reentrant=False.")
+
+    def _linear_backward(self, slot: _Slot, x, dy, weight):
+        if self._accumulate_grad:
+            return _materialize_dw(x, dy, weight)
+        if slot.updated_at == self._step_id:
+            raise self._second_update_error(slot)
+        x2, ldx = _linear.as_rows(x, slot.cols)
+        dy2, lddy = _linear.as_rows(dy, slot.rows)
+        if dy.is_cuda:
+            index = dy.get_device()  # NOTE: an int, without building a torch.device
+            handle = _linear.current_stream_handle(index)
+        else:
+            index = handle = None
+        slot.uses += 1
+        if not slot.pending and slot.partial is None:
+            slot.pending.append((x2, ldx, dy2, lddy, handle, index))
+        else:  # a second use in this backward: sum this one and the pending one in fp32
+            for px, _, pdy, *_ in slot.pending + [(x2, ldx, dy2, lddy, handle, index)]:
+                slot.partial = _add_dw(slot.partial, px, pdy)
+            slot.pending.clear()
+        if slot.uses > 1:
+            return None
+        # NOTE: W's AccumulateGrad pre-hook is where the fused step runs, and torch 2.4's
+        # non-reentrant checkpoint skips that hook when dW is None. So the first use of W in
+        # a backward returns a defined stand-in: one zero expanded to W's shape (no memory).
+        # The hook knows it by identity and drops it; a sum with a dW from another use is a
+        # new tensor and takes the materialized path, as it must.
+        # NOTE: made once per weight and reused: a fresh one cost a fill kernel and ~50 µs of
+        # host time per Linear per step on the H200's host (forge-bench --profile).
+        # Nothing writes to it: autograd copies an expanded gradient before accumulating it.
+        # (Remade if the weight moved: _update then says what changed.)
+        stand_in = slot.stand_in
+        if stand_in is None or stand_in.dtype != weight.dtype or stand_in.device != weight.device:
+            slot.stand_in = torch.zeros((), dtype=weight.dtype,
+                                        device=weight.device).expand(weight.shape)
+        slot.marker = slot.stand_in
+        return slot.marker
+
+    def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
+        """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
+        if self._accumulate_grad:
+            return None  # the Linear returned dW; autograd accumulates it into .grad
+        arrived = grads[0] if grads else None
+        outside = None if arrived is None or arrived is slot.marker else arrived
+        slot.marker = None
+        consumed = (None,) if arrived is not None else None  # nothing reaches .grad
+        if not slot.pending and slot.partial is None and outside is None:
+            return consumed
+        if slot.updated_at == self._step_id:
+            raise self._second_update_error(slot)
+        uses = slot.uses + (1 if outside is not None else 0)
+        if len(slot.pending) == 1 and slot.partial is None and outside is None \
+                and slot.pending[0][0].size(0) > 0:
+            x2, ldx, dy2, lddy, handle, index = slot.pending[0]
+            # NOTE: X and dY are ready on the stream backward made them on: the step runs
+            # there. Autograd normally runs this hook on that same stream; switching streams
+            # (a context manager around a wrapper of the raw handle) only when it did not
+            # saves host time on every Linear. Handle 0 is the legacy default stream, a real
+            # stream: only None means the CPU.
+            if handle is None or handle == _linear.current_stream_handle(index):
+                self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=handle)
+            else:
+                with torch.cuda.stream(_linear.stream_of_handle(handle, index)):
+                    self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=handle)
+        else:
+            if uses > 1 and not slot.warned_multi_use:
+                slot.warned_multi_use = True
+                warnings.warn(
+                    f"forge: weight '{slot.name}' had {uses} uses in one backward (a Linear "
+                    "applied more than once, or its weight also used outside the Linear); it "
+                    "takes the materialized-gradient path: its full gradient is summed in fp32, "
+                    "then updated once", stacklevel=2)
+            grad = slot.partial
+            for x2, _, dy2, *_ in slot.pending:
+                grad = _add_dw(grad, x2, dy2)
+            if outside is not None:
+                grad = outside.float() if grad is None else grad.add_(outside)
+            self._update(slot, grad=grad.reshape(slot.param.shape))
+        slot.pending.clear()
+        slot.partial = None
+        slot.uses = 0
+        return consumed
+
+    def _on_weight_grad_done(self, slot: _Slot) -> None:
+        """W's AccumulateGrad post-hook. Normally the pre-hook has already run the update
+        and nothing is left; where the pre-hook was skipped (torch 2.4, non-reentrant
+        checkpoint) the stand-in dW (and any dW from a use outside the Linear) has been
+        accumulated into W.grad: take it back out and run the update from here."""
+        if self._accumulate_grad or (not slot.pending and slot.partial is None):
+            return
+        arrived = slot.param.grad
+        slot.param.grad = None  # W never keeps a .grad
+        # The stand-in was copied (a dense zero tensor); an all-zero sum is no outside use.
+        if arrived is not None and not bool(arrived.any()):
+            arrived = None
+        slot.marker = None  # what arrived is the sum, never the stand-in itself
+        self._on_weight_grad_ready(slot, (arrived,))
+
+    def _on_param_grad_ready(self, slot: _Slot) -> None:
+        p = slot.param
+        if self._accumulate_grad or p.grad is None:
+            return
+        if slot.updated_at == self._step_id:
+            raise self._second_update_error(slot)
+        self._update(slot, grad=p.grad)
+        p.grad = None

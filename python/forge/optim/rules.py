@@ -1,0 +1,241 @@
+"""rules.py — the public optimizers: torch.optim's constructors, defaults and checks, one class
+per rule. Each says which libforge rule runs (_rule) and which group keys fill its
+hyper-parameters (_fill); everything else is _ForgeOptimizer's (base.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch.nn as nn
+
+from .. import _lib
+from .base import _ForgeOptimizer
+from .call import _as_float
+
+
+def _refuse(**flags) -> None:
+    """torch.optim options FORGE does not implement: a clear error instead of ignoring."""
+    reasons = {"amsgrad": "amsgrad=True is not supported by FORGE (no max-of-second-moment "
+                          "state); use amsgrad=False",
+               "differentiable": "differentiable=True is not supported: FORGE updates weights "
+                                 "in place outside autograd",
+               "capturable": "capturable=True is not supported: capture FORGE steps as CUDA "
+                             "graphs with forge.graphs.CUDAGraphStep, which gives every "
+                             "replay its step number and lr"}
+    for key, value in flags.items():
+        if value:
+            raise ValueError(reasons[key])
+
+
+class AdamW(_ForgeOptimizer):
+    """torch.optim.AdamW (decoupled weight decay), fused into backward."""
+
+    _torch_name = "AdamW"
+
+    def __init__(self, model: nn.Module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None,
+                 capturable=False, differentiable=False, fused=None, params=None, **forge):
+        _refuse(amsgrad=amsgrad, differentiable=differentiable, capturable=capturable)
+        super().__init__(model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, maximize=maximize), **forge)
+
+    def _rule(self, group):
+        return _lib.RULE_ADAMW
+
+    def _fill(self, hp, group):
+        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.decoupled_weight_decay = 1
+
+
+class Adam(AdamW):
+    """torch.optim.Adam (L2 weight decay added to the gradient), fused into backward."""
+
+    _torch_name = "Adam"
+
+    def __init__(self, model: nn.Module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, amsgrad=False, *, maximize=False, foreach=None,
+                 capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, params=None, **forge):
+        _refuse(amsgrad=amsgrad, differentiable=differentiable, capturable=capturable)
+        _ForgeOptimizer.__init__(self, model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, maximize=maximize,
+            decoupled_weight_decay=decoupled_weight_decay), **forge)
+
+    def _fill(self, hp, group):
+        super()._fill(hp, group)
+        hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
+
+
+class NAdam(_ForgeOptimizer):
+    """torch.optim.NAdam (momentum_decay, decoupled_weight_decay), fused into backward."""
+
+    _torch_name = "NAdam"
+
+    def __init__(self, model: nn.Module, lr=2e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, momentum_decay=4e-3, decoupled_weight_decay=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False,
+                 params=None, **forge):
+        _refuse(differentiable=differentiable, capturable=capturable)
+        super().__init__(model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, momentum_decay=momentum_decay,
+            decoupled_weight_decay=decoupled_weight_decay, maximize=maximize), **forge)
+
+    def _check_group_rule(self, group):
+        if not 0.0 <= _as_float(group["momentum_decay"], "momentum_decay") < math.inf:
+            raise ValueError(f"Invalid momentum_decay value: {group['momentum_decay']}")
+
+    def _rule(self, group):
+        return _lib.RULE_NADAM
+
+    def _fill(self, hp, group):
+        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.momentum_decay = _as_float(group["momentum_decay"], "momentum_decay")
+        hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
+
+
+class RAdam(_ForgeOptimizer):
+    """torch.optim.RAdam (decoupled_weight_decay), fused into backward."""
+
+    _torch_name = "RAdam"
+
+    def __init__(self, model: nn.Module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, decoupled_weight_decay=False, *, foreach=None,
+                 maximize=False, capturable=False, differentiable=False, params=None, **forge):
+        _refuse(differentiable=differentiable, capturable=capturable)
+        super().__init__(model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
+            weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize), **forge)
+
+    def _rule(self, group):
+        return _lib.RULE_RADAM
+
+    def _fill(self, hp, group):
+        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
+
+
+class Lion(_ForgeOptimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"):
+        c = β1·m + (1 − β1)·g;  w ← w·(1 − lr·wd) − lr·sign(c);  m ← β2·m + (1 − β2)·g
+    torch.optim has no Lion; the defaults are the paper's (lr 1e-4, betas (0.9, 0.99))."""
+
+    _torch_name = "Lion"
+
+    def __init__(self, model: nn.Module, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 maximize=False, params=None, **forge):
+        super().__init__(model, params, dict(
+            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
+            weight_decay=weight_decay, maximize=maximize), **forge)
+
+    def _rule(self, group):
+        return _lib.RULE_LION
+
+    def _fill(self, hp, group):
+        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+
+
+class RMSprop(_ForgeOptimizer):
+    """torch.optim.RMSprop (alpha, momentum, centered), fused into backward."""
+
+    _torch_name = "RMSprop"
+
+    def __init__(self, model: nn.Module, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0,
+                 momentum=0.0, centered=False, capturable=False, foreach=None, maximize=False,
+                 differentiable=False, *, params=None, **forge):
+        _refuse(differentiable=differentiable, capturable=capturable)
+        super().__init__(model, params, dict(
+            lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+            centered=centered, maximize=maximize), **forge)
+
+    def _check_group_rule(self, group):
+        if not 0.0 <= _as_float(group["momentum"], "momentum") < 1.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']} (must be in [0, 1))")
+        if not 0.0 <= _as_float(group["alpha"], "alpha") < 1.0:
+            raise ValueError(f"Invalid alpha value: {group['alpha']} (must be in [0, 1))")
+
+    def _rule(self, group):
+        return _lib.RULE_RMSPROP
+
+    def _layout_key(self, group):
+        return (_lib.RULE_RMSPROP, bool(group["centered"]),
+                _as_float(group["momentum"], "momentum") > 0)
+
+    def _fill(self, hp, group):
+        hp.alpha = _as_float(group["alpha"], "alpha")
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.momentum = _as_float(group["momentum"], "momentum")
+        hp.centered = int(bool(group["centered"]))
+
+
+class Adagrad(_ForgeOptimizer):
+    """torch.optim.Adagrad (lr_decay, initial_accumulator_value), fused into backward."""
+
+    _torch_name = "Adagrad"
+
+    def __init__(self, model: nn.Module, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
+                 initial_accumulator_value=0.0, eps=1e-10, foreach=None, *, maximize=False,
+                 differentiable=False, fused=None, params=None, **forge):
+        _refuse(differentiable=differentiable)
+        super().__init__(model, params, dict(
+            lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize),
+            **forge)
+
+    def _check_group_rule(self, group):
+        if not 0.0 <= _as_float(group["lr_decay"], "lr_decay") < math.inf:
+            raise ValueError(f"Invalid lr_decay value: {group['lr_decay']}")
+        if not 0.0 <= _as_float(group["initial_accumulator_value"], "initial_accumulator_value") \
+                < math.inf:
+            raise ValueError(f"Invalid initial_accumulator_value value: "
+                             f"{group['initial_accumulator_value']}")
+
+    def _rule(self, group):
+        return _lib.RULE_ADAGRAD
+
+    def _fill(self, hp, group):
+        hp.lr_decay = _as_float(group["lr_decay"], "lr_decay")
+        hp.eps = _as_float(group["eps"], "eps")
+        hp.initial_accumulator_value = _as_float(group["initial_accumulator_value"],
+                                                 "initial_accumulator_value")
+
+
+class SGD(_ForgeOptimizer):
+    """torch.optim.SGD (momentum > 0: SGD with momentum, dampening, nesterov), fused into
+    backward."""
+
+    _torch_name = "SGD"
+
+    def __init__(self, model: nn.Module, lr=1e-3, momentum=0.0, dampening=0.0,
+                 weight_decay=0.0, nesterov=False, *, maximize=False, foreach=None,
+                 differentiable=False, fused=None, params=None, **forge):
+        _refuse(differentiable=differentiable)
+        super().__init__(model, params, dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+            nesterov=nesterov, maximize=maximize), **forge)
+
+    def _check_group_rule(self, group):
+        momentum = _as_float(group["momentum"], "momentum")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']} "
+                             "(FORGE: must be in [0, 1))")
+        if not 0.0 <= _as_float(group["dampening"], "dampening") <= 1.0:
+            raise ValueError(f"Invalid dampening value: {group['dampening']} (must be in [0, 1])")
+        if group["nesterov"] and (momentum <= 0 or group["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def _rule(self, group):
+        return _lib.RULE_SGD_MOMENTUM if _as_float(group["momentum"], "momentum") > 0 \
+            else _lib.RULE_SGD
+
+    def _fill(self, hp, group):
+        if hp.rule == _lib.RULE_SGD_MOMENTUM:
+            hp.momentum = _as_float(group["momentum"], "momentum")
+            hp.dampening = _as_float(group["dampening"], "dampening")
+            hp.nesterov = int(bool(group["nesterov"]))

@@ -1,0 +1,717 @@
+"""train.py — forge-train: train a causal LM with forge.optim, offline, in one command.
+
+    forge-train                      # tiny Llama-style model, built-in corpus, CPU or GPU
+    forge-train --model 100m --bf16 --state-format int8 --steps 2000 --data ~/texts
+    forge-train --out runs/a --save-every 100 ... ; forge-train --out runs/a --resume
+
+What it shows: every nn.Linear weight is updated inside backward, so the run's summary
+reports 0 bytes of Linear weight gradient ever held (measured with gradient hooks, not
+assumed), next to the loss, tokens/s and peak memory. `--baseline torch` trains the same
+model with torch.optim for comparison.
+
+Checkpoints hold model, optimizer (FORGE states included), scheduler, RNG and the loss
+history; batches are a pure function of (seed, step), so --resume continues bit-exactly.
+They are written to a temporary file and renamed, so an interrupted run keeps its last one.
+Bad input ends with one line on stderr and exit status 2; see TrainError.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forge.tools import data as forge_data
+from forge.tools import models as forge_models
+
+CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_FORMAT = "forge-train checkpoint"
+CHECKPOINT_VERSION = 1
+DEFAULT_OUT = os.path.join("runs", "forge-train")
+# Default step count: ~2 minutes for the tiny model on 2 CPU cores.
+DEFAULT_STEPS = 400
+
+
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+class TrainError(Exception):
+    """A user-facing problem (bad input, corrupt checkpoint, ...): one message, exit 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    class_name: str              # the same name in forge.optim and torch.optim
+    lr: float                    # forge-train's default learning rate for it
+    hparams: tuple               # CLI hyper-parameters (torch.optim keyword names) it takes
+    in_torch: bool = True        # torch.optim has it (for --baseline torch)
+
+
+OPTIMIZERS: Dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec("AdamW", 1e-3, ("betas", "eps", "weight_decay")),
+    "nadam": OptimizerSpec("NAdam", 1e-3, ("betas", "eps", "weight_decay")),
+    "radam": OptimizerSpec("RAdam", 1e-3, ("betas", "eps", "weight_decay")),
+    "lion": OptimizerSpec("Lion", 1e-4, ("betas", "weight_decay"), in_torch=False),
+    "rmsprop": OptimizerSpec("RMSprop", 1e-3,
+                             ("alpha", "eps", "weight_decay", "momentum", "centered")),
+    "adagrad": OptimizerSpec("Adagrad", 1e-2, ("lr_decay", "eps", "weight_decay")),
+    "sgd": OptimizerSpec("SGD", 5e-2, ("momentum", "dampening", "weight_decay", "nesterov")),
+}
+HPARAM_FLAGS = {"betas": "--betas", "eps": "--eps", "weight_decay": "--weight-decay",
+                "alpha": "--alpha", "momentum": "--momentum", "centered": "--centered",
+                "lr_decay": "--lr-decay", "dampening": "--dampening", "nesterov": "--nesterov"}
+
+# Options that define the training trajectory: a resumed run takes them from the
+# checkpoint, and refuses an explicit different value (it could not continue bit-exactly),
+# except --steps, which may lengthen or shorten the run (and so its cosine schedule).
+TRAJECTORY_OPTIONS = ("model", "data", "max_data_mb", "optimizer", "lr", "betas", "eps",
+                      "weight_decay", "alpha", "momentum", "centered", "lr_decay", "dampening",
+                      "nesterov", "state_format", "master_weights", "stochastic_rounding",
+                      "seq_len", "batch_size", "warmup", "min_lr_ratio", "bf16", "amp", "seed",
+                      "baseline", "steps",
+                      # NOTE: bit-identical in bf16 only; in fp32 it sums an RMSNorm's
+                      # gradient terms in another order (forge.lean).
+                      "lean_activations")
+# Options a resumed run also takes from the checkpoint unless given again (free to change).
+INHERITED_OPTIONS = ("save_every", "activation_checkpointing", "no_plot", "log_every",
+                     "cuda_graph")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="forge-train",
+        description="Train a causal LM with FORGE: every nn.Linear weight is updated inside "
+                    "backward and never holds a gradient. With no arguments: a tiny model on "
+                    "a built-in corpus, a couple of minutes on a CPU.")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny",
+                   help=f"preset ({', '.join(forge_models.PRESETS)}) or a Hugging Face "
+                        "config.json / checkpoint directory (needs transformers)")
+    g.add_argument("--data", nargs="+", metavar="PATH",
+                   help="local text files or directories (default: the built-in corpus, "
+                        "the Python standard library's sources)")
+    g.add_argument("--max-data-mb", type=int, default=256, help="read at most this much text")
+    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--batch-size", type=int, default=16)
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", default="adamw", help=" | ".join(OPTIMIZERS))
+    g.add_argument("--baseline", choices=["torch"],
+                   help="use torch.optim instead of forge.optim (AdamW fused on CUDA), to compare")
+    g.add_argument("--lr", type=float, help="peak learning rate (default per optimizer)")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
+    g.add_argument("--eps", type=float)
+    g.add_argument("--momentum", type=float)
+    g.add_argument("--alpha", type=float, help="RMSprop smoothing constant")
+    g.add_argument("--centered", action="store_true", default=None, help="RMSprop")
+    g.add_argument("--lr-decay", type=float, help="Adagrad")
+    g.add_argument("--dampening", type=float, help="SGD")
+    g.add_argument("--nesterov", action="store_true", default=None, help="SGD")
+    g.add_argument("--state-format", choices=["fp32", "bf16", "int8"],
+                   help="FORGE optimizer-state storage (default: forge.optim's)")
+    g.add_argument("--master-weights", action="store_true", default=None,
+                   help="FORGE: keep an fp32 master copy of bf16 weights")
+    g.add_argument("--stochastic-rounding", action=argparse.BooleanOptionalAction,
+                   default=None, help="FORGE: stochastic rounding of bf16 stores")
+    g = p.add_argument_group("schedule and precision")
+    g.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    g.add_argument("--warmup", type=int, help="linear warm-up steps (default: 5%% of --steps), "
+                                              "then cosine decay")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="the cosine ends at this fraction of --lr")
+    g.add_argument("--bf16", action="store_true", help="bf16 weights (default: fp32)")
+    g.add_argument("--amp", action="store_true",
+                   help="mixed precision: fp32 weights (and optimizer states), forward and "
+                        "backward under torch.autocast(bfloat16); not with --bf16")
+    g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="after two eager steps, capture the whole step as one CUDA graph and "
+                        "replay it (forge.graphs.CUDAGraphStep): the same updates without the "
+                        "host's per-layer time; forge.optim on a GPU only")
+    g.add_argument("--lean-activations", action=argparse.BooleanOptionalAction, default=False,
+                   help="recompute RMSNorm and the SwiGLU product in backward instead of "
+                        "keeping their intermediates (less memory, same gradients in bf16: "
+                        "forge.lean)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g = p.add_argument_group("output and checkpoints")
+    g.add_argument("--out", default=DEFAULT_OUT, help="directory for checkpoint, metrics, plot")
+    g.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="write a checkpoint every N steps (and at the end)")
+    g.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
+                   help=f"continue from CHECKPOINT (a file or a directory; default: "
+                        f"OUT/{CHECKPOINT_NAME})")
+    g.add_argument("--log-every", type=int, default=0,
+                   help="without tqdm: print a progress line every N steps (default: ~20 lines)")
+    g.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
+    return p
+
+
+def parse_args(argv=None):
+    """(args, explicit): explicit is the set of options given on the command line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    explicit = set(vars(probe.parse_args(argv)))
+    return args, explicit
+
+
+# ----------------------------------------------------------------------------- checks
+
+def resolve_optimizer(args, explicit) -> OptimizerSpec:
+    name = args.optimizer.lower()
+    if name not in OPTIMIZERS:
+        raise TrainError(f"unknown optimizer {args.optimizer!r}; choose one of "
+                         f"{', '.join(OPTIMIZERS)}")
+    spec = OPTIMIZERS[name]
+    for hp, flag in HPARAM_FLAGS.items():
+        if hp in explicit and hp not in spec.hparams:
+            raise TrainError(f"{flag} does not apply to {name} (it takes "
+                             f"{', '.join(HPARAM_FLAGS[h] for h in spec.hparams)})")
+    if args.baseline == "torch":
+        if not spec.in_torch:
+            raise TrainError(f"torch.optim has no {spec.class_name}: --baseline torch cannot "
+                             f"run {name}")
+        forge_only = [f for f in ("state_format", "master_weights", "stochastic_rounding")
+                      if f in explicit]
+        if forge_only:
+            raise TrainError(f"--{forge_only[0].replace('_', '-')} is a FORGE option; it "
+                             "does not apply with --baseline torch")
+    return spec
+
+
+def check_precision(args):
+    if args.amp and args.bf16:
+        raise TrainError("--amp keeps fp32 weights and computes in bf16 under autocast; "
+                         "--bf16 stores the weights in bf16: choose one")
+
+
+def check_cuda_graph(args, device: torch.device):
+    if not args.cuda_graph:
+        return
+    if args.baseline == "torch":
+        raise TrainError("--cuda-graph replays forge.optim's steps with each step's lr; "
+                         "torch.optim's would keep the lr of the capture: not with --baseline "
+                         "torch")
+    if device.type != "cuda":
+        raise TrainError(f"--cuda-graph needs a CUDA device; this run is on {device}")
+
+
+def check_numbers(args):
+    for flag, value in (("--steps", args.steps), ("--seq-len", args.seq_len),
+                        ("--batch-size", args.batch_size), ("--max-data-mb", args.max_data_mb)):
+        if value <= 0:
+            raise TrainError(f"{flag} must be positive, got {value}")
+    if args.save_every < 0:
+        raise TrainError(f"--save-every must be >= 0, got {args.save_every}")
+    if args.lr is not None and not args.lr > 0:
+        raise TrainError(f"--lr must be positive, got {args.lr}")
+    if args.warmup is not None and args.warmup < 0:
+        raise TrainError(f"--warmup must be >= 0, got {args.warmup}")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainError(f"unknown device {name!r}; use auto, cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError("--device cuda: no CUDA GPU is available to torch")
+    if device.type not in ("cpu", "cuda"):
+        raise TrainError(f"unsupported device {name!r}; use auto, cpu or cuda")
+    return device
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def make_optimizer(model: nn.Module, spec: OptimizerSpec, args, device: torch.device):
+    kwargs = {"lr": args.lr if args.lr is not None else spec.lr}
+    for hp in spec.hparams:
+        value = getattr(args, hp)
+        if value is not None:
+            kwargs[hp] = tuple(value) if hp == "betas" else value
+    if args.baseline == "torch":
+        cls = getattr(torch.optim, spec.class_name)
+        if device.type == "cuda" and spec.class_name == "AdamW":
+            kwargs["fused"] = True  # the fastest torch has: what FORGE is compared with
+        return cls(model.parameters(), **kwargs), f"torch.optim.{spec.class_name}"
+    try:
+        import forge.optim as forge_optim
+    except Exception as e:  # ImportError, or OSError when libforge cannot be loaded
+        raise TrainError(f"cannot load forge.optim ({type(e).__name__}: {e}); build libforge "
+                         "or set FORGE_LIBRARY, or run with --baseline torch") from None
+    if device.type == "cuda":
+        import forge
+        if not forge.has_cuda():
+            raise TrainError(f"libforge ({forge.library().path}) was built without its CUDA "
+                             "backend: rebuild it where nvcc is found, or use --device cpu")
+    for opt in ("state_format", "master_weights", "stochastic_rounding"):
+        if getattr(args, opt) is not None:
+            kwargs[opt] = getattr(args, opt)
+    kwargs["seed"] = args.seed
+    try:
+        opt = getattr(forge_optim, spec.class_name)(model, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise TrainError(f"forge.optim.{spec.class_name}: {e}") from None
+    label = f"forge.optim.{spec.class_name}"
+    if args.state_format:
+        label += f" (state_format={args.state_format})"
+    return opt, label
+
+
+def make_schedule(optimizer, steps: int, warmup: int, min_ratio: float):
+    """Linear warm-up to the peak lr, then cosine down to min_ratio · peak."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
+    """Next-token cross entropy in fp32; tokens: [B, T + 1]. lean: forge.lean.cross_entropy
+    (the same value to fp32 rounding, without fp32 log-probabilities kept for backward)."""
+    logits = forge_models.logits_of(model, tokens[:, :-1])  # [B, T, vocab]
+    if lean:
+        from forge.lean import cross_entropy
+        return cross_entropy(logits, tokens[:, 1:])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                           tokens[:, 1:].reshape(-1))
+
+
+class GradientBytesTracker:
+    """Measures the weight-gradient bytes alive at once, split into nn.Linear weights and
+    every other parameter.
+
+    A post-accumulate-grad hook on every parameter sums the .grad tensors alive when it
+    fires. Registered before the optimizer exists, these hooks run before any the
+    optimizer adds, so they see each gradient before it is consumed and freed. A Linear
+    weight FORGE updates inside backward never gets a .grad: its hook never fires. (Not
+    seen: the fp32 sum FORGE keeps for a Linear weight used twice in one step; forge.optim
+    warns by name when that happens.)
+    """
+
+    def __init__(self, model: nn.Module):
+        linear_weights = {id(m.weight) for m in model.modules()
+                          if isinstance(m, nn.Linear)}
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.is_linear = [id(p) in linear_weights for p in self.params]
+        self.peak_linear = 0
+        self.peak_other = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                        for p in self.params]
+
+    def _on_grad(self, _param):
+        linear = other = 0
+        for p, is_linear in zip(self.params, self.is_linear):
+            if p.grad is not None:
+                n = p.grad.numel() * p.grad.element_size()
+                if is_linear:
+                    linear += n
+                else:
+                    other += n
+        self.peak_linear = max(self.peak_linear, linear)
+        self.peak_other = max(self.peak_other, other)
+
+    def state(self):
+        return {"peak_linear": self.peak_linear, "peak_other": self.peak_other}
+
+    def load(self, state):
+        self.peak_linear, self.peak_other = state["peak_linear"], state["peak_other"]
+
+
+def memory_now(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def memory_peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return ""
+
+
+def optimizer_report(optimizer) -> Dict[str, float]:
+    """forge.optim's by-products of the last step (global grad norm, non-finite gradient
+    elements skipped); empty for torch.optim."""
+    out = {}
+    for key in ("grad_norm", "nonfinite_count"):
+        value = getattr(optimizer, key, None)
+        if isinstance(value, (int, float)):
+            out[key] = float(value)
+    return out
+
+
+class Progress:
+    """tqdm on a terminal when installed, else a plain line every log_every steps
+    (logs of a piped run stay readable)."""
+
+    def __init__(self, start: int, total: int, log_every: int):
+        self.total = total
+        self.bar = None
+        if sys.stdout.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=start, desc="forge-train", unit="step",
+                                dynamic_ncols=True, file=sys.stdout)
+            except ImportError:
+                pass
+        self.log_every = log_every or max(1, total // 20)
+
+    def update(self, step: int, text: str):
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif (step + 1) % self.log_every == 0 or step + 1 == self.total:
+            print(f"step {step + 1:>6}/{self.total}  {text}", flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def checkpoint_path(args) -> str:
+    """The file --resume names: OUT/checkpoint.pt by default, DIR/checkpoint.pt for a dir."""
+    if not args.resume:
+        return os.path.join(args.out, CHECKPOINT_NAME)
+    if os.path.isdir(args.resume):
+        return os.path.join(args.resume, CHECKPOINT_NAME)
+    return args.resume
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename over it (atomic)."""
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # interrupted or failed: the previous checkpoint stays as it was
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load_checkpoint(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise TrainError(f"no checkpoint to resume from at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise TrainError(f"cannot read checkpoint {path}: the file is corrupt or not a "
+                         f"forge-train checkpoint ({type(e).__name__})") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise TrainError(f"{path} is not a forge-train checkpoint")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise TrainError(f"{path} is a version {state.get('version')} checkpoint; this "
+                         f"forge-train reads version {CHECKPOINT_VERSION}")
+    return state
+
+
+def apply_saved_args(args, explicit, saved: dict, path: str) -> None:
+    """Resume with the checkpoint's trajectory options; refuse a conflicting explicit one
+    (--steps may change: it extends or shortens the run)."""
+    for name in TRAJECTORY_OPTIONS + INHERITED_OPTIONS:
+        if name not in saved:
+            continue
+        value, old = getattr(args, name), saved[name]
+        if name in explicit and name in TRAJECTORY_OPTIONS and name != "steps" \
+                and _normal(value) != _normal(old):
+            raise TrainError(f"--{name.replace('_', '-')} {value} differs from the "
+                             f"checkpoint's {old} ({path}); a resumed run keeps the "
+                             "checkpoint's settings")
+        if name not in explicit:
+            setattr(args, name, old)
+
+
+def _normal(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ----------------------------------------------------------------------------- training
+
+@dataclasses.dataclass
+class TrainResult:
+    losses: List[float]
+    steps: int
+    peak_memory: int
+    peak_linear_grad_bytes: int
+    peak_other_grad_bytes: int
+    tokens_per_s: float
+    optimizer: str
+    out: str
+    grad_norms: List[float] = dataclasses.field(default_factory=list)
+    nonfinite: int = 0           # gradient elements FORGE skipped (NaN/Inf), all steps
+
+
+def train(args, explicit=frozenset()) -> TrainResult:
+    """Runs one forge-train job; raises TrainError on bad input."""
+    spec = resolve_optimizer(args, explicit)
+    check_numbers(args)
+    resume_state = None
+    ckpt_file = os.path.join(args.out, CHECKPOINT_NAME)
+    if args.resume is not None:
+        resume_from = checkpoint_path(args)
+        resume_state = load_checkpoint(resume_from)
+        apply_saved_args(args, explicit, resume_state["args"], resume_from)
+        spec = resolve_optimizer(args, explicit)
+    check_precision(args)
+    device = pick_device(args.device)
+    check_cuda_graph(args, device)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    warmup = args.warmup if args.warmup is not None else args.steps // 20
+
+    # Model (seeded: the same seed gives the same initial weights) and tokenizer.
+    torch.manual_seed(args.seed)
+    try:
+        model, kind, max_seq = forge_models.build_model(args.model, device, dtype)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    if args.seq_len > max_seq:
+        raise TrainError(f"--seq-len {args.seq_len} is longer than model {args.model!r} "
+                         f"allows ({max_seq})")
+    tokenizer = forge_data.ByteTokenizer()
+    if kind == "hf":
+        tokenizer = _hf_tokenizer(args.model) or tokenizer
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise TrainError(f"model vocabulary {model.config.vocab_size} is smaller than the "
+                             f"tokenizer's {tokenizer.vocab_size}")
+    if args.activation_checkpointing:
+        forge_models.enable_activation_checkpointing(model)
+    if args.lean_activations:
+        from forge.lean import enable_lean_activations
+        if not any(enable_lean_activations(model).values()):
+            raise TrainError(f"--lean-activations: model {args.model!r} has no RMSNorm or "
+                             "SwiGLU MLP it knows how to recompute")
+    model.train()
+    try:
+        data = forge_data.make_data(args.data, tokenizer, args.seq_len, args.batch_size,
+                                    args.seed, max_bytes=args.max_data_mb << 20)
+    except forge_data.DataError as e:
+        raise TrainError(str(e)) from None
+
+    tracker = GradientBytesTracker(model)  # before the optimizer: see its docstring
+    optimizer, opt_label = make_optimizer(model, spec, args, device)
+    schedule = make_schedule(optimizer, args.steps, warmup, args.min_lr_ratio)
+
+    start, losses, grad_norms = 0, [], []
+    if resume_state is not None:
+        try:
+            model.load_state_dict(resume_state["model"])
+            optimizer.load_state_dict(resume_state["optimizer"])
+            schedule.load_state_dict(resume_state["scheduler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise TrainError(f"checkpoint does not match this model/optimizer: "
+                             f"{str(e).splitlines()[0]}") from None
+        set_rng_state(resume_state["rng"], device)
+        tracker.load(resume_state["tracker"])
+        start, losses = resume_state["step"], list(resume_state["losses"])
+        grad_norms = list(resume_state.get("grad_norms", []))
+        if start >= args.steps:
+            raise TrainError(f"the checkpoint is at step {start}: nothing to do for "
+                             f"--steps {args.steps}")
+
+    n_params = forge_models.count_parameters(model)
+    print(f"forge-train: model {args.model} ({n_params / 1e6:.2f} M parameters, "
+          f"{str(dtype).replace('torch.', '')}{', bf16 autocast' if args.amp else ''}) on "
+          f"{device}; data {data.description}; "
+          f"tokenizer {tokenizer.name}; optimizer {opt_label}; "
+          f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
+          + (f"; resuming at step {start}" if start else ""), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    saved_args = {name: _normal(getattr(args, name))
+                  for name in TRAJECTORY_OPTIONS + INHERITED_OPTIONS}
+    tokens_per_step = args.batch_size * args.seq_len
+    progress = Progress(start, args.steps, args.log_every)
+    timed_tokens, timed_s = 0, 0.0
+    nonfinite = resume_state.get("nonfinite", 0) if resume_state else 0
+
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = lm_loss(model, tokens)
+        loss.backward()           # FORGE: every nn.Linear weight is updated here
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    if args.cuda_graph:  # two eager steps, then one capture: every call is one step
+        from forge.graphs import CUDAGraphStep
+        train_step = CUDAGraphStep(train_step, optimizers=[optimizer], warmup=2)
+    try:
+        for step in range(start, args.steps):
+            t0 = time.perf_counter()
+            tokens = data.batch(step, device)
+            loss = train_step(tokens)
+            schedule.step()           # (forge.optim reads the new lr at the next replay)
+            loss_value = loss.item()  # synchronises: the step's time is complete
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss_value):
+                raise TrainError(f"the loss became {loss_value} at step {step + 1}; lower "
+                                 "--lr or check the data")
+            losses.append(loss_value)
+            report = optimizer_report(optimizer)
+            if "grad_norm" in report:
+                grad_norms.append(report["grad_norm"])
+            nonfinite += int(report.get("nonfinite_count", 0))
+            if step > start:  # the first step pays one-time costs
+                timed_tokens += tokens_per_step
+                timed_s += dt
+            rate = timed_tokens / timed_s if timed_s else tokens_per_step / dt
+            text = (f"loss {loss_value:.4f} | {rate:,.0f} tok/s | "
+                    f"mem {human_bytes(memory_now(device))}")
+            if "grad_norm" in report:
+                text += f" | gnorm {report['grad_norm']:.3g}"
+            progress.update(step, text)
+            done = step + 1
+            if args.save_every and (done % args.save_every == 0 or done == args.steps):
+                save_checkpoint(ckpt_file, {
+                    "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+                    "step": done, "args": saved_args, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
+                    "rng": rng_state(device), "tracker": tracker.state(),
+                    "losses": losses, "grad_norms": grad_norms, "nonfinite": nonfinite})
+    finally:
+        progress.close()
+
+    result = TrainResult(
+        losses=losses, steps=args.steps, peak_memory=memory_peak(device),
+        peak_linear_grad_bytes=tracker.peak_linear, peak_other_grad_bytes=tracker.peak_other,
+        tokens_per_s=timed_tokens / timed_s if timed_s else 0.0, optimizer=opt_label,
+        out=args.out, grad_norms=grad_norms, nonfinite=nonfinite)
+    write_outputs(args, result, n_params, device)
+    return result
+
+
+def _hf_tokenizer(model_path: str):
+    directory = os.path.dirname(model_path) if model_path.endswith(".json") else model_path
+    if not any(os.path.isfile(os.path.join(directory, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return forge_data.HFTokenizer(AutoTokenizer.from_pretrained(directory))
+
+
+def write_outputs(args, result: TrainResult, n_params: int, device: torch.device) -> None:
+    """metrics.json, loss.png and the summary on stdout."""
+    metrics = {"losses": result.losses, "grad_norms": result.grad_norms,
+               "optimizer": result.optimizer, "model": args.model, "parameters": n_params,
+               "device": str(device), "peak_memory_bytes": result.peak_memory,
+               "peak_linear_weight_grad_bytes": result.peak_linear_grad_bytes,
+               "peak_other_grad_bytes": result.peak_other_grad_bytes,
+               "tokens_per_s": result.tokens_per_s, "nonfinite_skipped": result.nonfinite,
+               "command": sys.argv}
+    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=1)
+    plot_note = "skipped (--no-plot)"
+    if not args.no_plot:
+        plot_note = plot_losses({result.optimizer: result.losses},
+                                os.path.join(args.out, "loss.png"),
+                                f"forge-train: {args.model}, {result.optimizer}")
+    tail = result.losses[-10:]
+    memory_kind = "GPU, max_memory_allocated" if device.type == "cuda" else "process peak RSS"
+    lines = [
+        f"\nforge-train: done, {len(result.losses)} steps with {result.optimizer}",
+        f"  final loss            {result.losses[-1]:.4f} (mean of last {len(tail)}: "
+        f"{sum(tail) / len(tail):.4f}; first {result.losses[0]:.4f})",
+        f"  peak memory           {human_bytes(result.peak_memory)} ({memory_kind})",
+        f"  weight gradients held nn.Linear weights {human_bytes(result.peak_linear_grad_bytes)},"
+        f" other parameters {human_bytes(result.peak_other_grad_bytes)} (most alive at once, "
+        "measured by hooks)"]
+    if result.grad_norms:  # forge.optim: its by-products of the step
+        lines.append(f"  non-finite gradients  {result.nonfinite} elements skipped "
+                     "(their weights untouched)")
+    lines += [f"  throughput            {result.tokens_per_s:,.0f} tokens/s",
+              f"  loss curve            {plot_note}",
+              f"  metrics               {os.path.join(args.out, 'metrics.json')}"]
+    print("\n".join(lines), flush=True)
+
+
+def plot_losses(curves: Dict[str, List[float]], path: str, title: str) -> str:
+    """Writes a loss-curve PNG; returns where, or why not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "not drawn: matplotlib is not installed (the losses are in metrics.json)"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    args, explicit = parse_args(argv)
+    try:
+        train(args, explicit)
+    except TrainError as e:
+        print(f"forge-train: error: {e}", file=sys.stderr)
+        return 2
+    except OUT_OF_MEMORY:
+        print("forge-train: error: out of memory; try a smaller --batch-size or --seq-len, "
+              "--activation-checkpointing or --bf16", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nforge-train: interrupted; the last checkpoint (if any) is kept in "
+              f"{args.out}", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
