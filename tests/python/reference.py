@@ -156,3 +156,91 @@ def assert_contract(errors: Dict[str, float], device: str,
     else:
         assert errors["forge_vs_ordered"] <= order_bound, errors
         assert errors["forge_vs_stock"] <= order_bound, errors
+
+
+class _ConcatOrderedLinearFunction(torch.autograd.Function):
+    """Like OrderedLinearFunction, but the weight's dW continues one sum across backwards
+    (weight._ordered_acc), token by token: the order of FORGE's fused step over the
+    concatenated tokens of a step's micro-batches. The weight gets no .grad from autograd;
+    move_ordered_grads() puts the sums there before the loop's clip / unscale / step."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        acc = getattr(weight, "_ordered_acc", None)
+        if acc is None:
+            acc = weight._ordered_acc = torch.zeros_like(weight)
+        for t in range(x2.shape[0]):
+            acc += torch.outer(dy2[t], x2[t])
+        db = dy2.sum(0) if ctx.has_bias else None
+        return dy.matmul(weight), None, db
+
+
+def _concat_forward(self, x):
+    return _ConcatOrderedLinearFunction.apply(x, self.weight, self.bias)
+
+
+def ordered_concat(model: nn.Module) -> nn.Module:
+    """The reference of the training-loop tests (test_loop.py): Linear weight gradients summed
+    in FORGE's order over all micro-batches; model.move_ordered_grads() hands them to .grad."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for m in linears:
+        m.forward = types.MethodType(_concat_forward, m)
+
+    def move_ordered_grads():
+        for m in linears:
+            acc = getattr(m.weight, "_ordered_acc", None)
+            if acc is not None:
+                m.weight.grad = acc
+                del m.weight._ordered_acc
+
+    model.move_ordered_grads = move_ordered_grads
+    return model
+
+
+def stock_loop_error(make_forge, make_torch, loop, steps_device: str = "cpu"):
+    """(forge vs stock torch, bound): the same loop with forge (dense deferred gradients, dW by
+    torch's own GEMM) and with torch.optim; the bound is CONTRACT-style: LOOP_RTOL, or what
+    torch itself moves under a 1-ulp gradient perturbation."""
+    from tolerances import LOOP_RTOL, ULP_SENSITIVITY_FACTOR
+    torch.manual_seed(0)
+    base = TinyTransformerForLoops()
+    forge_model, stock, ulp = (copy.deepcopy(base) for _ in range(3))
+    loop(forge_model, make_forge(forge_model), steps_device)
+    loop(stock, make_torch(stock.parameters()), steps_device)
+
+    loop(ulp, PerturbedBeforeStep(make_torch(ulp.parameters())), steps_device)
+    return (max_normwise(forge_model, stock),
+            max(LOOP_RTOL, ULP_SENSITIVITY_FACTOR * max_normwise(ulp, stock)))
+
+
+class PerturbedBeforeStep:
+    """A torch.optim optimizer whose step() first scales every gradient by 1 + 2^-23: what
+    torch moves under a one-ulp change of the gradient it consumes (after the loop's own clip
+    and unscale, which would otherwise cancel a perturbation made before them)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.param_groups, self.state = opt.param_groups, opt.state
+
+    def step(self, *args, **kwargs):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(1 + 2 ** -23)
+        return self.opt.step(*args, **kwargs)
+
+    def zero_grad(self, *args, **kwargs):
+        return self.opt.zero_grad(*args, **kwargs)
+
+
+def TinyTransformerForLoops():
+    from tiny_models import TinyTransformer
+    return TinyTransformer()

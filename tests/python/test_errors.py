@@ -126,15 +126,20 @@ def test_second_optimizer_on_the_same_model():
     forge.optim.SGD(model)
 
 
-def test_library_errors_surface_with_their_message():
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+def test_library_errors_surface_with_their_message(mode):
     """A value the Python checks let through (set on a group after construction) is
-    refused by libforge inside backward: ForgeError (a ValueError here) with its text."""
+    refused by libforge: ForgeError (a ValueError here) with its text, inside backward
+    (immediate) or at opt.step() (deferred), before any weight changed."""
     model = TinyTransformer()
-    opt = forge.optim.AdamW(model)
+    opt = forge.optim.AdamW(model, mode=mode)
     opt.param_groups[0]["betas"] = (0.9, 1.0)
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=r"hparams\.beta2: must be in \[0, 1\)") as info:
         lm_loss(model, 0).backward()
+        opt.step()
     assert isinstance(info.value, forge.ForgeError)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     lib = forge.library()
     hp = lib.hparams_default(forge._lib.RULE_ADAMW)
     hp.step = 0

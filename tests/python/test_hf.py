@@ -72,3 +72,51 @@ def test_llama_tracks_fused_adamw(tie, checkpointing, device, dtype, record_diff
     record_difference(f"Llama loss {str(dtype)[6:]} (relative)", worst)
     assert worst <= HF_LOSS_RTOL[str(dtype)[6:]], (got, want)
     assert got[-1] < got[0], "it trains"
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, n=16, seq=16):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 128, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _trainer_run(tmp_path, optimizer_factory, precision: str):
+    """6 optimizer steps of Trainer with max_grad_norm and 2-step gradient accumulation;
+    returns (the logged losses and grad norms, the trained model)."""
+    pytest.importorskip("accelerate")
+    model = tiny_llama(tie=False)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_grad_norm=0.5, max_steps=6, learning_rate=1e-3, weight_decay=0.1,
+        lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        save_strategy="no", bf16=precision == "bf16", dataloader_num_workers=0)
+    optimizers = (optimizer_factory(model, args), None) if optimizer_factory else (None, None)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(),
+                                   optimizers=optimizers)
+    trainer.train()
+    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    return logs, model
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hf_trainer_clipping_accumulation_and_amp(tmp_path, precision, record_difference):
+    """The recipe in README: Trainer(..., optimizers=(forge.optim.AdamW(model, ...), None)).
+    max_grad_norm, gradient_accumulation_steps and grad_norm logging (and bf16 autocast)
+    give what Trainer's own torch AdamW gives."""
+    from forge.integrations.hf import trainer_optimizer
+    got, model = _trainer_run(tmp_path / "forge", trainer_optimizer, precision)
+    want, ref = _trainer_run(tmp_path / "torch", None, precision)
+    assert len(got) == len(want) == 6
+    worst_loss = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(got, want))
+    worst_norm = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(got, want))
+    record_difference(f"Trainer {precision}: loss (relative)", worst_loss)
+    record_difference(f"Trainer {precision}: grad_norm (relative)", worst_norm)
+    rtol = HF_LOSS_RTOL["float32" if precision == "fp32" else "bfloat16"]
+    assert worst_loss <= rtol and worst_norm <= rtol, (got, want)
+    assert all(b[1] > 0.5 for b in want), "every step clips (max_grad_norm below the norm)"

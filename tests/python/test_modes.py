@@ -1,9 +1,11 @@
 """test_modes.py — how a step is delimited.
 
-The update runs inside backward, so a second backward before step() is an error, unless
-accumulate_grad=True (gradients materialize in .grad, step() applies them: exact, with
-torch.optim's memory). Also: the fallback for torch without the autograd hooks, closures,
-and giving the model back (detach, or the optimizer being garbage-collected).
+In immediate mode the update runs inside backward, so a second backward before step() is an
+error, raised before it changes a weight; accumulate_grad=True (deferred, dense gradients in
+.grad, step() applies them: exact, with torch.optim's memory) accumulates. The training loop
+around the step (clipping, GradScaler, deferred factored gradients): test_loop.py. Also: the
+fallback for torch without the autograd hooks, closures, and giving the model back (detach,
+or the optimizer being garbage-collected).
 """
 import gc
 
@@ -29,12 +31,14 @@ def _tiny_from(initial, device="cpu"):
     return model.to(device)
 
 
-def test_second_backward_without_step_raises():
+def test_second_backward_without_step_raises_before_a_weight_changes():
     model = TinyTransformer()
-    opt = forge.optim.AdamW(model)
+    opt = forge.optim.AdamW(model, mode="immediate")
     lm_loss(model, 0).backward()
+    after_first = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="second gradient before opt.step"):
         lm_loss(model, 1).backward()
+    assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))
     opt.step()
     opt.zero_grad()
     lm_loss(model, 2).backward()  # fine again after step()
@@ -118,9 +122,9 @@ def test_garbage_collected_optimizer_releases_the_model():
     lm_loss(model, 0).backward()
     assert model.head.weight.grad is not None
     model.zero_grad()
-    opt = forge.optim.AdamW(model)
+    opt = forge.optim.AdamW(model, mode="immediate")
     lm_loss(model, 1).backward()
-    assert model.head.weight.grad is None
+    assert isinstance(model.head.weight.grad, forge.optim.ConsumedGrad)  # no gradient memory
     opt.step()
 
 
@@ -158,7 +162,7 @@ def test_fused_path_holds_across_steps(device, monkeypatch):
         raise AssertionError("a Linear took the materialized-gradient path")
     monkeypatch.setattr(forge.optim.routing, "_add_dw", no_materialized_gradient)
     model = TinyTransformer().to(device)
-    opt = forge.optim.AdamW(model, lr=1e-2)
+    opt = forge.optim.AdamW(model, lr=1e-2, mode="immediate")
     fused = [s for s in opt._slots.values() if s.mode == "fused"]
     assert fused, "the tiny model has fused Linears"
     import warnings

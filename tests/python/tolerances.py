@@ -81,3 +81,12 @@ LEAN_CE_RTOL = 1e-6
 # fp64 value by atomics, whose order may differ between two runs of the same kernels; fp64
 # sums of ~1e5 fp32 squares differ by far less than this.
 GRAPH_GRAD_NORM_RTOL = 1e-6
+
+# The training loop around the step (test_loop.py): forge in deferred mode against torch.optim
+# doing the same clip_grad_norm_ / GradScaler / accumulation, with dW summed in forge's order
+# over the concatenated micro-batches. What remains: the clip coefficient (forge's norm is
+# summed in fp64 without forming dW, torch's in fp32 over dW) and, for torch, the unscale and
+# the clip as two roundings where forge's kernel applies one combined scale: about one ulp per
+# gradient element per step. The bound is this, or ULP_SENSITIVITY_FACTOR times torch's own
+# divergence under a one-ulp gradient perturbation, whichever is larger.
+LOOP_RTOL = 1e-6

@@ -22,8 +22,10 @@ _lib.get()
 
 from .base import _ForgeOptimizer, param_groups_no_decay  # noqa: E402,F401 (isinstance checks)
 from .capture import GraphCapture  # noqa: E402
+from .deferred import ConsumedGrad, FactoredGrad  # noqa: E402
 from .rules import SGD, Adagrad, Adam, AdamW, Lion, NAdam, RAdam, RMSprop  # noqa: E402
 from .states import STATE_FORMATS  # noqa: E402
 
 __all__ = ["AdamW", "Adam", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "SGD",
-           "param_groups_no_decay", "GraphCapture", "STATE_FORMATS"]
+           "param_groups_no_decay", "GraphCapture", "FactoredGrad", "ConsumedGrad",
+           "STATE_FORMATS"]

@@ -12,6 +12,7 @@ zero_grad(), state_dict() / load_state_dict(), param groups, and the step's by-p
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import warnings
@@ -25,9 +26,13 @@ from .. import _lib
 from .call import _CallMixin, _as_float
 from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
+from .deferred import ConsumedGrad, FactoredGrad
 from .states import STATE_FORMATS, _StatesMixin
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+MODES = ("auto", "immediate", "deferred")
+DEFERRED_STORES = ("auto", "factors", "grad")
+_log = logging.getLogger("forge")
 
 
 def param_groups_no_decay(model: nn.Module, weight_decay: float,
@@ -82,9 +87,33 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
       stochastic_rounding  bf16 weight and state stores round stochastically (default True);
                            the bits come from (seed + parameter index, step, element).
       seed                 see stochastic_rounding.
-      accumulate_grad      no update in backward: .grad accumulates (memory: one full
-                           gradient per parameter, as torch.optim) and step() applies it.
+      mode                 where the update runs (see MODES below); default "auto".
+      max_grad_norm        clip the global L2 norm of the gradient to this (torch's
+                           clip_grad_norm_ formula): exact in deferred and auto mode; in
+                           immediate mode lagged: step t uses the norm of step t - 1 (its first
+                           step is not clipped). opt.grad_norm reports the norm before clipping.
+      deferred_store       deferred mode, per fused Linear: "auto" (its X and dY while they are
+                           smaller than dW, else a dense gradient), "factors", or "grad".
+      accumulate_grad      True is mode="deferred", deferred_store="grad": a full .grad per
+                           parameter, as torch.optim keeps.
       num_threads          CPU backend threads (0: torch.get_num_threads()).
+
+    MODES
+      immediate  every update runs inside backward, as soon as its gradient is complete: the
+                 least memory. No gradient is visible before opt.step(): clip_grad_norm_,
+                 GradScaler, a second backward (accumulation) or a step pre-hook raise an
+                 error naming the parameter (the backward that preceded it has updated the
+                 weights).
+      deferred   torch.optim's contract: backward leaves each parameter's gradient in .grad
+                 (a fused Linear weight's as FactoredGrad: its X and dY, or a dense gradient
+                 where that is smaller), the loop may clip, unscale (GradScaler) and
+                 accumulate micro-batches (their tokens concatenate), and opt.step() runs the
+                 fused GEMM + update with everything known.
+      auto       the first step is deferred; if the loop used the gradient before opt.step()
+                 (clipping, GradScaler, accumulation, step pre-hooks, max_grad_norm), every
+                 step stays deferred, else the optimizer runs immediate from the second step
+                 on (logged once on the "forge" logger). A loop that first needs the gradient
+                 later gets immediate mode's error.
     """
 
     _torch_name = "?"
@@ -92,7 +121,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
     def __init__(self, model: nn.Module, params, defaults: Dict[str, Any], *,
                  state_format: str = "fp32", master_weights: bool = False,
                  stochastic_rounding: Optional[bool] = None, seed: int = 0,
-                 accumulate_grad: bool = False, num_threads: int = 0):
+                 mode: str = "auto", max_grad_norm: Optional[float] = None,
+                 deferred_store: str = "auto", accumulate_grad: bool = False,
+                 num_threads: int = 0):
         self._attached = False
         self._lib = _lib.get()
         self._default_hparams: Dict[int, _lib.Hparams] = {}
@@ -121,12 +152,37 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             raise ValueError(f"seed: must be an int in [0, 2**63), got {seed!r}")
         if not isinstance(num_threads, int) or num_threads < 0:
             raise ValueError(f"num_threads: must be an int >= 0, got {num_threads!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode: unknown value {mode!r}; choose one of {', '.join(MODES)}")
+        if deferred_store not in DEFERRED_STORES:
+            raise ValueError(f"deferred_store: unknown value {deferred_store!r}; choose one of "
+                             f"{', '.join(DEFERRED_STORES)}")
+        if max_grad_norm is not None and not (
+                isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
+                and 0 < max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm: must be a finite number > 0 (or None), got "
+                             f"{max_grad_norm!r}")
+        if not isinstance(accumulate_grad, bool):
+            raise TypeError(f"accumulate_grad: must be a bool, got {type(accumulate_grad).__name__}")
+        if accumulate_grad and mode == "immediate":
+            raise ValueError("accumulate_grad=True keeps every gradient until opt.step(); it "
+                             "cannot be combined with mode='immediate'")
         self.state_format = state_format
         self.master_weights = master_weights
         self.stochastic_rounding = True if stochastic_rounding is None else stochastic_rounding
         self.seed = seed
         self.num_threads = num_threads
-        self._accumulate_grad = bool(accumulate_grad)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._mode = "deferred" if accumulate_grad else mode
+        self._deferred_store = "grad" if accumulate_grad else deferred_store
+        self._requested = (mode, deferred_store)  # what accumulate_grad=False returns to
+        self._deferring = self._mode != "immediate"
+        self._clip_norm: Optional[torch.Tensor] = None  # this step's norm before clipping
+        self._loop_needs_grads = False  # a step pre-hook was registered (auto mode)
+        # The gradient scale of updates that run inside backward: the lagged clip coefficient
+        # in immediate mode with max_grad_norm, else 1.
+        self._backward_scale = 1.0
+        self._last_clip_norm: Optional[torch.Tensor] = None
         self._model_ref = weakref.ref(model)
 
         names = _parameter_names(model)
@@ -160,40 +216,75 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
     # ------------------------------------------------------------------ public surface
 
     @property
+    def mode(self) -> str:
+        """Where updates run now: "deferred" or "immediate" (an "auto" optimizer is deferred
+        for its first step, then one of the two; see MODES)."""
+        return "deferred" if self._deferring else "immediate"
+
+    @property
     def accumulate_grad(self) -> bool:
-        """True: backward only accumulates .grad (full gradients, torch.optim's memory);
-        step() applies them. May be switched between steps."""
-        return self._accumulate_grad
+        """True: mode="deferred" with dense gradients (deferred_store="grad"). May be
+        switched between steps."""
+        return self._deferring and self._deferred_store == "grad"
 
     @accumulate_grad.setter
     def accumulate_grad(self, value: bool) -> None:
-        if any(s.updated_at == self._step_id or s.pending or s.partial is not None
-               for s in self._slots.values()):
+        if self._step_in_progress():
             raise RuntimeError("accumulate_grad can only be switched between steps (call "
                                "opt.step() first)")
-        self._accumulate_grad = bool(value)
+        if value:
+            self._mode, self._deferred_store = "deferred", "grad"
+        else:
+            self._mode, self._deferred_store = self._requested
+        self._deferring = self._mode != "immediate" and (self._mode != "auto"
+                                                         or self._step_id == 0)
 
     @property
     def grad_norm(self) -> Optional[float]:
-        """Global L2 norm of the gradients the last step() consumed (every parameter,
-        finite elements), a by-product of the update; None before the first step()."""
+        """Global L2 norm of the last step's gradient: with max_grad_norm, the norm before
+        clipping (what clip_grad_norm_ returns); otherwise that of the gradients the update
+        consumed (after any scaling the loop applied), a by-product of the update. Finite
+        elements only; None before the first step()."""
+        if self._last_clip_norm is not None:
+            return float(self._last_clip_norm)
         if self._last_stats is None:
             return None
         return math.sqrt(sum(float(sq.item()) for sq, _ in self._last_stats.values()))
 
     @property
     def nonfinite_count(self) -> Optional[int]:
-        """Gradient elements of the last step that were NaN/Inf: their weight and states
-        were left untouched. None before the first step()."""
+        """Gradient elements of the last step that were NaN/Inf (or whose update would not
+        be finite): their weight and states were left untouched. None before the first
+        step()."""
         if self._last_stats is None:
             return None
         return sum(int(nf.item()) for _, nf in self._last_stats.values())
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's parameters (deferred mode):
+        returns the total norm before clipping."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def register_step_pre_hook(self, hook):
+        """torch.optim's; in immediate mode the updates have run before step() is called, so
+        a pre-hook cannot run before them: refused there, and an auto optimizer stays
+        deferred."""
+        if not self._deferring:
+            raise RuntimeError(
+                "forge: a step pre-hook runs before the update, but this optimizer updates "
+                f"inside backward (mode='{self._mode_name()}'); build it with "
+                "mode='deferred' (or 'auto') to use step pre-hooks")
+        self._loop_needs_grads = True
+        return super().register_step_pre_hook(hook)
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Completes the step: updates every parameter that still holds a .grad (deferred
-        ones, accumulate_grad mode), drops (with a warning) what a backward left for a
-        weight it never reached, and closes the step's stats (grad_norm, nonfinite_count)."""
+        """Completes the step. Deferred: applies every gradient held in .grad (fused Linear
+        weights through one fused GEMM + update over all their tokens), clipped first with
+        max_grad_norm. Immediate: updates what backward did not (shared weights), drops (with
+        a warning) what a backward left for a weight it never reached. Then closes the
+        step's statistics (grad_norm, nonfinite_count)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -214,30 +305,131 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             slot.pending.clear()
             slot.partial = None
             slot.uses = 0
+            self._restore_held(slot)
+        deferred = self._deferring
+        if deferred:
+            self._step_deferred()
+        else:
+            self._step_immediate()
+        if not deferred and self.max_grad_norm is not None and self._stats:
+            # lagged clipping: the true norm is the consumed one over the coefficient used
+            consumed = math.sqrt(sum(float(sq.item()) for sq, _ in self._stats.values()))
+            self._clip_norm = torch.tensor(consumed / self._backward_scale)
+        self._last_stats = self._stats
+        self._stats = {}
+        self._stats_outputs = {}
+        self._last_clip_norm, self._clip_norm = self._clip_norm, None
+        self._backward_scale = self._lagged_clip_scale() if not self._deferring else 1.0
+        self._step_id += 1
+        return loss
+
+    def _step_immediate(self) -> None:
+        for slot in self._slots.values():
             p = slot.param
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
+                continue
+            if isinstance(grad, ConsumedGrad):
+                p.grad = None
                 continue
             if slot.updated_at == self._step_id:
                 raise RuntimeError(
                     f"forge: parameter '{slot.name}' was already updated in this step's "
-                    "backward but holds a .grad again; set it to None, or use "
-                    "accumulate_grad=True to apply gradients in step()")
-            if p.grad.is_sparse:
+                    "backward but holds a .grad again; set it to None, or use mode='deferred' "
+                    "to apply gradients in step()")
+            if grad.is_sparse:
                 raise RuntimeError(f"forge: parameter '{slot.name}' has a sparse gradient, "
                                    "which FORGE does not support")
-            self._update(slot, grad=p.grad)
+            self._update(slot, grad=grad)
             p.grad = None
-        self._last_stats = self._stats
-        self._stats = {}
-        self._stats_outputs = {}
-        self._step_id += 1
-        return loss
+
+    def _step_deferred(self) -> None:
+        held = [(slot, slot.param.grad) for slot in self._slots.values()
+                if slot.param.grad is not None]
+        for slot, grad in held:
+            if isinstance(grad, ConsumedGrad):
+                raise RuntimeError(f"forge: parameter '{slot.name}' holds the gradient of an "
+                                   "update that already ran inside backward")
+            if not isinstance(grad, FactoredGrad) and grad.is_sparse:
+                raise RuntimeError(f"forge: parameter '{slot.name}' has a sparse gradient, "
+                                   "which FORGE does not support")
+        # Nothing is written unless every update of the step can run: the hyper-parameters
+        # of each group are checked by libforge first.
+        checked = set()
+        for slot, _ in held:
+            group = self._group_of(slot)
+            if id(group) not in checked:
+                checked.add(id(group))
+                self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32, 1, 1)
+        if self._mode == "auto" and self._step_id == 0:
+            self._decide_auto(held)
+        clip = 1.0
+        if self.max_grad_norm is not None and held:
+            total = _global_norm([g for _, g in held])
+            self._clip_norm = total
+            # torch's clip_grad_norm_: max_norm / (total + 1e-6), at most 1, in fp32
+            clip = torch.clamp(self.max_grad_norm / (total.float() + 1e-6), max=1.0)
+            clip = float(clip)  # NOTE: one host synchronization per step
+        for slot, grad in held:
+            if isinstance(grad, FactoredGrad):
+                scale = clip * _host_scale(grad.scale)
+                if grad.dense is not None:
+                    self._update(slot, grad=grad.dense, scale=scale)
+                elif grad.parts:
+                    x2, dy2 = grad.tokens()
+                    self._update(slot, x=(x2, x2.stride(0)), dy=(dy2, dy2.stride(0)),
+                                 scale=scale)
+                else:  # zeroed (zero_grad(set_to_none=False)): torch steps on zeros
+                    self._update(slot, grad=torch.zeros_like(slot.param), scale=1.0)
+            else:
+                self._update(slot, grad=grad, scale=clip)
+            slot.param.grad = None
+
+    def _decide_auto(self, held) -> None:
+        """End of an auto optimizer's first step: stay deferred if the loop used a gradient
+        before opt.step(), else run immediate from the next step."""
+        touched = [slot.name for slot, g in held
+                   if (isinstance(g, FactoredGrad) and (g.touched or len(g.parts) > 1))
+                   or (not isinstance(g, FactoredGrad) and slot.mode == "hook"
+                       and slot.grad_version is not None and g._version != slot.grad_version)]
+        reasons = []
+        if touched:
+            reasons.append("the gradient of " + ", ".join(touched[:3])
+                           + (" ..." if len(touched) > 3 else "") + " was used or accumulated")
+        if self.max_grad_norm is not None:
+            reasons.append("max_grad_norm is set")
+        if self._loop_needs_grads or getattr(self, "_optimizer_step_pre_hooks", None) \
+                or _global_pre_hooks():
+            reasons.append("a step pre-hook is registered")
+        if reasons:
+            _log.info("forge: mode='auto' stays deferred: %s", "; ".join(reasons))
+        else:
+            self._deferring = False
+            _log.info("forge: mode='auto': the loop does not use gradients before opt.step(); "
+                      "updates run inside backward from the next step on")
+
+    def _lagged_clip_scale(self) -> float:
+        """Immediate mode with max_grad_norm: the clip coefficient of the previous step's
+        norm (1 for the first step)."""
+        if self.max_grad_norm is None or self._last_clip_norm is None:
+            return 1.0
+        return min(1.0, self.max_grad_norm / (float(self._last_clip_norm) + 1e-6))
+
+    def _step_in_progress(self) -> bool:
+        """A backward ran since the last step() (an update ran, or a gradient is held)."""
+        return any(s.updated_at == self._step_id or s.pending or s.partial is not None
+                   or s.held is not None or s.param.grad is not None
+                   for s in self._slots.values())
+
+    def _mode_name(self) -> str:
+        return self._mode
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for slot in self._slots.values():
             slot.pending.clear()
             slot.partial = None
             slot.uses = 0
+            slot.held = None
         super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -405,3 +597,32 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError(f"parameter '{name}': already driven by "
                                  f"{'this' if owner is self else 'another'} forge optimizer"
                                  f"{'' if owner is self else '; call its .detach() first'}")
+
+
+def _global_norm(grads) -> torch.Tensor:
+    """The global L2 norm of a step's gradients (FactoredGrad or dense), fp64, on the first
+    gradient's device."""
+    device = grads[0].device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if isinstance(g, FactoredGrad):
+            if g.dense is not None:
+                sq = g.dense.double().square().sum()
+            else:
+                sq = g.sum_sq()
+            scale = g.scale
+            sq = sq * (scale.double() ** 2 if torch.is_tensor(scale) else float(scale) ** 2)
+        else:
+            sq = g.double().square().sum()
+        total += sq.to(device)
+    return total.sqrt()
+
+
+def _host_scale(scale) -> float:
+    return float(scale.item()) if torch.is_tensor(scale) else float(scale)
+
+
+def _global_pre_hooks() -> bool:
+    import torch.optim.optimizer as torch_optimizer
+    hooks = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+    return bool(hooks)

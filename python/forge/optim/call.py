@@ -153,7 +153,7 @@ class _CallMixin:
         return out
 
     def _update(self, slot, grad: Optional[torch.Tensor] = None, x=None, dy=None,
-                stream=None) -> None:
+                stream=None, scale: Optional[float] = None) -> None:
         """One step of slot's parameter, from a gradient tensor or from (X, dY), on `stream`
         (the raw handle of a CUDA stream, _linear.current_stream_handle's; None: the current
         one)."""
@@ -200,6 +200,10 @@ class _CallMixin:
             # args), not in a fresh struct copied in: half the time.
             hp = args.hparams
             hp.step, hp.seed = step, self.seed + slot.index
+            if scale is None:
+                scale = self._backward_scale
+            if scale != 1.0:
+                hp.grad_scale = scale
             if capturing:
                 hp.run_scalars = self._capture_region(slot, hparams)
             self._lib.wgrad_step(args)
@@ -215,6 +219,10 @@ class _CallMixin:
             args.param, args.hparams, args.outputs = param, hparams, outputs
             hp = args.hparams
             hp.step, hp.seed = step, self.seed + slot.index
+            if scale is None:
+                scale = self._backward_scale
+            if scale != 1.0:
+                hp.grad_scale = scale
             if capturing:
                 hp.run_scalars = self._capture_region(slot, hparams)
             self._lib.elementwise_step(args)

@@ -85,6 +85,13 @@ class _CaptureMixin:
         caller has checked that every parameter is on CUDA.)"""
         if not self._attached:
             raise RuntimeError("forge: this optimizer was detached from its model")
+        if self._deferring:
+            raise RuntimeError(
+                "forge: a CUDA-graph step needs the optimizer in immediate mode (mode='immediate',"
+                " or 'auto' after a first step that used no gradient before opt.step()); this "
+                "one is deferred")
+        if self.max_grad_norm is not None:
+            raise RuntimeError("forge: max_grad_norm is not supported in a CUDA-graph step")
         # NOTE: no statistics tensors yet: the capture makes its own with torch.zeros, whose
         # fill is captured, so every replay adds into zeros (the step's grad_norm).
         if self._stats or any(s.pending or s.partial is not None for s in self._slots.values()):

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .. import _linear
+from .deferred import ConsumedGrad, FactoredGrad
 
 if TYPE_CHECKING:
     from .base import _ForgeOptimizer
@@ -77,6 +78,20 @@ class _Slot:
         self.param_cache: Optional[Tuple[tuple, Any]] = None
         self.modules: List[nn.Linear] = []
         self.warned_multi_use = False
+        # Deferred mode: the gradient of earlier backwards while another runs (see
+        # _linear_backward), and a hook parameter's .grad version when backward left it.
+        self.held: Optional[torch.Tensor] = None
+        self.grad_version: Optional[int] = None
+        self._consumed: Optional[ConsumedGrad] = None
+
+    def consumed_grad(self) -> ConsumedGrad:
+        """The .grad left on this parameter once its update ran inside backward (made once)."""
+        consumed = self._consumed
+        if consumed is None or consumed.dtype != self.param.dtype \
+                or consumed.device != self.param.device:
+            opt = self.opt_ref()
+            consumed = self._consumed = ConsumedGrad(self.param, self.name, opt._mode_name())
+        return consumed
 
     def is_live(self) -> bool:
         opt = self.opt_ref()
@@ -244,16 +259,19 @@ class _RoutingMixin:
 
     def _second_update_error(self, slot: _Slot) -> RuntimeError:
         return RuntimeError(
-            f"forge: parameter '{slot.name}' got a second gradient before opt.step(): FORGE "
-            "applies the update inside backward, so call opt.step() after every backward(), "
-            "or build the optimizer with accumulate_grad=True to accumulate micro-batches "
-            "(keeps a full .grad per parameter). A parameter used in several reentrant "
-            "checkpoint segments also does this: use use_reentrant=False.")
+            f"forge: parameter '{slot.name}' got a second gradient before opt.step(), but its "
+            f"update already ran inside backward (mode='{self._mode_name()}'): call opt.step() "
+            "after every backward(), or build the optimizer with mode='deferred' (or 'auto') "
+            "to accumulate micro-batches. A parameter used in several reentrant checkpoint "
+            "segments also does this: use use_reentrant=False.")
 
     def _linear_backward(self, slot: _Slot, x, dy, weight):
-        if self._accumulate_grad:
-            return _materialize_dw(x, dy, weight)
-        if slot.updated_at == self._step_id:
+        if self._deferring:
+            if slot.uses == 0 and slot.param.grad is not None and slot.held is None:
+                # NOTE: the gradient of earlier micro-batches waits in slot.held while this
+                # backward runs, so nothing of autograd's own accumulates into it.
+                slot.held, slot.param.grad = slot.param.grad, None
+        elif slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
         x2, ldx = _linear.as_rows(x, slot.cols)
         dy2, lddy = _linear.as_rows(dy, slot.rows)
@@ -289,18 +307,26 @@ class _RoutingMixin:
 
     def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
         """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
-        if self._accumulate_grad:
-            return None  # the Linear returned dW; autograd accumulates it into .grad
         arrived = grads[0] if grads else None
         outside = None if arrived is None or arrived is slot.marker else arrived
         slot.marker = None
         consumed = (None,) if arrived is not None else None  # nothing reaches .grad
         if not slot.pending and slot.partial is None and outside is None:
+            self._restore_held(slot)
             return consumed
-        if slot.updated_at == self._step_id:
-            raise self._second_update_error(slot)
         uses = slot.uses + (1 if outside is not None else 0)
-        if len(slot.pending) == 1 and slot.partial is None and outside is None \
+        if uses > 1 and not slot.warned_multi_use:
+            slot.warned_multi_use = True
+            warnings.warn(
+                f"forge: weight '{slot.name}' had {uses} uses in one backward (a Linear "
+                "applied more than once, or its weight also used outside the Linear); it "
+                "takes the materialized-gradient path: its full gradient is summed in fp32, "
+                "then updated once", stacklevel=2)
+        if self._deferring:
+            self._defer_weight_grad(slot, outside)
+        elif slot.updated_at == self._step_id:
+            raise self._second_update_error(slot)
+        elif len(slot.pending) == 1 and slot.partial is None and outside is None \
                 and slot.pending[0][0].size(0) > 0:
             x2, ldx, dy2, lddy, handle, index = slot.pending[0]
             # NOTE: X and dY are ready on the stream backward made them on: the step runs
@@ -313,34 +339,76 @@ class _RoutingMixin:
             else:
                 with torch.cuda.stream(_linear.stream_of_handle(handle, index)):
                     self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=handle)
+            slot.param.grad = slot.consumed_grad()
         else:
-            if uses > 1 and not slot.warned_multi_use:
-                slot.warned_multi_use = True
-                warnings.warn(
-                    f"forge: weight '{slot.name}' had {uses} uses in one backward (a Linear "
-                    "applied more than once, or its weight also used outside the Linear); it "
-                    "takes the materialized-gradient path: its full gradient is summed in fp32, "
-                    "then updated once", stacklevel=2)
-            grad = slot.partial
-            for x2, _, dy2, *_ in slot.pending:
-                grad = _add_dw(grad, x2, dy2)
-            if outside is not None:
-                grad = outside.float() if grad is None else grad.add_(outside)
-            self._update(slot, grad=grad.reshape(slot.param.shape))
+            self._update(slot, grad=self._summed_weight_grad(slot, outside))
+            slot.param.grad = slot.consumed_grad()
         slot.pending.clear()
         slot.partial = None
         slot.uses = 0
         return consumed
+
+    def _summed_weight_grad(self, slot: _Slot, outside) -> torch.Tensor:
+        """The full fp32 gradient of a weight with several uses in this backward."""
+        grad = slot.partial
+        for x2, _, dy2, *_ in slot.pending:
+            grad = _add_dw(grad, x2, dy2)
+        if outside is not None:
+            grad = outside.float() if grad is None else grad.add_(outside)
+        return grad.reshape(slot.param.shape)
+
+    def _defer_weight_grad(self, slot: _Slot, outside) -> None:
+        """Deferred mode: adds this backward's gradient of W to what it holds (a FactoredGrad
+        of its X and dY while that is smaller than dW, else a dense .grad) and leaves it in
+        W.grad for the loop and opt.step()."""
+        p = slot.param
+        held, slot.held = slot.held, None
+        if held is None:
+            held = p.grad  # (the fallback path has taken autograd's sum out already)
+        if len(slot.pending) == 1 and slot.partial is None and outside is None:
+            x2, _, dy2, *_ = slot.pending[0]
+            if held is None or isinstance(held, FactoredGrad):
+                factors = x2.numel() + dy2.numel() + (
+                    held.factor_elements() if held is not None else 0)
+                if self._keep_factors(slot, factors):
+                    if held is None:
+                        held = FactoredGrad(p, slot.name)
+                    held.add(x2, dy2)
+                    p.grad = held
+                    return
+            dw = _add_dw(None, x2, dy2)
+        else:
+            dw = self._summed_weight_grad(slot, outside)
+        if isinstance(held, FactoredGrad):  # the factors outgrew dW: dense from here on
+            held = held.scaled_dense()
+        # (a dense gradient in W's dtype, as autograd would keep it)
+        p.grad = dw.to(p.dtype) if held is None else held.add_(dw.to(held.dtype))
+
+    def _keep_factors(self, slot: _Slot, factor_elements: int) -> bool:
+        """Whether a weight keeps its gradient as X and dY (FactoredGrad) rather than dense:
+        deferred_store 'factors' always, 'grad' never, 'auto' while the factors are smaller.
+        An auto optimizer's first step keeps factors (unless deferred_store says otherwise):
+        its update then runs the very call immediate mode would have made."""
+        store = self._deferred_store
+        if store == "factors" or (store == "auto" and self._mode == "auto"):
+            return True
+        if store == "grad":
+            return False
+        return factor_elements < slot.rows * slot.cols
+
+    def _restore_held(self, slot: _Slot) -> None:
+        if slot.held is not None:
+            slot.param.grad, slot.held = slot.held, None
 
     def _on_weight_grad_done(self, slot: _Slot) -> None:
         """W's AccumulateGrad post-hook. Normally the pre-hook has already run the update
         and nothing is left; where the pre-hook was skipped (torch 2.4, non-reentrant
         checkpoint) the stand-in dW (and any dW from a use outside the Linear) has been
         accumulated into W.grad: take it back out and run the update from here."""
-        if self._accumulate_grad or (not slot.pending and slot.partial is None):
+        if not slot.pending and slot.partial is None:
             return
         arrived = slot.param.grad
-        slot.param.grad = None  # W never keeps a .grad
+        slot.param.grad = None  # W never keeps autograd's own .grad
         # The stand-in was copied (a dense zero tensor); an all-zero sum is no outside use.
         if arrived is not None and not bool(arrived.any()):
             arrived = None
@@ -349,9 +417,12 @@ class _RoutingMixin:
 
     def _on_param_grad_ready(self, slot: _Slot) -> None:
         p = slot.param
-        if self._accumulate_grad or p.grad is None:
+        if p.grad is None:
+            return
+        if self._deferring:
+            slot.grad_version = p.grad._version  # a change before step(): the loop used it
             return
         if slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
         self._update(slot, grad=p.grad)
-        p.grad = None
+        p.grad = slot.consumed_grad()

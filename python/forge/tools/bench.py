@@ -96,7 +96,11 @@ LEAN_MODES = ["forge-bf16-lean", "forge-int8-lean"]
 # every mode): seq 512 is bound by the host's Python when eager, and these measure the GPU.
 GRAPH_SUFFIX = "-graph"
 GRAPH_MODES = ["torch-adamw-graph", "forge-bf16-lean-graph", "forge-int8-lean-graph"]
-KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES
+# forge.optim's modes around the step (the others run mode="immediate"): deferred (each Linear
+# keeps X and dY, or a dense gradient where smaller, until step()), deferred with exact
+# clipping (max_grad_norm=1.0), and accumulate_grad=True (a dense .grad per parameter).
+LOOP_MODES = ["forge-bf16-deferred", "forge-bf16-clip", "forge-bf16-accum"]
+KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES
 # The cases of ../shared/ANCHORS.md and of TARGETS below, most important first:
 # (model, seq, activation checkpointing, modes). torch-adamw leads each group: its number
 # is the reference, and it is safe from a FORGE kernel fault that could spoil the rest.
@@ -197,12 +201,21 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         return OptimizerInBackward(model, fused)
     import forge.optim
     mode = mode[:-len("-lean")] if mode in LEAN_MODES else mode
+    immediate = dict(mode="immediate")
     if mode == "forge-bf16":
-        return forge.optim.AdamW(model, lr=LR, state_format="bf16")
+        return forge.optim.AdamW(model, lr=LR, state_format="bf16", **immediate)
     if mode == "forge-int8":
-        return forge.optim.AdamW(model, lr=LR, state_format="int8")
+        return forge.optim.AdamW(model, lr=LR, state_format="int8", **immediate)
     if mode == "forge-fp32-master":
-        return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True)
+        return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True,
+                                 **immediate)
+    if mode == "forge-bf16-deferred":
+        return forge.optim.AdamW(model, lr=LR, state_format="bf16", mode="deferred")
+    if mode == "forge-bf16-clip":
+        return forge.optim.AdamW(model, lr=LR, state_format="bf16", mode="deferred",
+                                 max_grad_norm=1.0)
+    if mode == "forge-bf16-accum":
+        return forge.optim.AdamW(model, lr=LR, state_format="bf16", accumulate_grad=True)
     raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(KNOWN_MODES)}")
 
 

@@ -300,9 +300,10 @@ class GradientBytesTracker:
     A post-accumulate-grad hook on every parameter sums the .grad tensors alive when it
     fires. Registered before the optimizer exists, these hooks run before any the
     optimizer adds, so they see each gradient before it is consumed and freed. A Linear
-    weight FORGE updates inside backward never gets a .grad: its hook never fires. (Not
-    seen: the fp32 sum FORGE keeps for a Linear weight used twice in one step; forge.optim
-    warns by name when that happens.)
+    weight FORGE updates inside backward never gets a .grad: its hook never fires; one whose
+    update is deferred holds a FactoredGrad, which is no gradient (its X and dY are counted
+    apart, in peak_factors). (Not seen: the fp32 sum FORGE keeps for a Linear weight used
+    twice in one step; forge.optim warns by name when that happens.)
     """
 
     def __init__(self, model: nn.Module):
@@ -312,26 +313,38 @@ class GradientBytesTracker:
         self.is_linear = [id(p) in linear_weights for p in self.params]
         self.peak_linear = 0
         self.peak_other = 0
+        self.peak_factors = 0
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                         for p in self.params]
 
     def _on_grad(self, _param):
-        linear = other = 0
+        linear = other = factors = 0
         for p, is_linear in zip(self.params, self.is_linear):
-            if p.grad is not None:
-                n = p.grad.numel() * p.grad.element_size()
-                if is_linear:
-                    linear += n
-                else:
-                    other += n
+            g = p.grad
+            if g is None or type(g).__name__ == "ConsumedGrad":  # (no memory)
+                continue
+            if type(g).__name__ == "FactoredGrad":
+                factors += sum(x.numel() * x.element_size() + dy.numel() * dy.element_size()
+                               for x, dy in g.parts)
+                g = g.dense
+                if g is None:
+                    continue
+            n = g.numel() * g.element_size()
+            if is_linear:
+                linear += n
+            else:
+                other += n
         self.peak_linear = max(self.peak_linear, linear)
         self.peak_other = max(self.peak_other, other)
+        self.peak_factors = max(self.peak_factors, factors)
 
     def state(self):
-        return {"peak_linear": self.peak_linear, "peak_other": self.peak_other}
+        return {"peak_linear": self.peak_linear, "peak_other": self.peak_other,
+                "peak_factors": self.peak_factors}
 
     def load(self, state):
         self.peak_linear, self.peak_other = state["peak_linear"], state["peak_other"]
+        self.peak_factors = state.get("peak_factors", 0)
 
 
 def memory_now(device: torch.device) -> int:

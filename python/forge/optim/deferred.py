@@ -1,0 +1,320 @@
+"""deferred.py — the gradient of a fused Linear weight as what it is made of, and the
+sentinel left where the gradient was already applied.
+
+FactoredGrad is what a fused Linear weight holds as `.grad` in deferred mode:
+
+    dW = scale · Σ_k dY_kᵀ · X_k        X_k: [T_k, in], dY_k: [T_k, out]
+
+(one (X_k, dY_k) pair per backward: micro-batches concatenate their tokens). It is a
+torch.Tensor of W's shape, dtype and device that owns no storage of that size, so a training
+loop's own code can work on it: torch.nn.utils.clip_grad_norm_ takes its norm
+(linalg_vector_norm, computed exactly without forming dW) and scales it (mul_), GradScaler's
+unscale_ checks it for NaN/Inf and unscales it (_amp_foreach_non_finite_check_and_unscale_),
+zero_grad(set_to_none=False) zeroes it. Any other operation materializes dW once (fp32, in
+`dense`) and runs on that: always correct, and it says so with a warning naming the operation.
+opt.step() then runs the fused GEMM + update once over all the tokens, with `scale` as the
+gradient scale (forge_hparams.grad_scale).
+
+ConsumedGrad is the `.grad` of a parameter whose update already ran inside backward
+(immediate mode), until opt.step(): any operation on it raises, naming the parameter and the
+way out, so a loop that clips, unscales or accumulates is told instead of silently clipping
+nothing.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+
+_aten = torch.ops.aten
+
+# Operations that return their first argument unchanged in meaning (views of the gradient).
+_ALIASES = {_aten.detach.default, _aten.alias.default}
+_FOREACH_MUL = {_aten._foreach_mul_.Scalar, _aten._foreach_mul_.Tensor,
+                _aten._foreach_mul_.List, _aten._foreach_mul_.ScalarList}
+
+# NOTE: ‖dYᵀX‖² = Σᵢⱼ (X Xᵀ)ᵢⱼ (dY dYᵀ)ᵢⱼ costs T²·(in + out) multiply-adds against the
+# T·in·out of forming dW; the Gram identity is used where it is cheaper, in row blocks of at
+# most this many tokens (two [block, T] products alive at a time).
+_GRAM_BLOCK = 1024
+# Rows of dW formed at a time where dW itself is formed (the max-norm, or a cheaper product).
+_DENSE_ROWS = 1024
+
+
+class FactoredGrad(torch.Tensor):
+    """dW = scale · Σ_k dY_kᵀ X_k of a fused Linear weight (see the file header)."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor, name: str):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, weight.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
+
+    def __init__(self, weight: torch.Tensor, name: str):
+        self.param_name = name               # the parameter's name, for messages
+        self.parts: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (X_k [T, in], dY_k [T, out])
+        self.scale = 1.0                     # a float, or a 0-dim tensor (a clip coefficient)
+        self.dense: Optional[torch.Tensor] = None  # dW in fp32, once an operation needed it
+        self._sum_sq: Optional[torch.Tensor] = None  # ‖Σ dY_kᵀ X_k‖² (fp64), unscaled
+        self.touched = False                 # a training loop operated on it
+
+    def __repr__(self, *, tensor_contents=None):
+        tokens = sum(x.size(0) for x, _ in self.parts)
+        return (f"FactoredGrad({self.param_name}: {list(self.shape)} {self.dtype}, {len(self.parts)} "
+                f"part(s), {tokens} tokens{', materialized' if self.dense is not None else ''})")
+
+    # ---------------------------------------------------------------- building it
+
+    def add(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
+        """Adds dY2ᵀ·X2 (x2: [T, in], dy2: [T, out]) to the gradient."""
+        if self.dense is None and _is_one(self.scale):
+            self.parts.append((x2, dy2))
+        else:  # after a scale or a materialization: into the dense dW, unscaled
+            self.materialize().add_(dy2.float().t().matmul(x2.float()),
+                                    alpha=1.0 / _scale_float(self.scale))
+        self._sum_sq = None
+
+    def factor_elements(self) -> int:
+        return sum(x.numel() + dy.numel() for x, dy in self.parts)
+
+    def tokens(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(X, dY) over every part, tokens concatenated in the order they came."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        xs, dys = zip(*self.parts)
+        dtype_x, dtype_dy = _common_dtype(xs), _common_dtype(dys)
+        return (torch.cat([x.to(dtype_x) for x in xs]), torch.cat([d.to(dtype_dy) for d in dys]))
+
+    def materialize(self) -> torch.Tensor:
+        """dW in fp32 (unscaled: the scale stays in `scale`); kept in `dense`."""
+        if self.dense is None:
+            dense = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+            for x, dy in self.parts:
+                dense.add_(dy.float().t().matmul(x.float()))
+            self.dense = dense
+            self.parts = []
+        return self.dense
+
+    def scaled_dense(self) -> torch.Tensor:
+        """scale · dW as a plain tensor of W's dtype (the FactoredGrad is spent)."""
+        dense = self.materialize()
+        if not _is_one(self.scale):
+            dense.mul_(self.scale)
+        self.parts, self.dense, self.scale = [], None, 1.0
+        return dense.to(self.dtype)
+
+    # ---------------------------------------------------------------- what a loop asks of it
+
+    def sum_sq(self) -> torch.Tensor:
+        """‖Σ_k dY_kᵀ X_k‖² as a 0-dim fp64 tensor (non-finite when an element of dW is)."""
+        if self._sum_sq is None:
+            if self.dense is not None:
+                self._sum_sq = self.dense.double().square().sum()
+            else:
+                self._sum_sq = _factored_sum_sq(self.parts, self.shape, self.device)
+        return self._sum_sq
+
+    def norm(self, ord: float) -> torch.Tensor:
+        scale = self.scale if torch.is_tensor(self.scale) else torch.tensor(
+            self.scale, dtype=torch.float64, device=self.device)
+        if ord == 2:
+            value = self.sum_sq().sqrt() * scale.double().abs()
+        else:
+            value = torch.linalg.vector_norm(self.materialize().double(), ord) * scale.double().abs()
+        return value.to(self.dtype)
+
+    def is_all_finite(self) -> torch.Tensor:
+        """A 0-dim bool tensor: every element of scale · dW finite."""
+        finite = torch.isfinite(self.sum_sq())
+        if torch.is_tensor(self.scale):
+            finite = finite & torch.isfinite(self.scale)
+        elif not math.isfinite(self.scale):
+            finite = torch.zeros((), dtype=torch.bool, device=self.device)
+        return finite
+
+    def multiply(self, factor) -> None:
+        if torch.is_tensor(factor):
+            factor = factor.to(device=self.device, dtype=torch.float64).reshape(())
+            self.scale = factor * self.scale if torch.is_tensor(self.scale) else factor * float(
+                self.scale)
+        elif torch.is_tensor(self.scale):
+            self.scale = self.scale * float(factor)
+        else:
+            self.scale = self.scale * float(factor)
+
+    def zero(self) -> None:
+        self.parts, self.dense, self.scale, self._sum_sq = [], None, 1.0, None
+
+    # ---------------------------------------------------------------- dispatch
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIASES:
+            return args[0]
+        if func is _aten.linalg_vector_norm.default:
+            g = args[0]
+            g.touched = True
+            ord = kwargs.get("ord", args[1] if len(args) > 1 else 2)
+            if args[2:] or kwargs.get("dim") is not None:
+                return _materialized_op(func, args, kwargs)
+            return g.norm(float(ord))
+        if func in (_aten.mul_.Tensor, _aten.mul_.Scalar):
+            g, factor = args[0], args[1]
+            g.touched = True
+            g.multiply(factor)
+            return g
+        if func in _FOREACH_MUL:
+            grads, factors = args[0], args[1]
+            per = factors if isinstance(factors, (list, tuple)) else [factors] * len(grads)
+            plain = [(t, f) for t, f in zip(grads, per) if not isinstance(t, FactoredGrad)]
+            for t, f in zip(grads, per):
+                if isinstance(t, FactoredGrad):
+                    t.touched = True
+                    t.multiply(f)
+            for t, f in plain:
+                t.mul_(f)
+            return None
+        if func is _aten._amp_foreach_non_finite_check_and_unscale_.default:
+            grads, found_inf, inv_scale = args
+            plain = [t for t in grads if not isinstance(t, FactoredGrad)]
+            if plain:
+                func(plain, found_inf, inv_scale)
+            for t in grads:
+                if isinstance(t, FactoredGrad):
+                    t.touched = True
+                    bad = ~t.is_all_finite()
+                    found_inf.copy_(torch.where(bad.to(found_inf.device),
+                                                torch.ones_like(found_inf), found_inf))
+                    t.multiply(inv_scale)
+            return None
+        if func in (_aten.zero_.default, _aten._foreach_zero_.default):
+            targets = args[0] if func is _aten._foreach_zero_.default else [args[0]]
+            for t in targets:
+                if isinstance(t, FactoredGrad):
+                    t.zero()
+                else:
+                    t.zero_()
+            return None if func is _aten._foreach_zero_.default else args[0]
+        return _materialized_op(func, args, kwargs)
+
+
+def _materialized_op(func, args, kwargs):
+    """Runs `func` with every FactoredGrad replaced by its dense dW, scale applied. An in-place
+    operation on one writes its result into that dense dW (scale 1 from then on)."""
+    inplace = not _returns_new(func)
+    warned = []
+
+    def dense_of(t):
+        if isinstance(t, FactoredGrad):
+            t.touched = True
+            if t.dense is None:
+                warned.append(t.param_name)
+            dense = t.materialize()
+            if not _is_one(t.scale):
+                dense.mul_(t.scale)
+                t.scale = 1.0
+            t._sum_sq = None
+            return dense if inplace or t.dtype == torch.float32 else dense.to(t.dtype)
+        if isinstance(t, (list, tuple)):
+            return type(t)(dense_of(e) for e in t)
+        return t
+
+    new_args = [dense_of(a) for a in args]
+    new_kwargs = {k: dense_of(v) for k, v in kwargs.items()}
+    if warned:
+        warnings.warn(f"forge: {func} on the deferred gradient of {', '.join(warned)}: formed "
+                      "dW in fp32 to run it (the memory of a full gradient for this weight)",
+                      stacklevel=3)
+    out = func(*new_args, **new_kwargs)
+    return args[0] if inplace and func._schema.name.endswith("_") else out
+
+
+def _returns_new(func) -> bool:
+    return not func._schema.name.endswith("_") and not any(
+        a.is_out for a in func._schema.arguments)
+
+
+def _common_dtype(tensors) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _is_one(scale) -> bool:
+    return not torch.is_tensor(scale) and scale == 1.0
+
+
+def _scale_float(scale) -> float:
+    return float(scale.item()) if torch.is_tensor(scale) else float(scale)
+
+
+def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
+    """‖Σ_k dY_kᵀ X_k‖², exactly up to rounding, without forming dW where the Gram identity
+    is cheaper: ‖dYᵀX‖² = Σᵢⱼ (X Xᵀ)ᵢⱼ (dY dYᵀ)ᵢⱼ over the concatenated tokens."""
+    rows, cols = shape
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if not parts:
+        return total
+    # fp64 on the CPU (cheap, and the tests' reference precision); fp32 products on a GPU.
+    work = torch.float64 if device.type == "cpu" else torch.float32
+    xs = [x.to(work) for x, _ in parts]
+    dys = [dy.to(work) for _, dy in parts]
+    x = xs[0] if len(xs) == 1 else torch.cat(xs)
+    dy = dys[0] if len(dys) == 1 else torch.cat(dys)
+    tokens = x.size(0)
+    if tokens * (rows + cols) <= rows * cols:
+        for t0 in range(0, tokens, _GRAM_BLOCK):
+            gx = x[t0:t0 + _GRAM_BLOCK].matmul(x.t())      # [block, T]
+            gy = dy[t0:t0 + _GRAM_BLOCK].matmul(dy.t())    # [block, T]
+            total += (gx.double() * gy.double()).sum()
+    else:
+        for r0 in range(0, rows, _DENSE_ROWS):
+            block = dy[:, r0:r0 + _DENSE_ROWS].t().matmul(x)  # [rows block, cols] of dW
+            total += block.double().square().sum()
+    return total
+
+
+class ConsumedGrad(torch.Tensor):
+    """The .grad of a parameter whose update already ran inside backward (immediate mode),
+    until opt.step(): every operation on it raises (see the file header)."""
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, name: str, mode: str):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False)
+
+    def __init__(self, param: torch.Tensor, name: str, mode: str):
+        self.param_name, self.mode = name, mode
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"ConsumedGrad({self.param_name}: applied inside backward)"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _ALIASES:
+            return args[0]
+        if func in (_aten.zero_.default, _aten._foreach_zero_.default):
+            targets = args[0] if func is _aten._foreach_zero_.default else [args[0]]
+            for t in targets:
+                if not isinstance(t, ConsumedGrad):
+                    t.zero_()
+            return None if func is _aten._foreach_zero_.default else args[0]
+        consumed = [a for a in _flat(args) if isinstance(a, ConsumedGrad)]
+        first = consumed[0]
+        raise RuntimeError(
+            f"forge: the gradient of '{first.param_name}' was already applied to the weight inside "
+            f"backward (mode='{first.mode}'), so {func} cannot see or change it. Clipping: pass "
+            "max_grad_norm= to the forge optimizer; clipping by hand, GradScaler, gradient "
+            "accumulation or reading gradients before opt.step(): build the optimizer with "
+            "mode='deferred' (or 'auto').")
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        else:
+            yield a

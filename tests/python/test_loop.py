@@ -1,0 +1,326 @@
+"""test_loop.py — the training loop users already have, around forge.optim: gradient
+clipping (torch.nn.utils.clip_grad_norm_ and max_grad_norm=), torch.amp.GradScaler (its
+unscale, inf check and skipped steps), gradient accumulation over micro-batches, step
+pre-hooks, and the three modes (deferred, immediate, auto). Exact against torch.optim doing
+the same, or refused before a weight changes. Bounds: tolerances.py.
+
+The reference: the same model under torch.optim, with every nn.Linear weight gradient summed
+token by token in the order FORGE's CPU kernel sums them over the concatenated micro-batches
+(reference.ordered_concat), then the loop's own clip / unscale / step.
+"""
+import copy
+import logging
+
+import pytest
+import torch
+
+import forge
+import forge.optim
+from conftest import DEVICES
+from reference import PerturbedBeforeStep, max_normwise, ordered_concat, torch_optimizer
+from test_contract import CONFIGS, config_id
+from tiny_models import TinyTransformer, lm_loss
+
+STEPS = 20
+MICRO = 2
+MAX_NORM = 0.5   # below the tiny model's gradient norm: every step clips
+INF_STEP = 7     # a step whose first micro-batch has an infinite loss: GradScaler skips it
+
+
+def run_loop(model, opt, device, steps=STEPS, micro=MICRO, scaler=None, max_norm=MAX_NORM,
+             before_step=None, inf_step=INF_STEP, clip=torch.nn.utils.clip_grad_norm_):
+    """The loop every AMP + clipping + accumulation recipe writes; returns the norms
+    clip_grad_norm_ reported and the scale after each step."""
+    norms, scales = [], []
+    for step in range(steps):
+        for m in range(micro):
+            loss = lm_loss(model, step * micro + m, device) / micro
+            if step == inf_step and m == 0 and scaler is not None:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if before_step is not None:
+            before_step()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if max_norm is not None:
+            norms.append(float(clip(model.parameters(), max_norm)))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
+        opt.zero_grad()
+    return norms, scales
+
+
+def scaler_for(device):
+    # growth_interval 3: the scale grows within the run, and halves at INF_STEP
+    return torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=3)
+
+
+def clip_with_exact_linear_norms(params, max_norm):
+    """torch.nn.utils.clip_grad_norm_ (per-tensor norms, their norm, max_norm / (total +
+    1e-6) at most 1, in fp32), with each nn.Linear weight's norm computed in fp64 as forge
+    computes it without forming dW; every other norm is torch's own fp32 one."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g.double()).float() if getattr(g, "_linear", False)
+             else torch.linalg.vector_norm(g) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def loop_errors(name, kwargs, device, forge_options, use_scaler=True):
+    """The same 20-step loop on four copies of one model: forge; torch.optim on dW summed in
+    forge's order ("ref", clip_grad_norm_ as users call it); the same with each Linear
+    weight's norm in fp64 as forge takes it ("ref64"); and ref64 with every consumed gradient
+    perturbed by one ulp ("ulp": torch's own sensitivity). Returns the normwise differences,
+    what the loops reported, and the forge optimizer."""
+    torch.manual_seed(0)
+    base = TinyTransformer().to(device)
+    models = {"forge": copy.deepcopy(base), "stock": copy.deepcopy(base)}
+    models.update({k: ordered_concat(copy.deepcopy(base)) for k in ("ref", "ref64", "ulp")})
+    opts = {"forge": getattr(forge.optim, name)(models["forge"], **kwargs, **forge_options),
+            "stock": torch_optimizer(name, models["stock"].parameters(), **kwargs),
+            "ref": torch_optimizer(name, models["ref"].parameters(), **kwargs),
+            "ref64": torch_optimizer(name, models["ref64"].parameters(), **kwargs),
+            "ulp": PerturbedBeforeStep(torch_optimizer(name, models["ulp"].parameters(),
+                                                       **kwargs))}
+    linear = {id(m.weight) for key in ("ref64", "ulp") for m in models[key].modules()
+              if isinstance(m, torch.nn.Linear)}
+
+    def mark_linear(model):
+        def before_step():
+            model.move_ordered_grads()
+            for p in model.parameters():
+                if id(p) in linear and p.grad is not None:
+                    p.grad._linear = True
+        return before_step
+
+    results = {}
+    for key, model in models.items():
+        before = getattr(model, "move_ordered_grads", None)
+        clip = torch.nn.utils.clip_grad_norm_
+        if key in ("ref64", "ulp"):
+            before, clip = mark_linear(model), clip_with_exact_linear_norms
+        results[key] = run_loop(model, opts[key], device, before_step=before, clip=clip,
+                                scaler=scaler_for(device) if use_scaler else None)
+    errors = {"forge_vs_ref64": max_normwise(models["forge"], models["ref64"]),
+              "forge_vs_ref": max_normwise(models["forge"], models["ref"]),
+              "ref_vs_ref64": max_normwise(models["ref"], models["ref64"]),
+              "ulp_vs_ref64": max_normwise(models["ulp"], models["ref64"]),
+              "stock_vs_ref": max_normwise(models["stock"], models["ref"])}
+    return errors, results, opts["forge"]
+
+
+def assert_loop_bound(errors, device="cpu"):
+    """forge within LOOP_RTOL of torch doing the same loop, or within what torch itself moves
+    under a one-ulp change of the gradient it consumes; against torch's own clip_grad_norm_,
+    also within what torch moves when only its fp32 norm's rounding changes. On CUDA the
+    fused kernel sums dW in its own order: within what torch moves when only its summation
+    order changes (stock GEMM against the token-ordered sum)."""
+    from tolerances import LOOP_RTOL, SUM_ORDER_FACTOR, ULP_SENSITIVITY_FACTOR
+    own = max(LOOP_RTOL, ULP_SENSITIVITY_FACTOR * errors["ulp_vs_ref64"])
+    if device != "cpu":
+        own = max(own, SUM_ORDER_FACTOR * errors["stock_vs_ref"])
+    assert errors["forge_vs_ref64"] <= own, errors
+    assert errors["forge_vs_ref"] <= max(own, SUM_ORDER_FACTOR * errors["ref_vs_ref64"]), errors
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_clip_scaler_accumulation_match_torch(config, device, record_difference):
+    """Every rule, 20 steps of 2 micro-batches, GradScaler (with a skipped step and scale
+    growth) and clip_grad_norm_ on every step: deferred mode gives torch.optim's weights."""
+    name, kwargs = config
+    errors, results, _ = loop_errors(name, kwargs, device,
+                                     dict(mode="deferred", deferred_store="factors"))
+    record_difference(f"{name} loop vs torch (fp64 norms)", errors["forge_vs_ref64"])
+    record_difference(f"{name} loop vs torch clip_grad_norm_", errors["forge_vs_ref"])
+    assert results["forge"][1] == results["ref"][1], "GradScaler saw the same infs"
+    norms_f, norms_r = results["forge"][0], results["ref64"][0]
+    from tolerances import GRAD_NORM_RTOL
+    assert all(abs(a - b) <= GRAD_NORM_RTOL * b for a, b in zip(norms_f, norms_r)
+               if b == b and b < 1e30), (norms_f, norms_r)
+    assert_loop_bound(errors, device)
+
+
+@pytest.mark.parametrize("store", ["auto", "grad"])
+def test_dense_and_auto_stores_match_torch(store, record_difference):
+    """deferred_store 'grad' (dense gradients, dW by torch's own GEMM) and 'auto' (dense where
+    the factors would be larger, as in this tiny model): the same loop, the same weights
+    within the summation-order bound."""
+    from reference import stock_loop_error
+    error, bound = stock_loop_error(lambda m, **kw: forge.optim.AdamW(
+        m, lr=1e-2, weight_decay=0.1, mode="deferred", deferred_store=store, **kw),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        lambda model, opt, device: run_loop(model, opt, device, scaler=scaler_for(device)))
+    record_difference(f"AdamW loop, deferred_store={store}", error)
+    assert error <= bound, (error, bound)
+
+
+def test_auto_mode_stays_deferred_for_a_loop_that_clips(caplog):
+    """mode='auto' (the default): a loop that clips is exact from its first step on."""
+    name, kwargs = "AdamW", dict(lr=1e-2, weight_decay=0.1)
+    with caplog.at_level(logging.INFO, logger="forge"):
+        errors, _, opt = loop_errors(name, kwargs, "cpu", {}, use_scaler=False)
+    assert opt.mode == "deferred"
+    assert "stays deferred" in caplog.text
+    assert_loop_bound(errors)
+
+
+def test_auto_mode_goes_immediate_for_a_plain_loop(caplog):
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model)
+    assert opt.mode == "deferred"
+    with caplog.at_level(logging.INFO, logger="forge"):
+        for step in range(2):
+            lm_loss(model, step).backward()
+            if step == 0:
+                assert isinstance(model.head.weight.grad, forge.optim.FactoredGrad)
+            else:
+                assert isinstance(model.head.weight.grad, forge.optim.ConsumedGrad)
+            opt.step()
+            opt.zero_grad()
+    assert opt.mode == "immediate" and "inside backward from the next step" in caplog.text
+
+
+def test_deferred_and_immediate_give_the_same_bits():
+    """A plain loop: deferred mode runs, at opt.step(), the very fused call immediate mode
+    runs in backward (one micro-batch: the same tokens in the same order)."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    runs = {}
+    for mode in ("immediate", "deferred", "auto"):
+        model = copy.deepcopy(base)
+        opt = forge.optim.AdamW(model, lr=1e-2, weight_decay=0.1, mode=mode,
+                                deferred_store="factors")
+        for step in range(4):
+            lm_loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        runs[mode] = [p.detach().clone() for p in model.parameters()]
+    for mode in ("deferred", "auto"):
+        assert all(torch.equal(a, b) for a, b in zip(runs[mode], runs["immediate"])), mode
+
+
+@pytest.mark.parametrize("what", ["clip_grad_norm_", "GradScaler", "second backward",
+                                  "step pre-hook"])
+def test_immediate_mode_refuses_what_it_cannot_honour(what):
+    """Immediate mode applies each gradient inside backward: a loop that needs it before
+    opt.step() gets an error naming the parameter and the way out, never a silent no-op."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, mode="immediate")
+    if what == "step pre-hook":
+        with pytest.raises(RuntimeError, match="pre-hook"):
+            opt.register_step_pre_hook(lambda *a: None)
+        return
+    scaler = torch.amp.GradScaler("cpu") if what == "GradScaler" else None
+    loss = lm_loss(model, 0)
+    (scaler.scale(loss) if scaler else loss).backward()
+    after = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="already applied.*mode='immediate'|second gradient"):
+        if what == "clip_grad_norm_":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        elif what == "GradScaler":
+            scaler.unscale_(opt)
+        else:
+            lm_loss(model, 1).backward()
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters()))
+
+
+def test_step_pre_hooks_run_before_the_update():
+    model = TinyTransformer()
+    opt = forge.optim.SGD(model, lr=0.1, mode="deferred")
+    seen = []
+    start = model.head.weight.detach().clone()
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(
+        torch.equal(model.head.weight, start)))
+    lm_loss(model, 0).backward()
+    assert torch.equal(model.head.weight, start), "nothing changes in deferred backward"
+    opt.step()
+    assert seen == [True] and not torch.equal(model.head.weight, start)
+
+
+def test_built_in_max_grad_norm_is_exact_and_reports_the_true_norm(record_difference):
+    """max_grad_norm= (deferred): the same weights as clip_grad_norm_ by hand, and
+    opt.grad_norm is the norm before clipping, as clip_grad_norm_ returns it."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    by_hand, built_in = copy.deepcopy(base), copy.deepcopy(base)
+    opt_a = forge.optim.AdamW(by_hand, lr=1e-2, mode="deferred", deferred_store="factors")
+    opt_b = forge.optim.AdamW(built_in, lr=1e-2, max_grad_norm=MAX_NORM,
+                              deferred_store="factors")
+    for step in range(6):
+        lm_loss(by_hand, step).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(by_hand.parameters(), MAX_NORM))
+        opt_a.step()
+        opt_a.zero_grad()
+        lm_loss(built_in, step).backward()
+        opt_b.step()
+        opt_b.zero_grad()
+        assert opt_b.grad_norm == pytest.approx(norm, rel=1e-6)
+    error = max_normwise(built_in, by_hand)
+    record_difference("max_grad_norm vs clip_grad_norm_", error)
+    from tolerances import LOOP_RTOL
+    assert error <= LOOP_RTOL
+
+
+def test_immediate_max_grad_norm_is_lagged():
+    """Immediate mode cannot know a step's norm before its updates: max_grad_norm clips step
+    t with the coefficient of step t - 1's norm (the first step unclipped), and grad_norm
+    reports each step's true norm. Checked against torch doing exactly that."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    model, ref = copy.deepcopy(base), ordered_concat(copy.deepcopy(base))
+    opt = forge.optim.SGD(model, lr=0.1, mode="immediate", max_grad_norm=MAX_NORM)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    coef = 1.0
+    for step in range(5):
+        lm_loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(ref, step).backward()
+        ref.move_ordered_grads()
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        for p in ref.parameters():
+            p.grad.mul_(coef)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.grad_norm == pytest.approx(norm, rel=1e-5)
+        coef = min(1.0, MAX_NORM / (norm + 1e-6))
+    from tolerances import LOOP_RTOL
+    error = max_normwise(model, ref)
+    assert error <= LOOP_RTOL, error
+
+
+def test_factored_gradient_holds_no_dense_dw_until_an_operation_needs_one():
+    """deferred_store='auto' keeps X and dY while they are smaller than dW; an operation
+    without a factored form (clip_grad_value_) forms dW once, with a warning, and stays exact."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
+    opt = forge.optim.SGD(model, lr=0.1, mode="deferred")
+    x = torch.randn(8, 256)
+    model(x).square().sum().backward()
+    g = model[0].weight.grad
+    assert isinstance(g, forge.optim.FactoredGrad) and g.dense is None
+    expected = (2 * model(x).detach()).t().matmul(x)
+    assert torch.allclose(torch.linalg.vector_norm(g), expected.norm(), rtol=1e-6)
+    with pytest.warns(UserWarning, match="formed dW"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    w = model[0].weight.detach().clone()
+    opt.step()
+    assert torch.allclose(model[0].weight, w - 0.1 * expected.clamp(-0.01, 0.01), atol=1e-7)
+
+
+def test_accumulation_concatenates_tokens_without_a_gradient():
+    model = TinyTransformer(dim=64)
+    opt = forge.optim.AdamW(model, mode="deferred", deferred_store="factors")
+    for m in range(3):
+        lm_loss(model, m).backward()
+    g = model.blocks[0].up.weight.grad
+    assert isinstance(g, forge.optim.FactoredGrad) and len(g.parts) == 3 and g.dense is None
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
