@@ -105,6 +105,70 @@ def test_load_refuses_other_format_and_layout():
             torch.optim.AdamW(model.parameters()).state_dict())
 
 
+def _states_snapshot(opt):
+    return {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            for p, st in opt.state.items()}
+
+
+def _same_states(a, b):
+    return a.keys() == b.keys() and all(
+        a[i].keys() == b[i].keys() and all(
+            torch.equal(a[i][k], b[i][k]) if torch.is_tensor(a[i][k]) else a[i][k] == b[i][k]
+            for k in a[i]) for i in a)
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "int8"])
+@pytest.mark.parametrize("corrupt", ["step None", "step pair", "step -5", "step 1.5",
+                                     "exp_avg_sq NaN", "exp_avg_sq negative", "absmax Inf",
+                                     "step_id -1"])
+def test_load_is_all_or_nothing(state_format, corrupt):
+    """A state dict with one bad value, in the last parameter's state: refused with a message
+    naming it, and the optimizer keeps every state it had (nothing was cleared or loaded)."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, state_format=state_format)
+    train(model, opt, 2, 0, "cpu")
+    saved = copy.deepcopy(opt.state_dict())
+    last = saved["state"][max(saved["state"])]
+    what, how = corrupt.split(" ")
+    if what == "step":
+        last["step"] = {"None": None, "pair": torch.tensor([1, 2]), "-5": -5, "1.5": 1.5}[how]
+    elif what == "step_id":
+        saved["forge"]["step_id"] = -1
+    else:
+        # (int8: the codes are any byte; the absmax is what can hold a bad value)
+        key = "exp_avg_sq_absmax" if state_format == "int8" else "exp_avg_sq"
+        t = last[key]
+        t.view(-1)[0] = {"NaN": float("nan"), "negative": -1.0, "Inf": float("inf")}[how]
+    before = _states_snapshot(opt)
+    with pytest.raises(ValueError, match="load_state_dict"):
+        opt.load_state_dict(saved)
+    assert _same_states(before, _states_snapshot(opt))
+    train(model, opt, 1, 2, "cpu")  # and it still trains
+
+
+def test_replaced_state_tensor_of_the_wrong_shape_is_refused_before_any_update():
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, mode="immediate")
+    train(model, opt, 1, 0, "cpu")
+    last = list(model.parameters())[-1]
+    opt.state[last]["exp_avg"] = torch.zeros(3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="exp_avg"):
+        lm_loss(model, 1).backward()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_frozen_parameter_in_params_is_never_stepped():
+    """torch.optim accepts a parameter with requires_grad=False in its groups and leaves it
+    alone; so does forge.optim (a frozen nn.Linear keeps its plain forward)."""
+    model = TinyTransformer()
+    model.blocks[0].up.weight.requires_grad_(False)
+    frozen = model.blocks[0].up.weight.detach().clone()
+    opt = forge.optim.AdamW(model, params=list(model.parameters()))
+    train(model, opt, 3, 0, "cpu")
+    assert torch.equal(frozen, model.blocks[0].up.weight)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_norm_matches_clip_grad_norm(device):
     torch.manual_seed(0)

@@ -182,6 +182,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         # The gradient scale of updates that run inside backward: the lagged clip coefficient
         # in immediate mode with max_grad_norm, else 1.
         self._backward_scale = 1.0
+        self._checked_step = -1  # the step _check_step last passed (call.py)
         self._last_clip_norm: Optional[torch.Tensor] = None
         self._model_ref = weakref.ref(model)
 
@@ -353,14 +354,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             if not isinstance(grad, FactoredGrad) and grad.is_sparse:
                 raise RuntimeError(f"forge: parameter '{slot.name}' has a sparse gradient, "
                                    "which FORGE does not support")
-        # Nothing is written unless every update of the step can run: the hyper-parameters
-        # of each group are checked by libforge first.
-        checked = set()
-        for slot, _ in held:
-            group = self._group_of(slot)
-            if id(group) not in checked:
-                checked.add(id(group))
-                self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32, 1, 1)
+        self._check_step()  # nothing is written unless every update of the step can run
         if self._mode == "auto" and self._step_id == 0:
             self._decide_auto(held)
         clip = 1.0
@@ -485,7 +479,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._check_group(new)
             new_groups.append(new)
         group_of = {id(p): new for new in new_groups for p in new["params"]}
-        # Check every state before writing anything.
+        step_id = _saved_count(meta.get("step_id", 0), "the 'forge' entry's step_id")
+        # Check every state before writing anything: a load is all or nothing.
         plans = []
         for index, saved_state in state_dict["state"].items():
             if index not in index_to_param:
@@ -505,23 +500,48 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                                      f"must be {dtype} {list(shape)}, got "
                                      f"{getattr(t, 'dtype', type(t))} "
                                      f"{list(getattr(t, 'shape', []))}")
-            plans.append((slot, saved_state))
+            self._check_loaded_values(slot, group_of[id(p)], saved_state)
+            step = _saved_count(saved_state["step"], f"parameter '{slot.name}': state 'step'")
+            plans.append((slot, saved_state, step))
         for new, group in zip(new_groups, self.param_groups):
             group.update({k: v for k, v in new.items() if k != "params"})
         self.state.clear()
-        for slot, saved_state in plans:
+        for slot, saved_state, step in plans:
             st = self._allocate_state(slot, self._group_of(slot), init=False)
             for key in self._state_spec(slot, self._group_of(slot)):
                 st[key].copy_(saved_state[key])
-            step = saved_state["step"]
-            st["step"] = int(step.item() if torch.is_tensor(step) else step)
-        self._step_id = int(meta.get("step_id", 0))
+            st["step"] = step
+        self._step_id = step_id
         self._states_loaded += 1  # new state tensors: a captured step no longer reads them
+        self._checked_step = -1
         for slot in self._slots.values():
             slot.updated_at = -1
             slot.pending.clear()
             slot.partial = None
             slot.uses = 0
+
+    def _check_loaded_values(self, slot, group, saved_state) -> None:
+        """Values a step could never have stored are refused: NaN/Inf anywhere (states,
+        int8 absmax, master weights), a negative second moment or int8 absmax."""
+        layout = self._layout(slot, group)
+        for i in range(layout.num_states):
+            name = layout.names[i].decode()
+            unsigned = not layout.is_signed[i]
+            if self.state_format == "int8":
+                checks = [(name + "_absmax", True)]
+            else:
+                checks = [(name, unsigned)]
+            for key, non_negative in checks:
+                t = saved_state[key]
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{key}' "
+                                     "holds NaN or Inf")
+                if non_negative and bool((t < 0).any()):
+                    raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{key}' "
+                                     "holds negative values (it can only be >= 0)")
+        if "master" in saved_state and not bool(torch.isfinite(saved_state["master"]).all()):
+            raise ValueError(f"load_state_dict: parameter '{slot.name}': state 'master' holds "
+                             "NaN or Inf")
 
     # ------------------------------------------------------------------ per rule (subclasses)
 
@@ -626,3 +646,17 @@ def _global_pre_hooks() -> bool:
     import torch.optim.optimizer as torch_optimizer
     hooks = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
     return bool(hooks)
+
+
+def _saved_count(value, what: str) -> int:
+    """A saved step count: an int (or a one-element integral tensor) >= 0."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise ValueError(f"load_state_dict: {what} must be one integer, got a tensor of "
+                             f"shape {list(value.shape)}")
+        value = value.item()
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"load_state_dict: {what} must be an integer >= 0, got {value!r}")
+    return value

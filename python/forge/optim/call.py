@@ -152,17 +152,41 @@ class _CallMixin:
         self._stats_outputs[device] = out
         return out
 
+    def _check_step(self) -> None:
+        """Before the first update of a step: everything the step's updates read is checked
+        (parameters, every group's hyper-parameters, every state tensor and step count), so a
+        step is refused before it writes anything, never after some parameters changed."""
+        checked_groups = set()
+        for slot in self._slots.values():
+            p = slot.param
+            if p.dtype != slot.dtype or p.device != slot.device or not p.is_contiguous():
+                raise RuntimeError(
+                    f"forge: parameter '{slot.name}' changed dtype, device or layout after the "
+                    f"optimizer was built ({slot.dtype} on {slot.device} -> {p.dtype} on "
+                    f"{p.device}); build the optimizer after moving the model")
+            group = self._group_of(slot)
+            if id(group) not in checked_groups:
+                checked_groups.add(id(group))
+                self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32,
+                                       1, 1)
+            st = self.state.get(p)
+            if st:
+                step = st.get("step")
+                if type(step) is not int or step < 0:
+                    raise RuntimeError(f"forge: parameter '{slot.name}': state 'step' must be an "
+                                       f"int >= 0, got {step!r}")
+                if slot.signature is not None:
+                    self._param_struct(slot, st)  # (checks replaced state tensors)
+        self._checked_step = self._step_id
+
     def _update(self, slot, grad: Optional[torch.Tensor] = None, x=None, dy=None,
                 stream=None, scale: Optional[float] = None) -> None:
         """One step of slot's parameter, from a gradient tensor or from (X, dY), on `stream`
         (the raw handle of a CUDA stream, _linear.current_stream_handle's; None: the current
         one)."""
+        if self._checked_step != self._step_id:
+            self._check_step()
         p = slot.param
-        if p.dtype != slot.dtype or p.device != slot.device or not p.is_contiguous():
-            raise RuntimeError(f"forge: parameter '{slot.name}' changed dtype, device or layout "
-                               f"after the optimizer was built ({slot.dtype} on {slot.device} -> "
-                               f"{p.dtype} on {p.device}); build the optimizer after moving "
-                               "the model")
         group = self._group_of(slot)
         st = self.state.get(p)
         capturing = self._capturing

@@ -217,6 +217,10 @@ class _RoutingMixin:
             if len(p_names) > 1:
                 mode = "deferred"
                 shared.append(" = ".join(p_names))
+            elif not p.requires_grad:
+                # frozen (torch.optim takes it and never steps it): nothing is hooked or
+                # patched; should it get a .grad after all, step() applies it
+                mode = "deferred"
             elif mods and pre_hook and all(_linear.can_patch(m) for m in mods):
                 mode = "fused"
             elif post_hook:

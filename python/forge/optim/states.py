@@ -117,7 +117,23 @@ class _StatesMixin:
         slot.param_cache = (key, fp)
         return fp
 
+    def _check_state_tensors(self, slot, st: Dict[str, Any]) -> None:
+        """Every state tensor libforge will read and write for slot: present, of the format's
+        dtype and the parameter's shape, on its device, contiguous (a tensor replaced by hand
+        is checked here before any pointer of it is passed on)."""
+        p = slot.param
+        for key, (dtype, shape) in self._state_spec(slot, self._group_of(slot)).items():
+            t = st.get(key)
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape \
+                    or t.device != p.device or not t.is_contiguous():
+                raise RuntimeError(
+                    f"forge: parameter '{slot.name}': state '{key}' must be a contiguous "
+                    f"{dtype} tensor of shape {list(shape)} on {p.device}, got "
+                    f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}"
+                    f"{' on ' + str(t.device) if isinstance(t, torch.Tensor) else ''}")
+
     def _build_param_struct(self, slot, st: Dict[str, Any]) -> _lib.Param:
+        self._check_state_tensors(slot, st)
         p = slot.param
         fp = _lib.Param()
         fp.rows, fp.cols = slot.rows, slot.cols
