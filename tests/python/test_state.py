@@ -100,9 +100,15 @@ def test_load_refuses_other_format_and_layout():
         forge.optim.AdamW(copy.deepcopy(model)).load_state_dict(saved)
     with pytest.raises(ValueError, match="expected"):
         forge.optim.Lion(copy.deepcopy(model), state_format="int8").load_state_dict(saved)
-    with pytest.raises(ValueError, match="forge"):
-        forge.optim.AdamW(copy.deepcopy(model)).load_state_dict(
-            torch.optim.AdamW(model.parameters()).state_dict())
+    torch_model = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(torch_model.parameters())
+    lm_loss(torch_model, 0).backward()
+    torch_opt.step()
+    with pytest.raises(ValueError, match="must be torch.uint8"):  # fp32 states, int8 here
+        forge.optim.AdamW(copy.deepcopy(model), state_format="int8").load_state_dict(
+            torch_opt.state_dict())
+    # torch.optim's own AdamW state (same rule, fp32 states) loads into fp32 forge states
+    forge.optim.AdamW(copy.deepcopy(model)).load_state_dict(torch_opt.state_dict())
 
 
 def _states_snapshot(opt):

@@ -26,6 +26,7 @@ from .. import _lib
 from .call import _CallMixin, _as_float
 from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
+from . import distributed
 from .deferred import ConsumedGrad, FactoredGrad
 from .states import STATE_FORMATS, _StatesMixin
 
@@ -196,6 +197,12 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(model, all_params, names)
 
+        # A model spread over ranks (DTensor parameters: tensor parallel, FSDP2): the step's
+        # statistics are summed over the ranks.
+        self._distributed = distributed.world_size() > 1 and any(
+            distributed.is_dtensor(p) for p in all_params)
+        if distributed.world_size() > 1:
+            distributed.check_no_replicating_wrapper(model)
         # Everything is checked: only now is the model touched.
         self._slots: Dict[int, _Slot] = {}
         self._step_id = 0                 # number of completed step() calls
@@ -316,6 +323,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             # lagged clipping: the true norm is the consumed one over the coefficient used
             consumed = math.sqrt(sum(float(sq.item()) for sq, _ in self._stats.values()))
             self._clip_norm = torch.tensor(consumed / self._backward_scale)
+        if self._distributed and not self._capturing:
+            self._reduce_stats()
         self._last_stats = self._stats
         self._stats = {}
         self._stats_outputs = {}
@@ -341,7 +350,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             if grad.is_sparse:
                 raise RuntimeError(f"forge: parameter '{slot.name}' has a sparse gradient, "
                                    "which FORGE does not support")
-            self._update(slot, grad=grad)
+            self._update(slot, grad=distributed.grad_as_param(grad, p))
             p.grad = None
 
     def _step_deferred(self) -> None:
@@ -376,8 +385,17 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 else:  # zeroed (zero_grad(set_to_none=False)): torch steps on zeros
                     self._update(slot, grad=torch.zeros_like(slot.param), scale=1.0)
             else:
-                self._update(slot, grad=grad, scale=clip)
+                self._update(slot, grad=distributed.grad_as_param(grad, slot.param), scale=clip)
             slot.param.grad = None
+
+    def _reduce_stats(self) -> None:
+        """The step's statistics summed over every rank (each element was counted by one)."""
+        import torch.distributed as dist
+        for slot in self._slots.values():
+            self._outputs(slot.device)  # every rank reduces the same tensors
+        for sq, nf in self._stats.values():
+            dist.all_reduce(sq)
+            dist.all_reduce(nf)
 
     def _decide_auto(self, held) -> None:
         """End of an auto optimizer's first step: stay deferred if the loop used a gradient
@@ -455,12 +473,13 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores states bit for bit (copied into buffers of the exact dtype; nothing is
-        cast) and the group hyper-parameters. Refuses a mismatching layout."""
-        meta = state_dict.get("forge")
-        if meta is None:
-            raise ValueError("load_state_dict: not a forge.optim state dict (no 'forge' entry)")
+        cast) and the group hyper-parameters. Refuses a mismatching layout. A state dict
+        without forge's own entry (torch.distributed.checkpoint's, which keeps only 'state'
+        and 'param_groups', or torch.optim's of the same rule with fp32 states) loads when
+        every state matches this optimizer's names, dtypes and shapes."""
+        meta = state_dict.get("forge") or {}
         for key in ("state_format", "master_weights"):
-            if meta.get(key) != getattr(self, key):
+            if key in meta and meta[key] != getattr(self, key):
                 raise ValueError(f"load_state_dict: saved with {key}={meta.get(key)!r}, this "
                                  f"optimizer has {key}={getattr(self, key)!r}")
         saved_groups = state_dict["param_groups"]
@@ -479,7 +498,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._check_group(new)
             new_groups.append(new)
         group_of = {id(p): new for new in new_groups for p in new["params"]}
-        step_id = _saved_count(meta.get("step_id", 0), "the 'forge' entry's step_id")
+        step_id = _saved_count(meta.get("step_id", self._step_id), "the 'forge' entry's step_id")
         # Check every state before writing anything: a load is all or nothing.
         plans = []
         for index, saved_state in state_dict["state"].items():
@@ -634,6 +653,8 @@ def _global_norm(grads) -> torch.Tensor:
             sq = sq * (scale.double() ** 2 if torch.is_tensor(scale) else float(scale) ** 2)
         else:
             sq = g.double().square().sum()
+            if distributed.is_dtensor(sq):  # a shard's sum: summed over the ranks once
+                sq = sq.full_tensor()
         total += sq.to(device)
     return total.sqrt()
 

@@ -16,6 +16,9 @@ import torch
 
 from .. import _lib
 from .. import _linear
+from . import distributed
+
+_NO_OUTPUTS = _lib.StepOutputs()  # (NULL pointers: no statistics)
 
 # Entries of the optimizer's small caches (hyper-parameters, devices) before they are
 # emptied: a scheduler's new lr every step, or a new CUDA stream every step, stays bounded.
@@ -156,6 +159,10 @@ class _CallMixin:
         """Before the first update of a step: everything the step's updates read is checked
         (parameters, every group's hyper-parameters, every state tensor and step count), so a
         step is refused before it writes anything, never after some parameters changed."""
+        if self._step_id == 0 and distributed.world_size() > 1:  # (a wrapper made later)
+            model = self._model_ref()
+            if model is not None:
+                distributed.check_no_replicating_wrapper(model)
         checked_groups = set()
         for slot in self._slots.values():
             p = slot.param
@@ -205,8 +212,10 @@ class _CallMixin:
                                "after the states were created")
         step = st["step"] + 1
         param = self._param_struct(slot, st)
-        device = self._device_struct(p, stream)
-        outputs = self._outputs(slot.device)  # NOTE: == p.device (checked), no new object
+        device = self._device_struct(slot.local() if slot.dtensor else p, stream)
+        # NOTE: == p.device (checked), no new object; a replica other ranks also count adds
+        # nothing to this rank's statistics
+        outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
         if x is not None:
             # NOTE: no torch.no_grad() here (host time on every Linear): forge_dtype's only
             # tensor op, a cast, works on a detached tensor.

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .. import _linear
+from . import distributed
 from .deferred import ConsumedGrad, FactoredGrad
 
 if TYPE_CHECKING:
@@ -59,9 +60,13 @@ class _Slot:
         self.mode = mode            # "fused" | "hook" | "deferred"
         self.dtype = param.dtype
         self.device = param.device
-        shape = param.shape
-        self.cols = int(shape[-1]) if param.dim() >= 1 else 1
-        self.rows = param.numel() // self.cols if self.cols else 0
+        # [rows, cols] of what this rank updates, and where it lies in the full parameter
+        # (a DTensor's local shard: distributed.py)
+        self.geometry = distributed.geometry(param, names[0])
+        self.rows, self.cols = self.geometry.rows, self.geometry.cols
+        self.dtensor = distributed.is_dtensor(param)
+        self.counts = distributed.counts_once(param)  # counted in the step's statistics here
+        self.layouts = None  # a tensor-parallel Linear weight: the X and dY layouts it needs
         # (x [T, cols], ldx, dy [T, rows], lddy, raw handle of the CUDA stream they were made
         # on, its device index); the last two are None on the CPU
         self.pending: List[Tuple[torch.Tensor, int, torch.Tensor, int,
@@ -87,11 +92,17 @@ class _Slot:
     def consumed_grad(self) -> ConsumedGrad:
         """The .grad left on this parameter once its update ran inside backward (made once)."""
         consumed = self._consumed
+        if self.dtensor:
+            return None  # (a DTensor's .grad must be a DTensor: freed instead)
         if consumed is None or consumed.dtype != self.param.dtype \
                 or consumed.device != self.param.device:
             opt = self.opt_ref()
             consumed = self._consumed = ConsumedGrad(self.param, self.name, opt._mode_name())
         return consumed
+
+    def local(self) -> torch.Tensor:
+        """The parameter's tensor on this rank (a DTensor's local shard)."""
+        return distributed.local(self.param)
 
     def is_live(self) -> bool:
         opt = self.opt_ref()
@@ -214,7 +225,10 @@ class _RoutingMixin:
         for p in params:
             p_names = names[id(p)]
             mods = linears.get(id(p), [])
-            if len(p_names) > 1:
+            if distributed.is_fsdp_managed(model, p) and post_hook:
+                # FSDP2: the gradient arrives reduce-scattered, in the shard's hook
+                mode = "hook"
+            elif len(p_names) > 1:
                 mode = "deferred"
                 shared.append(" = ".join(p_names))
             elif not p.requires_grad:
@@ -228,6 +242,8 @@ class _RoutingMixin:
             else:
                 mode = "deferred"
             slot = _Slot(self, p, index_of[id(p)], p_names, mode)
+            if mode == "fused" and slot.dtensor:
+                slot.layouts = distributed.fused_layouts(p, slot.name)
             self._slots[id(p)] = slot
             _OWNERS[id(p)] = weakref.ref(slot)
             if mode == "fused":
@@ -239,6 +255,14 @@ class _RoutingMixin:
                 ref = weakref.ref(slot)
                 slot.handles.append(p.register_post_accumulate_grad_hook(
                     lambda param, ref=ref: _param_grad_ready(ref)))
+        if getattr(self, "_distributed", False):
+            # a replica every rank holds alike (a parameter left plain in a parallel model) is
+            # counted in the global statistics by rank 0 only
+            import torch.distributed as dist
+            for p in params:
+                slot = self._slots[id(p)]
+                if not slot.dtensor:
+                    slot.counts = dist.get_rank() == 0
         if shared:
             warnings.warn(
                 "forge: parameters used in more than one place take the materialized-gradient "
@@ -277,6 +301,10 @@ class _RoutingMixin:
                 slot.held, slot.param.grad = slot.param.grad, None
         elif slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
+        if slot.layouts is not None:  # tensor parallel: this rank's columns / full tokens
+            mesh = slot.param.device_mesh
+            x = distributed.as_local_rows(x, slot.layouts[0], mesh)
+            dy = distributed.as_local_rows(dy, slot.layouts[1], mesh)
         x2, ldx = _linear.as_rows(x, slot.cols)
         dy2, lddy = _linear.as_rows(dy, slot.rows)
         if dy.is_cuda:
@@ -304,8 +332,12 @@ class _RoutingMixin:
         # (Remade if the weight moved: _update then says what changed.)
         stand_in = slot.stand_in
         if stand_in is None or stand_in.dtype != weight.dtype or stand_in.device != weight.device:
-            slot.stand_in = torch.zeros((), dtype=weight.dtype,
-                                        device=weight.device).expand(weight.shape)
+            zero = torch.zeros((), dtype=weight.dtype, device=weight.device)
+            if slot.dtensor:  # (a DTensor weight's gradient is a DTensor of its layout)
+                zero = zero.expand(distributed.local(weight).shape)
+                slot.stand_in = distributed.as_state(zero, weight, tuple(weight.shape))
+            else:
+                slot.stand_in = zero.expand(weight.shape)
         slot.marker = slot.stand_in
         return slot.marker
 
@@ -371,6 +403,14 @@ class _RoutingMixin:
             held = p.grad  # (the fallback path has taken autograd's sum out already)
         if len(slot.pending) == 1 and slot.partial is None and outside is None:
             x2, _, dy2, *_ = slot.pending[0]
+            if slot.dtensor:  # a shard's gradient: dense, as a DTensor of the weight's layout
+                dw = _add_dw(None, x2, dy2).to(p.dtype)
+                if held is None:
+                    p.grad = distributed.as_state(dw, p, tuple(p.shape))
+                else:
+                    distributed.local(held).add_(dw)
+                    p.grad = held
+                return
             if held is None or isinstance(held, FactoredGrad):
                 factors = x2.numel() + dy2.numel() + (
                     held.factor_elements() if held is not None else 0)
@@ -428,5 +468,5 @@ class _RoutingMixin:
             return
         if slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
-        self._update(slot, grad=p.grad)
+        self._update(slot, grad=distributed.grad_as_param(p.grad, p))
         p.grad = slot.consumed_grad()

@@ -1,0 +1,363 @@
+"""dist_worker.py — what each process of test_distributed.py runs (gloo, CPU backend).
+
+run(rank, world, out_dir, job) initializes the process group, runs job's checks and writes
+one JSON file per rank into out_dir: {"ok": bool, "error": str | None, "measured": {...}}.
+The test process reads the files and asserts; every check that can fail here raises.
+
+Model: a small Llama-style decoder (embedding, RMSNorm, attention q/k/v/o, SwiGLU gate/up/down,
+final norm, untied head), written so that tensor parallel only shards heads and features:
+the attention works on whatever heads this rank holds. Dimensions are multiples of
+64 · world so int8 blocks never straddle a shard.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+
+VOCAB, HEADS, SEQ, BATCH, LAYERS = 128, 4, 8, 4, 1
+DIM, FFN = 128, 256  # set_dims: 256, 512 where int8 column shards of 4 ranks need 64 columns
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.01 * torch.randn(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(DIM, DIM, bias=False)
+        self.k = nn.Linear(DIM, DIM, bias=False)
+        self.v = nn.Linear(DIM, DIM, bias=False)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        hd = DIM // HEADS
+        q, k, v = (f(x).view(b, t, -1, hd).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(DIM, FFN, bias=False)
+        self.up = nn.Linear(DIM, FFN, bias=False)
+        self.down = nn.Linear(FFN, DIM, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(DIM), Attention()
+        self.mlp_norm, self.mlp = RMSNorm(DIM), MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def set_dims(dim: int, ffn: int) -> None:
+    global DIM, FFN
+    DIM, FFN = dim, ffn
+
+
+def make_model() -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(0.5)
+    return model
+
+
+def batch(step: int, rows: slice = slice(None)):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)[rows]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model, step: int, rows: slice = slice(None)):
+    x, y = batch(step, rows)
+    logits = model(x)
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def tp_plan(sp: bool):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel)
+    seq = Shard(1) if sp else Replicate()
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "norm": SequenceParallel() if sp else None,
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        plan.update({
+            p + "attn_norm": SequenceParallel() if sp else None,
+            p + "mlp_norm": SequenceParallel() if sp else None,
+            p + "attn.q": ColwiseParallel(input_layouts=seq),
+            p + "attn.k": ColwiseParallel(input_layouts=seq),
+            p + "attn.v": ColwiseParallel(input_layouts=seq),
+            p + "attn.o": RowwiseParallel(output_layouts=seq),
+            p + "mlp.gate": ColwiseParallel(input_layouts=seq),
+            p + "mlp.up": ColwiseParallel(input_layouts=seq),
+            p + "mlp.down": RowwiseParallel(output_layouts=seq)})
+    return {k: v for k, v in plan.items() if v is not None}
+
+
+def parallelize(model, mesh, sp: bool):
+    from torch.distributed.tensor.parallel import parallelize_module
+    return parallelize_module(model, mesh, tp_plan(sp))
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def normwise(a, b) -> float:
+    a, b = full(a).detach().double(), full(b).detach().double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def max_normwise(model_a, model_b) -> float:
+    return max(normwise(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+def train(model, opt, steps, rows=slice(None), start=0):
+    norms = []
+    for step in range(start, start + steps):
+        loss_of(model, step, rows).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(getattr(opt, "grad_norm", None))
+    return norms
+
+
+# ---------------------------------------------------------------------------- jobs
+
+def job_tp(rank, world, args):
+    """Tensor (and sequence) parallel: forge tracks single-process forge within what torch
+    itself moves between the same parallel and single-process runs; its statistics are
+    global."""
+    import forge.optim
+    from reference import torch_optimizer
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    measured = {}
+    for case in args["cases"]:
+        name, kwargs, forge_kw, sp = case["name"], case["kwargs"], case["forge"], case["sp"]
+        base = make_model()
+        runs = {}
+        for key in ("forge_tp", "forge_1", "torch_tp", "torch_1"):
+            model = copy.deepcopy(base)
+            if key.endswith("tp"):
+                parallelize(model, mesh, sp)
+            if key.startswith("forge"):
+                opt = getattr(forge.optim, name)(model, **kwargs, **forge_kw)
+            else:
+                opt = torch_optimizer(name, model.parameters(), **kwargs)
+            norms = train(model, opt, args["steps"])
+            runs[key] = (model, norms, getattr(opt, "nonfinite_count", None))
+        forge_error = max_normwise(runs["forge_tp"][0], runs["forge_1"][0])
+        torch_error = max_normwise(runs["torch_tp"][0], runs["torch_1"][0])
+        norm_error = max(abs(a - b) / b for a, b in zip(runs["forge_tp"][1], runs["forge_1"][1]))
+        measured[case["id"]] = {"forge_tp_vs_1": forge_error, "torch_tp_vs_1": torch_error,
+                                "grad_norm_rel": norm_error,
+                                "nonfinite": runs["forge_tp"][2]}
+    return measured
+
+
+def job_fsdp(rank, world, args):
+    """FSDP2: each rank trains on its rows of the batch; the update runs on the shard after
+    the reduce-scatter. forge tracks single-process forge on the whole batch within what
+    torch FSDP2 moves against single-process torch."""
+    import forge.optim
+    from reference import torch_optimizer
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    measured = {}
+    for case in args["cases"]:
+        name, kwargs, forge_kw = case["name"], case["kwargs"], case["forge"]
+        base = make_model()
+        runs = {}
+        for key in ("forge_fsdp", "forge_1", "torch_fsdp", "torch_1"):
+            model = copy.deepcopy(base)
+            if key.endswith("fsdp"):
+                for layer in model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            if key.startswith("forge"):
+                opt = getattr(forge.optim, name)(model, **kwargs, **forge_kw)
+            else:
+                opt = torch_optimizer(name, model.parameters(), **kwargs)
+            norms = train(model, opt, args["steps"], rows if key.endswith("fsdp") else
+                          slice(None))
+            runs[key] = (model, norms)
+        measured[case["id"]] = {
+            "forge_fsdp_vs_1": max_normwise(runs["forge_fsdp"][0], runs["forge_1"][0]),
+            "torch_fsdp_vs_1": max_normwise(runs["torch_fsdp"][0], runs["torch_1"][0]),
+            "grad_norm_rel": max(abs(a - b) / b for a, b in
+                                 zip(runs["forge_fsdp"][1], runs["forge_1"][1]))}
+    return measured
+
+
+def job_ddp(rank, world, args):
+    """DDP is refused before any weight changes, however the optimizer meets the model."""
+    import forge.optim
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    results = {}
+    # 1. the optimizer given the DDP wrapper
+    model = make_model()
+    try:
+        forge.optim.AdamW(DDP(model))
+        results["wrapper"] = "accepted"
+    except ValueError as e:
+        results["wrapper"] = str(e)
+    # 2. given the module a DDP wraps
+    model = make_model()
+    ddp = DDP(model)
+    try:
+        forge.optim.AdamW(model)
+        results["inner"] = "accepted"
+    except ValueError as e:
+        results["inner"] = str(e)
+    del ddp
+    # 3. DDP made after the optimizer: refused at the first update, nothing changed
+    model = make_model()
+    opt = forge.optim.AdamW(model, mode="immediate")
+    ddp = DDP(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        loss_of(ddp, 0, slice(rank, rank + 1)).backward()
+        opt.step()
+        results["later"] = "accepted"
+    except ValueError as e:
+        results["later"] = str(e)
+    results["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return results
+
+
+def full_states(model, opt):
+    """Every state of opt as full tensors (collective), keyed by parameter name and state."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {f"{names[id(p)]}.{k}": full(v).detach().clone() for p, st in opt.state.items()
+            for k, v in st.items() if torch.is_tensor(v)} | {
+        f"{names[id(p)]}.step": torch.tensor(st["step"]) for p, st in opt.state.items()}
+
+
+def job_dcp_save(rank, world, args):
+    """Tensor parallel over `world` ranks, int8 states: train, save model and optimizer with
+    torch.distributed.checkpoint, train on; record the full states at the save and the
+    weights after the continuation."""
+    set_dims(256, 512)
+    import forge.optim
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize(make_model(), mesh, sp=False)
+    opt = forge.optim.AdamW(model, lr=1e-2, state_format="int8", mode="immediate")
+    train(model, opt, 2)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
+    states = full_states(model, opt)
+    train(model, opt, 2, start=2)
+    weights = {n: full(p).detach().clone() for n, p in model.named_parameters()}  # (collective)
+    if rank == 0:
+        torch.save({"states": states, "weights": weights},
+                   os.path.join(args["dir"], "reference.pt"))
+    return {}
+
+
+def job_dcp_load(rank, world, args):
+    """Loads job_dcp_save's checkpoint at another number of ranks: the states come back bit
+    for bit, and training goes on to within tensor parallel's own rounding of the saver's."""
+    set_dims(256, 512)
+    import forge.optim
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model = make_model()
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        parallelize(model, init_device_mesh("cpu", (world,)), sp=False)
+    opt = forge.optim.AdamW(model, lr=1e-2, state_format="int8", mode="immediate")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    reference = torch.load(os.path.join(args["dir"], "reference.pt"))
+    states = full_states(model, opt)
+    differ = sorted(k for k in states if k not in reference["states"]
+                    or not torch.equal(states[k], reference["states"][k]))
+    same_states = states.keys() == reference["states"].keys() and not differ
+    train(model, opt, 2, start=2)
+    error = max(normwise(p, reference["weights"][n]) for n, p in model.named_parameters())
+    return {"same_states": same_states, "differ": differ[:5], "continued_vs_saver": error}
+
+
+JOBS = {"tp": job_tp, "fsdp": job_fsdp, "ddp": job_ddp, "dcp_save": job_dcp_save,
+        "dcp_load": job_dcp_load}
+
+
+def run(rank: int, world: int, out_dir: str, port: int, jobs) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    result = {"ok": True, "error": None, "measured": {}}
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        for name, args in jobs:
+            result["measured"][name] = JOBS[name](rank, world, args)
+    except Exception:
+        result = {"ok": False, "error": traceback.format_exc(), "measured": result["measured"]}
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f, default=str)
