@@ -37,11 +37,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/ptx.cuh"  // also defines FORGE_SM90A_DEVICE_PASS
 #include "cuda/sm80_wgrad.cuh"
-
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FORGE_SM90A_DEVICE_PASS 1
-#endif
 
 namespace forge {
 namespace cuda {
@@ -84,42 +81,6 @@ struct Sm90TensorMaps {
 
 #if defined(FORGE_SM90A_DEVICE_PASS)
 
-// ---- PTX wrappers (sm_90a) ------------------------------------------------------------------
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
-
 // Waits until phase `parity` of the barrier has completed.
 // NOTE: debug builds (no NDEBUG) and builds with FORGE_CUDA_WATCHDOG trap after 10 s of
 // waiting, so a pipeline bug ends the launch with an error instead of hanging the GPU.
@@ -143,23 +104,6 @@ __device__ __forceinline__ void mbar_wait_traced(const WgradParams& a, uint32_t 
   const unsigned long long t0 = clock64();
   mbar_wait(bar, parity);
   total += clock64() - t0;
-}
-
-// One TMA box (64 columns × 64 tokens) at (col, token) of `map` into shared memory at `dst`;
-// completes `bytes` on `bar`. Out-of-range elements are written as zeros.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                            int32_t col, int32_t token) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(token)
-      : "memory");
-}
-
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
-  return id;
 }
 
 // The benchmark instruments of WgradParams (off unless the host sets them): this CTA's trace
@@ -188,28 +132,6 @@ __device__ __forceinline__ void stagger_wait(const WgradParams& a) {
   while (global_timer_ns() - start < static_cast<uint64_t>(a.stagger_ns)) __nanosleep(500);
 }
 
-__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma
-// (it emits no instruction).
-__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // Shared-memory matrix descriptor of an MN-major, 128B-swizzled operand (PTX ISA "Matrix
 // Descriptor Format"): bits 0-13 start address >> 4; 16-29 leading byte offset >> 4 (for
 // MN-major swizzled layouts: from one 64-element swizzle atom to the next along M or N);
@@ -220,39 +142,6 @@ __device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t addr, uint32_t lbo, u
          (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32) |
          (1ull << 62);
 }
-
-#define FORGE_ACC8(i)                                                                   \
-  "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),       \
-      "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define FORGE_WGMMA_M64N128K16(TYPE)                                                    \
-  asm volatile(                                                                         \
-      "{\n"                                                                             \
-      ".reg .pred p;\n"                                                                 \
-      "setp.ne.b32 p, %66, 0;\n"                                                        \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n"                 \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}," \
-      " %64, %65, p, 1, 1, 1, 1;\n"                                                     \
-      "}\n"                                                                             \
-      : FORGE_ACC8(0), FORGE_ACC8(8), FORGE_ACC8(16), FORGE_ACC8(24), FORGE_ACC8(32),   \
-        FORGE_ACC8(40), FORGE_ACC8(48), FORGE_ACC8(56)                                  \
-      : "l"(desc_a), "l"(desc_b), "n"(1))
-
-// d[64] += A (64 × 16, MN-major in shared memory) · B (16 × 128, MN-major): both operands
-// transposed (the two trailing 1s: tnspA, tnspB), scale-d = 1 (accumulate).
-template <bool kFp16>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a,
-                                                 uint64_t desc_b) {
-  if constexpr (kFp16) {
-    FORGE_WGMMA_M64N128K16("f16");
-  } else {
-    FORGE_WGMMA_M64N128K16("bf16");
-  }
-}
-#undef FORGE_WGMMA_M64N128K16
-#undef FORGE_ACC8
 
 // The four TMA boxes of one stage: dY columns [m0, m0 + 128) and X columns [n0, n0 + 128) of
 // tokens [token, token + 64), into the stage at `dst`, completing on `bar`.
@@ -281,8 +170,8 @@ __device__ __forceinline__ void init_ring(const Sm90TensorMaps& maps, uint32_t f
     mbar_init(full0 + 8 * s, 1);
     mbar_init(empty0 + 8 * s, 2);
   }
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  fence_mbarrier_init();
+  fence_proxy_async_shared();
 }
 
 // acc += this warpgroup's 64 rows × 128 columns of one stage (64 tokens: 4 wgmma k-steps).
@@ -520,7 +409,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPersistentProducerRegisters));
+    setmaxnreg_dec<kPersistentProducerRegisters>();
     if (threadIdx.x != kPersistentProducerThread) return;
     // ---- the producer: item h = j * nk + kt (k-tile kt of tile j) into stage h % kStages ------
     int stage = 0;
@@ -549,7 +438,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       trace_out(kPtTilesEmptyWait);
     }
   } else if (warpgroup < 2) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPersistentMathRegisters));
+    setmaxnreg_dec<kPersistentMathRegisters>();
     // ---- main loop: warpgroup g sums rows 64g..64g+63 of each tile --------------------------
     const uint64_t desc_a0 =
         sw128_mn_desc(ring + warpgroup * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
@@ -594,7 +483,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       trace_out(kPtSlotWait);
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPersistentUpdateRegisters));
+    setmaxnreg_inc<kPersistentUpdateRegisters>();
     // ---- the update: warpgroups 2-3 ----------------------------------------------------------
     const int tid = threadIdx.x - 256;
     StepTotals totals{0.0, 0u};

@@ -30,6 +30,7 @@
 #include "core/formats.h"
 #include "core/rng.h"
 #include "core/rules.h"
+#include "cuda/ptx.cuh"
 #include "forge/forge.h"
 
 namespace forge {
@@ -316,8 +317,7 @@ __device__ __forceinline__ uint8_t int8_encode_ratio(float x, float a, float abs
   } else {
     // NOTE: a mask the compiler cannot see through: with `x <= 0 ? 0 : level` it branched
     // around the level search, one branch region per element again.
-    int keep = x > 0.0f ? -1 : 0;
-    asm("mov.b32 %0, %0;" : "+r"(keep));
+    const int keep = opaque(x > 0.0f ? -1 : 0);
     code = int8_nearest_level_fast(a, kInt8UnsignedTop) & keep;
   }
   return static_cast<uint8_t>(absmax > 0.0f ? code : 0);
@@ -369,8 +369,7 @@ struct FastMathT {
   // nonzero normal (|a|, |y| >= 2^-62), where the two round the same; at a == +0 only the
   // product keeps b's sign.
   static __device__ __forceinline__ float div_unchecked(float a, float b) {
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
+    float y = rcp_approx_ftz(b);
     const float e = __fmaf_rn(-b, y, 1.0f);
     y = __fmaf_rn(y, e, y);
     const float q = kTakesZero ? __fmul_rn(a, y) : __fmaf_rn(a, y, 0.0f);
@@ -383,8 +382,7 @@ struct FastMathT {
   // max(x, 2^-101) (= x on the domain above), so it is finite; then s = +0, r = +0 and the
   // result is +0 = sqrt(+0).
   static __device__ __forceinline__ float sqrt_unchecked(float x) {
-    float y;
-    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(kTakesZero ? fmaxf(x, 0x1p-101f) : x));
+    const float y = rsqrt_approx_ftz(kTakesZero ? fmaxf(x, 0x1p-101f) : x);
     const float s = __fmul_rn(x, y);
     const float h = __fmul_rn(y, 0.5f);
     const float r = __fmaf_rn(-s, s, x);
@@ -430,16 +428,6 @@ struct FastMathT {
   uint32_t v_lo = 0xFFFFFFFFu, v_hi = 0u;  // bits of v, without zeros
   float m_lo = INFINITY, m_hi = 0.0f;     // |m|, NaN-propagating, without zeros
   uint32_t v_top = 0x7CFFFFFFu;           // v's upper bound (bits), set from bc2_sqrt
-  static __device__ __forceinline__ float min_nan(float a, float b) {
-    float r;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-  }
-  static __device__ __forceinline__ float max_nan(float a, float b) {
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-  }
   __device__ __forceinline__ float adamw_direction(float m, float v, float bc2_sqrt,
                                                    float eps) {
     const uint32_t u = __float_as_uint(v);
@@ -481,9 +469,7 @@ using FastMathWithZeros = FastMathT<true>;
 // canonical NaN where formats.h keeps sign and payload: callers guarantee there are none
 // (the fast epilogue path only stores values it checked to be finite).
 __device__ __forceinline__ uint32_t bf16x2_nearest_nonnan(float lo, float hi) {
-  uint32_t packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
-  return packed;
+  return cvt_rn_bf16x2(hi, lo);
 }
 
 // formats.h's bf16_stochastic for a value known not to be NaN: the same bits without its
@@ -1154,7 +1140,7 @@ __device__ __forceinline__ void flush_totals(StepTotals t, double* grad_sq_sum,
   if constexpr (kBarrier == 0) {
     __syncthreads();
   } else {
-    asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
+    named_barrier_sync<kBarrier, kThreads>();
   }
   if (tid == 0) {
     double sq = 0.0;
