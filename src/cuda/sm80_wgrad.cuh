@@ -58,21 +58,6 @@ constexpr int kLdC = kBN + 8;
 constexpr int kLdF = kBM + 4;             // fp32 shared rows of the SIMT kernel
 constexpr int kTileElems = kBM * kBN;
 constexpr int kRowsPerPass = kThreads / (kBN / kQuad / 2);  // 16: a thread owns 2 quads of a row
-// NOTE: tile rasterization: tile-rows per group (WgradParams::group_m), chosen per layer by
-// the host (cuda_backend.cu, group_height): kGroupM, or kGroupMFewWaves for a layer whose tiles
-// fill at most kFewWaves waves of the two resident CTAs per SM. Measured on the H200 at
-// T = 512 / 2048 / 4096 (runs 65-66, bench/NOTES.md v18): on the Llama MLP layers 8 tile-rows
-// were as fast as 16 or faster (down_proj at T = 4096: 0.894 against 0.913 ms), and on
-// 4096 × 4096 (1024 tiles, 3.9 waves) 2 tile-rows beat 8 and 16 at every T (0.074 against
-// 0.078 ms at T = 512).
-constexpr int kGroupM = 8;
-constexpr int kGroupMFewWaves = 2;
-constexpr int kFewWaves = 4;
-// NOTE: issue the L2 prefetch of the tile's weight and states this many tokens before the
-// main loop ends, so the epilogue's loads hit L2 instead of waiting on HBM (the default of
-// WgradParams::prefetch_lead; FORGE_CUDA_PREFETCH_LEAD overrides it for benchmarking).
-constexpr int kPrefetchLeadTokens = 192;
-
 
 constexpr size_t kPipeBytes = size_t(kStages) * 2 * kStageHalves * sizeof(uint16_t);
 constexpr size_t kEpilogueBytes = size_t(kBM) * kLdC * sizeof(float);
@@ -95,7 +80,7 @@ struct WgradParams {
   int32_t splits, ktiles_per_split;
   int32_t prefetch;          // L2 prefetch of the epilogue's operands
   int32_t prefetch_lead;     // ... issued this many tokens before the main loop ends
-  int32_t group_m;           // tile rasterization: tile-rows per group (see kGroupM)
+  int32_t group_m;           // tile rasterization: tile-rows per group (heuristics.h)
   int32_t want_sq;           // grad_sq_sum != nullptr
   float* workspace;          // [tiles · splits][kBM][kBN] fp32 partials (splits > 1)
   unsigned int* counters;    // [tiles] arrivals per tile, 0 between launches
@@ -103,8 +88,8 @@ struct WgradParams {
   unsigned long long* nonfinite_count;
   ParamView p;               // W: [M, N]
   RuleScalars k;
-  // The Hopper kernels only: the benchmark's trace (cuda_backend.cu's FORGE_CUDA_TRACE; off:
-  // nullptr) and, wgrad_wgmma_kernel only, the stagger (sm90_wgrad.cuh's kStaggerNs; off:
+  // The Hopper kernels only: the benchmark's trace (FORGE_DEBUG_TRACE, heuristics.h; off:
+  // nullptr) and, wgrad_wgmma_kernel only, the stagger (kStaggerNs, heuristics.h; off:
   // stagger_ns == 0).
   unsigned long long* trace;  // [trace_ctas][kTraceWords]: TileTrace, or PersistentTrace
   int64_t trace_ctas;

@@ -55,18 +55,6 @@ constexpr int kSm90Align = 1024;   // the SW128 atom: TMA and the wgmma descript
 // one CTA's ALU-bound epilogue then runs beside the other's wgmma main loop. The ring is
 // reused as sC (68 KiB) after the main loop.
 constexpr size_t kSm90RingBytes = size_t(kSm90Stages) * kSm90StageBytes;
-// NOTE: the stagger. Both CTAs of an SM start together and have equal work, so they stay in
-// phase: both in the main loop (tensor cores shared, memory idle), then both updating (tensor
-// cores idle). Delaying the first wave's second CTA per SM (blockIdx.x in [SMs, 2·SMs)) by
-// kStaggerNs puts the two out of phase for the rest of the launch: on 4096² at T = 512 the
-// share of SM time with one CTA in its main loop while the other updates went from 0.17 to
-// 0.55, Llama totals (bf16 states) 32.8 -> 31.4 ms at T = 512 and 59.8 -> 58.6 at T = 2048
-// (bench/NOTES.md, v13: `gpu_check.sh trace`). The delay is paid once per SM, so only grids
-// of at least kStaggerMinWaves full waves get it (k_proj, one wave, lost 10% with it), and
-// not with a stochastically rounded weight: its longer update already leaves the two CTAs
-// out of phase two thirds of the time, and the stagger cost 1-8% per layer at T = 512.
-constexpr int kStaggerNs = 4000;
-constexpr int kStaggerMinWaves = 3;
 constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90Align;
 static_assert(kBM == 2 * kSm90BoxCols && kBN == 2 * kSm90BoxCols, "two boxes per operand");
 static_assert(kSm90SmemBytes <= 100 * 1024, "two CTAs per SM (228 KiB, 1 KiB reserved each)");
@@ -315,9 +303,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // ---- the persistent, warp-specialized variant ------------------------------------------------------
 //
-// The host runs it where it was measured faster than the kernel above (persistent_rule.h:
-// AdamW's hot formats on large layers, in measured ranges of T from 1024 up; bench/NOTES.md
-// v20), or everywhere it applies with FORGE_CUDA_PERSISTENT=1 (its tests). The kernel above
+// The host runs it where it was measured faster than the kernel above (heuristics.h,
+// persistent_pays: AdamW's hot formats on large layers, in measured ranges of T from 1024
+// up), or everywhere it applies with FORGE_DEBUG_PERSISTENT=1 (its tests). The kernel above
 // serializes each CTA's update after its main loop; its two CTAs per SM overlap only when they
 // happen to be out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
 // tiles with the roles fixed: warpgroups 0-1 run the wgmma main loop of tile j + 1 while
