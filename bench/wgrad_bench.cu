@@ -198,7 +198,7 @@ struct Timer {
   // Median milliseconds of each fns[j]() over `iters` rounds, interleaved: round i calls every
   // fn once, starting from fns[i % n], each call after an L2 flush.
   // NOTE: interleaved, not one fn's `iters` calls then the next's. Under the card's power cap
-  // the SM clock moves by hundreds of MHz within a run (bench/NOTES.md v19), so variants timed
+  // the SM clock moves by hundreds of MHz within a run, so variants timed
   // one after another ran at different clocks: down_proj's fused step at T = 512 moved 20%
   // between runs while the unfused step timed after it did not. Interleaved, every variant of
   // a (layer, T) sees the same clocks and the speedup column compares like with like.
@@ -501,7 +501,7 @@ int main(int argc, char** argv) {
   bool host_cost = false;
   // --reverse-shapes: time the layers in the reverse order (down_proj first). down_proj's fused
   // step at T = 512 has measured 0.253-0.310 ms between processes in the usual order, where it
-  // runs right after gate_proj's T = 4096 cases, against 0.247 with --quick (bench/NOTES.md v18):
+  // runs right after gate_proj's T = 4096 cases, against 0.247 with --quick:
   // this order says whether its place in the run is the cause.
   bool reverse_shapes = false;
   for (int i = 1; i < argc; ++i) {
@@ -745,8 +745,8 @@ int main(int argc, char** argv) {
     }
     AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(0.001f), -1e-2f, 1.0f - 1e-5f};
     adamw_bf16<<<grid_for(n / 8), 256>>>(g.as<uint4>(), w.as<uint4>(), m.as<uint4>(), v.as<uint4>(), n / 8, as);
-    // Then issue 3's configuration, nearest-rounded bf16 W and states, at T = 32 and 512: the
-    // one the speedup column times (8th and 9th launches).
+    // Then nearest-rounded bf16 W and states at T = 32 and 512, the configuration the
+    // speedup column times (8th and 9th launches).
     const forge_param p16 = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16, w.p, FORGE_STATE_BF16,
                                         m.p, v.p);
     for (int64_t tokens : {int64_t(32), int64_t(512)}) {

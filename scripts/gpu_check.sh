@@ -97,7 +97,7 @@ if [ "${1:-}" = profile ]; then
   # wgrad_bench --profile's 9 launches (its main() lists them): the fused step (whichever kernel
   # the environment selects: FORGE_DEBUG_PERSISTENT=1 profiles the persistent one) at T = 32 and
   # 512 with bf16 SR and int8 states, the element-wise step with both, the unfused AdamW pass,
-  # and the fused step with nearest-rounded bf16 W and states (issue 3's) at T = 32 and 512.
+  # and the fused step with nearest-rounded bf16 W and states at T = 32 and 512.
   timeout "${FORGE_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name regex:'wgrad|adamw|elementwise' \
     --launch-skip 0 --launch-count 9 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
@@ -125,7 +125,7 @@ if [ "${1:-}" = ab ]; then
   # VAR=value[,VAR=value...], where an item may also be a wgrad_bench flag such as
   # --reverse-shapes, or --flag=value for "--flag value"; default "default"), reversing the
   # order of the runs every other repetition, and prints bench/ab_totals.py's medians and
-  # lowest-highest ranges. The card's clock moves between runs (bench/NOTES.md v15, v19):
+  # lowest-highest ranges. The card's clock moves between runs:
   # compare only within one call. Results:
   # $OUT/<label>-r<rep>/bench.md.
   # FORGE_AB_ARGS: more arguments for every run (e.g. --quick: T = 512 only). An earlier ab
@@ -211,7 +211,7 @@ fi
 
 if [ "${1:-}" = trace ]; then
   # `bash scripts/gpu_check.sh trace`: build only the benchmark and run `wgrad_bench --trace`
-  # (time + per-CTA phase trace of a few layers, bench/NOTES.md v13) FORGE_TRACE_REPS times
+  # (time + per-CTA phase trace of a few layers) FORGE_TRACE_REPS times
   # (default 1) per setting in FORGE_TRACE_SETTINGS: space-separated, each "default" or
   # VAR=value[,VAR=value...] of FORGE_DEBUG_* knobs (default: "default
   # FORGE_DEBUG_STAGGER_NS=0"). FORGE_TRACE_DEFS: "|"-separated sets of compile definitions
@@ -317,8 +317,8 @@ if ((build_rc == 0)); then
   t0=$(elapsed)
   log "ctest -L gpu"
   # NOTE: 8 test processes share the GPU; each CPU reference gets 2 OpenMP threads.
-  # The reserve for the steps after it: the benchmark alone in quick mode (run 17's 270 s
-  # budget left ctest 66 s with the full mode's reserve, and cut it).
+  # The reserve for the steps after it: the benchmark alone in quick mode (with the full
+  # mode's reserve, a 270 s budget leaves ctest 66 s and cuts it).
   OMP_NUM_THREADS=2 timeout "$(limit 200 "$([ "$QUICK" = 1 ] && echo 40 || echo 140)")" \
     ctest --test-dir "$BUILD" -L gpu -j 8 \
     --output-on-failure --timeout 300 >"$OUT/ctest_gpu.log" 2>&1

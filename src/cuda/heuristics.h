@@ -19,7 +19,8 @@ constexpr int64_t kTileRows = 128;            // kBM: one CTA's tile of dW, rows
 constexpr int64_t kTileCols = 128;            // kBN: columns (in)
 constexpr int64_t kSm80TokensPerKtile = 32;   // kBK: the sm80 kernels' pipeline stage
 constexpr int64_t kSm90TokensPerKtile = 64;   // kSm90BK: the Hopper kernels' stage
-// TMA coordinates are signed 32-bit; a box may start up to two tiles past the last row.
+// The largest extent (rows, cols, tokens) the TMA path takes: its coordinates are signed
+// 32-bit, kept two tiles clear of the limit.
 constexpr int64_t kTmaCoordMax = INT32_MAX - 2 * kTileRows;
 
 // ---- policy constants -----------------------------------------------------------------------

@@ -160,7 +160,7 @@ __device__ __forceinline__ CtaWork cta_work(const WgradParams& a) {
 // and the states. One tile row per thread.
 // NOTE: one prefetch per 128-byte line the row touches, each address inside the row. The
 // earlier form (every 128 bytes from the start, then the last byte) asked for the last line
-// twice on aligned rows: ncu counted those as 19% excess sectors at T = 512 (run 11).
+// twice on aligned rows: ncu counted those as 19% excess sectors at T = 512.
 __device__ __forceinline__ void prefetch_row_l2(const void* base, int elem_bytes, int64_t idx,
                                                 int64_t count) {
   const char* start = static_cast<const char*>(base) + idx * elem_bytes;
@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
   const uint16_t* const dy = static_cast<const uint16_t*>(a.dy);  // [T, M], ld = lddy
   const uint16_t* const x = static_cast<const uint16_t*>(a.x);    // [T, N], ld = ldx
 
-  // NOTE: tried and reverted (bench/NOTES.md, v3): per-thread cp.async cursors stepped per
+  // NOTE: tried and reverted: per-thread cp.async cursors stepped per
   // k-tile instead of load_operand_stage's 64-bit t * ld + col; the extra live registers
   // next to the 64 accumulators made ptxas spill 40-48 B on sm_90a.
   const uint32_t sA_addr = smem_addr(sA), sB_addr = smem_addr(sB);

@@ -9,8 +9,8 @@
 //
 // Why a second main loop: on the H200 the sm80 loop (cp.async + ldmatrix + mma.sync) reaches
 // ~185 TFLOP/s at T = 4096 with the tensor pipe 28% busy, because per k-tile every thread
-// recomputes 64-bit cp.async addresses and issues ldmatrix/mma.sync one 16 × 8 tile at a time
-// (bench/NOTES.md). Here one thread issues the copies (TMA: 4 instructions per 64 tokens, no
+// recomputes 64-bit cp.async addresses and issues ldmatrix/mma.sync one 16 × 8 tile at a time.
+// Here one thread issues the copies (TMA: 4 instructions per 64 tokens, no
 // address math, out-of-range rows and columns zero-filled by the copy engine) and each
 // warpgroup issues 4 wgmma m64n128k16 per 64 tokens, reading both operands straight from
 // shared memory: the main loop's issue cost all but disappears, leaving the issue slots to
@@ -44,7 +44,7 @@ namespace forge {
 namespace cuda {
 
 // NOTE: 64 tokens × 3 stages, not 32 × 6 (same shared memory, 5 stages in flight instead of
-// 2): measured 0.291 vs 0.350 ms on 4096² at T = 4096 (bench/NOTES.md, v5).
+// 2): measured 0.291 vs 0.350 ms on 4096² at T = 4096.
 constexpr int kSm90BK = 64;        // tokens per stage: 4 wgmma k-steps of 16
 constexpr int kSm90Stages = 3;
 constexpr int kSm90BoxCols = 64;   // columns per TMA box: 64 halves = one 128 B swizzle row
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   // NOTE: the update's first loads go out while the last wgmma batch runs, and are in flight
   // during the accumulators' trip through sC and both barriers: Llama totals at T = 512 with
-  // SR weight and states 38.0 -> 36.9 ms, the others unchanged (bench/NOTES.md, v13).
+  // SR weight and states 38.0 -> 36.9 ms, the others unchanged.
   FirstPass<Spec> first;
   if (a.splits == 1 && update_tile_full<Spec>(a, m0, n0))
     load_first_pass<Spec>(a, m0, n0, threadIdx.x, first);
@@ -314,10 +314,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 // tiles, so the next tile's first stages load during the current tile's hand-off). The same
 // wgmma stage and the same update (update_tile) as the kernel above; sC does not alias the
 // ring. Only without split-K (splits == 1).
-// NOTE: the producer has its own warpgroup (v20). In v7 thread 0 of math warpgroup 0 was also
-// the producer: per k-tile it waited for the other warpgroup's release and computed the next
-// item's tile with 64-bit divisions while its warpgroup's next wgmma waited for it. Run 82's
-// trace: 63 kcycles per 128 × 128 × 2048 tile, 34 with the producer apart (run 83).
+// NOTE: the producer has its own warpgroup. With thread 0 of math warpgroup 0 as the
+// producer, per k-tile it waited for the other warpgroup's release and computed the next
+// item's tile with 64-bit divisions while its warpgroup's next wgmma waited for it; the trace
+// showed 63 kcycles per 128 × 128 × 2048 tile, and 34 with the producer apart.
 constexpr int kPersistentThreads = 640;  // warpgroups 0-1: main loop; 2-3: update; 4: producer
 constexpr int kPersistentProducerThread = 512;
 constexpr int kPersistentStages = 4;
@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     // NOTE: no L2 prefetch of the next tile's weight and states (WgradParams::prefetch is
     // ignored here). Tried at the start of the previous tile's update and at its passes 2, 4
     // and 6: at T = 512 none was faster than no prefetch, and at T = 2048 all were slower, by
-    // up to 12 % (run 84, bench/NOTES.md v20).
+    // up to 12 %.
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       int64_t m0, n0;

@@ -244,7 +244,7 @@ __device__ __forceinline__ float group_max(float v) {
 // formats.h's int8_level_value() scales with ldexpf and int8_nearest_level() binary-searches
 // 8 levels deep: ~300 dependent instructions per encoded element. formats.h's direct forms
 // (what the CPU runs) take ~15 and ~60 integer / select instructions, and on the GPU those
-// made the int8 epilogue ALU-bound (ncu, 2026-11-29: ALU pipe 72 %, 337 instructions per
+// made the int8 epilogue ALU-bound (ncu: ALU pipe 72 %, 337 instructions per
 // element against 90 with bf16 states). The device forms read two tables in shared memory:
 //  - the nearest level: formats.h's int8_nearest_level_sixteenths, whose 16-word table gives
 //    the count of tie thresholds below each sixteenth of the mantissa range and the one
@@ -424,7 +424,7 @@ struct FastMathT {
   // the IEEE result. tests/cpp/gpu/test_gpu_fast_math.cu restates that domain.
   // NOTE: per element two integer and two float min/max instead of ~7 compares and predicate
   // merges (the AdamW bf16 epilogue: 44.2 -> 42.3 instructions per element; its time did not
-  // move, bench/NOTES.md v14, but the SR and int8 variants are nearer to issue-bound).
+  // move, but the SR and int8 variants are nearer to issue-bound).
   uint32_t v_lo = 0xFFFFFFFFu, v_hi = 0u;  // bits of v, without zeros
   float m_lo = INFINITY, m_hi = 0.0f;     // |m|, NaN-propagating, without zeros
   uint32_t v_top = 0x7CFFFFFFu;           // v's upper bound (bits), set from bc2_sqrt
@@ -908,8 +908,8 @@ struct RawQuads {
                            kWF == FORGE_WEIGHT_BF16_STOCHASTIC) {
         // NOTE: a stochastically rounded weight next to int8 states is read cache-streaming
         // (evict first). Llama totals of that step, 63.0 -> 61.1 / 102.6 -> 101.3 / 150.1 ->
-        // 147.6 ms at T = 512 / 2048 / 4096 (run 85, bench/NOTES.md v20). Not with a nearest
-        // weight (int8 states: 55.6 -> 56.7 at T = 512; bf16 states: 30.4 -> 30.9, run 79).
+        // 147.6 ms at T = 512 / 2048 / 4096. Not with a nearest weight (int8 states: 55.6 ->
+        // 56.7 at T = 512; bf16 states: 30.4 -> 30.9).
         const uint16_t* base = static_cast<const uint16_t*>(p.weight);
         const uint2 v = __ldcs(reinterpret_cast<const uint2*>(base + idx[q]));
         w[q][0] = v.x; w[q][1] = v.y;
@@ -1017,8 +1017,8 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
           }
     }
     // NOTE: int8 states: one store path for both outcomes, so the encoder's code is there
-    // once (a duplicated copy doubled the hot loop; the run that measured it 2.9x slower had
-    // NaN weights, so that cause was not isolated: bench/results/2026-11-29-h200-v6-steps).
+    // once (a duplicated copy doubled the hot loop; the measurement that found it 2.9x slower
+    // had NaN weights, so that cause was not isolated).
     // Other formats: a dedicated store path with no skip masks and hardware bf16 rounding.
     if constexpr (Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64) {
       if (fast) {
