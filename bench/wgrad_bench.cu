@@ -7,7 +7,7 @@
 //      unfused step (what torch does with bf16 grads and a fused AdamW).
 // Also: (a) with stochastic rounding of the bf16 weight and states (forge.optim.AdamW's
 // default), and (a-bf16) at T = 32 (the GEMM all but gone: what the epilogue alone costs),
-// to say where the time goes. FORGE_CUDA_WGMMA=0 times the portable sm80 kernels on Hopper.
+// to say where the time goes. FORGE_DEBUG_WGMMA=0 times the portable sm80 kernels on Hopper.
 // Last, forge_elementwise_step (AdamW, bf16 SR and int8 states) on the embedding's shape
 // [128256, 4096] against the unfused AdamW pass of (c).
 //
@@ -198,7 +198,7 @@ struct Timer {
   // Median milliseconds of each fns[j]() over `iters` rounds, interleaved: round i calls every
   // fn once, starting from fns[i % n], each call after an L2 flush.
   // NOTE: interleaved, not one fn's `iters` calls then the next's. Under the card's power cap
-  // the SM clock moves by hundreds of MHz within a run (bench/NOTES.md v19), so variants timed
+  // the SM clock moves by hundreds of MHz within a run, so variants timed
   // one after another ran at different clocks: down_proj's fused step at T = 512 moved 20%
   // between runs while the unfused step timed after it did not. Interleaved, every variant of
   // a (layer, T) sees the same clocks and the speedup column compares like with like.
@@ -371,7 +371,7 @@ std::string fmt(const char* f, double v) {
 
 // ---- --trace: where each CTA's time goes ---------------------------------------------------
 //
-// With FORGE_CUDA_TRACE set (see cuda_backend.cu), the Hopper kernel writes per CTA: SM clock
+// With FORGE_DEBUG_TRACE set (see src/cuda/heuristics.h), the Hopper kernel writes per CTA: SM clock
 // at start, when sC holds the gradient (main loop done), at end; global ns at start and end;
 // SM id and blockIdx.x. The summary below, per launch:
 //  - main / update: mean cycles of a CTA's main loop (start to sC ready, including the stagger
@@ -449,7 +449,7 @@ TraceSummary summarize_trace(const std::vector<unsigned long long>& rec, int cta
 
 // The persistent kernel's records (one CTA per SM looping over tiles; the layout is
 // sm90_wgrad.cuh's PersistentTrace, marked by kPersistentTraceFlag in the start word, whether
-// the library chose that kernel or FORGE_CUDA_PERSISTENT=1 forced it): per tile, the mean CTA
+// the library chose that kernel or FORGE_DEBUG_PERSISTENT=1 forced it): per tile, the mean CTA
 // span in kilocycles, and the shares of the span that math thread 0 waited on loads (full
 // barriers), that the producer waited for free stages (empty barriers), that the main loop
 // waited for sC to be free (the update behind), and that the update waited for sC to be full
@@ -493,7 +493,7 @@ int main(int argc, char** argv) {
   bool profile = false;
   // --trace: time a few (layer, T) cases of the fused step and trace each CTA's phases
   // (summarize_trace); the raw records go to $OUT/trace-*.csv. Runs with different
-  // FORGE_CUDA_STAGGER_NS, or builds with an experiment's compile definitions, are A/B tests
+  // FORGE_DEBUG_STAGGER_NS, or builds with an experiment's compile definitions, are A/B tests
   // (scripts/gpu_check.sh trace).
   bool trace = false;
   // --host-cost: the host's time per forge_wgrad_step call (argument checks, dispatch, tensor
@@ -501,7 +501,7 @@ int main(int argc, char** argv) {
   bool host_cost = false;
   // --reverse-shapes: time the layers in the reverse order (down_proj first). down_proj's fused
   // step at T = 512 has measured 0.253-0.310 ms between processes in the usual order, where it
-  // runs right after gate_proj's T = 4096 cases, against 0.247 with --quick (bench/NOTES.md v18):
+  // runs right after gate_proj's T = 4096 cases, against 0.247 with --quick:
   // this order says whether its place in the run is the cause.
   bool reverse_shapes = false;
   for (int i = 1; i < argc; ++i) {
@@ -538,12 +538,12 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaSetDevice(0));
   DevMem trace_records(trace ? size_t(kTraceMaxCtas) * 6 * 8 : 16);
   if (trace) {
-    // Before the first step: the library reads its FORGE_CUDA_* switches once.
+    // Before the first call into the library: it reads its FORGE_DEBUG_* switches once.
     char value[64];
     std::snprintf(value, sizeof(value), "%llx:%d",
                   static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(trace_records.p)),
                   kTraceMaxCtas);
-    setenv("FORGE_CUDA_TRACE", value, 1);
+    setenv("FORGE_DEBUG_TRACE", value, 1);
   }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -630,8 +630,8 @@ int main(int argc, char** argv) {
                           {kShapes[1], 2048}, {kShapes[2], 512},  {kShapes[2], 2048},
                           {kShapes[2], 4096}, {kShapes[3], 512},  {kShapes[3], 2048},
                           {lm_head, 512},     {lm_head, 2048}};
-    const char* stagger = std::getenv("FORGE_CUDA_STAGGER_NS");
-    std::string md = "# wgrad_bench --trace (FORGE_CUDA_STAGGER_NS=" +
+    const char* stagger = std::getenv("FORGE_DEBUG_STAGGER_NS");
+    std::string md = "# wgrad_bench --trace (FORGE_DEBUG_STAGGER_NS=" +
                      std::string(stagger ? stagger : "unset: the library's default") + ")\n\n" +
                      "| layer | T | states | ms (median) | CTAs | span µs | main µs | update µs | "
                      "SM MHz | - | M | U | M+M | M+U | U+U |\n" +
@@ -745,8 +745,8 @@ int main(int argc, char** argv) {
     }
     AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(0.001f), -1e-2f, 1.0f - 1e-5f};
     adamw_bf16<<<grid_for(n / 8), 256>>>(g.as<uint4>(), w.as<uint4>(), m.as<uint4>(), v.as<uint4>(), n / 8, as);
-    // Then issue 3's configuration, nearest-rounded bf16 W and states, at T = 32 and 512: the
-    // one the speedup column times (8th and 9th launches).
+    // Then nearest-rounded bf16 W and states at T = 32 and 512, the configuration the
+    // speedup column times (8th and 9th launches).
     const forge_param p16 = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16, w.p, FORGE_STATE_BF16,
                                         m.p, v.p);
     for (int64_t tokens : {int64_t(32), int64_t(512)}) {

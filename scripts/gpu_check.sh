@@ -3,7 +3,7 @@
 #   1. configure + build with CMake and Ninja into build-gpu/ (sm_90a by default;
 #      FORGE_GPU_ARCHS="80;90a" builds both),
 #   2. ctest -L gpu (the CUDA backend against the CPU backend; on Hopper the wgmma main loop),
-#      its Wgrad bit-exact subset again on the portable sm80 path (FORGE_CUDA_WGMMA=0), then
+#      its Wgrad bit-exact subset again on the portable sm80 path (FORGE_DEBUG_WGMMA=0), then
 #      the benchmark (bench/wgrad_bench: fused step vs cuBLAS + unfused AdamW) on both paths,
 #      and bench/torch_unfused.py (the same fused step vs cuBLAS + torch's fused AdamW),
 #   3. compute-sanitizer memcheck and racecheck on a representative subset of the GPU tests,
@@ -20,7 +20,7 @@
 # Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
 # (default 500). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
 # benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_TESTS=0 skips the tests
-# too (a benchmark-only call); FORGE_GPU_CHECK_SWEEP="FORGE_CUDA_GROUP_M=1 FORGE_CUDA_PREFETCH_LEAD=512"
+# too (a benchmark-only call); FORGE_GPU_CHECK_SWEEP="FORGE_DEBUG_GROUP_M=1 FORGE_DEBUG_PREFETCH_LEAD=512"
 # adds one benchmark run per VAR=value setting (its totals printed, its tables in logs.tgz).
 # FORGE_GPU_CHECK_CUDA_FLAGS="-DFORGE_SOME_EXPERIMENT=1" builds everything (library, tests,
 # benchmark) with those CUDA flags: an experiment's whole check.
@@ -95,9 +95,9 @@ if [ "${1:-}" = profile ]; then
   }
   log "profile: ncu ($NCU)"
   # wgrad_bench --profile's 9 launches (its main() lists them): the fused step (whichever kernel
-  # the environment selects: FORGE_CUDA_PERSISTENT=1 profiles the persistent one) at T = 32 and
+  # the environment selects: FORGE_DEBUG_PERSISTENT=1 profiles the persistent one) at T = 32 and
   # 512 with bf16 SR and int8 states, the element-wise step with both, the unfused AdamW pass,
-  # and the fused step with nearest-rounded bf16 W and states (issue 3's) at T = 32 and 512.
+  # and the fused step with nearest-rounded bf16 W and states at T = 32 and 512.
   timeout "${FORGE_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name regex:'wgrad|adamw|elementwise' \
     --launch-skip 0 --launch-count 9 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
@@ -125,7 +125,7 @@ if [ "${1:-}" = ab ]; then
   # VAR=value[,VAR=value...], where an item may also be a wgrad_bench flag such as
   # --reverse-shapes, or --flag=value for "--flag value"; default "default"), reversing the
   # order of the runs every other repetition, and prints bench/ab_totals.py's medians and
-  # lowest-highest ranges. The card's clock moves between runs (bench/NOTES.md v15, v19):
+  # lowest-highest ranges. The card's clock moves between runs:
   # compare only within one call. Results:
   # $OUT/<label>-r<rep>/bench.md.
   # FORGE_AB_ARGS: more arguments for every run (e.g. --quick: T = 512 only). An earlier ab
@@ -154,7 +154,7 @@ if [ "${1:-}" = ab ]; then
   done
   runs=()  # "binary|label|setting"
   for setting in ${FORGE_AB_SETTINGS:-default}; do
-    runs+=("$bench_bin|$(echo "$setting" | sed 's/FORGE_CUDA_//g; s/[^A-Za-z0-9=,]//g')|$setting")
+    runs+=("$bench_bin|$(echo "$setting" | sed 's/FORGE_DEBUG_//g; s/[^A-Za-z0-9=,]//g')|$setting")
   done
   for i in "${!defsets[@]}"; do
     runs+=("$BUILD-bench-defs$((i + 1))/bench/wgrad_bench|defs$((i + 1))|default")
@@ -211,10 +211,10 @@ fi
 
 if [ "${1:-}" = trace ]; then
   # `bash scripts/gpu_check.sh trace`: build only the benchmark and run `wgrad_bench --trace`
-  # (time + per-CTA phase trace of a few layers, bench/NOTES.md v13) FORGE_TRACE_REPS times
+  # (time + per-CTA phase trace of a few layers) FORGE_TRACE_REPS times
   # (default 1) per setting in FORGE_TRACE_SETTINGS: space-separated, each "default" or
-  # VAR=value[,VAR=value...] of FORGE_CUDA_* knobs (default: "default
-  # FORGE_CUDA_STAGGER_NS=0"). FORGE_TRACE_DEFS: "|"-separated sets of compile definitions
+  # VAR=value[,VAR=value...] of FORGE_DEBUG_* knobs (default: "default
+  # FORGE_DEBUG_STAGGER_NS=0"). FORGE_TRACE_DEFS: "|"-separated sets of compile definitions
   # of experiments (e.g. "-DFORGE_X=1|-DFORGE_X=2"), each built too and run with "default".
   # Results: $OUT/<build>-<setting>-r<rep>/trace.md (+ raw CSVs), and bench/trace_sweep.py's
   # table of medians over the repetitions.
@@ -237,10 +237,10 @@ if [ "${1:-}" = trace ]; then
   for rep in $(seq 1 "${FORGE_TRACE_REPS:-1}"); do
     for b in "${builds[@]}"; do
       bin=$BUILD-bench/bench/wgrad_bench
-      settings=${FORGE_TRACE_SETTINGS:-default FORGE_CUDA_STAGGER_NS=0}
+      settings=${FORGE_TRACE_SETTINGS:-default FORGE_DEBUG_STAGGER_NS=0}
       if [ "$b" != default ]; then bin=$BUILD-bench-$b/bench/wgrad_bench; settings=default; fi
       for setting in $settings; do
-        label=$(echo "$setting" | sed 's/FORGE_CUDA_//g; s/[^A-Za-z0-9=,]//g')
+        label=$(echo "$setting" | sed 's/FORGE_DEBUG_//g; s/[^A-Za-z0-9=,]//g')
         d="$OUT/$b-$label-r$rep"
         mkdir -p "$d"
         env_args=()
@@ -317,8 +317,8 @@ if ((build_rc == 0)); then
   t0=$(elapsed)
   log "ctest -L gpu"
   # NOTE: 8 test processes share the GPU; each CPU reference gets 2 OpenMP threads.
-  # The reserve for the steps after it: the benchmark alone in quick mode (run 17's 270 s
-  # budget left ctest 66 s with the full mode's reserve, and cut it).
+  # The reserve for the steps after it: the benchmark alone in quick mode (with the full
+  # mode's reserve, a 270 s budget leaves ctest 66 s and cuts it).
   OMP_NUM_THREADS=2 timeout "$(limit 200 "$([ "$QUICK" = 1 ] && echo 40 || echo 140)")" \
     ctest --test-dir "$BUILD" -L gpu -j 8 \
     --output-on-failure --timeout 300 >"$OUT/ctest_gpu.log" 2>&1
@@ -330,20 +330,20 @@ if ((build_rc == 0)); then
   # The portable mma.sync kernels again (on a Hopper GPU the suite above ran the wgmma main
   # loop): the bit-exact and shape/layout tests, which reach every kernel variant.
   t0=$(elapsed)
-  log "ctest -L gpu, sm80 path (FORGE_CUDA_WGMMA=0)"
-  FORGE_CUDA_WGMMA=0 OMP_NUM_THREADS=2 timeout "$(limit 120 110)" ctest --test-dir "$BUILD" -L gpu -j 8 \
+  log "ctest -L gpu, sm80 path (FORGE_DEBUG_WGMMA=0)"
+  FORGE_DEBUG_WGMMA=0 OMP_NUM_THREADS=2 timeout "$(limit 120 110)" ctest --test-dir "$BUILD" -L gpu -j 8 \
     -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradSplitK|ManyWaves' \
     --output-on-failure --timeout 300 >"$OUT/ctest_gpu_sm80.log" 2>&1
   row "ctest -L gpu (sm80 path, Wgrad bit-exact subset)" "$(ctest_result "$OUT/ctest_gpu_sm80.log")" \
     "$(($(elapsed) - t0)) s"
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$OUT/ctest_gpu_sm80.log" | head -30
 
-  # The persistent Hopper kernel, forced on every layer it applies to (FORGE_CUDA_PERSISTENT=1;
+  # The persistent Hopper kernel, forced on every layer it applies to (FORGE_DEBUG_PERSISTENT=1;
   # by default only large layers at T >= 1024 run it), with its grid capped at 3 CTAs so that
   # every test layer runs several tiles per CTA.
   t0=$(elapsed)
-  log "ctest -L gpu, persistent kernel (FORGE_CUDA_PERSISTENT=1, 3 CTAs)"
-  FORGE_CUDA_PERSISTENT=1 FORGE_CUDA_PERSISTENT_CTAS=3 OMP_NUM_THREADS=2 \
+  log "ctest -L gpu, persistent kernel (FORGE_DEBUG_PERSISTENT=1, 3 CTAs)"
+  FORGE_DEBUG_PERSISTENT=1 FORGE_DEBUG_PERSISTENT_CTAS=3 OMP_NUM_THREADS=2 \
     timeout "$(limit 120 100)" ctest --test-dir "$BUILD" -L gpu -j 8 \
     -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradRandom|ManyWaves|WgradRunScalars|CudaGraph' \
     --output-on-failure --timeout 120 >"$OUT/ctest_gpu_persistent.log" 2>&1
@@ -353,8 +353,8 @@ if ((build_rc == 0)); then
   fi
 
   t0=$(elapsed)
-  log "benchmark (default path, then FORGE_CUDA_WGMMA=0 into $OUT/sm80)"
-  FORGE_CUDA_VERBOSE=1 timeout "$(limit 150 80)" "$BUILD/bench/wgrad_bench" --out "$OUT" \
+  log "benchmark (default path, then FORGE_DEBUG_WGMMA=0 into $OUT/sm80)"
+  FORGE_DEBUG_LOG=1 timeout "$(limit 150 80)" "$BUILD/bench/wgrad_bench" --out "$OUT" \
     >"$OUT/bench.log" 2>&1
   bench_rc=$?
   # The unfused way as torch runs it (cuBLAS dW through torch.mm + torch's fused AdamW kernel)
@@ -375,11 +375,11 @@ if ((build_rc == 0)); then
   done
   if [ "$QUICK" != 1 ]; then
     mkdir -p "$OUT/sm80"
-    FORGE_CUDA_WGMMA=0 timeout "$(limit 150 70)" "$BUILD/bench/wgrad_bench" --out "$OUT/sm80" \
+    FORGE_DEBUG_WGMMA=0 timeout "$(limit 150 70)" "$BUILD/bench/wgrad_bench" --out "$OUT/sm80" \
       >"$OUT/sm80/bench.log" 2>&1
     others="$others; sm80 path rc=$?"
     mkdir -p "$OUT/persistent"
-    FORGE_CUDA_PERSISTENT=1 timeout "$(limit 150 60)" "$BUILD/bench/wgrad_bench" --out "$OUT/persistent" \
+    FORGE_DEBUG_PERSISTENT=1 timeout "$(limit 150 60)" "$BUILD/bench/wgrad_bench" --out "$OUT/persistent" \
       >"$OUT/persistent/bench.log" 2>&1
     others="$others; persistent rc=$?"
   fi
@@ -419,10 +419,10 @@ if ((build_rc == 0)); then
   # The persistent kernel (forced, 3 CTAs: several tiles per CTA), a specialized and a generic
   # configuration, odd shapes, non-finite gradients.
   PERSISTENT_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/RMSpropCenteredMomentum_Wbf16master_Sbf16sr:*WgradOddShapes*/out129_in17_T4097:*WgradNonFinite*/Wbf16sr_Sint8'
-  sanitize "persistent kernel" memcheck "$PERSISTENT_FILTER" 90 40 FORGE_CUDA_PERSISTENT=1 \
-    FORGE_CUDA_PERSISTENT_CTAS=3
-  sanitize "persistent kernel" racecheck "$PERSISTENT_FILTER" 90 20 FORGE_CUDA_PERSISTENT=1 \
-    FORGE_CUDA_PERSISTENT_CTAS=3
+  sanitize "persistent kernel" memcheck "$PERSISTENT_FILTER" 90 40 FORGE_DEBUG_PERSISTENT=1 \
+    FORGE_DEBUG_PERSISTENT_CTAS=3
+  sanitize "persistent kernel" racecheck "$PERSISTENT_FILTER" 90 20 FORGE_DEBUG_PERSISTENT=1 \
+    FORGE_DEBUG_PERSISTENT_CTAS=3
 
   # ---- 4. CPU tests --------------------------------------------------------------------------
   t0=$(elapsed)
@@ -453,12 +453,12 @@ SWEEP_DIRS=$(cd "$OUT" && ls -d sweep-* 2>/dev/null)
     sanitizer.log bench.log sm80 persistent torch_unfused.log torch-unfused.json $SWEEP_DIRS)
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
 [ -f "$OUT/torch-unfused.md" ] && { echo; echo "## against cuBLAS dW + torch's fused AdamW (bench/torch_unfused.py), Llama-3.1-8B totals"; grep -A6 "^Llama-3.1-8B totals" "$OUT/torch-unfused.md" | tail -5; }
-[ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_CUDA_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
+[ -f "$OUT/bench-sm80.md" ] && { echo; echo "## sm80 path (FORGE_DEBUG_WGMMA=0), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-sm80.md" | tail -4; }
 for setting in $SWEEP; do
   echo; echo "## $setting: Llama-3.1-8B totals and the 4096×4096 rows (full table in logs.tgz)"
   tar xzf "$OUT/logs.tgz" -O "$(sweep_dir "$setting")/bench.md" 2>/dev/null |
     grep -E "^\| (q_proj|512 |2048 |4096 )"
 done
-[ -f "$OUT/bench-persistent.md" ] && { echo; echo "## persistent kernel (FORGE_CUDA_PERSISTENT=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-persistent.md" | tail -4; }
+[ -f "$OUT/bench-persistent.md" ] && { echo; echo "## persistent kernel (FORGE_DEBUG_PERSISTENT=1), Llama-3.1-8B totals"; grep -A5 "all 224 linear layers" "$OUT/bench-persistent.md" | tail -4; }
 echo
 cat "$OUT/summary.md"

@@ -5,7 +5,7 @@
 #   1b. the host's cost per Linear per step, FORGE against torch (bench/host_overhead.py);
 #   1c. the Python test suite on CUDA (pytest tests/python -m cuda, PYTEST_BUDGET_S);
 #   2. forge-bench --suite anchors: peak memory and step time of the ../shared/ANCHORS.md
-#      cases and issue 5's targets, most important first, within a time budget;
+#      cases and their targets, most important first, within a time budget;
 #   3. forge-bench --parity: ~100M model, bf16, PARITY_STEPS steps of real text (the
 #      machine's Python library sources): FORGE bf16+SR and int8 against torch fused AdamW;
 #   4. prints a short summary last.
@@ -73,9 +73,9 @@ bench_budget=$((TOTAL - $(elapsed) - PARITY_RESERVE - 20))
 if ((bench_budget > 30)); then
   say "forge-bench --suite anchors (budget ${bench_budget}s)"
   # shellcheck disable=SC2086
-  # FORGE_CUDA_VERBOSE: the log says which wgrad kernel each configuration ran (a generic
+  # FORGE_DEBUG_LOG: the log says which wgrad kernel each configuration ran (a generic
   # kernel where a specialized one was expected is a performance bug).
-  FORGE_CUDA_VERBOSE=1 timeout $((bench_budget + 60)) $PY -m forge.tools.bench --suite anchors --time-budget "$bench_budget" \
+  FORGE_DEBUG_LOG=1 timeout $((bench_budget + 60)) $PY -m forge.tools.bench --suite anchors --time-budget "$bench_budget" \
     --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" | grep --line-buffered -E '^\[[0-9]+/|error'
   say "forge-bench finished (status ${PIPESTATUS[0]})"
 else
@@ -102,5 +102,5 @@ say "done in $(elapsed)s; files in $OUT:"
 ls -1 "$OUT"
 echo
 $PY -m forge.tools.bench --summarize "$OUT" 2>&1 | tee -a "$LOG"
-echo "kernels the benchmark ran (FORGE_CUDA_VERBOSE):"
+echo "kernels the benchmark ran (FORGE_DEBUG_LOG):"
 grep -h "forge cuda: step runs" "$LOG" | sort -u | head -20

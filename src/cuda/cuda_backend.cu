@@ -1,14 +1,16 @@
 // cuda_backend.cu — the CUDA backend: forge::cuda::{wgrad_step, elementwise_step, state_fill,
 // state_to_fp32, state_from_fp32} (declared by FORGE_DECLARE_BACKEND in src/backend.h).
 //
-// What lives where:
-//  - sm80_wgrad.cuh: the fused dW = dYᵀX + optimizer kernels (tensor cores for bf16/fp16,
-//    fp32 SIMT otherwise) and their split-K reduction.
-//  - sm90_wgrad.cuh: the Hopper main loop (TMA + wgmma, sm_90a) in front of the same epilogue;
-//    used on compute capability 9.0 for aligned bf16/fp16 inputs (FORGE_CUDA_WGMMA=0: never).
-//  - update.cuh: the element update every kernel shares (formats + forge::apply_rule).
-//  - this file: launch decisions (kernel, split-K), the split-K workspace cache, the device
-//    guard, error reporting, and the small element-wise kernels.
+// This file only launches: it gathers a step's facts, asks heuristics.h for the plan (kernel,
+// split-K, launch shape) and executes it. Around that: the device guard and error reporting,
+// the per-device kernel set-up, the split-K workspace cache, the TMA descriptors and the one
+// reader of the debug switches. Elsewhere:
+//  - heuristics.h: the kernel-choice policy (host-only, tested by the CPU suite).
+//  - kernel_tables.cuh: every kernel, in the tables the launchers pick from.
+//  - sm80_wgrad.cuh / sm90_wgrad.cuh: the fused dW = dYᵀX + optimizer kernels (mma.sync and
+//    SIMT; TMA + wgmma, two-CTA and persistent) and their split-K reduction.
+//  - elementwise.cuh: the element-wise step and state kernels.
+//  - update.cuh: the element update every kernel shares; ptx.cuh: the inline-PTX wrappers.
 //
 // The CPU backend (src/cpu/cpu_backend.cpp) is the specification: given the same fp32
 // gradient every kernel here writes the same bits (same core functions, --fmad=false).
@@ -30,14 +32,18 @@
 
 #include "backend.h"
 #include "core/status.h"
-#include "cuda/sm80_wgrad.cuh"
-#include "cuda/sm90_wgrad.cuh"
+#include "cuda/heuristics.h"
+#include "cuda/kernel_tables.cuh"
 #include "cuda/update.cuh"
-#include "cuda/persistent_rule.h"
 
 namespace forge {
 namespace cuda {
 namespace {
+
+// heuristics.h's picture of the kernels must be theirs.
+static_assert(kTileRows == kBM && kTileCols == kBN, "heuristics.h: tile shape");
+static_assert(kSm80TokensPerKtile == kBK && kSm90TokensPerKtile == kSm90BK,
+              "heuristics.h: tokens per k-tile");
 
 // ---- errors and devices ------------------------------------------------------------------------
 
@@ -83,170 +89,58 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
-// ---- the kernels -----------------------------------------------------------------------------
-//
-// The specialized bf16-input wgrad kernels: the epilogue's rule and formats are compile-time
-// constants (update.cuh, UpdateSpec); any other configuration runs the generic kernel.
-// NOTE: each entry is one more copy of the main loop + a lean epilogue (~3-4 s of ptxas per
-// architecture): only the configurations worth it are listed.
-using WgradKernelFn = void (*)(WgradParams);
-using SpecMatchFn = bool (*)(const RuleScalars&, int, int);
-struct WgradKernel {
-  WgradKernelFn fn;
-  SpecMatchFn matches;  // nullptr: the generic kernels
-  const char* name;
-};
+// ---- debug switches ----------------------------------------------------------------------------
 
-// The Hopper kernels take the operands' TMA descriptors as a second parameter.
-using Sm90KernelFn = void (*)(WgradParams, Sm90TensorMaps);
-struct Sm90Kernel {
-  Sm90KernelFn fn;
-  SpecMatchFn matches;  // nullptr: the generic kernels
-  const char* name;
-};
-
-// The specialized configurations, one X(rule, weight format, state format, name) each: the
-// sm80 and the sm90 tables below are both built from this list.
-// NOTE: forge.optim rounds weights and bf16 states the same way (stochastic_rounding, on by
-// default), so the pairs it produces are (bf16 SR, bf16 SR), (bf16, bf16), (master, bf16 SR),
-// ... and those are the ones listed. A configuration not listed runs the generic kernel
-// (measured ~3x slower epilogue): (bf16 SR W, bf16 SR states) was missing before, and
-// forge.optim.AdamW's default bf16 run took the generic path.
-#define FORGE_SPEC_LIST(X)                                                                       \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16")                   \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8")           \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_FP32, "adamw, bf16, fp32")                   \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC,                  \
-    "adamw, bf16 sr, bf16 sr")                                                                   \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,                     \
-    "adamw, bf16 sr, int8")                                                                      \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP32, "adamw, bf16 sr, fp32")     \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_BF16_STOCHASTIC,                      \
-    "adamw, bf16 + master, bf16 sr")                                                             \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64,                         \
-    "adamw, bf16 + master, int8")                                                                \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32, "adamw, bf16 + master, fp32")   \
-  X(FORGE_RULE_LION, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC,                   \
-    "lion, bf16 sr, bf16 sr")                                                                    \
-  X(FORGE_RULE_SGD, FORGE_WEIGHT_BF16, kAny, "sgd, bf16")                                         \
-  X(FORGE_RULE_SGD, FORGE_WEIGHT_BF16_STOCHASTIC, kAny, "sgd, bf16 sr")
-
-#define FORGE_SM80_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                      \
-  WgradKernel{wgrad_mma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,        \
-              spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_mma<bf16, " NAME ">"},
-#define FORGE_SM90_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                      \
-  Sm90Kernel{wgrad_wgmma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,       \
-             spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma<bf16, " NAME ">"},
-
-const WgradKernel kSpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM80_SPEC_KERNEL)};
-// NOTE: each entry is one more sm_90a copy of the main loop + epilogue (ptxas time); the
-// other passes compile a stub.
-const Sm90Kernel kSm90SpecKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_SPEC_KERNEL)};
-#undef FORGE_SM80_SPEC_KERNEL
-#undef FORGE_SM90_SPEC_KERNEL
-
-// The same kernels reading the step's scalars from device memory (forge_hparams.run_scalars,
-// CUDA graphs): UpdateSpec's kRunScalars.
-#define FORGE_SM80_RUN_KERNEL(RULE, WEIGHT, STATE, NAME)                           \
-  WgradKernel{wgrad_mma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE, true>>,      \
-              spec_matches<UpdateSpec<RULE, WEIGHT, STATE, true>>,                 \
-              "wgrad_mma<bf16, " NAME ", run scalars>"},
-#define FORGE_SM90_RUN_KERNEL(RULE, WEIGHT, STATE, NAME)                           \
-  Sm90Kernel{wgrad_wgmma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE, true>>,     \
-             spec_matches<UpdateSpec<RULE, WEIGHT, STATE, true>>,                  \
-             "wgrad_wgmma<bf16, " NAME ", run scalars>"},
-const WgradKernel kSpecRunKernels[] = {FORGE_SPEC_LIST(FORGE_SM80_RUN_KERNEL)};
-const Sm90Kernel kSm90SpecRunKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_RUN_KERNEL)};
-#undef FORGE_SM80_RUN_KERNEL
-#undef FORGE_SM90_RUN_KERNEL
-// (FORGE_SPEC_LIST also builds the element-wise kernels' table, further down.)
-
-// The configurations forge.optim runs most, the ones the experimental kernels below are built
-// for (each entry is one more sm_90a compile of a kernel).
-#define FORGE_HOT_SPEC_LIST(X)                                                                   \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16")                   \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC,                  \
-    "adamw, bf16 sr, bf16 sr")                                                                   \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8")           \
-  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,                     \
-    "adamw, bf16 sr, int8")
-
-// The persistent, warp-specialized Hopper kernels (sm90_wgrad.cuh; chosen by persistent_pays,
-// or forced with FORGE_CUDA_PERSISTENT): the generic ones (below) and the hot configurations,
-// those also reading the step's scalars from device memory (a CUDA graph's step).
-#define FORGE_PERSISTENT_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                             \
-  Sm90Kernel{wgrad_wgmma_persistent_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,         \
-             spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, "wgrad_wgmma_persistent<bf16, " NAME ">"},
-#define FORGE_PERSISTENT_RUN_KERNEL(RULE, WEIGHT, STATE, NAME)                                 \
-  Sm90Kernel{wgrad_wgmma_persistent_kernel<false, UpdateSpec<RULE, WEIGHT, STATE, true>>,      \
-             spec_matches<UpdateSpec<RULE, WEIGHT, STATE, true>>,                              \
-             "wgrad_wgmma_persistent<bf16, " NAME ", run scalars>"},
-const Sm90Kernel kPersistentSpecKernels[] = {FORGE_HOT_SPEC_LIST(FORGE_PERSISTENT_SPEC_KERNEL)};
-const Sm90Kernel kPersistentSpecRunKernels[] = {FORGE_HOT_SPEC_LIST(FORGE_PERSISTENT_RUN_KERNEL)};
-#undef FORGE_PERSISTENT_SPEC_KERNEL
-#undef FORGE_PERSISTENT_RUN_KERNEL
-#undef FORGE_HOT_SPEC_LIST
-
-const Sm90Kernel kPersistentGenericKernels[] = {
-    {wgrad_wgmma_persistent_kernel<false>, nullptr, "wgrad_wgmma_persistent<bf16>"},
-    {wgrad_wgmma_persistent_kernel<true>, nullptr, "wgrad_wgmma_persistent<fp16>"},
-};
-
-// [run scalars]: the generic kernels, then the same reading the step's scalars from device
-// memory. Entries: bf16 inputs, fp16 inputs, fp32 (sm80 only).
-const WgradKernel kGenericKernels[2][3] = {
-    {{wgrad_mma_kernel<false>, nullptr, "wgrad_mma<bf16>"},
-     {wgrad_mma_kernel<true>, nullptr, "wgrad_mma<fp16>"},
-     {wgrad_simt_kernel<>, nullptr, "wgrad_simt"}},
-    {{wgrad_mma_kernel<false, GenericRunSpec>, nullptr, "wgrad_mma<bf16, run scalars>"},
-     {wgrad_mma_kernel<true, GenericRunSpec>, nullptr, "wgrad_mma<fp16, run scalars>"},
-     {wgrad_simt_kernel<GenericRunSpec>, nullptr, "wgrad_simt<run scalars>"}},
-};
-
-const Sm90Kernel kSm90GenericKernels[2][2] = {
-    {{wgrad_wgmma_kernel<false>, nullptr, "wgrad_wgmma<bf16>"},
-     {wgrad_wgmma_kernel<true>, nullptr, "wgrad_wgmma<fp16>"}},
-    {{wgrad_wgmma_kernel<false, GenericRunSpec>, nullptr, "wgrad_wgmma<bf16, run scalars>"},
-     {wgrad_wgmma_kernel<true, GenericRunSpec>, nullptr, "wgrad_wgmma<fp16, run scalars>"}},
-};
-
-// The entry of `table` whose Spec matches (k, weight format, state format), or nullptr.
-template <class Kernel, size_t kN>
-const Kernel* find_spec_kernel(const Kernel (&table)[kN], const RuleScalars& k,
-                               int weight_format, int state_format) {
-  for (const Kernel& kernel : table)
-    if (kernel.matches(k, weight_format, state_format)) return &kernel;
-  return nullptr;
+// The FORGE_DEBUG_* environment switches (documented on DebugSwitches, heuristics.h), read
+// once per process, at the backend's first call.
+// NOTE: a getenv scans the whole environment; one per switch per step costs host time on
+// every Linear.
+DebugSwitches read_debug_switches() {
+  DebugSwitches d;
+  if (const char* v = std::getenv("FORGE_DEBUG_WGMMA")) d.wgmma = v[0] != '0';
+  if (const char* v = std::getenv("FORGE_DEBUG_PERSISTENT")) {
+    if (v[0] == '1') d.persistent = PersistentOverride::kAlways;
+    if (v[0] == '0') d.persistent = PersistentOverride::kNever;
+  }
+  if (const char* v = std::getenv("FORGE_DEBUG_PERSISTENT_CTAS")) {
+    const long long n = std::atoll(v);
+    d.persistent_ctas = n > 0 ? n : 0;
+  }
+  if (const char* v = std::getenv("FORGE_DEBUG_GROUP_M")) {
+    const int n = std::atoi(v);
+    d.group_m = n > 0 ? n : 0;
+  }
+  if (const char* v = std::getenv("FORGE_DEBUG_STAGGER_NS")) {
+    const int ns = std::atoi(v);
+    d.stagger_ns = ns > 0 ? ns : 0;
+  }
+  if (const char* v = std::getenv("FORGE_DEBUG_EPILOGUE_PREFETCH"))
+    d.epilogue_prefetch = v[0] != '0';
+  if (const char* v = std::getenv("FORGE_DEBUG_PREFETCH_LEAD")) {
+    const int lead = std::atoi(v);
+    d.prefetch_lead = lead > 0 ? lead : kPrefetchLeadTokens;
+  }
+  if (const char* v = std::getenv("FORGE_DEBUG_TRACE")) {
+    unsigned long long address = 0;
+    long long count = 0;
+    if (std::sscanf(v, "%llx:%lld", &address, &count) == 2 && address != 0 && count > 0) {
+      d.trace_address = address;
+      d.trace_records = count;
+    }
+  }
+  d.log = std::getenv("FORGE_DEBUG_LOG") != nullptr;
+  return d;
+}
+const DebugSwitches& debug_switches() {
+  static const DebugSwitches switches = read_debug_switches();
+  return switches;
 }
 
-// The bf16-input kernel for (k, weight format, state format): a specialized one if listed.
-// `run`: one that reads the step's scalars from device memory. `name` receives its name (for
-// the FORGE_CUDA_VERBOSE log).
-WgradKernelFn pick_bf16_kernel(const RuleScalars& k, int weight_format, int state_format,
-                               bool run, const char** name) {
-  const WgradKernel* kernel = run ? find_spec_kernel(kSpecRunKernels, k, weight_format, state_format)
-                                  : find_spec_kernel(kSpecKernels, k, weight_format, state_format);
-  if (kernel == nullptr) kernel = &kGenericKernels[run][0];
-  *name = kernel->name;
-  return kernel->fn;
-}
-
-Sm90KernelFn pick_bf16_sm90_kernel(const RuleScalars& k, int weight_format, int state_format,
-                                   bool run, const char** name) {
-  const Sm90Kernel* kernel =
-      run ? find_spec_kernel(kSm90SpecRunKernels, k, weight_format, state_format)
-          : find_spec_kernel(kSm90SpecKernels, k, weight_format, state_format);
-  if (kernel == nullptr) kernel = &kSm90GenericKernels[run][0];
-  *name = kernel->name;
-  return kernel->fn;
-}
-
-// FORGE_CUDA_VERBOSE: says once per (kernel, rule, weight format, state format, split-K) which
+// FORGE_DEBUG_LOG: says once per (kernel, rule, weight format, state format, split-K) which
 // kernel a step runs, so a configuration that falls back to a generic kernel is visible.
 void log_kernel_choice(const char* kernel, const RuleScalars& k, int weight_format,
                        int state_format, int64_t splits) {
-  static const bool verbose = std::getenv("FORGE_CUDA_VERBOSE") != nullptr;
-  if (!verbose) return;
+  if (!debug_switches().log) return;
   static std::mutex mutex;
   static std::set<std::string> seen;
   char line[256];
@@ -255,6 +149,8 @@ void log_kernel_choice(const char* kernel, const RuleScalars& k, int weight_form
   std::lock_guard<std::mutex> lock(mutex);
   if (seen.insert(line).second) std::fprintf(stderr, "forge cuda: step runs %s\n", line);
 }
+
+// ---- devices -----------------------------------------------------------------------------------
 
 // Per-device facts and one-time kernel attributes, cached (thread-safe).
 struct DeviceInfo {
@@ -271,7 +167,7 @@ forge_status device_info(int index, DeviceInfo* out) {
   DeviceInfo& info = g_devices[index];
   if (!info.kernels_configured) {
     FORGE_CUDA_TRY(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index));
-    const bool verbose = std::getenv("FORGE_CUDA_VERBOSE") != nullptr;
+    const bool verbose = debug_switches().log;
     auto configure = [&](const void* fn, const char* name, size_t smem_bytes,
                          int threads = kThreads) -> forge_status {
       const int bytes = static_cast<int>(smem_bytes);
@@ -327,7 +223,7 @@ forge_status device_info(int index, DeviceInfo* out) {
                      info.wgmma ? "available" : "not in this build");
     }
     if (info.wgmma) {
-      // (the persistent kernels too, whether or not FORGE_CUDA_PERSISTENT is set: once per
+      // (the persistent kernels too, whether or not FORGE_DEBUG_PERSISTENT is set: once per
       // device, and the tests switch it per process)
       for (const auto& generic : kSm90GenericKernels)
         if (forge_status s = configure_all(generic, kSm90SmemBytes)) return s;
@@ -475,109 +371,6 @@ ParamView make_param_view(const forge_param& p, int num_states) {
   return v;
 }
 
-// Environment switches for benchmarking the epilogue's L2 prefetch: FORGE_CUDA_EPILOGUE_PREFETCH=0
-// turns it off, FORGE_CUDA_PREFETCH_LEAD=tokens moves it (default kPrefetchLeadTokens before
-// the main loop's end). The two-CTA Hopper kernel never prefetches for a stochastically
-// rounded weight (wgrad_step).
-bool epilogue_prefetch_enabled() {
-  const char* v = std::getenv("FORGE_CUDA_EPILOGUE_PREFETCH");
-  return !(v && v[0] == '0');
-}
-int prefetch_lead_tokens() {
-  const char* v = std::getenv("FORGE_CUDA_PREFETCH_LEAD");
-  const int lead = v ? std::atoi(v) : kPrefetchLeadTokens;
-  return lead > 0 ? lead : kPrefetchLeadTokens;
-}
-
-// Benchmark knob: FORGE_CUDA_GROUP_M=n sets the tile rasterization's group height in tile-rows
-// for every layer (1 walks each tile-row left to right); unset (0): group_height's choice.
-int group_m_tiles() {
-  const char* v = std::getenv("FORGE_CUDA_GROUP_M");
-  const int n = v ? std::atoi(v) : 0;
-  return n > 0 ? n : 0;
-}
-
-// The tile rasterization's group height for a layer of `tiles` tiles on `num_sms` SMs (the
-// measurements behind it: kGroupM in sm80_wgrad.cuh).
-int group_height(int64_t tiles, int num_sms) {
-  const int64_t resident_ctas = 2 * static_cast<int64_t>(num_sms);  // two CTAs per SM
-  return tiles <= kFewWaves * resident_ctas ? kGroupMFewWaves : kGroupM;
-}
-
-// Environment switch for the persistent, warp-specialized Hopper kernel (sm90_wgrad.cuh), which
-// applies to the wgmma path without split-K outside CUDA graphs: FORGE_CUDA_PERSISTENT=1 runs
-// it wherever it applies (the tests of it), =0 never; unset, where it pays (persistent_pays).
-enum PersistentMode { kPersistentAuto, kPersistentAlways, kPersistentNever };
-PersistentMode persistent_mode() {
-  const char* v = std::getenv("FORGE_CUDA_PERSISTENT");
-  if (v != nullptr && v[0] == '1') return kPersistentAlways;
-  if (v != nullptr && v[0] == '0') return kPersistentNever;
-  return kPersistentAuto;
-}
-
-// Test knob: FORGE_CUDA_PERSISTENT_CTAS=n caps the persistent grid at n CTAs, so that small
-// test layers also run several tiles per CTA (0 or unset: one CTA per SM).
-int64_t persistent_cta_cap() {
-  const char* v = std::getenv("FORGE_CUDA_PERSISTENT_CTAS");
-  const long long n = v != nullptr ? std::atoll(v) : 0;
-  return n > 0 ? n : 0;
-}
-
-// Environment switch: FORGE_CUDA_WGMMA=0 keeps the sm80 kernels on Hopper too (A/B
-// benchmarks, and the test suite on both paths). Default on.
-bool wgmma_enabled() {
-  const char* v = std::getenv("FORGE_CUDA_WGMMA");
-  return !(v && v[0] == '0');
-}
-
-// Benchmark instrument: FORGE_CUDA_TRACE=<device address in hex>:<records> makes the Hopper
-// kernels write one record (kTraceWords 64-bit words) per CTA into that buffer: TileTrace from
-// the two-CTA kernel, PersistentTrace from the persistent one. The caller allocated it on the
-// device of the steps (bench/wgrad_bench --trace sets it). Every launch overwrites it from
-// record 0.
-struct TraceBuffer {
-  unsigned long long* records = nullptr;
-  int64_t count = 0;
-};
-TraceBuffer trace_buffer() {
-  TraceBuffer t;
-  const char* v = std::getenv("FORGE_CUDA_TRACE");
-  if (v == nullptr) return t;
-  unsigned long long address = 0;
-  long long count = 0;
-  if (std::sscanf(v, "%llx:%lld", &address, &count) == 2 && address != 0 && count > 0) {
-    t.records = reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(address));
-    t.count = count;
-  }
-  return t;
-}
-
-// Benchmark knob: FORGE_CUDA_STAGGER_NS=ns replaces kStaggerNs (0 turns the stagger off).
-int stagger_ns() {
-  const char* v = std::getenv("FORGE_CUDA_STAGGER_NS");
-  if (v == nullptr) return kStaggerNs;
-  const int ns = std::atoi(v);
-  return ns > 0 ? ns : 0;
-}
-
-// The switches above, read once per process (at the first step).
-// NOTE: a getenv scans the whole environment; six per step cost host time on every Linear.
-struct EnvSwitches {
-  bool wgmma, epilogue_prefetch;
-  PersistentMode persistent;
-  int prefetch_lead, group_m;
-  int64_t persistent_ctas;
-  TraceBuffer trace;
-  int stagger_ns;
-};
-const EnvSwitches& env_switches() {
-  static const EnvSwitches switches{wgmma_enabled(),        epilogue_prefetch_enabled(),
-                                    persistent_mode(),      prefetch_lead_tokens(),
-                                    group_m_tiles(),        persistent_cta_cap(),
-                                    trace_buffer(),         stagger_ns()};
-  return switches;
-}
-
 // ---- TMA descriptors (sm90) ------------------------------------------------------------------------
 
 // cuTensorMapEncodeTiled, from the driver through cudart (no -lcuda), looked up once.
@@ -626,276 +419,7 @@ forge_status encode_operand_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtens
   return FORGE_OK;
 }
 
-// ---- element-wise kernels ------------------------------------------------------------------------
-//
-// One half-warp per (row, 64-column block): lane l of the half owns columns 4l..4l+3 of the
-// block, as in the wgrad epilogue. The loop bound is uniform per warp, so both halves run
-// every iteration (the int8 absmax shuffles need the whole warp).
-constexpr int kElementwiseThreads = 256;
-
-struct BlockCursor {
-  int64_t row, col;
-  int n;  // elements of this lane in range (0..4)
-};
-
-__device__ __forceinline__ BlockCursor block_cursor(const ParamView& p, int64_t pair, int64_t pairs,
-                                                    int lane16) {
-  BlockCursor c{0, 0, 0};
-  if (pair < pairs) {
-    c.row = pair / p.blocks_per_row;
-    c.col = (pair % p.blocks_per_row) * FORGE_INT8_BLOCK + lane16 * kQuad;
-    c.n = c.col < p.cols ? static_cast<int>(min64(kQuad, p.cols - c.col)) : 0;
-  }
-  return c;
-}
-
-// The gradient quad at idx in fp32 (load_input's conversions). `vec`: the quad is whole and
-// one aligned vector load is legal (cols % 4 == 0, gradient 16-byte aligned).
-__device__ __forceinline__ void load_grad_quad(const void* grad, int dtype, int64_t idx, int n,
-                                               bool vec, float (&g)[kQuad]) {
-  switch (dtype) {
-    case FORGE_DTYPE_FP32:
-      load_quad_f32(static_cast<const float*>(grad), idx, n, vec, g);
-      break;
-    case FORGE_DTYPE_BF16:
-      load_quad_bf16(static_cast<const uint16_t*>(grad), idx, n, vec, g);
-      break;
-    default:  // FORGE_DTYPE_FP16
-      load_quad_16(static_cast<const uint16_t*>(grad), idx, n, vec, g,
-                   [](uint16_t h) { return fp16_to_float(h); });
-  }
-}
-
-// The element-wise loop, software-pipelined, on a flat view: `p` is the parameter seen as one
-// row (rows = 1, cols = rows · cols, which keeps every element offset, int8 block index and
-// stochastic-rounding index, as the original's cols % 64 == 0), the gradient is bf16 and
-// every access is a whole vector. The raw weight, states and gradient of the warp's next
-// iteration are loaded before the current one is updated, as update_tile does in the fused
-// kernels: one batch of loads stays in flight during the arithmetic.
-// Pairs past the end (the warp's last iteration) load the last pair again and store nothing
-// (n = 0); their lanes still take part in the int8 shuffles.
-template <class Spec, int kQ>
-__device__ __forceinline__ void elementwise_flat_pipelined(const uint16_t* grad, const ParamView& p,
-                                                           const RuleScalars& k, bool want_sq,
-                                                           StepTotals& totals) {
-  const int lane = threadIdx.x % 32, lane16 = lane % 16;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  const int64_t pairs = p.blocks_per_row;  // rows == 1
-  constexpr int kPairsPerWarp = 2 * kQ;
-  const int64_t stride = warps * kPairsPerWarp;
-  const int64_t no_row[kQ] = {};  // row 0 of the flat view
-  // Element offsets (= columns of the flat view) of the lane's kQ quads at `base`.
-  auto offsets = [&](int64_t base, int64_t (&idx)[kQ], int (&n)[kQ]) {
-#pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      const int64_t pair = base + 2 * q + lane / 16;
-      const bool in = pair < pairs;
-      idx[q] = (in ? pair : pairs - 1) * FORGE_INT8_BLOCK + lane16 * kQuad;
-      n[q] = in ? kQuad : 0;
-    }
-  };
-  int64_t base = warp * kPairsPerWarp;
-  if (base >= pairs) return;
-  RawQuads<Spec, kQ> next;
-  uint2 g_next[kQ];
-  {
-    int64_t idx[kQ];
-    int n[kQ];
-    offsets(base, idx, n);
-    next.load(p, no_row, idx, idx);
-#pragma unroll
-    for (int q = 0; q < kQ; ++q) g_next[q] = *reinterpret_cast<const uint2*>(grad + idx[q]);
-  }
-#pragma unroll 1
-  for (; base < pairs; base += stride) {
-    const RawQuads<Spec, kQ> cur = next;
-    uint2 g_cur[kQ];
-#pragma unroll
-    for (int q = 0; q < kQ; ++q) g_cur[q] = g_next[q];
-    int64_t idx[kQ];
-    int n[kQ];
-    offsets(base, idx, n);
-    {
-      // NOTE: unconditional (the last iteration reloads its own operands) so the compiler
-      // keeps these loads ahead of the update, as in update_tile.
-      int64_t idx_next[kQ];
-      int n_next[kQ];
-      offsets(base + stride < pairs ? base + stride : base, idx_next, n_next);
-      next.load(p, no_row, idx_next, idx_next);
-#pragma unroll
-      for (int q = 0; q < kQ; ++q) g_next[q] = *reinterpret_cast<const uint2*>(grad + idx_next[q]);
-    }
-    float w[kQ][kQuad], st[FORGE_MAX_STATES][kQ][kQuad], g[kQ][kQuad];
-    bool vec[kQ];
-    cur.unpack(w, st);
-#pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      g[q][0] = bf16_to_float(static_cast<uint16_t>(g_cur[q].x & 0xFFFFu));
-      g[q][1] = bf16_to_float(static_cast<uint16_t>(g_cur[q].x >> 16));
-      g[q][2] = bf16_to_float(static_cast<uint16_t>(g_cur[q].y & 0xFFFFu));
-      g[q][3] = bf16_to_float(static_cast<uint16_t>(g_cur[q].y >> 16));
-      vec[q] = n[q] == kQuad;
-    }
-    // idx: multiples of 4 (64-column pairs), out-of-range lanes included
-    update_loaded<kQ, Spec, FastMathWithZeros, true>(k, p, no_row, idx, idx, n, vec, lane16,
-                                                     want_sq, g, w, st, totals);
-  }
-}
-
-// Whether elementwise_flat_pipelined runs for Spec: one batch of raw operands in at most 12
-// registers (bf16 weight with bf16 or int8 states), the fused kernels' criterion.
-template <class Spec, int kQ>
-constexpr bool kElementwisePipelined = !Spec::kGeneric && raw_quads_words<Spec, kQ>() <= 12;
-
-// elementwise_step: each warp takes 2·kQ (row, 64-column block) pairs per iteration, its
-// half-warps alternating, so a lane updates kQ quads at once (update_quads batches their
-// loads). Spec as in the wgrad kernels: the configurations forge.optim runs get their rule
-// and formats as constants and the branch-free path (with zeros: most rows of an embedding's
-// m and v are exactly 0); GenericSpec covers the rest.
-// NOTE: specialized + kQ = 2 replaced one generic kernel with kQ = 1 and scalar gradient
-// loads, which moved ~0.85 TB/s on the 0.5 G-parameter embedding of Llama-3.1-8B
-// (8.6 ms of a 160 ms step at the end of backward: forge-bench --profile, 2026-11-29).
-// `flat`: p is the flat view and the gradient bf16 with vector access (elementwise_step
-// checks both); the pipelined loop runs where kElementwisePipelined.
-// NOTE: 2 CTAs per SM asked for: without it ptxas gave the int8 kernels up to 144 registers
-// (one CTA, 8 warps per SM); the others were at <= 128 already.
-template <class Spec, int kQ>
-__device__ __forceinline__ void elementwise_body(const void* grad, int grad_dtype, bool grad_vec,
-                                                 bool flat, const ParamView& p,
-                                                 const RuleScalars& k, double* grad_sq_sum,
-                                                 unsigned long long* nonfinite_count) {
-  const int lane = threadIdx.x % 32, lane16 = lane % 16;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  const int64_t pairs = p.rows * p.blocks_per_row;
-  constexpr int kPairsPerWarp = 2 * kQ;
-  const bool want_sq = grad_sq_sum != nullptr;
-  StepTotals totals{0.0, 0u};
-  if constexpr (int8_table_needed<Spec>()) {
-    int8_tables_init(threadIdx.x);
-    __syncthreads();
-  }
-  if constexpr (kElementwisePipelined<Spec, kQ>) {
-    if (flat) {
-      elementwise_flat_pipelined<Spec, kQ>(static_cast<const uint16_t*>(grad), p, k, want_sq,
-                                           totals);
-      if (grad_sq_sum != nullptr || nonfinite_count != nullptr)
-        flush_totals<kElementwiseThreads>(totals, grad_sq_sum, nonfinite_count);
-      return;
-    }
-  }
-  for (int64_t base = warp * kPairsPerWarp; base < pairs; base += warps * kPairsPerWarp) {
-    int64_t row[kQ], col[kQ], idx[kQ];  // grad: [rows, cols], contiguous
-    int n[kQ];
-    float g[kQ][kQuad];
-#pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      const BlockCursor c = block_cursor(p, base + 2 * q + lane / 16, pairs, lane16);
-      row[q] = c.row;
-      col[q] = c.col;
-      idx[q] = c.row * p.cols + c.col;
-      n[q] = c.n;
-      load_grad_quad(grad, grad_dtype, idx[q], n[q], grad_vec && n[q] == kQuad, g[q]);
-    }
-    update_quads<kQ, Spec, false, FastMathWithZeros>(k, p, row, col, idx, n, lane16, want_sq, g,
-                                                      totals);
-  }
-  if (grad_sq_sum != nullptr || nonfinite_count != nullptr)
-    flush_totals<kElementwiseThreads>(totals, grad_sq_sum, nonfinite_count);
-}
-
-// run_k: the step's scalars in device memory, for a kRunScalars Spec (CUDA graphs); k then
-// only holds what chose the kernel. Otherwise unused.
-template <class Spec, int kQ>
-__global__ void __launch_bounds__(kElementwiseThreads, 2)
-    elementwise_kernel(const void* grad, int grad_dtype, bool grad_vec, bool flat,
-                       const ParamView p, const RuleScalars k, const RuleScalars* run_k,
-                       double* grad_sq_sum, unsigned long long* nonfinite_count) {
-  if constexpr (Spec::kRunScalars) {
-    elementwise_body<Spec, kQ>(grad, grad_dtype, grad_vec, flat, p, *run_k, grad_sq_sum,
-                               nonfinite_count);
-  } else {
-    elementwise_body<Spec, kQ>(grad, grad_dtype, grad_vec, flat, p, k, grad_sq_sum,
-                               nonfinite_count);
-  }
-}
-
-using ElementwiseKernelFn = void (*)(const void*, int, bool, bool, ParamView, RuleScalars,
-                                     const RuleScalars*, double*, unsigned long long*);
-struct ElementwiseKernel {
-  ElementwiseKernelFn fn;
-  SpecMatchFn matches;
-  int pairs_per_warp;  // 2 · kQ: sizes the grid
-  const char* name;
-};
-
-// NOTE: kQ = 2 for the specialized kernels (two quads' loads in flight per lane); the generic
-// one keeps kQ = 1 (its run-time state arrays would double in registers).
-#define FORGE_ELEMENTWISE_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                        \
-  ElementwiseKernel{elementwise_kernel<UpdateSpec<RULE, WEIGHT, STATE>, 2>,             \
-                    spec_matches<UpdateSpec<RULE, WEIGHT, STATE>>, 4, "elementwise<" NAME ">"},
-const ElementwiseKernel kElementwiseSpecKernels[] = {
-    FORGE_SPEC_LIST(FORGE_ELEMENTWISE_SPEC_KERNEL)};
-#undef FORGE_ELEMENTWISE_SPEC_KERNEL
-#define FORGE_ELEMENTWISE_RUN_KERNEL(RULE, WEIGHT, STATE, NAME)                             \
-  ElementwiseKernel{elementwise_kernel<UpdateSpec<RULE, WEIGHT, STATE, true>, 2>,           \
-                    spec_matches<UpdateSpec<RULE, WEIGHT, STATE, true>>, 4,                 \
-                    "elementwise<" NAME ", run scalars>"},
-const ElementwiseKernel kElementwiseSpecRunKernels[] = {
-    FORGE_SPEC_LIST(FORGE_ELEMENTWISE_RUN_KERNEL)};
-#undef FORGE_ELEMENTWISE_RUN_KERNEL
-#undef FORGE_SPEC_LIST
-// [run scalars], as kGenericKernels.
-const ElementwiseKernel kElementwiseGenericKernels[2] = {
-    {elementwise_kernel<GenericSpec, 1>, nullptr, 2, "elementwise"},
-    {elementwise_kernel<GenericRunSpec, 1>, nullptr, 2, "elementwise<run scalars>"}};
-
-enum StateOp : int { kStateFill = 0, kStateToFp32 = 1, kStateFromFp32 = 2 };
-
-// The state in slot 0 of p filled with a value, decoded to fp32 (`out`, [rows, cols]), or
-// encoded from fp32 (`in`): the CPU's load_state/store_state with no stochastic rounding.
-// NOTE: the host moves the wanted state into slot 0 so that every state access here uses a
-// compile-time slot (a run-time index into the launch parameters would copy them to local
-// memory).
-__global__ void __launch_bounds__(kElementwiseThreads)
-    state_kernel(const ParamView p, bool is_signed, int op, float value, const float* in,
-                 float* out) {
-  const int lane = threadIdx.x % 32, lane16 = lane % 16;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  const int64_t pairs = p.rows * p.blocks_per_row;
-  int8_tables_init(threadIdx.x);  // the state format is a run-time value here
-  __syncthreads();
-  for (int64_t base = warp * 2; base < pairs; base += warps * 2) {
-    const BlockCursor c = block_cursor(p, base + lane / 16, pairs, lane16);
-    const int64_t idx = c.row * p.cols + c.col;
-    float v[kQuad];
-    if (op == kStateToFp32) {
-      load_state_quad(p, 0, is_signed, c.row, c.col, idx, c.n, false, v);
-#pragma unroll
-      for (int e = 0; e < kQuad; ++e)
-        if (e < c.n) out[idx + e] = v[e];
-    } else {
-#pragma unroll
-      for (int e = 0; e < kQuad; ++e)
-        v[e] = op == kStateFill ? value : (e < c.n ? in[idx + e] : 0.0f);
-      const QuadDraws no_draw(0, 0, true, false);  // nearest rounding: never asks for bits
-      store_state_quad(p, 0, is_signed, c.row, c.col, idx, c.n, false, 0u, lane16, false, no_draw,
-                       v);
-    }
-  }
-}
-
-int elementwise_blocks(const ParamView& p, int num_sms, int pairs_per_warp = 2) {
-  const int64_t pairs = p.rows * p.blocks_per_row;
-  const int64_t warps = (pairs + pairs_per_warp - 1) / pairs_per_warp;
-  const int64_t blocks = (warps + kElementwiseThreads / 32 - 1) / (kElementwiseThreads / 32);
-  // NOTE: a grid-stride loop over at most 16 CTAs per SM: enough warps in flight to cover
-  // memory latency, and no tail of tiny CTAs on huge parameters.
-  const int64_t cap = static_cast<int64_t>(num_sms) * 16;
-  return static_cast<int>(blocks < cap ? blocks : cap);
-}
+// ---- element-wise and state kernels ------------------------------------------------------------
 
 forge_status run_state_kernel(const forge_param& param, int index, bool is_signed, int op,
                               float value, const float* in, float* out,
@@ -910,8 +434,9 @@ forge_status run_state_kernel(const forge_param& param, int index, bool is_signe
   one.state_absmax[0] = param.state_absmax[index];
   const ParamView view = make_param_view(one, 1);
   const cudaStream_t stream = static_cast<cudaStream_t>(device.stream);
-  state_kernel<<<elementwise_blocks(view, info.num_sms), kElementwiseThreads, 0, stream>>>(
-      view, is_signed, op, value, in, out);
+  const int blocks =
+      elementwise_blocks(view.rows * view.blocks_per_row, info.num_sms, 2, kElementwiseThreads);
+  state_kernel<<<blocks, kElementwiseThreads, 0, stream>>>(view, is_signed, op, value, in, out);
   FORGE_CUDA_TRY(cudaGetLastError());
   return FORGE_OK;
 }
@@ -930,45 +455,35 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   const RuleScalars* run = nullptr;
   if (forge_status s = run_scalars_of(a.hparams, a.device.index, &run)) return s;
 
-  const int64_t tiles_m = (param.rows + kBM - 1) / kBM;
-  const int64_t tiles_n = (param.cols + kBN - 1) / kBN;
-  const int64_t tiles = tiles_m * tiles_n;
-  if (tiles > INT32_MAX)
-    return fail(FORGE_ERR_UNSUPPORTED, "CUDA: param %lld x %lld has more than 2^31 tiles",
-                static_cast<long long>(param.rows), static_cast<long long>(param.cols));
-
-  // The Hopper main loop (TMA + wgmma) when this device runs it and the inputs suit TMA:
-  // bf16/bf16 or fp16/fp16, 16 B aligned bases, row strides a multiple of 16 B, and
-  // coordinates within TMA's signed 32-bit range. Anything else: the sm80 kernels.
   const bool bf16_inputs = a.x_dtype == FORGE_DTYPE_BF16 && a.dy_dtype == FORGE_DTYPE_BF16;
   const bool fp16_inputs = a.x_dtype == FORGE_DTYPE_FP16 && a.dy_dtype == FORGE_DTYPE_FP16;
-  constexpr int64_t kTmaCoordMax = INT32_MAX - 2 * kBM;
-  const EnvSwitches& env = env_switches();
-  const bool use_wgmma = info.wgmma && (bf16_inputs || fp16_inputs) && env.wgmma &&
-                         aligned16(a.x) && aligned16(a.dy) && a.ldx % 8 == 0 &&
-                         a.lddy % 8 == 0 && param.rows <= kTmaCoordMax &&
-                         param.cols <= kTmaCoordMax && a.tokens <= kTmaCoordMax;
-
-  // Tokens per k-tile: each kernel's own pipeline stage (split-K counts in k-tiles).
-  const int64_t bk = use_wgmma ? kSm90BK : kBK;
-  const int64_t ktiles = (a.tokens + bk - 1) / bk;
-
-  // Split-K: only when the tiles alone leave SMs idle, at least kMinSplitTokens tokens per
-  // split so the partial round trip (2 × 64 KiB per CTA) stays small next to the split's
-  // GEMM work, and never more partials than workspace slots (= SMs).
-  // NOTE: the bound tiles × splits ≤ SMs is what keeps the workspace O(SMs × tile).
-  constexpr int64_t kMinSplitTokens = 256;
-  const int64_t min_ktiles_per_split = kMinSplitTokens / bk;
-  constexpr int64_t kMaxSplits = 64;
-  int64_t splits = 1;
-  if (tiles < info.num_sms && ktiles >= 2 * min_ktiles_per_split) {
-    splits = info.num_sms / tiles;
-    splits = splits < ktiles / min_ktiles_per_split ? splits : ktiles / min_ktiles_per_split;
-    splits = splits < kMaxSplits ? splits : kMaxSplits;
-    if (splits < 1) splits = 1;
-  }
-  const int64_t per = (ktiles + splits - 1) / splits;
-  splits = (ktiles + per - 1) / per;  // no empty split
+  // (Looked up only where the plan can use it: the wgmma path with bf16 inputs.)
+  const Sm90Kernel* persistent_spec =
+      info.wgmma && bf16_inputs
+          ? find_persistent_spec_kernel(k, param.weight_format, param.state_format,
+                                        run != nullptr)
+          : nullptr;
+  WgradFacts facts;
+  facts.num_sms = info.num_sms;
+  facts.wgmma = info.wgmma;
+  facts.x_dtype = a.x_dtype;
+  facts.dy_dtype = a.dy_dtype;
+  facts.x_aligned16 = aligned16(a.x);
+  facts.dy_aligned16 = aligned16(a.dy);
+  facts.ldx = a.ldx;
+  facts.lddy = a.lddy;
+  facts.rows = param.rows;
+  facts.cols = param.cols;
+  facts.tokens = a.tokens;
+  facts.weight_format = param.weight_format;
+  facts.state_format = param.state_format;
+  facts.persistent_spec_kernel = persistent_spec != nullptr;
+  facts.run_scalars = run != nullptr;
+  const DebugSwitches& debug = debug_switches();
+  const WgradPlan plan = plan_wgrad(facts, debug);
+  if (plan.tiles > INT32_MAX)
+    return fail(FORGE_ERR_UNSUPPORTED, "CUDA: param %lld x %lld has more than 2^31 tiles",
+                static_cast<long long>(param.rows), static_cast<long long>(param.cols));
 
   WgradParams w{};
   w.x = a.x;
@@ -978,30 +493,33 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   w.tokens = a.tokens;
   w.x_dtype = a.x_dtype;
   w.dy_dtype = a.dy_dtype;
-  w.vec_x = a.ldx % 8 == 0 && aligned16(a.x);
-  w.vec_dy = a.lddy % 8 == 0 && aligned16(a.dy);
-  w.tiles_m = static_cast<int32_t>(tiles_m);
-  w.tiles_n = static_cast<int32_t>(tiles_n);
-  w.splits = static_cast<int32_t>(splits);
-  w.ktiles_per_split = static_cast<int32_t>(per);
-  w.prefetch = splits == 1 && env.epilogue_prefetch;
-  w.prefetch_lead = env.prefetch_lead;
-  w.group_m = env.group_m > 0 ? env.group_m : group_height(tiles, info.num_sms);
+  w.vec_x = a.ldx % 8 == 0 && facts.x_aligned16;
+  w.vec_dy = a.lddy % 8 == 0 && facts.dy_aligned16;
+  w.tiles_m = static_cast<int32_t>(plan.tiles_m);
+  w.tiles_n = static_cast<int32_t>(plan.tiles_n);
+  w.splits = static_cast<int32_t>(plan.splits);
+  w.ktiles_per_split = static_cast<int32_t>(plan.ktiles_per_split);
+  w.prefetch = plan.prefetch;
+  w.prefetch_lead = plan.prefetch_lead;
+  w.group_m = plan.group_m;
   w.want_sq = a.outputs.grad_sq_sum != nullptr;
   w.grad_sq_sum = a.outputs.grad_sq_sum;
   w.nonfinite_count = reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count);
   w.p = make_param_view(param, k.num_states);
   w.k = k;
   w.run_k = run;
-  if (splits > 1) {
+  w.stagger_ns = plan.stagger_ns;
+  w.stagger_first = plan.stagger_first;
+  w.stagger_count = plan.stagger_count;
+  if (plan.splits > 1) {
     Workspace ws;
     if (forge_status s = get_workspace(a.device.index, stream, info.num_sms, &ws)) return s;
     w.workspace = ws.partials;
     w.counters = ws.counters;
   }
 
-  const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(splits));
-  if (use_wgmma) {
+  const dim3 grid(static_cast<unsigned>(plan.tiles), 1, static_cast<unsigned>(plan.splits));
+  if (is_sm90(plan.path)) {
     PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
     if (forge_status s = tensor_map_encoder(&encode)) return s;
     Sm90TensorMaps maps;
@@ -1012,73 +530,36 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
     if (forge_status s = encode_operand_map(encode, &maps.x, a.x, a.x_dtype, param.cols,
                                             a.tokens, a.ldx, "x"))
       return s;
-    w.trace = env.trace.records;
-    w.trace_ctas = env.trace.count;
-    // The persistent kernel: its specialized kernel for these formats, if any (a graph's step,
-    // run != nullptr, has only those), else the generic one (forced only).
-    const Sm90Kernel* persistent_spec = nullptr;
-    if (splits == 1 && !fp16_inputs)
-      persistent_spec =
-          run != nullptr
-              ? find_spec_kernel(kPersistentSpecRunKernels, k, param.weight_format,
-                                 param.state_format)
-              : find_spec_kernel(kPersistentSpecKernels, k, param.weight_format,
-                                 param.state_format);
-    const bool persistent_applies = splits == 1 && (run == nullptr || persistent_spec != nullptr);
-    const bool use_persistent =
-        persistent_applies &&
-        (env.persistent == kPersistentAlways ||
-         (env.persistent == kPersistentAuto &&
-          persistent_pays(a.tokens, tiles, info.num_sms, param.weight_format,
-                          param.state_format, persistent_spec != nullptr)));
-    if (use_persistent) {
-      // One CTA per SM, each looping over tiles (tiles j·SMs + blockIdx.x).
-      const Sm90Kernel& chosen = persistent_spec != nullptr
+    w.trace = reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(debug.trace_address));
+    w.trace_ctas = debug.trace_records;
+    if (plan.path == WgradPath::kSm90Persistent) {
+      // One CTA per SM (or fewer), each looping over tiles (tiles j·CTAs + blockIdx.x).
+      const Sm90Kernel& chosen = plan.persistent_spec
                                      ? *persistent_spec
                                      : kPersistentGenericKernels[fp16_inputs ? 1 : 0];
-      const Sm90KernelFn kernel = chosen.fn;
-      const char* name = chosen.name;
-      log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
-      int64_t ctas = tiles < info.num_sms ? tiles : info.num_sms;
-      if (const int64_t cap = env.persistent_ctas) ctas = ctas < cap ? ctas : cap;
-      kernel<<<static_cast<unsigned>(ctas), kPersistentThreads, kPersistentSmemBytes, stream>>>(
-          w, maps);
-      FORGE_CUDA_TRY(cudaGetLastError());
-      return FORGE_OK;
+      log_kernel_choice(chosen.name, k, param.weight_format, param.state_format, plan.splits);
+      chosen.fn<<<static_cast<unsigned>(plan.persistent_ctas), kPersistentThreads,
+                  kPersistentSmemBytes, stream>>>(w, maps);
+    } else {
+      const Sm90Kernel& fp16_kernel = kSm90GenericKernels[run != nullptr][1];
+      const char* name = fp16_kernel.name;
+      const Sm90KernelFn kernel =
+          fp16_inputs ? fp16_kernel.fn
+                      : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format,
+                                              run != nullptr, &name);
+      log_kernel_choice(name, k, param.weight_format, param.state_format, plan.splits);
+      kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
     }
-    // NOTE: the stagger and the L2 prefetch of the update's operands are for nearest-rounded
-    // weights only. A stochastically rounded weight's longer update already leaves the two CTAs
-    // of an SM mostly out of phase: the stagger then only delays (v13), and the prefetch
-    // competes with the other CTA's update for L2 and DRAM instead of filling an idle DRAM.
-    // Llama totals, SR weight + SR states, prefetch on -> off: 37.2 -> 35.6 ms at T = 512,
-    // 72.6 -> 69.1 at 2048, 118.2 -> 115.4 at 4096; SR weight + int8 states and bf16 nearest
-    // unchanged in total (run 47, bench/NOTES.md v15).
-    const bool ctas_in_phase = param.weight_format != FORGE_WEIGHT_BF16_STOCHASTIC;
-    w.stagger_ns =
-        splits == 1 && tiles >= kStaggerMinWaves * 2 * info.num_sms && ctas_in_phase
-            ? env.stagger_ns
-            : 0;
-    w.stagger_first = info.num_sms;
-    w.stagger_count = info.num_sms;
-    if (!ctas_in_phase) w.prefetch = 0;
-    const Sm90Kernel& fp16_kernel = kSm90GenericKernels[run != nullptr][1];
-    const char* name = fp16_kernel.name;
-    const Sm90KernelFn kernel =
-        fp16_inputs ? fp16_kernel.fn
-                    : pick_bf16_sm90_kernel(k, param.weight_format, param.state_format,
-                                            run != nullptr, &name);
-    log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
-    kernel<<<grid, kThreads, kSm90SmemBytes, stream>>>(w, maps);
   } else if (bf16_inputs) {
     const char* name = nullptr;
     const WgradKernelFn kernel =
         pick_bf16_kernel(k, param.weight_format, param.state_format, run != nullptr, &name);
-    log_kernel_choice(name, k, param.weight_format, param.state_format, splits);
+    log_kernel_choice(name, k, param.weight_format, param.state_format, plan.splits);
     kernel<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   } else {
     // fp16 inputs: the mma kernel; anything else (fp32 or mixed): the SIMT one.
     const WgradKernel& kernel = kGenericKernels[run != nullptr][fp16_inputs ? 1 : 2];
-    log_kernel_choice(kernel.name, k, param.weight_format, param.state_format, splits);
+    log_kernel_choice(kernel.name, k, param.weight_format, param.state_format, plan.splits);
     kernel.fn<<<grid, kThreads, kWgradSmemBytes, stream>>>(w);
   }
   FORGE_CUDA_TRY(cudaGetLastError());
@@ -1113,8 +594,9 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
     run_view.rows = 1;
     run_view.blocks_per_row = run_view.cols / FORGE_INT8_BLOCK;
   }
-  kernel->fn<<<elementwise_blocks(run_view, info.num_sms, kernel->pairs_per_warp),
-               kElementwiseThreads, 0, stream>>>(
+  const int blocks = elementwise_blocks(run_view.rows * run_view.blocks_per_row, info.num_sms,
+                                       kernel->pairs_per_warp, kElementwiseThreads);
+  kernel->fn<<<blocks, kElementwiseThreads, 0, stream>>>(
       a.grad, a.grad_dtype, grad_vec, flat, run_view, k, run, a.outputs.grad_sq_sum,
       reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count));
   FORGE_CUDA_TRY(cudaGetLastError());

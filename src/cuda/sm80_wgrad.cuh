@@ -28,6 +28,7 @@
 
 #include "core/formats.h"
 #include "core/rules.h"
+#include "cuda/ptx.cuh"
 #include "cuda/update.cuh"
 #include "forge/forge.h"
 
@@ -57,21 +58,6 @@ constexpr int kLdC = kBN + 8;
 constexpr int kLdF = kBM + 4;             // fp32 shared rows of the SIMT kernel
 constexpr int kTileElems = kBM * kBN;
 constexpr int kRowsPerPass = kThreads / (kBN / kQuad / 2);  // 16: a thread owns 2 quads of a row
-// NOTE: tile rasterization: tile-rows per group (WgradParams::group_m), chosen per layer by
-// the host (cuda_backend.cu, group_height): kGroupM, or kGroupMFewWaves for a layer whose tiles
-// fill at most kFewWaves waves of the two resident CTAs per SM. Measured on the H200 at
-// T = 512 / 2048 / 4096 (runs 65-66, bench/NOTES.md v18): on the Llama MLP layers 8 tile-rows
-// were as fast as 16 or faster (down_proj at T = 4096: 0.894 against 0.913 ms), and on
-// 4096 × 4096 (1024 tiles, 3.9 waves) 2 tile-rows beat 8 and 16 at every T (0.074 against
-// 0.078 ms at T = 512).
-constexpr int kGroupM = 8;
-constexpr int kGroupMFewWaves = 2;
-constexpr int kFewWaves = 4;
-// NOTE: issue the L2 prefetch of the tile's weight and states this many tokens before the
-// main loop ends, so the epilogue's loads hit L2 instead of waiting on HBM (the default of
-// WgradParams::prefetch_lead; FORGE_CUDA_PREFETCH_LEAD overrides it for benchmarking).
-constexpr int kPrefetchLeadTokens = 192;
-
 
 constexpr size_t kPipeBytes = size_t(kStages) * 2 * kStageHalves * sizeof(uint16_t);
 constexpr size_t kEpilogueBytes = size_t(kBM) * kLdC * sizeof(float);
@@ -94,7 +80,7 @@ struct WgradParams {
   int32_t splits, ktiles_per_split;
   int32_t prefetch;          // L2 prefetch of the epilogue's operands
   int32_t prefetch_lead;     // ... issued this many tokens before the main loop ends
-  int32_t group_m;           // tile rasterization: tile-rows per group (see kGroupM)
+  int32_t group_m;           // tile rasterization: tile-rows per group (heuristics.h)
   int32_t want_sq;           // grad_sq_sum != nullptr
   float* workspace;          // [tiles · splits][kBM][kBN] fp32 partials (splits > 1)
   unsigned int* counters;    // [tiles] arrivals per tile, 0 between launches
@@ -102,8 +88,8 @@ struct WgradParams {
   unsigned long long* nonfinite_count;
   ParamView p;               // W: [M, N]
   RuleScalars k;
-  // The Hopper kernels only: the benchmark's trace (cuda_backend.cu's FORGE_CUDA_TRACE; off:
-  // nullptr) and, wgrad_wgmma_kernel only, the stagger (sm90_wgrad.cuh's kStaggerNs; off:
+  // The Hopper kernels only: the benchmark's trace (FORGE_DEBUG_TRACE, heuristics.h; off:
+  // nullptr) and, wgrad_wgmma_kernel only, the stagger (kStaggerNs, heuristics.h; off:
   // stagger_ns == 0).
   unsigned long long* trace;  // [trace_ctas][kTraceWords]: TileTrace, or PersistentTrace
   int64_t trace_ctas;
@@ -137,54 +123,6 @@ template <int kTokens>
 __device__ __forceinline__ int prefetch_ktile(const WgradParams& a, int nk) {
   if (!a.prefetch) return -1;
   return max(nk - (a.prefetch_lead + kTokens - 1) / kTokens, 0);
-}
-
-// ---- PTX wrappers ----------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 B global → shared; only the first src_bytes (0..16) are read, the rest is zero-filled.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-template <bool kFp16>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
-                                          const uint32_t (&b)[2]) {
-  if constexpr (kFp16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.L2 [%0];\n" ::"l"(p));
 }
 
 // ---- tile bookkeeping ------------------------------------------------------------------------
@@ -222,7 +160,7 @@ __device__ __forceinline__ CtaWork cta_work(const WgradParams& a) {
 // and the states. One tile row per thread.
 // NOTE: one prefetch per 128-byte line the row touches, each address inside the row. The
 // earlier form (every 128 bytes from the start, then the last byte) asked for the last line
-// twice on aligned rows: ncu counted those as 19% excess sectors at T = 512 (run 11).
+// twice on aligned rows: ncu counted those as 19% excess sectors at T = 512.
 __device__ __forceinline__ void prefetch_row_l2(const void* base, int elem_bytes, int64_t idx,
                                                 int64_t count) {
   const char* start = static_cast<const char*>(base) + idx * elem_bytes;
@@ -557,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
   const uint16_t* const dy = static_cast<const uint16_t*>(a.dy);  // [T, M], ld = lddy
   const uint16_t* const x = static_cast<const uint16_t*>(a.x);    // [T, N], ld = ldx
 
-  // NOTE: tried and reverted (bench/NOTES.md, v3): per-thread cp.async cursors stepped per
+  // NOTE: tried and reverted: per-thread cp.async cursors stepped per
   // k-tile instead of load_operand_stage's 64-bit t * ld + col; the extra live registers
   // next to the 64 accumulators made ptxas spill 40-48 B on sm_90a.
   const uint32_t sA_addr = smem_addr(sA), sB_addr = smem_addr(sB);

@@ -9,8 +9,8 @@
 //
 // Why a second main loop: on the H200 the sm80 loop (cp.async + ldmatrix + mma.sync) reaches
 // ~185 TFLOP/s at T = 4096 with the tensor pipe 28% busy, because per k-tile every thread
-// recomputes 64-bit cp.async addresses and issues ldmatrix/mma.sync one 16 × 8 tile at a time
-// (bench/NOTES.md). Here one thread issues the copies (TMA: 4 instructions per 64 tokens, no
+// recomputes 64-bit cp.async addresses and issues ldmatrix/mma.sync one 16 × 8 tile at a time.
+// Here one thread issues the copies (TMA: 4 instructions per 64 tokens, no
 // address math, out-of-range rows and columns zero-filled by the copy engine) and each
 // warpgroup issues 4 wgmma m64n128k16 per 64 tokens, reading both operands straight from
 // shared memory: the main loop's issue cost all but disappears, leaving the issue slots to
@@ -37,17 +37,14 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/ptx.cuh"  // also defines FORGE_SM90A_DEVICE_PASS
 #include "cuda/sm80_wgrad.cuh"
-
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FORGE_SM90A_DEVICE_PASS 1
-#endif
 
 namespace forge {
 namespace cuda {
 
 // NOTE: 64 tokens × 3 stages, not 32 × 6 (same shared memory, 5 stages in flight instead of
-// 2): measured 0.291 vs 0.350 ms on 4096² at T = 4096 (bench/NOTES.md, v5).
+// 2): measured 0.291 vs 0.350 ms on 4096² at T = 4096.
 constexpr int kSm90BK = 64;        // tokens per stage: 4 wgmma k-steps of 16
 constexpr int kSm90Stages = 3;
 constexpr int kSm90BoxCols = 64;   // columns per TMA box: 64 halves = one 128 B swizzle row
@@ -58,18 +55,6 @@ constexpr int kSm90Align = 1024;   // the SW128 atom: TMA and the wgmma descript
 // one CTA's ALU-bound epilogue then runs beside the other's wgmma main loop. The ring is
 // reused as sC (68 KiB) after the main loop.
 constexpr size_t kSm90RingBytes = size_t(kSm90Stages) * kSm90StageBytes;
-// NOTE: the stagger. Both CTAs of an SM start together and have equal work, so they stay in
-// phase: both in the main loop (tensor cores shared, memory idle), then both updating (tensor
-// cores idle). Delaying the first wave's second CTA per SM (blockIdx.x in [SMs, 2·SMs)) by
-// kStaggerNs puts the two out of phase for the rest of the launch: on 4096² at T = 512 the
-// share of SM time with one CTA in its main loop while the other updates went from 0.17 to
-// 0.55, Llama totals (bf16 states) 32.8 -> 31.4 ms at T = 512 and 59.8 -> 58.6 at T = 2048
-// (bench/NOTES.md, v13: `gpu_check.sh trace`). The delay is paid once per SM, so only grids
-// of at least kStaggerMinWaves full waves get it (k_proj, one wave, lost 10% with it), and
-// not with a stochastically rounded weight: its longer update already leaves the two CTAs
-// out of phase two thirds of the time, and the stagger cost 1-8% per layer at T = 512.
-constexpr int kStaggerNs = 4000;
-constexpr int kStaggerMinWaves = 3;
 constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90Align;
 static_assert(kBM == 2 * kSm90BoxCols && kBN == 2 * kSm90BoxCols, "two boxes per operand");
 static_assert(kSm90SmemBytes <= 100 * 1024, "two CTAs per SM (228 KiB, 1 KiB reserved each)");
@@ -83,42 +68,6 @@ struct Sm90TensorMaps {
 };
 
 #if defined(FORGE_SM90A_DEVICE_PASS)
-
-// ---- PTX wrappers (sm_90a) ------------------------------------------------------------------
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
 
 // Waits until phase `parity` of the barrier has completed.
 // NOTE: debug builds (no NDEBUG) and builds with FORGE_CUDA_WATCHDOG trap after 10 s of
@@ -143,23 +92,6 @@ __device__ __forceinline__ void mbar_wait_traced(const WgradParams& a, uint32_t 
   const unsigned long long t0 = clock64();
   mbar_wait(bar, parity);
   total += clock64() - t0;
-}
-
-// One TMA box (64 columns × 64 tokens) at (col, token) of `map` into shared memory at `dst`;
-// completes `bytes` on `bar`. Out-of-range elements are written as zeros.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                            int32_t col, int32_t token) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(col), "r"(token)
-      : "memory");
-}
-
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
-  return id;
 }
 
 // The benchmark instruments of WgradParams (off unless the host sets them): this CTA's trace
@@ -188,28 +120,6 @@ __device__ __forceinline__ void stagger_wait(const WgradParams& a) {
   while (global_timer_ns() - start < static_cast<uint64_t>(a.stagger_ns)) __nanosleep(500);
 }
 
-__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma
-// (it emits no instruction).
-__device__ __forceinline__ void fence_accumulators(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // Shared-memory matrix descriptor of an MN-major, 128B-swizzled operand (PTX ISA "Matrix
 // Descriptor Format"): bits 0-13 start address >> 4; 16-29 leading byte offset >> 4 (for
 // MN-major swizzled layouts: from one 64-element swizzle atom to the next along M or N);
@@ -220,39 +130,6 @@ __device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t addr, uint32_t lbo, u
          (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32) |
          (1ull << 62);
 }
-
-#define FORGE_ACC8(i)                                                                   \
-  "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),       \
-      "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define FORGE_WGMMA_M64N128K16(TYPE)                                                    \
-  asm volatile(                                                                         \
-      "{\n"                                                                             \
-      ".reg .pred p;\n"                                                                 \
-      "setp.ne.b32 p, %66, 0;\n"                                                        \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n"                 \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}," \
-      " %64, %65, p, 1, 1, 1, 1;\n"                                                     \
-      "}\n"                                                                             \
-      : FORGE_ACC8(0), FORGE_ACC8(8), FORGE_ACC8(16), FORGE_ACC8(24), FORGE_ACC8(32),   \
-        FORGE_ACC8(40), FORGE_ACC8(48), FORGE_ACC8(56)                                  \
-      : "l"(desc_a), "l"(desc_b), "n"(1))
-
-// d[64] += A (64 × 16, MN-major in shared memory) · B (16 × 128, MN-major): both operands
-// transposed (the two trailing 1s: tnspA, tnspB), scale-d = 1 (accumulate).
-template <bool kFp16>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a,
-                                                 uint64_t desc_b) {
-  if constexpr (kFp16) {
-    FORGE_WGMMA_M64N128K16("f16");
-  } else {
-    FORGE_WGMMA_M64N128K16("bf16");
-  }
-}
-#undef FORGE_WGMMA_M64N128K16
-#undef FORGE_ACC8
 
 // The four TMA boxes of one stage: dY columns [m0, m0 + 128) and X columns [n0, n0 + 128) of
 // tokens [token, token + 64), into the stage at `dst`, completing on `bar`.
@@ -281,8 +158,8 @@ __device__ __forceinline__ void init_ring(const Sm90TensorMaps& maps, uint32_t f
     mbar_init(full0 + 8 * s, 1);
     mbar_init(empty0 + 8 * s, 2);
   }
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  fence_mbarrier_init();
+  fence_proxy_async_shared();
 }
 
 // acc += this warpgroup's 64 rows × 128 columns of one stage (64 tokens: 4 wgmma k-steps).
@@ -400,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   // NOTE: the update's first loads go out while the last wgmma batch runs, and are in flight
   // during the accumulators' trip through sC and both barriers: Llama totals at T = 512 with
-  // SR weight and states 38.0 -> 36.9 ms, the others unchanged (bench/NOTES.md, v13).
+  // SR weight and states 38.0 -> 36.9 ms, the others unchanged.
   FirstPass<Spec> first;
   if (a.splits == 1 && update_tile_full<Spec>(a, m0, n0))
     load_first_pass<Spec>(a, m0, n0, threadIdx.x, first);
@@ -426,9 +303,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 // ---- the persistent, warp-specialized variant ------------------------------------------------------
 //
-// The host runs it where it was measured faster than the kernel above (persistent_rule.h:
-// AdamW's hot formats on large layers, in measured ranges of T from 1024 up; bench/NOTES.md
-// v20), or everywhere it applies with FORGE_CUDA_PERSISTENT=1 (its tests). The kernel above
+// The host runs it where it was measured faster than the kernel above (heuristics.h,
+// persistent_pays: AdamW's hot formats on large layers, in measured ranges of T from 1024
+// up), or everywhere it applies with FORGE_DEBUG_PERSISTENT=1 (its tests). The kernel above
 // serializes each CTA's update after its main loop; its two CTAs per SM overlap only when they
 // happen to be out of phase, and tiles of equal work keep them in phase. Here one CTA per SM loops over
 // tiles with the roles fixed: warpgroups 0-1 run the wgmma main loop of tile j + 1 while
@@ -437,10 +314,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 // tiles, so the next tile's first stages load during the current tile's hand-off). The same
 // wgmma stage and the same update (update_tile) as the kernel above; sC does not alias the
 // ring. Only without split-K (splits == 1).
-// NOTE: the producer has its own warpgroup (v20). In v7 thread 0 of math warpgroup 0 was also
-// the producer: per k-tile it waited for the other warpgroup's release and computed the next
-// item's tile with 64-bit divisions while its warpgroup's next wgmma waited for it. Run 82's
-// trace: 63 kcycles per 128 × 128 × 2048 tile, 34 with the producer apart (run 83).
+// NOTE: the producer has its own warpgroup. With thread 0 of math warpgroup 0 as the
+// producer, per k-tile it waited for the other warpgroup's release and computed the next
+// item's tile with 64-bit divisions while its warpgroup's next wgmma waited for it; the trace
+// showed 63 kcycles per 128 × 128 × 2048 tile, and 34 with the producer apart.
 constexpr int kPersistentThreads = 640;  // warpgroups 0-1: main loop; 2-3: update; 4: producer
 constexpr int kPersistentProducerThread = 512;
 constexpr int kPersistentStages = 4;
@@ -520,7 +397,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPersistentProducerRegisters));
+    setmaxnreg_dec<kPersistentProducerRegisters>();
     if (threadIdx.x != kPersistentProducerThread) return;
     // ---- the producer: item h = j * nk + kt (k-tile kt of tile j) into stage h % kStages ------
     int stage = 0;
@@ -549,7 +426,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       trace_out(kPtTilesEmptyWait);
     }
   } else if (warpgroup < 2) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPersistentMathRegisters));
+    setmaxnreg_dec<kPersistentMathRegisters>();
     // ---- main loop: warpgroup g sums rows 64g..64g+63 of each tile --------------------------
     const uint64_t desc_a0 =
         sw128_mn_desc(ring + warpgroup * kSm90BoxBytes, kSm90BoxBytes, 8 * 128);
@@ -594,14 +471,14 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
       trace_out(kPtSlotWait);
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPersistentUpdateRegisters));
+    setmaxnreg_inc<kPersistentUpdateRegisters>();
     // ---- the update: warpgroups 2-3 ----------------------------------------------------------
     const int tid = threadIdx.x - 256;
     StepTotals totals{0.0, 0u};
     // NOTE: no L2 prefetch of the next tile's weight and states (WgradParams::prefetch is
     // ignored here). Tried at the start of the previous tile's update and at its passes 2, 4
     // and 6: at T = 512 none was faster than no prefetch, and at T = 2048 all were slower, by
-    // up to 12 % (run 84, bench/NOTES.md v20).
+    // up to 12 %.
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       int64_t m0, n0;

@@ -30,6 +30,7 @@
 #include "core/formats.h"
 #include "core/rng.h"
 #include "core/rules.h"
+#include "cuda/ptx.cuh"
 #include "forge/forge.h"
 
 namespace forge {
@@ -243,7 +244,7 @@ __device__ __forceinline__ float group_max(float v) {
 // formats.h's int8_level_value() scales with ldexpf and int8_nearest_level() binary-searches
 // 8 levels deep: ~300 dependent instructions per encoded element. formats.h's direct forms
 // (what the CPU runs) take ~15 and ~60 integer / select instructions, and on the GPU those
-// made the int8 epilogue ALU-bound (ncu, 2026-11-29: ALU pipe 72 %, 337 instructions per
+// made the int8 epilogue ALU-bound (ncu: ALU pipe 72 %, 337 instructions per
 // element against 90 with bf16 states). The device forms read two tables in shared memory:
 //  - the nearest level: formats.h's int8_nearest_level_sixteenths, whose 16-word table gives
 //    the count of tie thresholds below each sixteenth of the mantissa range and the one
@@ -316,8 +317,7 @@ __device__ __forceinline__ uint8_t int8_encode_ratio(float x, float a, float abs
   } else {
     // NOTE: a mask the compiler cannot see through: with `x <= 0 ? 0 : level` it branched
     // around the level search, one branch region per element again.
-    int keep = x > 0.0f ? -1 : 0;
-    asm("mov.b32 %0, %0;" : "+r"(keep));
+    const int keep = opaque(x > 0.0f ? -1 : 0);
     code = int8_nearest_level_fast(a, kInt8UnsignedTop) & keep;
   }
   return static_cast<uint8_t>(absmax > 0.0f ? code : 0);
@@ -369,8 +369,7 @@ struct FastMathT {
   // nonzero normal (|a|, |y| >= 2^-62), where the two round the same; at a == +0 only the
   // product keeps b's sign.
   static __device__ __forceinline__ float div_unchecked(float a, float b) {
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
+    float y = rcp_approx_ftz(b);
     const float e = __fmaf_rn(-b, y, 1.0f);
     y = __fmaf_rn(y, e, y);
     const float q = kTakesZero ? __fmul_rn(a, y) : __fmaf_rn(a, y, 0.0f);
@@ -383,8 +382,7 @@ struct FastMathT {
   // max(x, 2^-101) (= x on the domain above), so it is finite; then s = +0, r = +0 and the
   // result is +0 = sqrt(+0).
   static __device__ __forceinline__ float sqrt_unchecked(float x) {
-    float y;
-    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(kTakesZero ? fmaxf(x, 0x1p-101f) : x));
+    const float y = rsqrt_approx_ftz(kTakesZero ? fmaxf(x, 0x1p-101f) : x);
     const float s = __fmul_rn(x, y);
     const float h = __fmul_rn(y, 0.5f);
     const float r = __fmaf_rn(-s, s, x);
@@ -426,20 +424,10 @@ struct FastMathT {
   // the IEEE result. tests/cpp/gpu/test_gpu_fast_math.cu restates that domain.
   // NOTE: per element two integer and two float min/max instead of ~7 compares and predicate
   // merges (the AdamW bf16 epilogue: 44.2 -> 42.3 instructions per element; its time did not
-  // move, bench/NOTES.md v14, but the SR and int8 variants are nearer to issue-bound).
+  // move, but the SR and int8 variants are nearer to issue-bound).
   uint32_t v_lo = 0xFFFFFFFFu, v_hi = 0u;  // bits of v, without zeros
   float m_lo = INFINITY, m_hi = 0.0f;     // |m|, NaN-propagating, without zeros
   uint32_t v_top = 0x7CFFFFFFu;           // v's upper bound (bits), set from bc2_sqrt
-  static __device__ __forceinline__ float min_nan(float a, float b) {
-    float r;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-  }
-  static __device__ __forceinline__ float max_nan(float a, float b) {
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-  }
   __device__ __forceinline__ float adamw_direction(float m, float v, float bc2_sqrt,
                                                    float eps) {
     const uint32_t u = __float_as_uint(v);
@@ -481,9 +469,7 @@ using FastMathWithZeros = FastMathT<true>;
 // canonical NaN where formats.h keeps sign and payload: callers guarantee there are none
 // (the fast epilogue path only stores values it checked to be finite).
 __device__ __forceinline__ uint32_t bf16x2_nearest_nonnan(float lo, float hi) {
-  uint32_t packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
-  return packed;
+  return cvt_rn_bf16x2(hi, lo);
 }
 
 // formats.h's bf16_stochastic for a value known not to be NaN: the same bits without its
@@ -922,8 +908,8 @@ struct RawQuads {
                            kWF == FORGE_WEIGHT_BF16_STOCHASTIC) {
         // NOTE: a stochastically rounded weight next to int8 states is read cache-streaming
         // (evict first). Llama totals of that step, 63.0 -> 61.1 / 102.6 -> 101.3 / 150.1 ->
-        // 147.6 ms at T = 512 / 2048 / 4096 (run 85, bench/NOTES.md v20). Not with a nearest
-        // weight (int8 states: 55.6 -> 56.7 at T = 512; bf16 states: 30.4 -> 30.9, run 79).
+        // 147.6 ms at T = 512 / 2048 / 4096. Not with a nearest weight (int8 states: 55.6 ->
+        // 56.7 at T = 512; bf16 states: 30.4 -> 30.9).
         const uint16_t* base = static_cast<const uint16_t*>(p.weight);
         const uint2 v = __ldcs(reinterpret_cast<const uint2*>(base + idx[q]));
         w[q][0] = v.x; w[q][1] = v.y;
@@ -1031,8 +1017,8 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
           }
     }
     // NOTE: int8 states: one store path for both outcomes, so the encoder's code is there
-    // once (a duplicated copy doubled the hot loop; the run that measured it 2.9x slower had
-    // NaN weights, so that cause was not isolated: bench/results/2026-11-29-h200-v6-steps).
+    // once (a duplicated copy doubled the hot loop; the measurement that found it 2.9x slower
+    // had NaN weights, so that cause was not isolated).
     // Other formats: a dedicated store path with no skip masks and hardware bf16 rounding.
     if constexpr (Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64) {
       if (fast) {
@@ -1154,7 +1140,7 @@ __device__ __forceinline__ void flush_totals(StepTotals t, double* grad_sq_sum,
   if constexpr (kBarrier == 0) {
     __syncthreads();
   } else {
-    asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
+    named_barrier_sync<kBarrier, kThreads>();
   }
   if (tid == 0) {
     double sq = 0.0;

@@ -71,7 +71,7 @@ TEST_P(WgradRunScalars, MatchesCpuBitForBit) {
   EXPECT_TRUE(run.guards_intact());
 }
 
-// The specialized kernels' configurations (cuda_backend.cu's FORGE_SPEC_LIST) for AdamW,
+// The specialized kernels' configurations (kernel_tables.cuh's FORGE_SPEC_LIST) for AdamW,
 // Lion and SGD, and fp32 everything for every rule (the generic kernels).
 std::vector<RunParam> run_params() {
   std::vector<RunParam> v;

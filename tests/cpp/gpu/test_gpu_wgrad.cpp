@@ -393,7 +393,7 @@ struct FormatPair {
 // ---- several waves of CTAs --------------------------------------------------------------------
 
 // Layers of more than two tiles per SM: several waves of two-CTA launches, and from three full
-// waves the stagger of the nearest-rounded weights (sm90_wgrad.cuh). One shape of ~2.9 tiles
+// waves the stagger of the nearest-rounded weights (heuristics.h). One shape of ~2.9 tiles
 // per SM with four k-tiles per tile (refills of the ring inside a tile), one of ~6.8 with one
 // k-tile. The formats of the specialized kernels, with and without the L2 prefetch and the
 // stagger. Row lengths: one with no vector access (5 mod 8), one with 4-element vectors and
@@ -426,7 +426,7 @@ TEST(WgradManyTiles, MatchesCpuBitForBit) {
 }
 
 // A layer of more than four waves (37 × 31 tiles, > 8 per SM), where the host picks the large
-// layers' tile order: groups of 8 tile-rows, the last one partial (kGroupM in sm80_wgrad.cuh).
+// layers' tile order: groups of 8 tile-rows, the last one partial (kGroupM in heuristics.h).
 // One step, two formats: the CPU reference of this layer is the slow part.
 TEST(WgradManyTiles, ManyWavesMatchesCpuBitForBit) {
   FORGE_REQUIRE_GPU();
