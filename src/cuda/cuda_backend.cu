@@ -128,7 +128,7 @@ DebugSwitches read_debug_switches() {
       d.trace_records = count;
     }
   }
-  d.log = std::getenv("FORGE_DEBUG_LOG") != nullptr;
+  if (const char* v = std::getenv("FORGE_DEBUG_LOG")) d.log = v[0] != '\0' && v[0] != '0';
   return d;
 }
 const DebugSwitches& debug_switches() {

@@ -85,7 +85,7 @@ constexpr int kStaggerMinWaves = 3;
 //                                    sm90_wgrad.cuh), overwritten by every launch; the caller
 //                                    allocates it on the steps' device (wgrad_bench --trace).
 //                                    Default: off.
-//   FORGE_DEBUG_LOG (set, any value) log to stderr which kernel each configuration runs (once
+//   FORGE_DEBUG_LOG (set, not "0")   log to stderr which kernel each configuration runs (once
 //                                    per kernel and formats), and each kernel's occupancy,
 //                                    registers and shared memory per device. Default: off.
 enum class PersistentOverride { kAuto, kAlways, kNever };
