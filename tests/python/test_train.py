@@ -334,6 +334,32 @@ def test_host_overhead_bench_runs():
     assert "torch AdamW(foreach)" in line and "forge.optim.AdamW" in line, line
 
 
+def _cpu_step_script():
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                        "cpu_step.py")
+
+
+def test_cpu_step_bench_runs():
+    """bench/cpu_step.py (a benchmark, not timed here) times both ways on every shape it is
+    given and prints the table with the totals."""
+    proc = subprocess.run([sys.executable, _cpu_step_script(), "--shapes", "17x8,8x40",
+                           "--tokens", "40", "--rounds", "2", "--threads", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[2:]] == ["17x8", "8x40", "all (given)"], rows
+
+
+@pytest.mark.parametrize("argv, named", [(["--shapes", "17"], "--shapes"),
+                                         (["--tokens", "0"], "--tokens"),
+                                         (["--rounds", "-1"], "--rounds")])
+def test_cpu_step_bench_refuses_bad_arguments(argv, named):
+    proc = subprocess.run([sys.executable, _cpu_step_script()] + argv, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def _fake_wgrad_bench_md(bf16_512, unfused_512, layer_ms):
     """The two tables of a wgrad_bench bench.md that bench/ab_totals.py reads."""
     return "\n".join([
