@@ -17,7 +17,6 @@ Speed targets live here, never in unit tests (tests/python/test_train.py only ch
 runs). libforge is found as forge finds it (FORGE_LIBRARY, the package, build*/).
 """
 import argparse
-import ctypes
 import os
 import statistics
 import sys
