@@ -237,12 +237,28 @@ def test_help_and_early_errors_answer_before_torch_is_imported(tmp_path, argv):
         f"status {0 if argv == ['--help'] else 2} torch imported False", proc.stderr
     if argv == ["--help"]:  # the defaults are shown, and none of them as "None"
         words = " ".join(proc.stdout.split())  # as wrapped for any terminal width
-        for text in ("(default: 400)", "(default: tiny)", "adamw 0.001", "(default: 16)",
-                     "runs/forge-train"):
+        for text in (f"(default: {forge_train.DEFAULT_STEPS})", "(default: tiny)",
+                     "adamw 0.001", "(default: 16)", "runs/forge-train"):
             assert text in words, text
         assert "None" not in words
     else:
         assert proc.stderr.count("\n") == 1 and "forge-train: error: " in proc.stderr
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_wait_passively_unless_told_otherwise(given, expected):
+    """forge-train sets OMP_WAIT_POLICY=PASSIVE for the OpenMP runtime torch loads after it,
+    unless the user set a policy."""
+    env = {k: v for k, v in child_env().items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = ("import os\n"
+            "from forge.tools import train\n"
+            "status = train.main(['--lr', '-1'])\n"
+            "print(status, os.environ.get('OMP_WAIT_POLICY'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.stdout.split() == ["2", expected], proc.stderr
 
 
 def test_model_presets_named_in_help_are_the_models(tmp_path):
