@@ -226,17 +226,20 @@ const RuleScalars& step_scalars(const forge_hparams& hp, const RuleScalars& k) {
   return hp.run_scalars ? *static_cast<const RuleScalars*>(hp.run_scalars) : k;
 }
 
-// The tile height when the caller leaves it to the backend (tile_rows = 0): kDefaultTile,
-// halved while the layer has fewer than two tiles per thread (down to kMinDefaultTileRows),
-// so that a small layer (the default forge-train model's are 128 × 128) keeps every thread
-// busy. The tile shape changes no bit of the result (per element the token order is fixed).
+// The tile height when the caller leaves it to the backend (tile_rows = 0): at most
+// kDefaultTile rows, in a number of row tiles that is a multiple of the thread count and
+// gives every thread at least two tiles (tiles of at least kMinDefaultTileRows rows), of
+// equal heights rounded up to 8 rows. A small layer (the default forge-train model's are
+// 128 × 128 and 352 × 128) then keeps every thread busy to the end. The tile shape changes no
+// bit of the result: per element the token order is fixed.
 int64_t default_tile_rows(int64_t rows, int64_t tiles_c, int threads) {
   constexpr int64_t kMinDefaultTileRows = 32;
-  int64_t tile_rows = kDefaultTile;
-  while (tile_rows > kMinDefaultTileRows &&
-         (rows + tile_rows - 1) / tile_rows * tiles_c < 2 * static_cast<int64_t>(threads))
-    tile_rows /= 2;
-  return tile_rows;
+  const int64_t t = std::max(1, threads);
+  int64_t n = (rows + kDefaultTile - 1) / kDefaultTile;
+  n = (n + t - 1) / t * t;
+  while (n * tiles_c < 2 * t && rows / (2 * n) >= kMinDefaultTileRows) n *= 2;
+  const int64_t tile_rows = ((rows + n - 1) / n + 7) / 8 * 8;
+  return std::max<int64_t>(tile_rows, std::min<int64_t>(rows, kMinDefaultTileRows));
 }
 
 int thread_index() {
