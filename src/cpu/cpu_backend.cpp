@@ -4,11 +4,13 @@
 // wgrad_step: W is cut into [tile_rows × tile_cols] tiles (OpenMP over tiles).
 // A tile's dW is accumulated in an fp32 buffer of the tile's size, token by
 // token in ascending order (acc += dy * x, each product rounded, no FMA), so it
-// is bit-identical to a naive dW = dYᵀX summed in the same order. The rule is
+// is bit-identical to a naive dW = dYᵀX summed in the same order; how that runs
+// at SIMD speed without changing the order is cpu_wgrad_tile.h. The rule is
 // then applied row segment by row segment (≤ 64 elements, one int8 block).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -16,6 +18,7 @@
 #endif
 
 #include "backend.h"
+#include "cpu/cpu_wgrad_tile.h"
 #include "core/formats.h"
 #include "core/rules.h"
 
@@ -223,42 +226,73 @@ const RuleScalars& step_scalars(const forge_hparams& hp, const RuleScalars& k) {
   return hp.run_scalars ? *static_cast<const RuleScalars*>(hp.run_scalars) : k;
 }
 
+// The tile height when the caller leaves it to the backend (tile_rows = 0): at most
+// kDefaultTile rows, in a number of row tiles that is a multiple of the thread count and
+// gives every thread at least two tiles (tiles of at least kMinDefaultTileRows rows), of
+// equal heights rounded up to 8 rows. A small layer (the default forge-train model's are
+// 128 × 128 and 352 × 128) then keeps every thread busy to the end. The tile shape changes no
+// bit of the result: per element the token order is fixed.
+int64_t default_tile_rows(int64_t rows, int64_t tiles_c, int threads) {
+  constexpr int64_t kMinDefaultTileRows = 32;
+  const int64_t t = std::max(1, threads);
+  int64_t n = (rows + kDefaultTile - 1) / kDefaultTile;
+  n = (n + t - 1) / t * t;
+  while (n * tiles_c < 2 * t && rows / (2 * n) >= kMinDefaultTileRows) n *= 2;
+  const int64_t tile_rows = ((rows + n - 1) / n + 7) / 8 * 8;
+  return std::max<int64_t>(tile_rows, std::min<int64_t>(rows, kMinDefaultTileRows));
+}
+
+int thread_index() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// The instruction set of the tile accumulation: the widest this CPU runs, found once.
+TileIsa tile_isa() {
+  static const TileIsa isa = best_tile_isa();
+  return isa;
+}
+
 }  // namespace
 
 forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
   const RuleScalars& k = step_scalars(a.hparams, call_k);
   const forge_param& p = a.param;
-  const int64_t tile_rows = a.tile_rows > 0 ? a.tile_rows : kDefaultTile;
+  const int threads = thread_count(a.device);
   const int64_t tile_cols = a.tile_cols > 0 ? a.tile_cols : kDefaultTile;
-  const int64_t tiles_r = (p.rows + tile_rows - 1) / tile_rows;
   const int64_t tiles_c = (p.cols + tile_cols - 1) / tile_cols;
+  const int64_t tile_rows = a.tile_rows > 0 ? a.tile_rows : default_tile_rows(p.rows, tiles_c, threads);
+  const int64_t tiles_r = (p.rows + tile_rows - 1) / tile_rows;
   const int64_t num_tiles = tiles_r * tiles_c;
+  const TileIsa isa = tile_isa();
+  const TileBuffers sizes(std::min(tile_rows, p.rows), std::min(tile_cols, p.cols));
   StepTotals totals;
   double sq_sum = 0;
   int64_t nonfinite = 0;
+  // NOTE: one fp32 accumulator tile and one dY and X panel of kTokenChunk tokens per thread,
+  // reused across its tiles: the only memory this step allocates (threads × tile, never
+  // rows × cols). Allocated before any thread starts (no exception can leave a parallel
+  // region) and left uninitialised: zeroing it cost a fifth of a small layer's step.
+  std::unique_ptr<float[]> scratch(new float[threads * sizes.total()]);
 
-#pragma omp parallel num_threads(thread_count(a.device)) reduction(+ : sq_sum, nonfinite)
+#pragma omp parallel num_threads(threads) reduction(+ : sq_sum, nonfinite)
   {
-    // NOTE: one fp32 accumulator tile per thread, reused across its tiles: the
-    // only memory this step allocates (threads × tile, never rows × cols).
-    std::vector<float> acc(tile_rows * tile_cols), dy_row(tile_rows), x_row(tile_cols);
+    float* const acc = scratch.get() + thread_index() * sizes.total();
+    float* const dy_panel = acc + sizes.acc_floats;
+    float* const x_panel = dy_panel + sizes.dy_floats;
     StepTotals mine;
 #pragma omp for schedule(dynamic)
     for (int64_t tile = 0; tile < num_tiles; ++tile) {
       const int64_t r0 = (tile / tiles_c) * tile_rows, c0 = (tile % tiles_c) * tile_cols;
       const int64_t bm = std::min(tile_rows, p.rows - r0), bn = std::min(tile_cols, p.cols - c0);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < a.tokens; ++t) {
-        for (int64_t i = 0; i < bm; ++i) dy_row[i] = load_input(a.dy, a.dy_dtype, t * a.lddy + r0 + i);
-        for (int64_t j = 0; j < bn; ++j) x_row[j] = load_input(a.x, a.x_dtype, t * a.ldx + c0 + j);
-        for (int64_t i = 0; i < bm; ++i) {
-          const float d = dy_row[i];
-          float* acc_row = acc.data() + i * tile_cols;
-          for (int64_t j = 0; j < bn; ++j) acc_row[j] += d * x_row[j];  // [bn] row of dW
-        }
-      }
+      std::fill(acc, acc + sizes.acc_floats, 0.0f);
+      const TileJob job{a.x, a.dy, a.x_dtype, a.dy_dtype, a.ldx, a.lddy, a.tokens, r0, c0, bm, bn};
+      accumulate_tile(isa, job, acc, sizes.ldacc, dy_panel, x_panel);  // [bm × bn] of dW
       for (int64_t i = 0; i < bm; ++i)
-        update_row(k, p, r0 + i, c0, c0 + bn, acc.data() + i * tile_cols, mine);
+        update_row(k, p, r0 + i, c0, c0 + bn, acc + i * sizes.ldacc, mine);
     }
     sq_sum += mine.grad_sq_sum;
     nonfinite += mine.nonfinite;

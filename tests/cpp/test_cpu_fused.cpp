@@ -3,11 +3,13 @@
 // forge_elementwise_step), for every rule × weight format × state format, on odd
 // shapes, strided inputs, every input dtype and several steps in a row; and
 // independent of tile shape and thread count. Non-finite gradients are skipped
-// and counted.
+// and counted. Every tile accumulation path this CPU runs (cpu_wgrad_tile.h:
+// AVX-512, AVX2, portable), called directly, is the naive sum bit for bit.
 #include <algorithm>
 #include <tuple>
 
 #include "core/rng.h"
+#include "cpu/cpu_wgrad_tile.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -116,7 +118,9 @@ TEST(FusedLaunchShape, TileShapeAndThreadsGiveSameBits) {
     const HostParam initial(first);
     forge_wgrad_args a = wgrad_args(first, hp, x, dy);
     ASSERT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
-    const struct { int tr, tc, threads; } launches[] = {{64, 64, 1}, {32, 128, 2}, {7, 192, 2}, {128, 64, 3}};
+    // tile 0 × 0: the backend's own choice, which depends on the thread count
+    const struct { int tr, tc, threads; } launches[] = {{64, 64, 1}, {32, 128, 2}, {7, 192, 2}, {128, 64, 3},
+                                                        {0, 0, 1}, {0, 0, 2}, {0, 0, 5}};
     for (const auto& l : launches) {
       HostParam other(initial);
       forge_wgrad_args b = wgrad_args(other, hp, x, dy);
@@ -219,6 +223,160 @@ TEST(FusedNonFinite, SkippedAndCounted) {
       }
     }
   }
+}
+
+
+// ---------------------------------------------------------------------------- tile paths
+
+const forge_dtype kDtypes[] = {FORGE_DTYPE_FP32, FORGE_DTYPE_BF16, FORGE_DTYPE_FP16};
+
+const char* dtype_name(forge_dtype t) {
+  return t == FORGE_DTYPE_FP32 ? "fp32" : t == FORGE_DTYPE_BF16 ? "bf16" : "fp16";
+}
+
+// Equal bits, or both NaN: which NaN a NaN operand propagates is the hardware's choice per
+// instruction (and a NaN gradient element is skipped whatever its payload).
+bool same_float(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || forge::float_bits(a) == forge::float_bits(b);
+}
+
+// The paths this machine runs, portable always among them.
+std::vector<forge::cpu::TileIsa> runnable_paths() {
+  std::vector<forge::cpu::TileIsa> paths;
+  for (auto isa : {forge::cpu::TileIsa::kPortable, forge::cpu::TileIsa::kAvx2, forge::cpu::TileIsa::kAvx512})
+    if (forge::cpu::tile_isa_supported(isa)) paths.push_back(isa);
+    else std::printf("[ note     ] tile path %s: not run, this CPU lacks it\n", forge::cpu::tile_isa_name(isa));
+  return paths;
+}
+
+struct TileCase {
+  int64_t bm, bn, tokens, r0, c0;  // the tile [bm × bn] at (r0, c0) of a larger W
+};
+
+// Accumulates the tile on every runnable path from a non-zero start (a tile's second chunk
+// starts from its first's sums) and compares each element with the naive sum, token by token.
+void expect_paths_match_naive(const TileCase& c, const Matrix& x, const Matrix& dy) {
+  using namespace forge::cpu;
+  const float kStart = 0.375f;  // exact; added first, as the carried sum of earlier tokens
+  std::vector<float> want(c.bm * c.bn);
+  for (int64_t i = 0; i < c.bm; ++i)
+    for (int64_t j = 0; j < c.bn; ++j) {
+      float acc = kStart;
+      for (int64_t t = 0; t < c.tokens; ++t) {
+        const float prod = dy.get(t, c.r0 + i) * x.get(t, c.c0 + j);
+        acc = acc + prod;
+      }
+      want[i * c.bn + j] = acc;
+    }
+  const TileBuffers sizes(c.bm, c.bn);
+  const TileJob job{x.bytes.data(), dy.bytes.data(), x.dtype, dy.dtype, x.ld, dy.ld, c.tokens,
+                    c.r0, c.c0, c.bm, c.bn};
+  for (TileIsa isa : runnable_paths()) {
+    std::vector<float> buffer(sizes.total(), kStart);
+    accumulate_tile(isa, job, buffer.data(), sizes.ldacc, buffer.data() + sizes.acc_floats,
+                    buffer.data() + sizes.acc_floats + sizes.dy_floats);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < c.bm; ++i)
+      for (int64_t j = 0; j < c.bn; ++j) {
+        const float got = buffer[i * sizes.ldacc + j], expected = want[i * c.bn + j];
+        if (!same_float(got, expected) && wrong++ < 3)
+          ADD_FAILURE() << tile_isa_name(isa) << ": element (" << i << ", " << j << ") is "
+                        << got << ", the naive sum " << expected;
+      }
+    EXPECT_EQ(wrong, 0) << tile_isa_name(isa) << ": elements that differ from the naive sum";
+  }
+}
+
+// Odd tile shapes (every path's micro-tile has a ragged edge somewhere), tiles inside a larger
+// strided matrix, token counts around the chunk size, every X and dY dtype pair.
+TEST(TilePaths, EveryPathIsTheNaiveSum) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const int64_t chunk = forge::cpu::kTokenChunk;
+  const TileCase cases[] = {{1, 1, 1, 0, 0},        {17, 129, 33, 3, 5},   {129, 17, 70, 0, 0},
+                            {129, 129, 2, 1, 2},    {8, 32, chunk, 8, 32}, {9, 33, chunk + 1, 0, 1},
+                            {6, 16, chunk - 1, 6, 0}, {1, 4097, 3, 0, 7},  {4097, 1, 2, 5, 0},
+                            {40, 64, 4097, 0, 0}};
+  for (const TileCase& c : cases)
+    for (forge_dtype xt : kDtypes)
+      for (forge_dtype dyt : kDtypes) {
+        SCOPED_TRACE(::testing::Message() << "tile " << c.bm << "x" << c.bn << " at (" << c.r0 << ", "
+                                          << c.c0 << ") T=" << c.tokens << " x " << dtype_name(xt)
+                                          << " dy " << dtype_name(dyt));
+        const int64_t in = c.c0 + c.bn + 2, out = c.r0 + c.bm + 1;
+        const Matrix x = random_matrix(rng, c.tokens, in, in + 3, xt);
+        const Matrix dy = random_matrix(rng, c.tokens, out, out + 5, dyt, 0.1f);
+        expect_paths_match_naive(c, x, dy);
+        if (c.tokens > 300) break;  // the long reduction: one dtype pair per X dtype
+      }
+}
+
+// Every token count from 1 to 70 on a tile with ragged edges on every path.
+TEST(TilePaths, EveryTokenCountUpTo70) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  for (int64_t tokens = 1; tokens <= 70; ++tokens) {
+    const forge_dtype xt = kDtypes[tokens % 3], dyt = kDtypes[(tokens / 3) % 3];
+    SCOPED_TRACE(::testing::Message() << "T=" << tokens << " x " << dtype_name(xt) << " dy "
+                                      << dtype_name(dyt));
+    const Matrix x = random_matrix(rng, tokens, 40, 41, xt);
+    const Matrix dy = random_matrix(rng, tokens, 20, 20, dyt, 0.1f);
+    expect_paths_match_naive({13, 35, tokens, 2, 4}, x, dy);
+  }
+}
+
+// Zeros of both signs, infinities, NaN, fp32 subnormals, and products that overflow or
+// underflow fp32: the vector paths round, propagate and signal exactly as the scalar sum.
+TEST(TilePaths, SpecialValues) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-40f, -3e-39f, 1e30f,
+                            -2e25f, 1e-25f, 65504.0f, 6e-8f};
+  for (forge_dtype xt : kDtypes)
+    for (forge_dtype dyt : kDtypes) {
+      SCOPED_TRACE(::testing::Message() << "x " << dtype_name(xt) << " dy " << dtype_name(dyt));
+      const int64_t tokens = 37, in = 70, out = 19;
+      Matrix x = random_matrix(rng, tokens, in, in, xt);
+      Matrix dy = random_matrix(rng, tokens, out, out, dyt);
+      // a few of each: most sums stay finite, so their bits are compared, not only NaN-ness
+      for (float v : specials) {
+        x.set(rng.integer(0, tokens - 1), rng.integer(0, in - 1), v);
+        dy.set(rng.integer(0, tokens - 1), rng.integer(0, out - 1), v);
+      }
+      expect_paths_match_naive({out, in, tokens, 0, 0}, x, dy);
+    }
+}
+
+// Through the C ABI (the path this machine dispatches to, with the backend's own tile
+// shape): odd shapes, strided inputs, every X and dY dtype pair, against the unfused step.
+TEST(FusedOddShapes, EveryDtypePairBitExact) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  forge_hparams hp = all_rule_cases()[3].hp;  // AdamW: fp32 weight and states show every bit of g
+  hp.step = 1;
+  const Shape shapes[] = {{1, 4097, 3}, {4097, 1, 2}, {17, 129, 70}, {129, 17, 33}, {128, 128, 1}, {33, 200, 9}};
+  for (const Shape& s : shapes)
+    for (forge_dtype xt : kDtypes)
+      for (forge_dtype dyt : kDtypes) {
+        SCOPED_TRACE(::testing::Message() << "shape " << s.rows << "x" << s.cols << " T=" << s.tokens
+                                          << " x " << dtype_name(xt) << " dy " << dtype_name(dyt));
+        hp.seed = rng.gen();
+        HostParam fused(s.rows, s.cols, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+        fused.randomize(rng, hp);
+        HostParam unfused(fused);
+        const Matrix x = random_matrix(rng, s.tokens, s.cols, s.cols + 3, xt);
+        const Matrix dy = random_matrix(rng, s.tokens, s.rows, s.rows + 5, dyt, 0.1f);
+        forge_wgrad_args a = wgrad_args(fused, hp, x, dy);
+        ASSERT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
+        const std::vector<float> dw = reference_dw(x, dy);
+        forge_elementwise_args e = elementwise_args(unfused, hp, dw);
+        ASSERT_EQ(forge_elementwise_step(&e), FORGE_OK) << forge_last_error();
+        ASSERT_EQ(fused.snapshot(), unfused.snapshot());
+      }
 }
 
 }  // namespace

@@ -1,14 +1,16 @@
 """test_train.py — forge-train end to end on CPU: a short default-style run with FORGE and
-with the torch baseline, bit-exact resume after an interruption, atomic checkpoints, and
-one clear message with a non-zero exit for each bad input.
+with the torch baseline, bit-exact resume after an interruption (Ctrl-C saves the step it
+stopped after), atomic checkpoints, where a resumed run writes, and one clear message with a
+non-zero exit for each bad input, found before training where it can be.
 
 Runs are small (tiny model, a few steps of 4×32 tokens) and in-process (main(argv)), so
-the file takes seconds; one test goes through a subprocess to see what a user sees.
+the file takes seconds; a few tests go through a subprocess to see what a user sees.
 """
 import importlib.util
 import json
 import re
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +36,13 @@ def one_thread():
 
 def run(argv):
     return forge_train.main([str(a) for a in argv])
+
+
+def child_env():
+    """The environment of a forge-train subprocess: this checkout's package first."""
+    package_root = os.path.dirname(os.path.dirname(forge_train.__file__))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
 def metrics(out_dir):
@@ -152,6 +161,12 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert forge_train.load_checkpoint(str(out / "checkpoint.pt"))["step"] == 2
 
 
+def _a_file(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    return path
+
+
 def _corrupt_checkpoint(tmp_path):
     out = tmp_path / "corrupt"
     out.mkdir()
@@ -184,6 +199,10 @@ BAD_INPUTS = {
                                       "not with --baseline torch"),
     "--cuda-graph on the CPU": (lambda t: ["--cuda-graph", "--device", "cpu"],
                                 "--cuda-graph needs a CUDA device"),
+    "negative --lr in exponent notation": (lambda t: ["--lr", "-1e-3"],
+                                           "--lr must be a finite number >= 0, got -0.001"),
+    "--out is a file": (lambda t: ["--out", _a_file(t)], "is a file, not a directory"),
+    "--out below a file": (lambda t: ["--out", _a_file(t) / "run"], "cannot be created, "),
 }
 
 
@@ -199,12 +218,194 @@ def test_bad_input_gives_one_clear_message(tmp_path, capsys, case):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [["--lr", "-1e-3"], ["--out", "FILE"], ["--help"]],
+                         ids=["bad-lr", "bad-out", "help"])
+def test_help_and_early_errors_answer_before_torch_is_imported(tmp_path, argv):
+    """--help and the checks that need no model answer without importing torch (seconds on
+    a small machine): the user hears about a bad --out before training, not after it."""
+    argv = [str(_a_file(tmp_path)) if a == "FILE" else a for a in argv]
+    code = ("import sys\n"
+            "from forge.tools import train\n"
+            "try:\n"
+            f"    status = train.main({argv!r})\n"
+            "except SystemExit as e:\n"
+            "    status = e.code\n"
+            "print('status', status, 'torch imported', 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=child_env())
+    assert proc.stdout.strip().splitlines()[-1] == \
+        f"status {0 if argv == ['--help'] else 2} torch imported False", proc.stderr
+    if argv == ["--help"]:  # the defaults are shown, and none of them as "None"
+        words = " ".join(proc.stdout.split())  # as wrapped for any terminal width
+        for text in (f"(default: {forge_train.DEFAULT_STEPS})", "(default: tiny)",
+                     "adamw 0.001", "(default: 16)", "runs/forge-train"):
+            assert text in words, text
+        assert "None" not in words
+    else:
+        assert proc.stderr.count("\n") == 1 and "forge-train: error: " in proc.stderr
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_wait_passively_unless_told_otherwise(given, expected):
+    """forge-train sets OMP_WAIT_POLICY=PASSIVE for the OpenMP runtime torch loads after it,
+    unless the user set a policy."""
+    env = {k: v for k, v in child_env().items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = ("import os\n"
+            "from forge.tools import train\n"
+            "status = train.main(['--lr', '-1'])\n"
+            "print(status, os.environ.get('OMP_WAIT_POLICY'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.stdout.split() == ["2", expected], proc.stderr
+
+
+def test_model_presets_named_in_help_are_the_models(tmp_path):
+    from forge.tools import models as forge_models
+    assert forge_train.MODEL_PRESETS == tuple(forge_models.PRESETS)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root writes into a directory without write permission")
+def test_unwritable_out_is_refused_before_training(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert run(["--steps", 2, "--out", locked] + SMALL) == 2
+        assert run(["--steps", 2, "--out", locked / "run"] + SMALL) == 2
+    finally:
+        locked.chmod(0o700)
+    captured = capsys.readouterr()
+    assert "cannot write there" in captured.err and "is not writable" in captured.err
+    assert "forge-train: model" not in captured.out  # nothing started
+
+
+def _constant_lr_run(steps, out):
+    """A run whose lr does not depend on --steps (no warm-up, a cosine from 1 to 1): a run
+    cut short and resumed with other --steps must still match an uninterrupted one."""
+    return ["--steps", steps, "--warmup", 0, "--min-lr-ratio", 1.0, "--lr", "3e-3",
+            "--out", out] + SMALL
+
+
+def test_ctrl_c_finishes_the_step_and_saves_it(tmp_path, monkeypatch, capsys):
+    """SIGINT during step 3 of a run without --save-every: step 3 completes, its checkpoint
+    is written (atomically: no temporary file is left), the message names the step, and the
+    resumed run is bit-identical to one never interrupted."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert run(_constant_lr_run(6, whole)) == 0
+    real_loss, calls = forge_train.lm_loss, []
+
+    def sigint_in_step_3(model, tokens):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)  # Python runs the handler right here
+        return real_loss(model, tokens)
+    monkeypatch.setattr(forge_train, "lm_loss", sigint_in_step_3)
+    capsys.readouterr()
+    assert run(_constant_lr_run(100, parts)) == 130
+    monkeypatch.setattr(forge_train, "lm_loss", real_loss)
+    assert len(calls) == 3  # stopped after the step in flight
+    err = capsys.readouterr().err
+    assert f"interrupted after step 3 of 100; {parts / 'checkpoint.pt'} holds step 3" in err, err
+    assert forge_train.load_checkpoint(str(parts / "checkpoint.pt"))["step"] == 3
+    assert sorted(os.listdir(parts)) == ["checkpoint.pt"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert run(["--resume", parts, "--steps", 6]) == 0
+    assert metrics(parts)["losses"] == metrics(whole)["losses"]
+
+
+def test_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch, capsys):
+    real_loss, calls = forge_train.lm_loss, []
+
+    def two_sigints_in_step_2(model, tokens):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # the guard raises KeyboardInterrupt here
+        return real_loss(model, tokens)
+    monkeypatch.setattr(forge_train, "lm_loss", two_sigints_in_step_2)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert run(["--steps", 10, "--out", out] + SMALL) == 130
+    assert len(calls) == 2
+    err = capsys.readouterr().err
+    assert "interrupted during step 2; no checkpoint was written" in err, err
+    assert not os.path.exists(out / "checkpoint.pt")
+
+
+def test_ctrl_c_in_a_terminal_leaves_a_resumable_checkpoint(tmp_path):
+    """What a user sees: forge-train in a child process gets SIGINT once it has printed step
+    3; it exits with 130 and one message naming the step its checkpoint holds."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "forge.tools.train", "--log-every", "1"]
+                            + [str(a) for a in _constant_lr_run(100000, out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env())
+    try:
+        for line in proc.stdout:
+            if re.match(r"step\s+3/", line):
+                proc.send_signal(signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    held = re.search(r"holds step (\d+): continue with forge-train --resume", err)
+    assert held and "Traceback" not in err, err
+    state = forge_train.load_checkpoint(str(out / "checkpoint.pt"))
+    assert state["step"] == int(held[1]) >= 3
+    assert len(state["losses"]) == state["step"]
+
+
+def test_resume_dir_writes_there_unless_out_says_otherwise(tmp_path, monkeypatch, capsys):
+    """--resume DIR continues in DIR (not in ./runs/forge-train, where it could overwrite
+    another run); --out moves it elsewhere. A temporary file left by a killed save is removed
+    at the start, with a note."""
+    monkeypatch.chdir(tmp_path)
+    first = tmp_path / "first"
+    assert run(["--steps", 2, "--save-every", 2, "--out", first] + SMALL) == 0
+    (first / ".checkpoint.pt.tmp").write_bytes(b"half a checkpoint")
+    capsys.readouterr()
+    assert run(["--steps", 4, "--resume", first]) == 0
+    assert f"removed {first / '.checkpoint.pt.tmp'}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "runs")
+    assert sorted(os.listdir(first)) == ["checkpoint.pt", "metrics.json"]
+    assert forge_train.load_checkpoint(str(first / "checkpoint.pt"))["step"] == 4
+    assert len(metrics(first)["losses"]) == 4
+    other = tmp_path / "other"
+    assert run(["--steps", 6, "--resume", first / "checkpoint.pt", "--out", other]) == 0
+    assert forge_train.load_checkpoint(str(first / "checkpoint.pt"))["step"] == 4
+    assert forge_train.load_checkpoint(str(other / "checkpoint.pt"))["step"] == 6
+
+
+def test_data_size_is_shown_in_kb_below_a_megabyte(tmp_path, capsys):
+    from forge.tools import data as forge_data
+    assert [forge_data.text_size(n) for n in (999, 1000, 12_345, 999_999, 2_500_000)] == \
+        ["999 bytes", "1.0 KB", "12.3 KB", "1000.0 KB", "2.5 MB"]
+    text = tmp_path / "small.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)  # 8,800 bytes
+    assert run(["--steps", 1, "--data", text, "--out", tmp_path / "run"] + SMALL) == 0
+    assert "data 1 file(s), 8.8 KB;" in capsys.readouterr().out
+
+
 def test_resume_refuses_a_conflicting_option(tmp_path, capsys):
+    """Named by the values in effect: a checkpoint that took adamw's default lr shows 0.001
+    (not None), and an explicit --lr 0.001 is no conflict with it."""
     out = tmp_path / "run"
     assert run(["--steps", 2, "--save-every", 2, "--out", out] + SMALL) == 0
     capsys.readouterr()
     assert run(["--steps", 4, "--out", out, "--resume", "--lr", "0.5"]) == 2
-    assert "differs from the checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--lr 0.5 differs from the checkpoint's 0.001 (" in err, err
+    assert run(["--steps", 4, "--out", out, "--resume", "--betas", "0.8", "0.9"]) == 2
+    err = capsys.readouterr().err
+    assert "--betas 0.8 0.9 differs from the checkpoint's 0.9 0.999 (" in err, err
+    assert run(["--steps", 4, "--out", out, "--resume", "--data", tmp_path]) == 2
+    assert "differs from the checkpoint's built-in corpus (" in capsys.readouterr().err
+    assert run(["--steps", 4, "--out", out, "--resume", "--lr", "0.001", "--betas", "0.9",
+                "0.999"]) == 0
 
 
 def test_command_line_error_has_no_traceback(tmp_path):
@@ -332,6 +533,32 @@ def test_host_overhead_bench_runs():
     assert proc.returncode == 0, proc.stderr
     line = proc.stdout.strip().splitlines()[-1]
     assert "torch AdamW(foreach)" in line and "forge.optim.AdamW" in line, line
+
+
+def _cpu_step_script():
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                        "cpu_step.py")
+
+
+def test_cpu_step_bench_runs():
+    """bench/cpu_step.py (a benchmark, not timed here) times both ways on every shape it is
+    given and prints the table with the totals."""
+    proc = subprocess.run([sys.executable, _cpu_step_script(), "--shapes", "17x8,8x40",
+                           "--tokens", "40", "--rounds", "2", "--threads", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[2:]] == ["17x8", "8x40", "all (given)"], rows
+
+
+@pytest.mark.parametrize("argv, named", [(["--shapes", "17"], "--shapes"),
+                                         (["--tokens", "0"], "--tokens"),
+                                         (["--rounds", "-1"], "--rounds")])
+def test_cpu_step_bench_refuses_bad_arguments(argv, named):
+    proc = subprocess.run([sys.executable, _cpu_step_script()] + argv, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def _fake_wgrad_bench_md(bf16_512, unfused_512, layer_ms):

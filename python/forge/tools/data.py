@@ -145,6 +145,15 @@ class TextData:
         return rows if device is None else rows.to(device, non_blocking=True)
 
 
+def text_size(n_bytes: int) -> str:
+    """A size for the run's banner: bytes, KB below 1 MB, MB above (decimal units)."""
+    if n_bytes < 1000:
+        return f"{n_bytes} bytes"
+    if n_bytes < 1000 ** 2:
+        return f"{n_bytes / 1e3:.1f} KB"
+    return f"{n_bytes / 1e6:.1f} MB"
+
+
 def load_text(paths: Optional[Sequence[str]], max_bytes: int = DEFAULT_MAX_BYTES):
     """(text bytes, description) from --data paths, or the built-in corpus."""
     if paths:
@@ -152,13 +161,14 @@ def load_text(paths: Optional[Sequence[str]], max_bytes: int = DEFAULT_MAX_BYTES
         text = read_files(files, max_bytes)
         if not text.strip():
             raise DataError(f"the data files hold no text: {', '.join(paths)}")
-        return text, f"{len(files)} file(s), {len(text) / 1e6:.1f} MB"
+        return text, f"{len(files)} file(s), {text_size(len(text))}"
     files = builtin_text_files()
     text = read_files(files, min(max_bytes, BUILTIN_MAX_BYTES)) if files else b""
     if len(text) >= BUILTIN_MIN_BYTES:
         return text, (f"built-in: Python stdlib sources, {len(files)} files, "
-                      f"{len(text) / 1e6:.1f} MB")
-    return generated_text(4 << 20), "built-in: generated sentences, 4.2 MB"
+                      f"{text_size(len(text))}")
+    text = generated_text(4 << 20)
+    return text, f"built-in: generated sentences, {text_size(len(text))}"
 
 
 def make_data(paths, tokenizer, seq_len: int, batch_size: int, seed: int,

@@ -12,7 +12,14 @@ model with torch.optim for comparison.
 Checkpoints hold model, optimizer (FORGE states included), scheduler, RNG and the loss
 history; batches are a pure function of (seed, step), so --resume continues bit-exactly.
 They are written to a temporary file and renamed, so an interrupted run keeps its last one.
-Bad input ends with one line on stderr and exit status 2; see TrainError.
+Ctrl-C lets the step in flight finish, then saves its checkpoint (see InterruptGuard).
+--resume DIR continues in DIR unless --out names another directory.
+Bad input ends with one line on stderr and exit status 2, before training starts where it
+can be known then (--out included); see TrainError.
+
+torch is imported only once the command line is parsed and checked (each function that
+needs it imports it): --help and a bad option answer at once, not after torch's seconds.
+main() sets OMP_WAIT_POLICY=PASSIVE unless it is set (see there).
 """
 from __future__ import annotations
 
@@ -22,26 +29,28 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
+import tempfile
+import threading
 import time
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-from forge.tools import data as forge_data
-from forge.tools import models as forge_models
+if TYPE_CHECKING:  # annotations only: each function imports torch where it uses it
+    import torch
+    import torch.nn as nn
 
 CHECKPOINT_NAME = "checkpoint.pt"
 CHECKPOINT_FORMAT = "forge-train checkpoint"
 CHECKPOINT_VERSION = 1
 DEFAULT_OUT = os.path.join("runs", "forge-train")
-# Default step count: ~2 minutes for the tiny model on 2 CPU cores.
-DEFAULT_STEPS = 400
-
-
-OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# Default step count: the default run (tiny model, 16 × 128 tokens a step) takes under two
+# minutes on 2 idle CPU cores, start-up included, and its loss falls from ln 256 = 5.5 to
+# about 2 nats/token.
+DEFAULT_STEPS = 250
+# forge.tools.models.PRESETS' names, for --help without importing torch (test_train.py checks
+# that they are the same).
+MODEL_PRESETS = ("tiny", "small", "100m")
 
 
 class TrainError(Exception):
@@ -86,31 +95,44 @@ INHERITED_OPTIONS = ("save_every", "activation_checkpointing", "no_plot", "log_e
                      "cuda_graph")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" where there is a default to show: not for options whose default
+    is decided later (None), flags (False) or help that already says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="forge-train",
+        prog="forge-train", formatter_class=HelpFormatter,
         description="Train a causal LM with FORGE: every nn.Linear weight is updated inside "
                     "backward and never holds a gradient. With no arguments: a tiny model on "
-                    "a built-in corpus, a couple of minutes on a CPU.")
+                    "a built-in corpus, under two minutes on a 2-core CPU.")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="tiny",
-                   help=f"preset ({', '.join(forge_models.PRESETS)}) or a Hugging Face "
+                   help=f"preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face "
                         "config.json / checkpoint directory (needs transformers)")
     g.add_argument("--data", nargs="+", metavar="PATH",
                    help="local text files or directories (default: the built-in corpus, "
                         "the Python standard library's sources)")
     g.add_argument("--max-data-mb", type=int, default=256, help="read at most this much text")
-    g.add_argument("--seq-len", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=16)
-    g = p.add_argument_group("optimizer")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    g = p.add_argument_group("optimizer (hyper-parameters default to torch.optim's)")
     g.add_argument("--optimizer", default="adamw", help=" | ".join(OPTIMIZERS))
     g.add_argument("--baseline", choices=["torch"],
                    help="use torch.optim instead of forge.optim (AdamW fused on CUDA), to compare")
-    g.add_argument("--lr", type=float, help="peak learning rate (default per optimizer)")
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
-    g.add_argument("--eps", type=float)
-    g.add_argument("--momentum", type=float)
+    g.add_argument("--lr", type=float,
+                   help="peak learning rate (default per optimizer: " +
+                        ", ".join(f"{name} {spec.lr:g}" for name, spec in OPTIMIZERS.items()) + ")")
+    g.add_argument("--weight-decay", type=float, help="weight decay")
+    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"),
+                   help="moment decay rates (Adam family, Lion)")
+    g.add_argument("--eps", type=float, help="denominator term")
+    g.add_argument("--momentum", type=float, help="RMSprop, SGD")
     g.add_argument("--alpha", type=float, help="RMSprop smoothing constant")
     g.add_argument("--centered", action="store_true", default=None, help="RMSprop")
     g.add_argument("--lr-decay", type=float, help="Adagrad")
@@ -121,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--master-weights", action="store_true", default=None,
                    help="FORGE: keep an fp32 master copy of bf16 weights")
     g.add_argument("--stochastic-rounding", action=argparse.BooleanOptionalAction,
-                   default=None, help="FORGE: stochastic rounding of bf16 stores")
+                   default=None, help="FORGE: stochastic rounding of bf16 stores (default: "
+                                      "forge.optim's, on)")
     g = p.add_argument_group("schedule and precision")
-    g.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
     g.add_argument("--warmup", type=int, help="linear warm-up steps (default: 5%% of --steps), "
                                               "then cosine decay")
     g.add_argument("--min-lr-ratio", type=float, default=0.1,
@@ -132,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--amp", action="store_true",
                    help="mixed precision: fp32 weights (and optimizer states), forward and "
                         "backward under torch.autocast(bfloat16); not with --bf16")
-    g.add_argument("--activation-checkpointing", action="store_true")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward")
     g.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
                    help="after two eager steps, capture the whole step as one CUDA graph and "
                         "replay it (forge.graphs.CUDAGraphStep): the same updates without the "
@@ -141,29 +165,58 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute RMSNorm and the SwiGLU product in backward instead of "
                         "keeping their intermediates (less memory, same gradients in bf16: "
                         "forge.lean)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--seed", type=int, default=0, help="initial weights and batches")
+    g.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda "
+                                                    "| cuda:N")
     g = p.add_argument_group("output and checkpoints")
-    g.add_argument("--out", default=DEFAULT_OUT, help="directory for checkpoint, metrics, plot")
+    g.add_argument("--out", help=f"directory for checkpoint, metrics, plot (default: "
+                                 f"{DEFAULT_OUT}, or with --resume DIR that directory)")
     g.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="write a checkpoint every N steps (and at the end)")
+                   help="write a checkpoint every N steps and at the end (0: only when "
+                        "interrupted with Ctrl-C)")
     g.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
-                   help=f"continue from CHECKPOINT (a file or a directory; default: "
-                        f"OUT/{CHECKPOINT_NAME})")
+                   help=f"continue from CHECKPOINT, a file or a directory, and write there "
+                        f"unless --out is given (without CHECKPOINT: OUT/{CHECKPOINT_NAME})")
     g.add_argument("--log-every", type=int, default=0,
                    help="without tqdm: print a progress line every N steps (default: ~20 lines)")
     g.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
     return p
 
 
+def _numeric_values_attached(parser: argparse.ArgumentParser, argv: List[str]) -> List[str]:
+    """argv with "--lr -1e-3" given as "--lr=-1e-3": argparse takes a negative number in
+    exponent notation for an option of its own, so the value would never reach the checks
+    that explain why it is refused. Options taking one int or float value only."""
+    numeric = {s for a in parser._actions for s in a.option_strings
+               if a.nargs is None and a.type in (int, float)}
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in numeric and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+            except ValueError:
+                pass
+            else:
+                out.append(f"{arg}={argv[i + 1]}")
+                i += 2
+                continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def parse_args(argv=None):
     """(args, explicit): explicit is the set of options given on the command line."""
     parser = build_parser()
+    argv = _numeric_values_attached(parser, list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     probe = build_parser()
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     explicit = set(vars(probe.parse_args(argv)))
+    if args.out is None:  # decided in train(): --resume DIR may give it
+        args.out = DEFAULT_OUT
     return args, explicit
 
 
@@ -215,13 +268,42 @@ def check_numbers(args):
             raise TrainError(f"{flag} must be positive, got {value}")
     if args.save_every < 0:
         raise TrainError(f"--save-every must be >= 0, got {args.save_every}")
-    if args.lr is not None and not args.lr > 0:
-        raise TrainError(f"--lr must be positive, got {args.lr}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
+        raise TrainError(f"--lr must be a finite number >= 0, got {args.lr:g}")
     if args.warmup is not None and args.warmup < 0:
         raise TrainError(f"--warmup must be >= 0, got {args.warmup}")
 
 
+def resolve_out(args, explicit) -> None:
+    """--resume DIR (or a file in DIR) writes to DIR unless --out names another directory."""
+    if args.resume and "out" not in explicit:
+        args.out = args.resume if os.path.isdir(args.resume) else \
+            (os.path.dirname(args.resume) or ".")
+
+
+def check_out(path: str) -> None:
+    """--out must be a directory this process can write, or one it can create: found now,
+    not in a traceback after the whole run."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise TrainError(f"--out {path}: is a file, not a directory")
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            raise TrainError(f"--out {path}: cannot write there ({e.strerror})") from None
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise TrainError(f"--out {path}: cannot be created, {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise TrainError(f"--out {path}: cannot be created, {parent} is not writable")
+
+
 def pick_device(name: str) -> torch.device:
+    import torch
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -238,6 +320,7 @@ def pick_device(name: str) -> torch.device:
 # ----------------------------------------------------------------------------- pieces
 
 def make_optimizer(model: nn.Module, spec: OptimizerSpec, args, device: torch.device):
+    import torch
     kwargs = {"lr": args.lr if args.lr is not None else spec.lr}
     for hp in spec.hparams:
         value = getattr(args, hp)
@@ -274,6 +357,8 @@ def make_optimizer(model: nn.Module, spec: OptimizerSpec, args, device: torch.de
 
 def make_schedule(optimizer, steps: int, warmup: int, min_ratio: float):
     """Linear warm-up to the peak lr, then cosine down to min_ratio · peak."""
+    import torch
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -285,6 +370,8 @@ def make_schedule(optimizer, steps: int, warmup: int, min_ratio: float):
 def lm_loss(model: nn.Module, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
     """Next-token cross entropy in fp32; tokens: [B, T + 1]. lean: forge.lean.cross_entropy
     (the same value to fp32 rounding, without fp32 log-probabilities kept for backward)."""
+    import torch.nn.functional as F
+    from forge.tools import models as forge_models
     logits = forge_models.logits_of(model, tokens[:, :-1])  # [B, T, vocab]
     if lean:
         from forge.lean import cross_entropy
@@ -307,6 +394,7 @@ class GradientBytesTracker:
     """
 
     def __init__(self, model: nn.Module):
+        import torch.nn as nn
         linear_weights = {id(m.weight) for m in model.modules()
                           if isinstance(m, nn.Linear)}
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -349,6 +437,7 @@ class GradientBytesTracker:
 
 def memory_now(device: torch.device) -> int:
     if device.type == "cuda":
+        import torch
         return torch.cuda.memory_allocated(device)
     try:
         with open("/proc/self/statm") as f:
@@ -359,6 +448,7 @@ def memory_now(device: torch.device) -> int:
 
 def memory_peak(device: torch.device) -> int:
     if device.type == "cuda":
+        import torch
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
@@ -421,9 +511,26 @@ def checkpoint_path(args) -> str:
     return args.resume
 
 
+def checkpoint_tmp_path(path: str) -> str:
+    """Where save_checkpoint writes before the rename."""
+    return os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp")
+
+
+def remove_stale_tmp(path: str) -> None:
+    """A save killed before its rename (SIGKILL, power loss) leaves its temporary file: it is
+    removed, with a note; the checkpoint itself was never touched."""
+    tmp = checkpoint_tmp_path(path)
+    if os.path.exists(tmp):
+        os.remove(tmp)
+        print(f"forge-train: note: removed {tmp}, an unfinished checkpoint write of an earlier "
+              f"run that was killed ({os.path.basename(path)} itself is as that run left it)",
+              file=sys.stderr, flush=True)
+
+
 def save_checkpoint(path: str, state: dict) -> None:
     """Write to a temporary file beside `path`, fsync, then rename over it (atomic)."""
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp")
+    import torch
+    tmp = checkpoint_tmp_path(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -437,6 +544,7 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 def load_checkpoint(path: str) -> dict:
+    import torch
     if not os.path.isfile(path):
         raise TrainError(f"no checkpoint to resume from at {path}")
     try:
@@ -454,16 +562,17 @@ def load_checkpoint(path: str) -> dict:
 
 def apply_saved_args(args, explicit, saved: dict, path: str) -> None:
     """Resume with the checkpoint's trajectory options; refuse a conflicting explicit one
-    (--steps may change: it extends or shortens the run)."""
+    (--steps may change: it extends or shortens the run). Options are compared by the value
+    the run uses: an explicit --lr 0.001 equals a checkpoint that took adamw's default."""
     for name in TRAJECTORY_OPTIONS + INHERITED_OPTIONS:
         if name not in saved:
             continue
         value, old = getattr(args, name), saved[name]
         if name in explicit and name in TRAJECTORY_OPTIONS and name != "steps" \
-                and _normal(value) != _normal(old):
-            raise TrainError(f"--{name.replace('_', '-')} {value} differs from the "
-                             f"checkpoint's {old} ({path}); a resumed run keeps the "
-                             "checkpoint's settings")
+                and _effective(name, value, saved) != _effective(name, old, saved):
+            raise TrainError(f"--{name.replace('_', '-')} {_shown(name, value, saved)} differs "
+                             f"from the checkpoint's {_shown(name, old, saved)} ({path}); a "
+                             "resumed run keeps the checkpoint's settings")
         if name not in explicit:
             setattr(args, name, old)
 
@@ -472,7 +581,60 @@ def _normal(value):
     return list(value) if isinstance(value, tuple) else value
 
 
+def _optimizer_default(class_name: str, hparam: str):
+    """The default of keyword `hparam` of torch.optim's (or forge.optim's) class_name, or None
+    where neither can say."""
+    import inspect
+    import torch
+    cls = getattr(torch.optim, class_name, None)
+    if cls is None:
+        try:
+            import forge.optim as forge_optim
+            cls = getattr(forge_optim, class_name, None)
+        except Exception:  # libforge not loadable: nothing to read the default from
+            return None
+    try:
+        default = inspect.signature(cls).parameters[hparam].default
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None if default is inspect.Parameter.empty else default
+
+
+def _effective(name: str, value, saved: dict):
+    """The value option `name` stands for in a run with the checkpoint's settings `saved`:
+    None (not given) becomes the default the run used, where it is known."""
+    if value is not None:
+        return _normal(value)
+    spec = OPTIMIZERS.get(str(saved.get("optimizer", "")).lower())
+    if name == "lr" and spec is not None:
+        return spec.lr
+    if name == "warmup" and isinstance(saved.get("steps"), int):
+        return saved["steps"] // 20
+    if name in HPARAM_FLAGS and spec is not None:
+        return _normal(_optimizer_default(spec.class_name, name))
+    return None
+
+
+_UNSET_NAMES = {"data": "built-in corpus", "state_format": "forge.optim's default",
+                "master_weights": "forge.optim's default (off)",
+                "stochastic_rounding": "forge.optim's default (on)",
+                "baseline": "forge.optim (no baseline)"}
+
+
+def _shown(name: str, value, saved: dict) -> str:
+    """Option `name`'s value for a message: the value in effect, never "None"."""
+    effective = _effective(name, value, saved)
+    if effective is None:
+        return _UNSET_NAMES.get(name, "the default")
+    if isinstance(effective, list):
+        return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in effective)
+    if isinstance(effective, float):
+        return f"{effective:g}"
+    return str(effective)
+
+
 def rng_state(device: torch.device) -> dict:
+    import torch
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -480,6 +642,7 @@ def rng_state(device: torch.device) -> dict:
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
+    import torch
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -501,17 +664,62 @@ class TrainResult:
     nonfinite: int = 0           # gradient elements FORGE skipped (NaN/Inf), all steps
 
 
+class TrainInterrupted(Exception):
+    """Ctrl-C ended the run; the message says which checkpoint holds what (exit 130)."""
+
+
+class InterruptGuard:
+    """Ctrl-C (SIGINT) during training: the step in flight finishes, then the loop saves a
+    checkpoint of it and stops. A FORGE step updates weights inside backward, so a step cut
+    in the middle leaves no consistent state to save. A second Ctrl-C stops at once (a
+    KeyboardInterrupt, no new checkpoint). Only in the main thread, where Python delivers
+    signals; elsewhere Ctrl-C keeps its default."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def _on_sigint(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nforge-train: interrupted: finishing this step, then saving its checkpoint "
+              "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
+
+
 def train(args, explicit=frozenset()) -> TrainResult:
-    """Runs one forge-train job; raises TrainError on bad input."""
+    """Runs one forge-train job; raises TrainError on bad input, TrainInterrupted on Ctrl-C."""
     spec = resolve_optimizer(args, explicit)
     check_numbers(args)
+    check_precision(args)
+    resolve_out(args, explicit)
+    check_out(args.out)
+
+    import torch
+    from forge.tools import data as forge_data
+    from forge.tools import models as forge_models
+
     resume_state = None
     ckpt_file = os.path.join(args.out, CHECKPOINT_NAME)
+    remove_stale_tmp(ckpt_file)
+    saved_step = None  # the step ckpt_file holds, where this run knows it
     if args.resume is not None:
         resume_from = checkpoint_path(args)
         resume_state = load_checkpoint(resume_from)
         apply_saved_args(args, explicit, resume_state["args"], resume_from)
         spec = resolve_optimizer(args, explicit)
+        if os.path.abspath(resume_from) == os.path.abspath(ckpt_file):
+            saved_step = resume_state["step"]
     check_precision(args)
     device = pick_device(args.device)
     check_cuda_graph(args, device)
@@ -575,7 +783,10 @@ def train(args, explicit=frozenset()) -> TrainResult:
           f"tokenizer {tokenizer.name}; optimizer {opt_label}; "
           f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
           + (f"; resuming at step {start}" if start else ""), flush=True)
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise TrainError(f"--out {args.out}: cannot create it ({e.strerror})") from None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -585,6 +796,13 @@ def train(args, explicit=frozenset()) -> TrainResult:
     progress = Progress(start, args.steps, args.log_every)
     timed_tokens, timed_s = 0, 0.0
     nonfinite = resume_state.get("nonfinite", 0) if resume_state else 0
+
+    def checkpoint(done: int) -> dict:
+        return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+                "step": done, "args": saved_args, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
+                "rng": rng_state(device), "tracker": tracker.state(),
+                "losses": losses, "grad_norms": grad_norms, "nonfinite": nonfinite}
 
     def train_step(tokens: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
@@ -597,39 +815,48 @@ def train(args, explicit=frozenset()) -> TrainResult:
     if args.cuda_graph:  # two eager steps, then one capture: every call is one step
         from forge.graphs import CUDAGraphStep
         train_step = CUDAGraphStep(train_step, optimizers=[optimizer], warmup=2)
+    step = start
     try:
-        for step in range(start, args.steps):
-            t0 = time.perf_counter()
-            tokens = data.batch(step, device)
-            loss = train_step(tokens)
-            schedule.step()           # (forge.optim reads the new lr at the next replay)
-            loss_value = loss.item()  # synchronises: the step's time is complete
-            dt = time.perf_counter() - t0
-            if not math.isfinite(loss_value):
-                raise TrainError(f"the loss became {loss_value} at step {step + 1}; lower "
-                                 "--lr or check the data")
-            losses.append(loss_value)
-            report = optimizer_report(optimizer)
-            if "grad_norm" in report:
-                grad_norms.append(report["grad_norm"])
-            nonfinite += int(report.get("nonfinite_count", 0))
-            if step > start:  # the first step pays one-time costs
-                timed_tokens += tokens_per_step
-                timed_s += dt
-            rate = timed_tokens / timed_s if timed_s else tokens_per_step / dt
-            text = (f"loss {loss_value:.4f} | {rate:,.0f} tok/s | "
-                    f"mem {human_bytes(memory_now(device))}")
-            if "grad_norm" in report:
-                text += f" | gnorm {report['grad_norm']:.3g}"
-            progress.update(step, text)
-            done = step + 1
-            if args.save_every and (done % args.save_every == 0 or done == args.steps):
-                save_checkpoint(ckpt_file, {
-                    "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-                    "step": done, "args": saved_args, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
-                    "rng": rng_state(device), "tracker": tracker.state(),
-                    "losses": losses, "grad_norms": grad_norms, "nonfinite": nonfinite})
+        with InterruptGuard() as interrupt:
+            for step in range(start, args.steps):
+                t0 = time.perf_counter()
+                tokens = data.batch(step, device)
+                loss = train_step(tokens)
+                schedule.step()           # (forge.optim reads the new lr at the next replay)
+                loss_value = loss.item()  # synchronises: the step's time is complete
+                dt = time.perf_counter() - t0
+                if not math.isfinite(loss_value):
+                    raise TrainError(f"the loss became {loss_value} at step {step + 1}; lower "
+                                     "--lr or check the data")
+                losses.append(loss_value)
+                report = optimizer_report(optimizer)
+                if "grad_norm" in report:
+                    grad_norms.append(report["grad_norm"])
+                nonfinite += int(report.get("nonfinite_count", 0))
+                if step > start:  # the first step pays one-time costs
+                    timed_tokens += tokens_per_step
+                    timed_s += dt
+                rate = timed_tokens / timed_s if timed_s else tokens_per_step / dt
+                text = (f"loss {loss_value:.4f} | {rate:,.0f} tok/s | "
+                        f"mem {human_bytes(memory_now(device))}")
+                if "grad_norm" in report:
+                    text += f" | gnorm {report['grad_norm']:.3g}"
+                progress.update(step, text)
+                done = step + 1
+                if args.save_every and (done % args.save_every == 0 or done == args.steps):
+                    save_checkpoint(ckpt_file, checkpoint(done))
+                    saved_step = done
+                if interrupt.requested and done < args.steps:
+                    if saved_step != done:
+                        save_checkpoint(ckpt_file, checkpoint(done))
+                        saved_step = done
+                    raise TrainInterrupted(
+                        f"interrupted after step {done} of {args.steps}; {ckpt_file} holds "
+                        f"step {done}: continue with forge-train --resume {args.out}")
+    except KeyboardInterrupt:  # a second Ctrl-C: the step in flight is lost
+        kept = (f"{ckpt_file} (step {saved_step}) is kept" if saved_step is not None else
+                "no checkpoint was written (one Ctrl-C lets the step finish and saves it)")
+        raise TrainInterrupted(f"interrupted during step {step + 1}; {kept}") from None
     finally:
         progress.close()
 
@@ -643,6 +870,7 @@ def train(args, explicit=frozenset()) -> TrainResult:
 
 
 def _hf_tokenizer(model_path: str):
+    from forge.tools import data as forge_data
     directory = os.path.dirname(model_path) if model_path.endswith(".json") else model_path
     if not any(os.path.isfile(os.path.join(directory, f))
                for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -710,20 +938,38 @@ def plot_losses(curves: Dict[str, List[float]], path: str, title: str) -> str:
 
 def main(argv=None) -> int:
     args, explicit = parse_args(argv)
+    # NOTE: OpenMP threads that spin after every parallel region (libgomp's default when
+    # OMP_WAIT_POLICY is unset) starve each other on a small machine with anything else
+    # running: steps of the default run measured 3-10x slower than with passive waiting. Set
+    # before torch loads its OpenMP runtime (it reads the variable then); a value the user
+    # set wins, and a process that imported torch already keeps what it has.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         train(args, explicit)
     except TrainError as e:
         print(f"forge-train: error: {e}", file=sys.stderr)
         return 2
-    except OUT_OF_MEMORY:
+    except TrainInterrupted as e:
+        print(f"forge-train: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before the first step or after the last: nothing new to save
+        print("\nforge-train: interrupted outside the training steps (nothing new to save)",
+              file=sys.stderr)
+        return 130
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
         print("forge-train: error: out of memory; try a smaller --batch-size or --seq-len, "
               "--activation-checkpointing or --bf16", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"\nforge-train: interrupted; the last checkpoint (if any) is kept in "
-              f"{args.out}", file=sys.stderr)
-        return 130
     return 0
+
+
+def _out_of_memory(e: Exception) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    return isinstance(e, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
 
 
 if __name__ == "__main__":
