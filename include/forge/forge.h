@@ -13,6 +13,10 @@
  *  - Pointers live on the device named in forge_device (host memory for
  *    FORGE_DEVICE_CPU, device memory for FORGE_DEVICE_CUDA), outputs included.
  *  - Every struct passed in starts with abi_version = FORGE_ABI_VERSION.
+ *  - Enumerated values travel as int32_t (struct fields and parameters alike), so an
+ *    out-of-range value is refused by name instead of being loaded as an enum. Bindings
+ *    look names up (forge_enum_name / forge_enum_value, forge_rule_query) and check their
+ *    struct mirrors against forge_struct_size instead of copying numbers from here.
  */
 #ifndef FORGE_FORGE_H_
 #define FORGE_FORGE_H_
@@ -29,7 +33,7 @@ extern "C" {
 #define FORGE_API __attribute__((visibility("default")))
 #endif
 
-#define FORGE_ABI_VERSION 2
+#define FORGE_ABI_VERSION 3
 /* Elements of a row that share one int8 absmax. */
 #define FORGE_INT8_BLOCK 64
 /* Most optimizer states any rule keeps per parameter element. */
@@ -86,7 +90,7 @@ typedef enum {
 } forge_capability;
 
 typedef struct {
-  forge_device_kind kind;
+  int32_t kind;        /* a forge_device_kind value */
   int32_t index;       /* CUDA device ordinal; 0 for the CPU */
   void* stream;        /* cudaStream_t for CUDA (NULL = default stream); unused on CPU */
   int32_t num_threads; /* CPU: OpenMP threads, 0 = OpenMP's default */
@@ -96,7 +100,7 @@ typedef struct {
  * rule does not use are ignored (but must not be NaN). */
 typedef struct {
   int32_t abi_version;
-  forge_rule rule;
+  int32_t rule;              /* a forge_rule value */
   int64_t step;              /* 1-based number of this step (torch's state['step'] after += 1) */
   double lr;
   double weight_decay;
@@ -128,10 +132,10 @@ typedef struct {
 /* One parameter: its weight and optimizer states. */
 typedef struct {
   int64_t rows, cols;                 /* [rows, cols]; a linear layer's W is [out, in] */
-  forge_weight_format weight_format;
+  int32_t weight_format;              /* a forge_weight_format value */
   void* weight;                       /* [rows, cols] fp32 or bf16 per weight_format */
   float* master;                      /* [rows, cols] fp32, FORGE_WEIGHT_BF16_MASTER only */
-  forge_state_format state_format;
+  int32_t state_format;               /* a forge_state_format value */
   void* state[FORGE_MAX_STATES];      /* [rows, cols] each; float / bf16 / uint8 codes */
   float* state_absmax[FORGE_MAX_STATES]; /* [rows, ceil(cols / 64)] each, int8 only */
 } forge_param;
@@ -152,8 +156,8 @@ typedef struct {
   int32_t abi_version;
   forge_device device;
   int64_t tokens;
-  const void* x;  forge_dtype x_dtype;  int64_t ldx;   /* [tokens, cols] */
-  const void* dy; forge_dtype dy_dtype; int64_t lddy;  /* [tokens, rows] */
+  const void* x;  int32_t x_dtype;  int64_t ldx;   /* [tokens, cols]; x_dtype a forge_dtype */
+  const void* dy; int32_t dy_dtype; int64_t lddy;  /* [tokens, rows]; dy_dtype a forge_dtype */
   forge_param param;
   forge_hparams hparams;
   forge_step_outputs outputs;
@@ -164,7 +168,7 @@ typedef struct {
 typedef struct {
   int32_t abi_version;
   forge_device device;
-  const void* grad; forge_dtype grad_dtype;  /* [rows, cols] */
+  const void* grad; int32_t grad_dtype;  /* [rows, cols]; grad_dtype a forge_dtype */
   forge_param param;
   forge_hparams hparams;
   forge_step_outputs outputs;
@@ -179,16 +183,66 @@ typedef struct {
   const char* names[FORGE_MAX_STATES];     /* torch.optim's state keys: "exp_avg", ... */
 } forge_state_layout;
 
+/* ---- introspection: what a binding reads instead of mirroring this header --------------- */
+
+/* The enumerations of this header. Each has the values 0 .. count - 1, and each value a
+ * stable name: */
+typedef enum {
+  FORGE_ENUM_STATUS = 0,        /* "ok", "invalid_argument", "unsupported", "device",
+                                   "out_of_memory", "internal" */
+  FORGE_ENUM_DTYPE = 1,         /* "fp32", "bf16", "fp16" */
+  FORGE_ENUM_RULE = 2,          /* "SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion",
+                                   "RMSprop", "Adagrad" */
+  FORGE_ENUM_WEIGHT_FORMAT = 3, /* "fp32", "bf16", "bf16_sr", "bf16_master" */
+  FORGE_ENUM_STATE_FORMAT = 4,  /* "fp32", "bf16", "bf16_sr", "int8" */
+  FORGE_ENUM_DEVICE_KIND = 5    /* "cpu", "cuda" */
+} forge_enum;
+#define FORGE_ENUM_COUNT 6
+
+/* Most forge_hparams fields one rule reads (forge_rule_info.fields). */
+#define FORGE_MAX_RULE_FIELDS 16
+
+/* What a rule reads and keeps (forge_rule_query). Strings are static. */
+typedef struct {
+  const char* name;                               /* its name in FORGE_ENUM_RULE */
+  const char* fields[FORGE_MAX_RULE_FIELDS];      /* the forge_hparams fields it reads ("step",
+                                                     "lr", "beta1", ...); NULL after the last */
+  const char* state_names[FORGE_MAX_STATES];      /* torch.optim's state keys, in the slot order
+                                                     of its largest configuration */
+  const char* state_condition[FORGE_MAX_STATES];  /* NULL: the state is always kept; else the
+                                                     forge_hparams field that must be non-zero
+                                                     for it ("centered", "momentum"). A state
+                                                     not kept takes no slot: later ones move up */
+  int32_t num_fields;
+  int32_t max_states;                             /* states of its largest configuration */
+  int32_t state_signed[FORGE_MAX_STATES];         /* 1: signed (first-moment-like) int8 map */
+} forge_rule_info;
+
 FORGE_API int32_t forge_abi_version(void);
 FORGE_API const char* forge_version_string(void);
 FORGE_API uint32_t forge_capabilities(void);
 /* Message of the last failed call on this thread ("" if none). */
 FORGE_API const char* forge_last_error(void);
 
-FORGE_API forge_status forge_hparams_default(forge_rule rule, forge_hparams* out);
-FORGE_API forge_status forge_state_layout_query(const forge_hparams* hparams,
-                                                forge_state_format format, int64_t rows,
-                                                int64_t cols, forge_state_layout* out);
+/* `rule`: a forge_rule value. */
+FORGE_API forge_status forge_hparams_default(int32_t rule, forge_hparams* out);
+/* `format`: a forge_state_format value. */
+FORGE_API forge_status forge_state_layout_query(const forge_hparams* hparams, int32_t format,
+                                                int64_t rows, int64_t cols,
+                                                forge_state_layout* out);
+/* Number of values of enumeration `kind` (a forge_enum value). */
+FORGE_API forge_status forge_enum_count(int32_t kind, int32_t* count);
+/* The name of `value` in enumeration `kind`. */
+FORGE_API forge_status forge_enum_name(int32_t kind, int32_t value, const char** name);
+/* The value named `name` (ASCII case-insensitive) in enumeration `kind`; an unknown name is
+ * refused with a message listing the known ones. */
+FORGE_API forge_status forge_enum_value(int32_t kind, const char* name, int32_t* value);
+/* What rule `rule` (a forge_rule value) reads and keeps. */
+FORGE_API forge_status forge_rule_query(int32_t rule, forge_rule_info* out);
+/* sizeof the public struct named `name` ("forge_hparams", "forge_param", ...: every typedef
+ * struct of this header), so a binding can check its mirrors when it loads the library. */
+FORGE_API forge_status forge_struct_size(const char* name, int64_t* size);
+
 /* Fills every state the rule uses with its initial value (0, or Adagrad's
  * initial_accumulator_value). */
 FORGE_API forge_status forge_state_init(const forge_param* param, const forge_hparams* hparams,

@@ -3,10 +3,12 @@
 // No math here. Nothing is written unless every check passes.
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 
 #include "backend.h"
 #include "core/hparams.h"
+#include "core/rule_table.h"
 #include "core/status.h"
 #include "forge/forge.h"
 
@@ -32,12 +34,12 @@ forge_status check_device(const forge_device& d) {
     return fail(FORGE_ERR_UNSUPPORTED, "device.kind: CUDA, but this libforge was built without CUDA");
 #endif
   }
-  return fail(kBad, "device.kind: unknown value %d", static_cast<int>(d.kind));
+  return fail(kBad, "device.kind: unknown value %d", d.kind);
 }
 
-forge_status check_dtype(forge_dtype t, const char* name) {
+forge_status check_dtype(int32_t t, const char* name) {
   if (t == FORGE_DTYPE_FP32 || t == FORGE_DTYPE_BF16 || t == FORGE_DTYPE_FP16) return FORGE_OK;
-  return fail(kBad, "%s: unknown dtype %d", name, static_cast<int>(t));
+  return fail(kBad, "%s: unknown dtype %d", name, t);
 }
 
 // Shape and formats only (no states).
@@ -45,7 +47,7 @@ forge_status check_param_shape(const forge_param& p) {
   if (p.rows <= 0) return fail(kBad, "param.rows: must be > 0, got %lld", static_cast<long long>(p.rows));
   if (p.cols <= 0) return fail(kBad, "param.cols: must be > 0, got %lld", static_cast<long long>(p.cols));
   if (p.state_format < 0 || p.state_format >= FORGE_STATE_FORMAT_COUNT)
-    return fail(kBad, "param.state_format: unknown value %d", static_cast<int>(p.state_format));
+    return fail(kBad, "param.state_format: unknown value %d", p.state_format);
   return FORGE_OK;
 }
 
@@ -60,7 +62,7 @@ forge_status check_state(const forge_param& p, int i) {
 forge_status check_param(const forge_param& p, const RuleScalars& k) {
   if (forge_status s = check_param_shape(p)) return s;
   if (p.weight_format < 0 || p.weight_format >= FORGE_WEIGHT_FORMAT_COUNT)
-    return fail(kBad, "param.weight_format: unknown value %d", static_cast<int>(p.weight_format));
+    return fail(kBad, "param.weight_format: unknown value %d", p.weight_format);
   if (!p.weight) return fail(kBad, "param.weight: NULL");
   if (p.weight_format == FORGE_WEIGHT_BF16_MASTER && !p.master)
     return fail(kBad, "param.master: NULL, but weight_format is FORGE_WEIGHT_BF16_MASTER");
@@ -140,6 +142,21 @@ forge_status check_state_access(const forge_param* p, const forge_hparams* hp, i
   return FORGE_OK;
 }
 
+forge_status check_enum_kind(int32_t kind) {
+  if (enum_count(kind) == 0)
+    return fail(kBad, "kind: unknown value %d (a forge_enum: 0 .. %d)", kind, FORGE_ENUM_COUNT - 1);
+  return FORGE_OK;
+}
+
+bool equal_ignoring_case(const char* a, const char* b) {
+  for (; *a && *b; ++a, ++b) {
+    const char ca = (*a >= 'A' && *a <= 'Z') ? static_cast<char>(*a - 'A' + 'a') : *a;
+    const char cb = (*b >= 'A' && *b <= 'Z') ? static_cast<char>(*b - 'A' + 'a') : *b;
+    if (ca != cb) return false;
+  }
+  return *a == *b;
+}
+
 }  // namespace
 }  // namespace forge
 
@@ -170,12 +187,12 @@ uint32_t forge_capabilities(void) {
 
 const char* forge_last_error(void) { return last_error(); }
 
-forge_status forge_hparams_default(forge_rule rule, forge_hparams* out) {
+forge_status forge_hparams_default(int32_t rule, forge_hparams* out) {
   clear_error();
   return default_hparams(rule, out);
 }
 
-forge_status forge_state_layout_query(const forge_hparams* hparams, forge_state_format format,
+forge_status forge_state_layout_query(const forge_hparams* hparams, int32_t format,
                                       int64_t rows, int64_t cols, forge_state_layout* out) {
   clear_error();
   if (forge_status s = check_hparams(hparams)) return s;
@@ -183,6 +200,92 @@ forge_status forge_state_layout_query(const forge_hparams* hparams, forge_state_
   if (rows <= 0) return fail(kBad, "rows: must be > 0, got %lld", static_cast<long long>(rows));
   if (cols <= 0) return fail(kBad, "cols: must be > 0, got %lld", static_cast<long long>(cols));
   return state_layout(*hparams, format, rows, cols, out);
+}
+
+forge_status forge_enum_count(int32_t kind, int32_t* count) {
+  clear_error();
+  if (forge_status s = check_enum_kind(kind)) return s;
+  if (!count) return fail(kBad, "count: NULL");
+  *count = enum_count(kind);
+  return FORGE_OK;
+}
+
+forge_status forge_enum_name(int32_t kind, int32_t value, const char** name) {
+  clear_error();
+  if (forge_status s = check_enum_kind(kind)) return s;
+  if (!name) return fail(kBad, "name: NULL");
+  const char* n = enum_name(kind, value);
+  if (!n)
+    return fail(kBad, "value: %d is not a %s (0 .. %d)", value, enum_kind_name(kind),
+                enum_count(kind) - 1);
+  *name = n;
+  return FORGE_OK;
+}
+
+forge_status forge_enum_value(int32_t kind, const char* name, int32_t* value) {
+  clear_error();
+  if (forge_status s = check_enum_kind(kind)) return s;
+  if (!name) return fail(kBad, "name: NULL");
+  if (!value) return fail(kBad, "value: NULL");
+  for (int v = 0; v < enum_count(kind); ++v)
+    if (equal_ignoring_case(name, enum_name(kind, v))) {
+      *value = v;
+      return FORGE_OK;
+    }
+  char known[256] = "";
+  for (int v = 0; v < enum_count(kind); ++v) {
+    const size_t used = std::strlen(known);
+    std::snprintf(known + used, sizeof(known) - used, "%s\"%s\"", v ? ", " : "",
+                  enum_name(kind, v));
+  }
+  return fail(kBad, "name: \"%.64s\" is no %s (known: %s)", name, enum_kind_name(kind), known);
+}
+
+forge_status forge_rule_query(int32_t rule, forge_rule_info* out) {
+  clear_error();
+  const RuleInfo* info = rule_info(rule);
+  if (!info) return fail(kBad, "rule: unknown value %d", rule);
+  if (!out) return fail(kBad, "out: NULL");
+  forge_rule_info r{};
+  r.name = info->name;
+  for (int f = 0; f < kFieldCount; ++f)
+    if (rule_reads(*info, f)) r.fields[r.num_fields++] = field_info(f).name;
+  r.max_states = info->max_states;
+  for (int i = 0; i < info->max_states; ++i) {
+    const StateInfo& s = info->states[i];
+    r.state_names[i] = s.name;
+    r.state_signed[i] = s.is_signed ? 1 : 0;
+    r.state_condition[i] = s.when == StateWhen::kCentered   ? "centered"
+                           : s.when == StateWhen::kMomentum ? "momentum"
+                                                            : nullptr;
+  }
+  *out = r;
+  return FORGE_OK;
+}
+
+forge_status forge_struct_size(const char* name, int64_t* size) {
+  clear_error();
+  if (!name) return fail(kBad, "name: NULL");
+  if (!size) return fail(kBad, "size: NULL");
+  static const struct {
+    const char* name;
+    int64_t size;
+  } kStructs[] = {
+      {"forge_device", sizeof(forge_device)},
+      {"forge_hparams", sizeof(forge_hparams)},
+      {"forge_param", sizeof(forge_param)},
+      {"forge_step_outputs", sizeof(forge_step_outputs)},
+      {"forge_wgrad_args", sizeof(forge_wgrad_args)},
+      {"forge_elementwise_args", sizeof(forge_elementwise_args)},
+      {"forge_state_layout", sizeof(forge_state_layout)},
+      {"forge_rule_info", sizeof(forge_rule_info)},
+  };
+  for (const auto& s : kStructs)
+    if (std::strcmp(name, s.name) == 0) {
+      *size = s.size;
+      return FORGE_OK;
+    }
+  return fail(kBad, "name: \"%.64s\" is no public struct of forge.h", name);
 }
 
 forge_status forge_state_init(const forge_param* param, const forge_hparams* hparams,

@@ -26,7 +26,7 @@ namespace {
 constexpr int kDefaultTile = 128;
 constexpr int kSegment = FORGE_INT8_BLOCK;  // elements updated together (one int8 block)
 
-float load_input(const void* base, forge_dtype dtype, int64_t i) {
+float load_input(const void* base, int32_t dtype, int64_t i) {
   switch (dtype) {
     case FORGE_DTYPE_FP32: return static_cast<const float*>(base)[i];
     case FORGE_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);

@@ -1,6 +1,7 @@
 // test_bad_input.cpp — every invalid argument gets an error code and a message
 // naming the argument, and no output byte changes (weights, master, states,
 // absmax, the step outputs).
+#include <cctype>
 #include <functional>
 
 #include "test_util.h"
@@ -149,6 +150,95 @@ TEST(Abi, VersionAndCapabilities) {
   EXPECT_EQ(forge_abi_version(), FORGE_ABI_VERSION);
   EXPECT_TRUE(forge_capabilities() & FORGE_CAP_CPU);
   EXPECT_STRNE(forge_version_string(), "");
+}
+
+// Every enumeration's names round-trip through forge_enum_name / forge_enum_value, the
+// names are those forge.h documents, and bad kinds, values and names are refused by name.
+TEST(Abi, EnumNamesRoundTrip) {
+  const std::vector<std::vector<std::string>> documented = {
+      {"ok", "invalid_argument", "unsupported", "device", "out_of_memory", "internal"},
+      {"fp32", "bf16", "fp16"},
+      {"SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad"},
+      {"fp32", "bf16", "bf16_sr", "bf16_master"},
+      {"fp32", "bf16", "bf16_sr", "int8"},
+      {"cpu", "cuda"}};
+  ASSERT_EQ(documented.size(), static_cast<size_t>(FORGE_ENUM_COUNT));
+  for (int32_t kind = 0; kind < FORGE_ENUM_COUNT; ++kind) {
+    int32_t count = -1;
+    ASSERT_EQ(forge_enum_count(kind, &count), FORGE_OK);
+    ASSERT_EQ(count, static_cast<int32_t>(documented[kind].size())) << "kind " << kind;
+    for (int32_t v = 0; v < count; ++v) {
+      const char* name = nullptr;
+      ASSERT_EQ(forge_enum_name(kind, v, &name), FORGE_OK);
+      EXPECT_EQ(documented[kind][v], name);
+      int32_t back = -1;
+      ASSERT_EQ(forge_enum_value(kind, name, &back), FORGE_OK);
+      EXPECT_EQ(back, v);
+      std::string upper(name);
+      for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      ASSERT_EQ(forge_enum_value(kind, upper.c_str(), &back), FORGE_OK) << upper;
+      EXPECT_EQ(back, v);
+    }
+    const char* name = "unchanged";
+    EXPECT_EQ(forge_enum_name(kind, count, &name), FORGE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(forge_last_error()).find("value"), std::string::npos);
+    EXPECT_STREQ(name, "unchanged");
+  }
+  EXPECT_EQ(FORGE_RULE_ADAMW, [] { int32_t v = -1; forge_enum_value(FORGE_ENUM_RULE, "adamw", &v); return v; }());
+  EXPECT_EQ(FORGE_STATE_INT8_BLOCK64, [] { int32_t v = -1; forge_enum_value(FORGE_ENUM_STATE_FORMAT, "int8", &v); return v; }());
+  EXPECT_EQ(FORGE_WEIGHT_BF16_STOCHASTIC, [] { int32_t v = -1; forge_enum_value(FORGE_ENUM_WEIGHT_FORMAT, "bf16_sr", &v); return v; }());
+  int32_t v = 77;
+  EXPECT_EQ(forge_enum_value(FORGE_ENUM_STATE_FORMAT, "fp8", &v), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("\"int8\""), std::string::npos) << forge_last_error();
+  EXPECT_EQ(v, 77);
+  EXPECT_EQ(forge_enum_value(FORGE_ENUM_RULE, nullptr, &v), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("name"), std::string::npos);
+  int32_t count = 5;
+  EXPECT_EQ(forge_enum_count(FORGE_ENUM_COUNT, &count), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("kind"), std::string::npos);
+  EXPECT_EQ(forge_enum_count(-1, &count), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(count, 5);
+}
+
+TEST(Abi, StructSizes) {
+  const std::pair<const char*, size_t> structs[] = {
+      {"forge_device", sizeof(forge_device)},
+      {"forge_hparams", sizeof(forge_hparams)},
+      {"forge_param", sizeof(forge_param)},
+      {"forge_step_outputs", sizeof(forge_step_outputs)},
+      {"forge_wgrad_args", sizeof(forge_wgrad_args)},
+      {"forge_elementwise_args", sizeof(forge_elementwise_args)},
+      {"forge_state_layout", sizeof(forge_state_layout)},
+      {"forge_rule_info", sizeof(forge_rule_info)}};
+  for (const auto& [name, size] : structs) {
+    int64_t got = -1;
+    ASSERT_EQ(forge_struct_size(name, &got), FORGE_OK) << name;
+    EXPECT_EQ(got, static_cast<int64_t>(size)) << name;
+  }
+  int64_t got = -1;
+  EXPECT_EQ(forge_struct_size("forge_nothing", &got), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("forge_nothing"), std::string::npos);
+  EXPECT_EQ(got, -1);
+  EXPECT_EQ(forge_struct_size(nullptr, &got), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(forge_struct_size("forge_param", nullptr), FORGE_ERR_INVALID_ARGUMENT);
+}
+
+// Enumerated fields are plain int32_t: any value can be passed and is refused by name (an
+// enum-typed field would make these loads undefined behaviour, which UBSan reports).
+TEST(Abi, OutOfRangeEnumValuesAreRefused) {
+  forge_hparams hp;
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_ADAMW, &hp), FORGE_OK);
+  forge_state_layout l;
+  for (int32_t bad : {-1, FORGE_RULE_COUNT, INT32_MAX, INT32_MIN}) {
+    forge_hparams h = hp;
+    h.rule = bad;
+    EXPECT_EQ(forge_state_layout_query(&h, FORGE_STATE_FP32, 1, 1, &l), FORGE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(forge_last_error()).find("hparams.rule"), std::string::npos);
+    EXPECT_EQ(forge_state_layout_query(&hp, bad, 1, 1, &l), FORGE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(forge_last_error()).find("state_format"), std::string::npos);
+    EXPECT_EQ(forge_hparams_default(bad, &h), FORGE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(forge_last_error()).find("rule"), std::string::npos);
+  }
 }
 
 }  // namespace

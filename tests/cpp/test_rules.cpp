@@ -1,6 +1,7 @@
 // test_rules.cpp — every rule against an independent textbook implementation in
 // double (written from torch.optim's documented algorithms and the Lion paper),
 // over 12 steps with fp32 weights and states; plus defaults and state layouts.
+#include <algorithm>
 #include <functional>
 
 #include "test_util.h"
@@ -195,6 +196,90 @@ TEST(RuleStateLayout, CountsSignsAndSizes) {
   forge_hparams_default(FORGE_RULE_SGD, &hp);
   ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_FP32, 2, 5, &l), FORGE_OK);
   EXPECT_EQ(l.num_states, 0);
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// forge_rule_query describes what forge_state_layout_query and forge_hparams_default do:
+// the states of the largest configuration with their names, signs and conditions, and the
+// fields whose defaults and checks belong to the rule.
+TEST(RuleQuery, AgreesWithLayoutsAndDefaults) {
+  int32_t count = 0;
+  ASSERT_EQ(forge_enum_count(FORGE_ENUM_RULE, &count), FORGE_OK);
+  ASSERT_EQ(count, FORGE_RULE_COUNT);
+  for (int32_t rule = 0; rule < count; ++rule) {
+    forge_rule_info info;
+    ASSERT_EQ(forge_rule_query(rule, &info), FORGE_OK) << forge_last_error();
+    const char* name = nullptr;
+    ASSERT_EQ(forge_enum_name(FORGE_ENUM_RULE, rule, &name), FORGE_OK);
+    EXPECT_STREQ(info.name, name);
+    SCOPED_TRACE(info.name);
+    std::vector<std::string> fields(info.fields, info.fields + info.num_fields);
+    ASSERT_LE(info.num_fields, FORGE_MAX_RULE_FIELDS);
+    for (const char* always : {"step", "lr", "weight_decay", "maximize", "grad_scale", "seed"})
+      EXPECT_NE(std::find(fields.begin(), fields.end(), always), fields.end()) << always;
+    // The largest configuration: every condition met.
+    forge_hparams hp;
+    ASSERT_EQ(forge_hparams_default(rule, &hp), FORGE_OK);
+    for (int i = 0; i < info.max_states; ++i) {
+      if (!info.state_condition[i]) continue;
+      if (std::string(info.state_condition[i]) == "centered") hp.centered = 1;
+      else if (std::string(info.state_condition[i]) == "momentum") hp.momentum = 0.5;
+      else ADD_FAILURE() << "unknown condition " << info.state_condition[i];
+    }
+    forge_state_layout layout;
+    ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_FP32, 1, 1, &layout), FORGE_OK)
+        << forge_last_error();
+    ASSERT_EQ(layout.num_states, info.max_states);
+    for (int i = 0; i < info.max_states; ++i) {
+      EXPECT_STREQ(layout.names[i], info.state_names[i]);
+      EXPECT_EQ(layout.is_signed[i], info.state_signed[i]);
+      // Each conditional state disappears when its field is zero; later ones move up.
+      if (info.state_condition[i]) {
+        forge_hparams without = hp;
+        if (std::string(info.state_condition[i]) == "centered") without.centered = 0;
+        else without.momentum = 0;
+        forge_state_layout fewer;
+        ASSERT_EQ(forge_state_layout_query(&without, FORGE_STATE_FP32, 1, 1, &fewer), FORGE_OK);
+        EXPECT_EQ(fewer.num_states, info.max_states - 1);
+        for (int j = i; j + 1 < info.max_states; ++j) EXPECT_STREQ(fewer.names[j], info.state_names[j + 1]);
+      }
+    }
+  }
+  forge_rule_info info;
+  EXPECT_EQ(forge_rule_query(FORGE_RULE_COUNT, &info), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("rule"), std::string::npos);
+  EXPECT_EQ(forge_rule_query(FORGE_RULE_ADAMW, nullptr), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("out"), std::string::npos);
+}
+
+TEST(RuleQuery, FieldsAreThoseTheRuleReads) {
+  auto fields = [](int rule) {
+    forge_rule_info info;
+    EXPECT_EQ(forge_rule_query(rule, &info), FORGE_OK);
+    return std::vector<std::string>(info.fields, info.fields + info.num_fields);
+  };
+  auto has = [](const std::vector<std::string>& v, const char* f) {
+    return std::find(v.begin(), v.end(), f) != v.end();
+  };
+  const auto adamw = fields(FORGE_RULE_ADAMW);
+  for (const char* f : {"beta1", "beta2", "eps", "decoupled_weight_decay"}) EXPECT_TRUE(has(adamw, f)) << f;
+  for (const char* f : {"momentum", "alpha", "momentum_decay", "lr_decay"}) EXPECT_FALSE(has(adamw, f)) << f;
+  EXPECT_TRUE(has(fields(FORGE_RULE_NADAM), "momentum_decay"));
+  const auto rms = fields(FORGE_RULE_RMSPROP);
+  for (const char* f : {"alpha", "eps", "momentum", "centered"}) EXPECT_TRUE(has(rms, f)) << f;
+  EXPECT_FALSE(has(rms, "beta1"));
+  const auto lion = fields(FORGE_RULE_LION);
+  EXPECT_TRUE(has(lion, "beta2"));
+  EXPECT_FALSE(has(lion, "eps"));
+  const auto adagrad = fields(FORGE_RULE_ADAGRAD);
+  for (const char* f : {"lr_decay", "initial_accumulator_value", "eps"}) EXPECT_TRUE(has(adagrad, f)) << f;
+  const auto sgdm = fields(FORGE_RULE_SGD_MOMENTUM);
+  for (const char* f : {"momentum", "dampening", "nesterov"}) EXPECT_TRUE(has(sgdm, f)) << f;
 }
 
 }  // namespace
