@@ -12,25 +12,6 @@ namespace {
 
 constexpr forge_status kBad = FORGE_ERR_INVALID_ARGUMENT;
 
-// NAdam's Π_{i<=t} mu_i depends on every step before t. Memoised per thread so a
-// training loop (t, t+1, ...) pays O(1) per call; any other order recomputes.
-double nadam_mu(double beta1, double momentum_decay, int64_t i) {
-  return beta1 * (1.0 - 0.5 * std::pow(0.96, static_cast<double>(i) * momentum_decay));
-}
-double nadam_mu_product(double beta1, double momentum_decay, int64_t t) {
-  thread_local double cached_beta1 = -1, cached_decay = -1, cached_product = 1;
-  thread_local int64_t cached_t = 0;
-  if (cached_beta1 != beta1 || cached_decay != momentum_decay || cached_t > t) {
-    cached_beta1 = beta1;
-    cached_decay = momentum_decay;
-    cached_t = 0;
-    cached_product = 1;
-  }
-  for (int64_t i = cached_t + 1; i <= t; ++i) cached_product *= nadam_mu(beta1, momentum_decay, i);
-  cached_t = t;
-  return cached_product;
-}
-
 bool in_range(double x, const FieldRange& r) {
   if (!std::isfinite(x)) return false;
   if (r.lo_open ? !(x > r.lo) : !(x >= r.lo)) return false;
@@ -180,8 +161,8 @@ RuleScalars make_rule_scalars(const forge_hparams& hp) {
       k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
       break;
     case FORGE_RULE_NADAM: {
-      const double mu = nadam_mu(hp.beta1, hp.momentum_decay, hp.step);
-      const double mu_next = nadam_mu(hp.beta1, hp.momentum_decay, hp.step + 1);
+      const double mu = nadam_mu(hp.beta1, hp.momentum_decay, t);
+      const double mu_next = nadam_mu(hp.beta1, hp.momentum_decay, t + 1.0);
       const double mu_product = nadam_mu_product(hp.beta1, hp.momentum_decay, hp.step);
       k.bc2 = static_cast<float>(bc2);
       k.nadam_coef_grad = static_cast<float>(-hp.lr * (1.0 - mu) / (1.0 - mu_product));
