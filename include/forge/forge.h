@@ -97,7 +97,10 @@ typedef struct {
 } forge_device;
 
 /* Hyper-parameters of one step. Names and meaning are torch.optim's. Fields a
- * rule does not use are ignored (but must not be NaN). */
+ * rule does not use are ignored (but must not be NaN); forge_rule_query lists those it
+ * reads. The step computes in fp32 with scalars made from these in double: a value whose
+ * scalars are not finite in fp32 (lr = 1e39, grad_scale = 1e39), or zero where zero is
+ * invalid (eps or grad_scale below fp32's smallest subnormal), is refused by name. */
 typedef struct {
   int32_t abi_version;
   int32_t rule;              /* a forge_rule value */

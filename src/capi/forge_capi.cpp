@@ -76,25 +76,25 @@ forge_status check_param(const forge_param& p, const RuleScalars& k) {
 static_assert(sizeof(RuleScalars) <= FORGE_RUN_SCALARS_BYTES,
               "FORGE_RUN_SCALARS_BYTES must hold the RuleScalars a run_scalars buffer carries");
 
-forge_status check_hparams(const forge_hparams* hp) {
+// `k` (nullable) receives the step's scalars.
+forge_status check_hparams(const forge_hparams* hp, RuleScalars* k = nullptr) {
   if (!hp) return fail(kBad, "hparams: NULL");
   if (reinterpret_cast<uintptr_t>(hp->run_scalars) % 16 != 0)
     return fail(kBad, "hparams.run_scalars: %p is not 16-byte aligned", hp->run_scalars);
-  return validate_hparams(*hp);
+  return validate_hparams(*hp, k);
 }
 
 template <typename Args>
-forge_status check_step_common(const Args* a, const char* what) {
+forge_status check_step_common(const Args* a, const char* what, RuleScalars* k) {
   if (!a) return fail(kBad, "args: NULL (%s)", what);
   if (a->abi_version != FORGE_ABI_VERSION)
     return fail(kBad, "args.abi_version: %d, this library speaks %d", a->abi_version, FORGE_ABI_VERSION);
   if (forge_status s = check_device(a->device)) return s;
-  return check_hparams(&a->hparams);
+  return check_hparams(&a->hparams, k);
 }
 
 forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
-  if (forge_status s = check_step_common(a, "forge_wgrad_step")) return s;
-  *k = make_rule_scalars(a->hparams);
+  if (forge_status s = check_step_common(a, "forge_wgrad_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
   if (a->tokens <= 0) return fail(kBad, "tokens: must be > 0, got %lld", static_cast<long long>(a->tokens));
   if (!a->x) return fail(kBad, "x: NULL");
@@ -117,8 +117,7 @@ forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
 }
 
 forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k) {
-  if (forge_status s = check_step_common(a, "forge_elementwise_step")) return s;
-  *k = make_rule_scalars(a->hparams);
+  if (forge_status s = check_step_common(a, "forge_elementwise_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
   if (!a->grad) return fail(kBad, "grad: NULL");
   return check_dtype(a->grad_dtype, "grad_dtype");
@@ -330,12 +329,12 @@ forge_status forge_state_from_fp32(const forge_param* param, const forge_hparams
 forge_status forge_run_scalars_fill(const forge_hparams* hparams, void* out, int64_t bytes) {
   clear_error();
   if (!hparams) return fail(kBad, "hparams: NULL");
-  if (forge_status s = validate_hparams(*hparams)) return s;
+  RuleScalars k;
+  if (forge_status s = validate_hparams(*hparams, &k)) return s;
   if (!out) return fail(kBad, "out: NULL");
   if (bytes < FORGE_RUN_SCALARS_BYTES)
     return fail(kBad, "bytes: %lld, but a run_scalars buffer is FORGE_RUN_SCALARS_BYTES = %d",
                 static_cast<long long>(bytes), FORGE_RUN_SCALARS_BYTES);
-  const RuleScalars k = make_rule_scalars(*hparams);
   std::memset(out, 0, FORGE_RUN_SCALARS_BYTES);
   std::memcpy(out, &k, sizeof(k));
   return FORGE_OK;

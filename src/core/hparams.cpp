@@ -56,7 +56,69 @@ forge_status default_hparams(int rule, forge_hparams* out) {
   return FORGE_OK;
 }
 
-forge_status validate_hparams(const forge_hparams& hp) {
+namespace {
+
+// Each fp32 scalar of RuleScalars, the field it comes from (named when the scalar is not
+// finite, or zero where `nonzero`), and the rules that compute with it (0: every rule
+// reading the field).
+struct ScalarSource {
+  float RuleScalars::*member;
+  const char* what;
+  int field;
+  bool nonzero;
+  uint32_t rules;
+};
+constexpr uint32_t rule_bit(int r) { return 1u << r; }
+const ScalarSource kScalarSources[] = {
+    {&RuleScalars::grad_scale, "grad_scale", kFieldGradScale, true, 0},
+    {&RuleScalars::neg_lr, "-lr", kFieldLr, false, 0},
+    {&RuleScalars::lr, "lr", kFieldLr, false, 0},
+    {&RuleScalars::decay, "1 - lr * weight_decay", kFieldWeightDecay, false, 0},
+    {&RuleScalars::wd_coupled, "weight_decay", kFieldWeightDecay, false, 0},
+    {&RuleScalars::neg_step_size, "-lr / (1 - beta1^step)", kFieldLr, false, 0},
+    {&RuleScalars::nadam_coef_grad, "-lr (1 - mu) / (1 - prod mu)", kFieldLr, false, 0},
+    {&RuleScalars::nadam_coef_avg, "-lr mu' / (1 - prod mu')", kFieldLr, false, 0},
+    {&RuleScalars::eps, "eps", kFieldEps, true, 0},
+    {&RuleScalars::beta1, "beta1", kFieldBeta1, false, 0},
+    {&RuleScalars::one_minus_beta1, "1 - beta1", kFieldBeta1, false, 0},
+    {&RuleScalars::beta2, "beta2", kFieldBeta2, false, 0},
+    {&RuleScalars::one_minus_beta2, "1 - beta2", kFieldBeta2, false, 0},
+    {&RuleScalars::bc1, "1 - beta1^step", kFieldBeta1, true, rule_bit(FORGE_RULE_RADAM)},
+    {&RuleScalars::bc2, "1 - beta2^step", kFieldBeta2, true, rule_bit(FORGE_RULE_NADAM)},
+    {&RuleScalars::bc2_sqrt, "sqrt(1 - beta2^step)", kFieldBeta2, true,
+     rule_bit(FORGE_RULE_ADAMW) | rule_bit(FORGE_RULE_RADAM)},
+    {&RuleScalars::rect, "the rectification", kFieldBeta2, false, 0},
+    {&RuleScalars::alpha, "alpha", kFieldAlpha, false, 0},
+    {&RuleScalars::one_minus_alpha, "1 - alpha", kFieldAlpha, false, 0},
+    {&RuleScalars::momentum, "momentum", kFieldMomentum, false, 0},
+    {&RuleScalars::buf_keep, "momentum", kFieldMomentum, false, 0},
+    {&RuleScalars::buf_take, "1 - dampening", kFieldDampening, false, 0},
+};
+
+// The fp32 scalars the element code computes with: finite, and non-zero where a zero is
+// invalid (eps, grad_scale, divisors). Fields valid in double can break this (lr = 1e39,
+// eps = 1e-50).
+forge_status check_scalars(const forge_hparams& hp, const RuleInfo& info, const RuleScalars& k) {
+  for (const ScalarSource& src : kScalarSources) {
+    if (!rule_reads(info, src.field)) continue;
+    if (src.rules != 0 && !(src.rules & rule_bit(hp.rule))) continue;
+    const float x = k.*src.member;
+    const bool finite = std::isfinite(x), zero = src.nonzero && x == 0.0f;
+    if (finite && !zero) continue;
+    return fail(kBad, "hparams.%s: %g makes the step's fp32 scalar %s %s (%g)",
+                field_info(src.field).name, field_value(hp, src.field), src.what,
+                finite ? "zero" : "not finite", static_cast<double>(x));
+  }
+  if (rule_reads(info, kFieldInitialAccumulatorValue) &&
+      !std::isfinite(static_cast<float>(hp.initial_accumulator_value)))
+    return fail(kBad, "hparams.initial_accumulator_value: %g is not finite in fp32",
+                hp.initial_accumulator_value);
+  return FORGE_OK;
+}
+
+}  // namespace
+
+forge_status validate_hparams(const forge_hparams& hp, RuleScalars* scalars) {
   if (hp.abi_version != FORGE_ABI_VERSION)
     return fail(kBad, "hparams.abi_version: %d, this library speaks %d", hp.abi_version,
                 FORGE_ABI_VERSION);
@@ -83,6 +145,9 @@ forge_status validate_hparams(const forge_hparams& hp) {
     if (field_info(f).kind == FieldInfo::kDouble && std::isnan(field_value(hp, f)))
       return fail(kBad, "hparams.%s: NaN (%s does not read it, but it must not be NaN)",
                   field_info(f).name, info->name);
+  const RuleScalars k = make_rule_scalars(hp);
+  if (forge_status s = check_scalars(hp, *info, k)) return s;
+  if (scalars) *scalars = k;
   return FORGE_OK;
 }
 

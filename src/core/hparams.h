@@ -11,8 +11,10 @@
 namespace forge {
 
 forge_status default_hparams(int rule, forge_hparams* out);
-// Checks every field the rule uses; the message names the field.
-forge_status validate_hparams(const forge_hparams& hp);
+// Checks every field the rule uses, and the fp32 scalars made from them (finite, non-zero
+// where zero is invalid); the message names the field. On success `scalars` (nullable)
+// receives make_rule_scalars(hp).
+forge_status validate_hparams(const forge_hparams& hp, RuleScalars* scalars = nullptr);
 // Which states the rule keeps (count, signedness, torch names). hp must be valid.
 forge_status state_layout(const forge_hparams& hp, int format, int64_t rows, int64_t cols,
                           forge_state_layout* out);

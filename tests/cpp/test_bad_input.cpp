@@ -57,6 +57,19 @@ std::vector<BadCase> wgrad_cases() {
       {"rmsprop_alpha", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_RMSPROP; a.hparams.alpha = 1.0; }, bad, "hparams.alpha"},
       {"adagrad_lr_decay", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_ADAGRAD; a.hparams.lr_decay = -1; }, bad, "hparams.lr_decay"},
       {"nadam_momentum_decay", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.momentum_decay = NAN; }, bad, "hparams.momentum_decay"},
+      // accepted in double, but the fp32 scalars the step computes with would not be finite
+      // (or would be zero where a zero is invalid)
+      {"lr_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.lr = 1e39; }, bad, "hparams.lr"},
+      {"sgd_lr_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_SGD; a.hparams.lr = 1e39; }, bad, "hparams.lr"},
+      {"lr_over_bias_correction_overflows", [](forge_wgrad_args& a) { a.hparams.lr = 1e38; a.hparams.beta1 = 0.99; }, bad, "hparams.lr"},
+      {"eps_zero_in_fp32", [](forge_wgrad_args& a) { a.hparams.eps = 1e-50; }, bad, "hparams.eps"},
+      {"grad_scale_zero_in_fp32", [](forge_wgrad_args& a) { a.hparams.grad_scale = 1e-50; }, bad, "hparams.grad_scale"},
+      {"grad_scale_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.grad_scale = 1e39; }, bad, "hparams.grad_scale"},
+      {"decay_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.lr = 1e30; a.hparams.weight_decay = 1e30; }, bad, "hparams.weight_decay"},
+      {"coupled_decay_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_RMSPROP; a.hparams.weight_decay = 1e39; }, bad, "hparams.weight_decay"},
+      {"nadam_lr_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.lr = 1e39; }, bad, "hparams.lr"},
+      {"adagrad_accumulator_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_ADAGRAD; a.hparams.initial_accumulator_value = 1e39; }, bad, "hparams.initial_accumulator_value"},
+      {"unread_field_nan", [](forge_wgrad_args& a) { a.hparams.alpha = NAN; }, bad, "hparams.alpha"},
       {"int8_tile_cols", [](forge_wgrad_args& a) { a.tile_cols = 96; }, bad, "tile_cols"},
       {"tile_negative", [](forge_wgrad_args& a) { a.tile_rows = -1; }, bad, "tile_rows"},
       {"device_kind", [](forge_wgrad_args& a) { a.device.kind = static_cast<forge_device_kind>(7); }, bad, "device.kind"},
@@ -144,6 +157,16 @@ TEST(BadInput, StateEntryPoints) {
   EXPECT_EQ(forge_state_layout_query(&hp, static_cast<forge_state_format>(11), 2, 2, &l), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(forge_last_error()).find("state_format"), std::string::npos);
   EXPECT_EQ(forge_hparams_default(static_cast<forge_rule>(42), nullptr), FORGE_ERR_INVALID_ARGUMENT);
+  // an initial accumulator that overflows fp32 would fill Adagrad's sum with infinities
+  forge_hparams adagrad;
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_ADAGRAD, &adagrad), FORGE_OK);
+  HostParam sum(2, 70, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, adagrad);
+  adagrad.initial_accumulator_value = 1e39;
+  const std::vector<uint8_t> sum_before = sum.snapshot();
+  EXPECT_EQ(forge_state_init(&sum.p, &adagrad, cpu), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("hparams.initial_accumulator_value"), std::string::npos)
+      << forge_last_error();
+  EXPECT_EQ(sum.snapshot(), sum_before);
 }
 
 TEST(Abi, VersionAndCapabilities) {
