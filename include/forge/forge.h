@@ -12,6 +12,11 @@
  *    1-D parameter (bias, norm weight) is [1, n].
  *  - Pointers live on the device named in forge_device (host memory for
  *    FORGE_DEVICE_CPU, device memory for FORGE_DEVICE_CUDA), outputs included.
+ *  - Sizes: every buffer's byte count must fit in int64_t (so rows · cols ≤ 2^61 for a
+ *    parameter), and no buffer may wrap the address space.
+ *  - A buffer a call writes shares no byte with any other buffer of the call (read-only
+ *    inputs may share bytes with each other), and every pointer is aligned to its
+ *    element: fp32 data and absmax 4 bytes, bf16 / fp16 2, the step outputs 8.
  *  - Every struct passed in starts with abi_version = FORGE_ABI_VERSION.
  *  - Enumerated values travel as int32_t (struct fields and parameters alike), so an
  *    out-of-range value is refused by name instead of being loaded as an enum. Bindings
@@ -38,14 +43,18 @@ extern "C" {
 #define FORGE_INT8_BLOCK 64
 /* Most optimizer states any rule keeps per parameter element. */
 #define FORGE_MAX_STATES 3
+/* Most CPU threads a call may ask for (forge_device.num_threads). */
+#define FORGE_MAX_CPU_THREADS 1024
+/* Largest CPU tile side (forge_wgrad_args.tile_rows, tile_cols). */
+#define FORGE_MAX_TILE 4096
 
 typedef enum {
   FORGE_OK = 0,
   FORGE_ERR_INVALID_ARGUMENT = 1, /* bad pointer, size, enum or hyper-parameter */
   FORGE_ERR_UNSUPPORTED = 2,      /* valid request this build cannot run (e.g. no CUDA) */
   FORGE_ERR_DEVICE = 3,           /* a CUDA call failed; the message has its error string */
-  FORGE_ERR_OUT_OF_MEMORY = 4,
-  FORGE_ERR_INTERNAL = 5
+  FORGE_ERR_OUT_OF_MEMORY = 4,     /* a host or device allocation failed; nothing was written */
+  FORGE_ERR_INTERNAL = 5           /* a bug: the message says what went wrong */
 } forge_status;
 
 typedef enum { FORGE_DTYPE_FP32 = 0, FORGE_DTYPE_BF16 = 1, FORGE_DTYPE_FP16 = 2 } forge_dtype;
@@ -93,7 +102,8 @@ typedef struct {
   int32_t kind;        /* a forge_device_kind value */
   int32_t index;       /* CUDA device ordinal; 0 for the CPU */
   void* stream;        /* cudaStream_t for CUDA (NULL = default stream); unused on CPU */
-  int32_t num_threads; /* CPU: OpenMP threads, 0 = OpenMP's default */
+  int32_t num_threads; /* CPU: OpenMP threads, 0 = OpenMP's default, at most
+                          FORGE_MAX_CPU_THREADS */
 } forge_device;
 
 /* Hyper-parameters of one step. Names and meaning are torch.optim's. Fields a
@@ -164,7 +174,8 @@ typedef struct {
   forge_param param;
   forge_hparams hparams;
   forge_step_outputs outputs;
-  int32_t tile_rows, tile_cols; /* CPU tile shape, 0 = 128; int8 states need tile_cols % 64 == 0 */
+  int32_t tile_rows, tile_cols; /* CPU tile shape, 0 = 128, at most FORGE_MAX_TILE each; int8
+                                   states need tile_cols % 64 == 0 */
 } forge_wgrad_args;
 
 /* The same rules on a gradient that already exists ([rows, cols], contiguous). */

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -203,12 +203,24 @@ void update_row(const RuleScalars& k, const forge_param& p, int64_t row, int64_t
   }
 }
 
-int thread_count(const forge_device& d) {
+// Threads for `work` independent items: the device's count (OpenMP's default for 0), never
+// more than the items.
+int thread_count(const forge_device& d, int64_t work) {
 #if defined(_OPENMP)
-  return d.num_threads > 0 ? d.num_threads : omp_get_max_threads();
+  const int64_t want = d.num_threads > 0 ? d.num_threads : omp_get_max_threads();
+  return static_cast<int>(std::max<int64_t>(1, std::min(want, work)));
 #else
   (void)d;
+  (void)work;
   return 1;
+#endif
+}
+
+int thread_index() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
 #endif
 }
 
@@ -236,29 +248,36 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
   StepTotals totals;
   double sq_sum = 0;
   int64_t nonfinite = 0;
+  const int threads = thread_count(a.device, num_tiles);
+  // NOTE: one fp32 accumulator tile (and a row of each input) per thread, reused across its
+  // tiles: the only memory this step allocates (threads × tile, never rows × cols). Allocated
+  // here, before any thread starts: an allocation failure then throws before anything is
+  // written (and no exception can leave a parallel region).
+  const int64_t per_thread = tile_rows * tile_cols + tile_rows + tile_cols;
+  std::unique_ptr<float[]> scratch(new float[threads * per_thread]);
 
-#pragma omp parallel num_threads(thread_count(a.device)) reduction(+ : sq_sum, nonfinite)
+#pragma omp parallel num_threads(threads) reduction(+ : sq_sum, nonfinite)
   {
-    // NOTE: one fp32 accumulator tile per thread, reused across its tiles: the
-    // only memory this step allocates (threads × tile, never rows × cols).
-    std::vector<float> acc(tile_rows * tile_cols), dy_row(tile_rows), x_row(tile_cols);
+    float* const acc = scratch.get() + thread_index() * per_thread;
+    float* const dy_row = acc + tile_rows * tile_cols;
+    float* const x_row = dy_row + tile_rows;
     StepTotals mine;
 #pragma omp for schedule(dynamic)
     for (int64_t tile = 0; tile < num_tiles; ++tile) {
       const int64_t r0 = (tile / tiles_c) * tile_rows, c0 = (tile % tiles_c) * tile_cols;
       const int64_t bm = std::min(tile_rows, p.rows - r0), bn = std::min(tile_cols, p.cols - c0);
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc, acc + tile_rows * tile_cols, 0.0f);
       for (int64_t t = 0; t < a.tokens; ++t) {
         for (int64_t i = 0; i < bm; ++i) dy_row[i] = load_input(a.dy, a.dy_dtype, t * a.lddy + r0 + i);
         for (int64_t j = 0; j < bn; ++j) x_row[j] = load_input(a.x, a.x_dtype, t * a.ldx + c0 + j);
         for (int64_t i = 0; i < bm; ++i) {
           const float d = dy_row[i];
-          float* acc_row = acc.data() + i * tile_cols;
+          float* acc_row = acc + i * tile_cols;
           for (int64_t j = 0; j < bn; ++j) acc_row[j] += d * x_row[j];  // [bn] row of dW
         }
       }
       for (int64_t i = 0; i < bm; ++i)
-        update_row(k, p, r0 + i, c0, c0 + bn, acc.data() + i * tile_cols, mine);
+        update_row(k, p, r0 + i, c0, c0 + bn, acc + i * tile_cols, mine);
     }
     sq_sum += mine.grad_sq_sum;
     nonfinite += mine.nonfinite;
@@ -274,14 +293,17 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
   const forge_param& p = a.param;
   double sq_sum = 0;
   int64_t nonfinite = 0;
-#pragma omp parallel num_threads(thread_count(a.device)) reduction(+ : sq_sum, nonfinite)
+#pragma omp parallel num_threads(thread_count(a.device, p.rows)) reduction(+ : sq_sum, nonfinite)
   {
-    std::vector<float> g(p.cols);
     StepTotals mine;
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < p.rows; ++row) {
-      for (int64_t c = 0; c < p.cols; ++c) g[c] = load_input(a.grad, a.grad_dtype, row * p.cols + c);
-      update_row(k, p, row, 0, p.cols, g.data(), mine);
+      for (int64_t c0 = 0; c0 < p.cols; c0 += kSegment) {
+        const int n = static_cast<int>(std::min<int64_t>(kSegment, p.cols - c0));
+        float g[kSegment];
+        for (int e = 0; e < n; ++e) g[e] = load_input(a.grad, a.grad_dtype, row * p.cols + c0 + e);
+        update_segment(k, p, row, c0, n, g, mine);
+      }
     }
     sq_sum += mine.grad_sq_sum;
     nonfinite += mine.nonfinite;
@@ -295,11 +317,12 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
 
 forge_status state_fill(const forge_param& p, int index, bool is_signed, float value,
                         const forge_device&) {
-  std::vector<float> row(p.cols, value);
+  float segment[kSegment];
+  std::fill(segment, segment + kSegment, value);
   for (int64_t r = 0; r < p.rows; ++r)
     for (int64_t c = 0; c < p.cols; c += kSegment)
       store_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),
-                  row.data() + c, nullptr, nullptr);
+                  segment, nullptr, nullptr);
   return FORGE_OK;
 }
 
