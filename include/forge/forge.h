@@ -135,7 +135,12 @@ typedef struct {
    * holding what forge_run_scalars_fill() wrote from hyper-parameters that differ from
    * these in step, lr and seed only. The step reads its step-dependent scalars from there
    * when it runs, so a captured launch replays with whatever was copied there before the
-   * replay. The other fields are still checked here, and choose the kernel. */
+   * replay. The other fields are still checked here, and choose the kernel.
+   * The buffer carries a tag (its last 32 bytes: a fill marker, the ABI version, the rule,
+   * the state count, a hash of every field but step, lr and seed, and a checksum of the
+   * rest). The CPU backend checks it at every call and refuses, naming hparams.run_scalars,
+   * a buffer that is unfilled, filled for another rule, state count or other
+   * hyper-parameters, or changed since the fill. */
   const void* run_scalars;
 } forge_hparams;
 
@@ -272,8 +277,8 @@ FORGE_API forge_status forge_state_from_fp32(const forge_param* param,
                                              const float* in, forge_device device);
 
 /* Writes into `out` (host memory, `bytes` >= FORGE_RUN_SCALARS_BYTES) the scalars a step
- * with these hyper-parameters uses: what a run_scalars buffer must hold, once copied to the
- * step's device (hparams->run_scalars itself is ignored). */
+ * with these hyper-parameters uses, and their tag: what a run_scalars buffer must hold, once
+ * copied byte for byte to the step's device (hparams->run_scalars itself is ignored). */
 FORGE_API forge_status forge_run_scalars_fill(const forge_hparams* hparams, void* out,
                                               int64_t bytes);
 

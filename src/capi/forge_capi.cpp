@@ -14,6 +14,7 @@
 #include "capi/buffer_checks.h"
 #include "core/hparams.h"
 #include "core/rule_table.h"
+#include "core/run_scalars.h"
 #include "core/status.h"
 #include "forge/forge.h"
 
@@ -106,8 +107,6 @@ forge_status check_param(const forge_param& p, const RuleScalars& k) {
   return FORGE_OK;
 }
 
-static_assert(sizeof(RuleScalars) <= FORGE_RUN_SCALARS_BYTES,
-              "FORGE_RUN_SCALARS_BYTES must hold the RuleScalars a run_scalars buffer carries");
 
 // `k` (nullable) receives the step's scalars.
 forge_status check_hparams(const forge_hparams* hp, RuleScalars* k = nullptr) {
@@ -448,8 +447,7 @@ forge_status forge_run_scalars_fill(const forge_hparams* hparams, void* out, int
     if (bytes < FORGE_RUN_SCALARS_BYTES)
       return fail(kBad, "bytes: %lld, but a run_scalars buffer is FORGE_RUN_SCALARS_BYTES = %d",
                   static_cast<long long>(bytes), FORGE_RUN_SCALARS_BYTES);
-    std::memset(out, 0, FORGE_RUN_SCALARS_BYTES);
-    std::memcpy(out, &k, sizeof(k));
+    run_scalars_write(*hparams, k, out);
     return FORGE_OK;
   });
 }

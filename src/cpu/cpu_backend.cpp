@@ -18,6 +18,7 @@
 #include "backend.h"
 #include "core/formats.h"
 #include "core/rules.h"
+#include "core/run_scalars.h"
 
 namespace forge {
 namespace cpu {
@@ -230,15 +231,23 @@ void add_outputs(const forge_step_outputs& out, const StepTotals& totals) {
 }
 
 // The scalars a step uses: hparams.run_scalars' (host memory here: what
-// forge_run_scalars_fill wrote) when set, else those the C API made from the call's hparams.
-const RuleScalars& step_scalars(const forge_hparams& hp, const RuleScalars& k) {
-  return hp.run_scalars ? *static_cast<const RuleScalars*>(hp.run_scalars) : k;
+// forge_run_scalars_fill wrote), once its tag matches this call, when set; else those the C
+// API made from the call's hparams.
+forge_status step_scalars(const forge_hparams& hp, const RuleScalars& call_k,
+                          const RuleScalars** k) {
+  *k = &call_k;
+  if (!hp.run_scalars) return FORGE_OK;
+  if (forge_status s = run_scalars_check(hp.run_scalars, hp, call_k)) return s;
+  *k = static_cast<const RuleScalars*>(hp.run_scalars);
+  return FORGE_OK;
 }
 
 }  // namespace
 
 forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
-  const RuleScalars& k = step_scalars(a.hparams, call_k);
+  const RuleScalars* run_k;
+  if (forge_status s = step_scalars(a.hparams, call_k, &run_k)) return s;
+  const RuleScalars& k = *run_k;
   const forge_param& p = a.param;
   const int64_t tile_rows = a.tile_rows > 0 ? a.tile_rows : kDefaultTile;
   const int64_t tile_cols = a.tile_cols > 0 ? a.tile_cols : kDefaultTile;
@@ -289,7 +298,9 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
 }
 
 forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars& call_k) {
-  const RuleScalars& k = step_scalars(a.hparams, call_k);
+  const RuleScalars* run_k;
+  if (forge_status s = step_scalars(a.hparams, call_k, &run_k)) return s;
+  const RuleScalars& k = *run_k;
   const forge_param& p = a.param;
   double sq_sum = 0;
   int64_t nonfinite = 0;
