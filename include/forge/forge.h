@@ -161,15 +161,26 @@ typedef struct {
 /* Optional by-products of a step. Each non-NULL pointer is ADDED to (the
  * caller zeroes it once per optimizer step), on the step's device. */
 typedef struct {
-  double* grad_sq_sum;      /* Σ g² over the finite gradient elements consumed (g after grad_scale) */
-  int64_t* nonfinite_count; /* number of gradient elements that were NaN/Inf (and skipped) */
+  double* grad_sq_sum;      /* Σ g² over the elements updated (g after grad_scale) */
+  int64_t* nonfinite_count; /* number of elements skipped (see "Skipped elements" below) */
 } forge_step_outputs;
+
+/* Skipped elements. An element whose gradient (after grad_scale) is NaN/Inf, or whose
+ * update would make its new weight, master or a state not storable (NaN, infinite, or of
+ * magnitude above the largest bf16, 0x1.FEp127, from which bf16 rounding can overflow: a
+ * finite gradient of 1e20 whose g² overflows, an lr·update beyond fp32), is skipped: its
+ * weight, master and states stay as they were, it is counted in nonfinite_count and left
+ * out of grad_sq_sum. Every format, every backend, fused or element-wise.
+ * int8 states share an absmax per block of 64: a block without skipped elements takes the
+ * largest magnitude of its new values as absmax; a block holding one takes max(its old
+ * absmax, the largest magnitude of its updated elements' new values), and its skipped
+ * elements keep their code bytes unchanged while that absmax is unchanged, or are re-encoded
+ * from their decoded values against the new absmax when it grew. */
 
 /* The fused step of a linear layer: for each tile of W, dW = Σ_t dY[t]ᵀ X[t] in
  * fp32, then the rule is applied in place. X: [tokens, cols] (ld = ldx),
  * dY: [tokens, rows] (ld = lddy), W: [rows, cols]. Nothing of size rows × cols
- * is allocated. A gradient element that is NaN/Inf leaves its weight and states
- * untouched and is counted. */
+ * is allocated. Elements are skipped and counted as "Skipped elements" says. */
 typedef struct {
   int32_t abi_version;
   forge_device device;
@@ -269,7 +280,10 @@ FORGE_API forge_status forge_state_init(const forge_param* param, const forge_hp
 /* Converts state `index` of `param` to / from fp32 [rows, cols] (for
  * checkpoints and inspection); hparams says which rule owns the states (int8
  * first moments use the signed map). from_fp32 rounds to nearest (bf16) or
- * quantizes per block (int8) exactly as a step stores it. */
+ * quantizes per block (int8) exactly as a step stores it, and refuses, naming the first
+ * offending index of `in` and writing nothing, what no step stores: a value that is not
+ * storable (see "Skipped elements"), or a negative value for an unsigned (second-moment)
+ * state. */
 FORGE_API forge_status forge_state_to_fp32(const forge_param* param, const forge_hparams* hparams,
                                            int32_t index, float* out, forge_device device);
 FORGE_API forge_status forge_state_from_fp32(const forge_param* param,

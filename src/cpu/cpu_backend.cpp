@@ -19,6 +19,7 @@
 #include "core/formats.h"
 #include "core/rules.h"
 #include "core/run_scalars.h"
+#include "core/status.h"
 
 namespace forge {
 namespace cpu {
@@ -64,11 +65,14 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
   }
 }
 
-// Writes n fp32 values to state `i`. Elements with keep[e] set are left as they
-// are (fp32/bf16), or re-encoded from their loaded value against the block's new
-// absmax (int8, where the block shares one scale). `draw` (nullable: n draws packed as
-// rng_draw packs them) selects stochastic rounding for FORGE_STATE_BF16_STOCHASTIC, with
-// stream 1 + i's bits.
+// Writes n fp32 values to state `i`. Elements with keep[e] set (skipped by the step) are
+// left as they are. For int8, where a block shares one scale: a block with no skipped
+// element takes the largest magnitude of its values as its absmax; one holding a skipped
+// element takes max(its old absmax, the updated elements' largest magnitude), and its skipped
+// elements keep their code bytes while that absmax stays, or are re-encoded from their
+// decoded values (in[e], loaded against the old absmax) when it grew. `draw` (nullable: n
+// draws packed as rng_draw packs them) selects stochastic rounding for
+// FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
 void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
                  const float* in, const bool* keep, const uint64_t* draw) {
   const int64_t base = row * p.cols + col0;
@@ -92,10 +96,17 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
     }
     case FORGE_STATE_INT8_BLOCK64: {
       uint8_t* s = static_cast<uint8_t*>(p.state[i]) + base;
-      float absmax = 0.0f;
-      for (int e = 0; e < n; ++e) absmax = std::max(absmax, std::fabs(in[e]));
-      p.state_absmax[i][absmax_index(p, row, col0)] = absmax;
-      for (int e = 0; e < n; ++e) s[e] = int8_encode(in[e], absmax, is_signed);
+      float& block_absmax = p.state_absmax[i][absmax_index(p, row, col0)];
+      bool any_kept = false;
+      for (int e = 0; e < n; ++e) any_kept = any_kept || (keep && keep[e]);
+      const float old_absmax = block_absmax;
+      float absmax = any_kept ? old_absmax : 0.0f;
+      for (int e = 0; e < n; ++e)
+        if (!(keep && keep[e])) absmax = std::max(absmax, std::fabs(in[e]));
+      const bool grew = float_bits(absmax) != float_bits(old_absmax);
+      block_absmax = absmax;
+      for (int e = 0; e < n; ++e)
+        if (!(keep && keep[e]) || grew) s[e] = int8_encode(in[e], absmax, is_signed);
       break;
     }
   }
@@ -147,7 +158,7 @@ void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int
   for (int i = 0; i < k.num_states; ++i) load_state(p, i, k.state_signed[i], row, col0, n, s[i]);
 
   for (int e = 0; e < n; ++e) {
-    float st[FORGE_MAX_STATES];
+    float st[FORGE_MAX_STATES] = {};
     for (int i = 0; i < k.num_states; ++i) st[i] = s[i][e];
     float w_new = w[e], g_used;
     skipped[e] = !apply_rule(k, g[e], w_new, st, g_used);
@@ -348,6 +359,17 @@ forge_status state_to_fp32(const forge_param& p, int index, bool is_signed, floa
 
 forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, const float* in,
                              const forge_device&) {
+  // Nothing a step would never store: checked whole before anything is written.
+  const int64_t n = p.rows * p.cols;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!storable(in[i]))
+      return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is not a storable state value (finite, "
+                  "magnitude at most the largest bf16, %g)", static_cast<long long>(i),
+                  static_cast<double>(in[i]), static_cast<double>(kBf16Max));
+    if (!is_signed && in[i] < 0.0f)
+      return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is negative, but state %d is a second "
+                  "moment (unsigned)", static_cast<long long>(i), static_cast<double>(in[i]), index);
+  }
   for (int64_t r = 0; r < p.rows; ++r)
     for (int64_t c = 0; c < p.cols; c += kSegment)
       store_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),
