@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # setup.sh — everything a fresh Debian machine needs, idempotent:
 #   1. Debian packages (compiler, CMake, Ninja, GoogleTest, OpenMP), installed only if missing;
-#   2. libforge and the C++ tests, built with CMake into build/ (CUDA backend too when nvcc is found);
+#   2. libforge and the C++ tests, built with CMake into build/ (CUDA backend too when nvcc is found),
+#      and again into build-asan/ with AddressSanitizer + UndefinedBehaviorSanitizer (CPU only,
+#      with the C ABI fuzz harness) for scripts/test.sh;
 #   3. a virtual environment .venv with torch from PyPI and the forge package installed
 #      (its console scripts forge-train and forge-bench land in .venv/bin).
 set -euo pipefail
@@ -24,6 +26,8 @@ fi
 
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release ${FORGE_CMAKE_ARGS:-} >/dev/null
 cmake --build build -j "$(nproc)"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Release -DFORGE_CUDA=OFF -DFORGE_SANITIZE=ON >/dev/null
+cmake --build build-asan -j "$(nproc)"
 
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then "$python" -m venv .venv; fi
