@@ -53,8 +53,8 @@ typedef enum {
   FORGE_ERR_INVALID_ARGUMENT = 1, /* bad pointer, size, enum or hyper-parameter */
   FORGE_ERR_UNSUPPORTED = 2,      /* valid request this build cannot run (e.g. no CUDA) */
   FORGE_ERR_DEVICE = 3,           /* a CUDA call failed; the message has its error string */
-  FORGE_ERR_OUT_OF_MEMORY = 4,     /* a host or device allocation failed; nothing was written */
-  FORGE_ERR_INTERNAL = 5           /* a bug: the message says what went wrong */
+  FORGE_ERR_OUT_OF_MEMORY = 4,    /* a host or device allocation failed; nothing was written */
+  FORGE_ERR_INTERNAL = 5          /* a bug: the message says what went wrong */
 } forge_status;
 
 typedef enum { FORGE_DTYPE_FP32 = 0, FORGE_DTYPE_BF16 = 1, FORGE_DTYPE_FP16 = 2 } forge_dtype;

@@ -1,7 +1,6 @@
 // buffer_checks.cpp — see buffer_checks.h.
 #include "buffer_checks.h"
 
-#include <cstdio>
 
 #include "core/status.h"
 
@@ -25,7 +24,7 @@ forge_status BufferSet::add(const char* name, const void* p, int64_t bytes, int 
   if (count_ == kMax)
     return fail(FORGE_ERR_INTERNAL, "BufferSet: more than %d buffers (at %s)", kMax, name);
   Range& r = ranges_[count_++];
-  std::snprintf(r.name, sizeof(r.name), "%s", name);
+  r.name = name;
   r.begin = begin;
   r.end = begin + static_cast<uintptr_t>(bytes - 1) + 1;  // 0 when the range ends at the top
   r.written = written;
@@ -59,17 +58,20 @@ const char* state_format_name(int32_t f) {
 }  // namespace
 
 forge_status add_state_buffers(BufferSet& set, const forge_param& p, int index, bool written) {
-  char name[40];
+  // NOTE: literal names, no formatting: these checks run at every step call.
+  static const char* const kStateNames[FORGE_MAX_STATES] = {"param.state[0]", "param.state[1]",
+                                                            "param.state[2]"};
+  static const char* const kAbsmaxNames[FORGE_MAX_STATES] = {
+      "param.state_absmax[0]", "param.state_absmax[1]", "param.state_absmax[2]"};
   const int64_t n = p.rows * p.cols;
   const int elem = state_element_bytes(p.state_format);
-  std::snprintf(name, sizeof(name), "param.state[%d]", index);
-  if (forge_status s = set.add(name, p.state[index], n * elem, elem,
+  if (forge_status s = set.add(kStateNames[index], p.state[index], n * elem, elem,
                                state_format_name(p.state_format), written))
     return s;
   if (p.state_format != FORGE_STATE_INT8_BLOCK64) return FORGE_OK;
   const int64_t blocks = p.rows * ((p.cols + FORGE_INT8_BLOCK - 1) / FORGE_INT8_BLOCK);
-  std::snprintf(name, sizeof(name), "param.state_absmax[%d]", index);
-  return set.add(name, p.state_absmax[index], blocks * 4, 4, "fp32 absmax", written);
+  return set.add(kAbsmaxNames[index], p.state_absmax[index], blocks * 4, 4, "fp32 absmax",
+                 written);
 }
 
 forge_status add_param_buffers(BufferSet& set, const forge_param& p, int num_states) {

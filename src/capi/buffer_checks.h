@@ -27,7 +27,8 @@ int state_element_bytes(int32_t state_format);  // 4, 2 or 1
 
 class BufferSet {
  public:
-  // Registers `bytes` (> 0) at `p`; `name` is copied. Refuses (naming it) a pointer that
+  // Registers `bytes` (> 0) at `p`; `name` must outlive the set (a literal). Refuses
+  // (naming it) a pointer that
   // is not `align`-byte aligned or a range that wraps the address space. `what` says what
   // the alignment is for ("fp32", "bf16", ...).
   forge_status add(const char* name, const void* p, int64_t bytes, int align, const char* what,
@@ -37,7 +38,7 @@ class BufferSet {
 
  private:
   struct Range {
-    char name[40];
+    const char* name;
     uintptr_t begin, end;  // [begin, end)
     bool written;
   };
