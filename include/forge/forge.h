@@ -12,7 +12,16 @@
  *    1-D parameter (bias, norm weight) is [1, n].
  *  - Pointers live on the device named in forge_device (host memory for
  *    FORGE_DEVICE_CPU, device memory for FORGE_DEVICE_CUDA), outputs included.
+ *  - Sizes: every buffer's byte count must fit in int64_t (so rows · cols ≤ 2^61 for a
+ *    parameter), and no buffer may wrap the address space.
+ *  - A buffer a call writes shares no byte with any other buffer of the call (read-only
+ *    inputs may share bytes with each other), and every pointer is aligned to its
+ *    element: fp32 data and absmax 4 bytes, bf16 / fp16 2, the step outputs 8.
  *  - Every struct passed in starts with abi_version = FORGE_ABI_VERSION.
+ *  - Enumerated values travel as int32_t (struct fields and parameters alike), so an
+ *    out-of-range value is refused by name instead of being loaded as an enum. Bindings
+ *    look names up (forge_enum_name / forge_enum_value, forge_rule_query) and check their
+ *    struct mirrors against forge_struct_size instead of copying numbers from here.
  */
 #ifndef FORGE_FORGE_H_
 #define FORGE_FORGE_H_
@@ -29,19 +38,23 @@ extern "C" {
 #define FORGE_API __attribute__((visibility("default")))
 #endif
 
-#define FORGE_ABI_VERSION 2
+#define FORGE_ABI_VERSION 3
 /* Elements of a row that share one int8 absmax. */
 #define FORGE_INT8_BLOCK 64
 /* Most optimizer states any rule keeps per parameter element. */
 #define FORGE_MAX_STATES 3
+/* Most CPU threads a call may ask for (forge_device.num_threads). */
+#define FORGE_MAX_CPU_THREADS 1024
+/* Largest CPU tile side (forge_wgrad_args.tile_rows, tile_cols). */
+#define FORGE_MAX_TILE 4096
 
 typedef enum {
   FORGE_OK = 0,
   FORGE_ERR_INVALID_ARGUMENT = 1, /* bad pointer, size, enum or hyper-parameter */
   FORGE_ERR_UNSUPPORTED = 2,      /* valid request this build cannot run (e.g. no CUDA) */
   FORGE_ERR_DEVICE = 3,           /* a CUDA call failed; the message has its error string */
-  FORGE_ERR_OUT_OF_MEMORY = 4,
-  FORGE_ERR_INTERNAL = 5
+  FORGE_ERR_OUT_OF_MEMORY = 4,    /* a host or device allocation failed; nothing was written */
+  FORGE_ERR_INTERNAL = 5          /* a bug: the message says what went wrong */
 } forge_status;
 
 typedef enum { FORGE_DTYPE_FP32 = 0, FORGE_DTYPE_BF16 = 1, FORGE_DTYPE_FP16 = 2 } forge_dtype;
@@ -86,17 +99,21 @@ typedef enum {
 } forge_capability;
 
 typedef struct {
-  forge_device_kind kind;
+  int32_t kind;        /* a forge_device_kind value */
   int32_t index;       /* CUDA device ordinal; 0 for the CPU */
   void* stream;        /* cudaStream_t for CUDA (NULL = default stream); unused on CPU */
-  int32_t num_threads; /* CPU: OpenMP threads, 0 = OpenMP's default */
+  int32_t num_threads; /* CPU: OpenMP threads, 0 = OpenMP's default, at most
+                          FORGE_MAX_CPU_THREADS */
 } forge_device;
 
 /* Hyper-parameters of one step. Names and meaning are torch.optim's. Fields a
- * rule does not use are ignored (but must not be NaN). */
+ * rule does not use are ignored (but must not be NaN); forge_rule_query lists those it
+ * reads. The step computes in fp32 with scalars made from these in double: a value whose
+ * scalars are not finite in fp32 (lr = 1e39, grad_scale = 1e39), or zero where zero is
+ * invalid (eps or grad_scale below fp32's smallest subnormal), is refused by name. */
 typedef struct {
   int32_t abi_version;
-  forge_rule rule;
+  int32_t rule;              /* a forge_rule value */
   int64_t step;              /* 1-based number of this step (torch's state['step'] after += 1) */
   double lr;
   double weight_decay;
@@ -118,7 +135,12 @@ typedef struct {
    * holding what forge_run_scalars_fill() wrote from hyper-parameters that differ from
    * these in step, lr and seed only. The step reads its step-dependent scalars from there
    * when it runs, so a captured launch replays with whatever was copied there before the
-   * replay. The other fields are still checked here, and choose the kernel. */
+   * replay. The other fields are still checked here, and choose the kernel.
+   * The buffer carries a tag (its last 32 bytes: a fill marker, the ABI version, the rule,
+   * the state count, a hash of every field but step, lr and seed, and a checksum of the
+   * rest). The CPU backend checks it at every call and refuses, naming hparams.run_scalars,
+   * a buffer that is unfilled, filled for another rule, state count or other
+   * hyper-parameters, or changed since the fill. */
   const void* run_scalars;
 } forge_hparams;
 
@@ -128,10 +150,10 @@ typedef struct {
 /* One parameter: its weight and optimizer states. */
 typedef struct {
   int64_t rows, cols;                 /* [rows, cols]; a linear layer's W is [out, in] */
-  forge_weight_format weight_format;
+  int32_t weight_format;              /* a forge_weight_format value */
   void* weight;                       /* [rows, cols] fp32 or bf16 per weight_format */
   float* master;                      /* [rows, cols] fp32, FORGE_WEIGHT_BF16_MASTER only */
-  forge_state_format state_format;
+  int32_t state_format;               /* a forge_state_format value */
   void* state[FORGE_MAX_STATES];      /* [rows, cols] each; float / bf16 / uint8 codes */
   float* state_absmax[FORGE_MAX_STATES]; /* [rows, ceil(cols / 64)] each, int8 only */
 } forge_param;
@@ -139,32 +161,44 @@ typedef struct {
 /* Optional by-products of a step. Each non-NULL pointer is ADDED to (the
  * caller zeroes it once per optimizer step), on the step's device. */
 typedef struct {
-  double* grad_sq_sum;      /* Σ g² over the finite gradient elements consumed (g after grad_scale) */
-  int64_t* nonfinite_count; /* number of gradient elements that were NaN/Inf (and skipped) */
+  double* grad_sq_sum;      /* Σ g² over the elements updated (g after grad_scale) */
+  int64_t* nonfinite_count; /* number of elements skipped (see "Skipped elements" below) */
 } forge_step_outputs;
+
+/* Skipped elements. An element whose gradient (after grad_scale) is NaN/Inf, or whose
+ * update would make its new weight, master or a state not storable (NaN, infinite, or of
+ * magnitude above the largest bf16, 0x1.FEp127, from which bf16 rounding can overflow: a
+ * finite gradient of 1e20 whose g² overflows, an lr·update beyond fp32), is skipped: its
+ * weight, master and states stay as they were, it is counted in nonfinite_count and left
+ * out of grad_sq_sum. Every format, every backend, fused or element-wise.
+ * int8 states share an absmax per block of 64: a block without skipped elements takes the
+ * largest magnitude of its new values as absmax; a block holding one takes max(its old
+ * absmax, the largest magnitude of its updated elements' new values), and its skipped
+ * elements keep their code bytes unchanged while that absmax is unchanged, or are re-encoded
+ * from their decoded values against the new absmax when it grew. */
 
 /* The fused step of a linear layer: for each tile of W, dW = Σ_t dY[t]ᵀ X[t] in
  * fp32, then the rule is applied in place. X: [tokens, cols] (ld = ldx),
  * dY: [tokens, rows] (ld = lddy), W: [rows, cols]. Nothing of size rows × cols
- * is allocated. A gradient element that is NaN/Inf leaves its weight and states
- * untouched and is counted. */
+ * is allocated. Elements are skipped and counted as "Skipped elements" says. */
 typedef struct {
   int32_t abi_version;
   forge_device device;
   int64_t tokens;
-  const void* x;  forge_dtype x_dtype;  int64_t ldx;   /* [tokens, cols] */
-  const void* dy; forge_dtype dy_dtype; int64_t lddy;  /* [tokens, rows] */
+  const void* x;  int32_t x_dtype;  int64_t ldx;   /* [tokens, cols]; x_dtype a forge_dtype */
+  const void* dy; int32_t dy_dtype; int64_t lddy;  /* [tokens, rows]; dy_dtype a forge_dtype */
   forge_param param;
   forge_hparams hparams;
   forge_step_outputs outputs;
-  int32_t tile_rows, tile_cols; /* CPU tile shape, 0 = 128; int8 states need tile_cols % 64 == 0 */
+  int32_t tile_rows, tile_cols; /* CPU tile shape, 0 = 128, at most FORGE_MAX_TILE each; int8
+                                   states need tile_cols % 64 == 0 */
 } forge_wgrad_args;
 
 /* The same rules on a gradient that already exists ([rows, cols], contiguous). */
 typedef struct {
   int32_t abi_version;
   forge_device device;
-  const void* grad; forge_dtype grad_dtype;  /* [rows, cols] */
+  const void* grad; int32_t grad_dtype;  /* [rows, cols]; grad_dtype a forge_dtype */
   forge_param param;
   forge_hparams hparams;
   forge_step_outputs outputs;
@@ -179,16 +213,66 @@ typedef struct {
   const char* names[FORGE_MAX_STATES];     /* torch.optim's state keys: "exp_avg", ... */
 } forge_state_layout;
 
+/* ---- introspection: what a binding reads instead of mirroring this header --------------- */
+
+/* The enumerations of this header. Each has the values 0 .. count - 1, and each value a
+ * stable name: */
+typedef enum {
+  FORGE_ENUM_STATUS = 0,        /* "ok", "invalid_argument", "unsupported", "device",
+                                   "out_of_memory", "internal" */
+  FORGE_ENUM_DTYPE = 1,         /* "fp32", "bf16", "fp16" */
+  FORGE_ENUM_RULE = 2,          /* "SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion",
+                                   "RMSprop", "Adagrad" */
+  FORGE_ENUM_WEIGHT_FORMAT = 3, /* "fp32", "bf16", "bf16_sr", "bf16_master" */
+  FORGE_ENUM_STATE_FORMAT = 4,  /* "fp32", "bf16", "bf16_sr", "int8" */
+  FORGE_ENUM_DEVICE_KIND = 5    /* "cpu", "cuda" */
+} forge_enum;
+#define FORGE_ENUM_COUNT 6
+
+/* Most forge_hparams fields one rule reads (forge_rule_info.fields). */
+#define FORGE_MAX_RULE_FIELDS 16
+
+/* What a rule reads and keeps (forge_rule_query). Strings are static. */
+typedef struct {
+  const char* name;                               /* its name in FORGE_ENUM_RULE */
+  const char* fields[FORGE_MAX_RULE_FIELDS];      /* the forge_hparams fields it reads ("step",
+                                                     "lr", "beta1", ...); NULL after the last */
+  const char* state_names[FORGE_MAX_STATES];      /* torch.optim's state keys, in the slot order
+                                                     of its largest configuration */
+  const char* state_condition[FORGE_MAX_STATES];  /* NULL: the state is always kept; else the
+                                                     forge_hparams field that must be non-zero
+                                                     for it ("centered", "momentum"). A state
+                                                     not kept takes no slot: later ones move up */
+  int32_t num_fields;
+  int32_t max_states;                             /* states of its largest configuration */
+  int32_t state_signed[FORGE_MAX_STATES];         /* 1: signed (first-moment-like) int8 map */
+} forge_rule_info;
+
 FORGE_API int32_t forge_abi_version(void);
 FORGE_API const char* forge_version_string(void);
 FORGE_API uint32_t forge_capabilities(void);
 /* Message of the last failed call on this thread ("" if none). */
 FORGE_API const char* forge_last_error(void);
 
-FORGE_API forge_status forge_hparams_default(forge_rule rule, forge_hparams* out);
-FORGE_API forge_status forge_state_layout_query(const forge_hparams* hparams,
-                                                forge_state_format format, int64_t rows,
-                                                int64_t cols, forge_state_layout* out);
+/* `rule`: a forge_rule value. */
+FORGE_API forge_status forge_hparams_default(int32_t rule, forge_hparams* out);
+/* `format`: a forge_state_format value. */
+FORGE_API forge_status forge_state_layout_query(const forge_hparams* hparams, int32_t format,
+                                                int64_t rows, int64_t cols,
+                                                forge_state_layout* out);
+/* Number of values of enumeration `kind` (a forge_enum value). */
+FORGE_API forge_status forge_enum_count(int32_t kind, int32_t* count);
+/* The name of `value` in enumeration `kind`. */
+FORGE_API forge_status forge_enum_name(int32_t kind, int32_t value, const char** name);
+/* The value named `name` (ASCII case-insensitive) in enumeration `kind`; an unknown name is
+ * refused with a message listing the known ones. */
+FORGE_API forge_status forge_enum_value(int32_t kind, const char* name, int32_t* value);
+/* What rule `rule` (a forge_rule value) reads and keeps. */
+FORGE_API forge_status forge_rule_query(int32_t rule, forge_rule_info* out);
+/* sizeof the public struct named `name` ("forge_hparams", "forge_param", ...: every typedef
+ * struct of this header), so a binding can check its mirrors when it loads the library. */
+FORGE_API forge_status forge_struct_size(const char* name, int64_t* size);
+
 /* Fills every state the rule uses with its initial value (0, or Adagrad's
  * initial_accumulator_value). */
 FORGE_API forge_status forge_state_init(const forge_param* param, const forge_hparams* hparams,
@@ -196,7 +280,10 @@ FORGE_API forge_status forge_state_init(const forge_param* param, const forge_hp
 /* Converts state `index` of `param` to / from fp32 [rows, cols] (for
  * checkpoints and inspection); hparams says which rule owns the states (int8
  * first moments use the signed map). from_fp32 rounds to nearest (bf16) or
- * quantizes per block (int8) exactly as a step stores it. */
+ * quantizes per block (int8) exactly as a step stores it, and refuses, naming the first
+ * offending index of `in` and writing nothing, what no step stores: a value that is not
+ * storable (see "Skipped elements"), or a negative value for an unsigned (second-moment)
+ * state. */
 FORGE_API forge_status forge_state_to_fp32(const forge_param* param, const forge_hparams* hparams,
                                            int32_t index, float* out, forge_device device);
 FORGE_API forge_status forge_state_from_fp32(const forge_param* param,
@@ -204,8 +291,8 @@ FORGE_API forge_status forge_state_from_fp32(const forge_param* param,
                                              const float* in, forge_device device);
 
 /* Writes into `out` (host memory, `bytes` >= FORGE_RUN_SCALARS_BYTES) the scalars a step
- * with these hyper-parameters uses: what a run_scalars buffer must hold, once copied to the
- * step's device (hparams->run_scalars itself is ignored). */
+ * with these hyper-parameters uses, and their tag: what a run_scalars buffer must hold, once
+ * copied byte for byte to the step's device (hparams->run_scalars itself is ignored). */
 FORGE_API forge_status forge_run_scalars_fill(const forge_hparams* hparams, void* out,
                                               int64_t bytes);
 

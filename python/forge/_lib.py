@@ -2,7 +2,10 @@
 
 Why ctypes: nothing in the C++ includes torch headers, so one libforge serves every
 torch version (the bitsandbytes model). The structs below mirror forge.h field for
-field; FORGE_ABI_VERSION is checked when the library is loaded.
+field; when the library is loaded, FORGE_ABI_VERSION is checked and so is the size of
+every mirror (forge_struct_size). Names of rules, formats, dtypes and device kinds are
+read from the library (Library.rule_code, .weight_format_code, .rules(), ...), not
+mirrored here.
 
 Where the library is found, first match wins:
   1. $FORGE_LIBRARY (a file, or a folder holding libforge.so); an error if it is not there;
@@ -16,31 +19,54 @@ import ctypes
 import os
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 INT8_BLOCK = 64
 MAX_STATES = 3
 # Bytes of a run-scalars buffer (Hparams.run_scalars, Library.run_scalars_fill): what a
 # CUDA-graph-captured step reads its step, lr and seed dependent scalars from when it runs.
 RUN_SCALARS_BYTES = 256
 
+# forge_enum: the enumerations the library names (Library.enum_names, .enum_code)
+ENUM_STATUS, ENUM_DTYPE, ENUM_RULE, ENUM_WEIGHT_FORMAT, ENUM_STATE_FORMAT, ENUM_DEVICE_KIND = range(6)
+MAX_RULE_FIELDS = 16
+
 # forge_status
 OK, ERR_INVALID_ARGUMENT, ERR_UNSUPPORTED, ERR_DEVICE, ERR_OUT_OF_MEMORY, ERR_INTERNAL = range(6)
 _STATUS_NAMES = {1: "invalid argument", 2: "unsupported", 3: "device error",
                  4: "out of memory", 5: "internal error"}
 
-# forge_dtype
-DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 = 0, 1, 2
-# forge_rule
-(RULE_SGD, RULE_SGD_MOMENTUM, RULE_ADAMW, RULE_NADAM, RULE_RADAM, RULE_LION, RULE_RMSPROP,
- RULE_ADAGRAD) = range(8)
-# forge_weight_format
-WEIGHT_FP32, WEIGHT_BF16, WEIGHT_BF16_STOCHASTIC, WEIGHT_BF16_MASTER = range(4)
-# forge_state_format
-STATE_FP32, STATE_BF16, STATE_BF16_STOCHASTIC, STATE_INT8_BLOCK64 = range(4)
-# forge_device_kind
-DEVICE_CPU, DEVICE_CUDA = 0, 1
+# The codes of the library's enumerations are read from it (forge_enum_value): these module
+# attributes (RULE_ADAMW, STATE_INT8_BLOCK64, DTYPE_BF16, ...) are looked up by name on first
+# use (module __getattr__ below), never numbered here.
+_ENUM_ATTRIBUTES = {
+    "DTYPE_FP32": (ENUM_DTYPE, "fp32"), "DTYPE_BF16": (ENUM_DTYPE, "bf16"),
+    "DTYPE_FP16": (ENUM_DTYPE, "fp16"),
+    "WEIGHT_FP32": (ENUM_WEIGHT_FORMAT, "fp32"), "WEIGHT_BF16": (ENUM_WEIGHT_FORMAT, "bf16"),
+    "WEIGHT_BF16_STOCHASTIC": (ENUM_WEIGHT_FORMAT, "bf16_sr"),
+    "WEIGHT_BF16_MASTER": (ENUM_WEIGHT_FORMAT, "bf16_master"),
+    "STATE_FP32": (ENUM_STATE_FORMAT, "fp32"), "STATE_BF16": (ENUM_STATE_FORMAT, "bf16"),
+    "STATE_BF16_STOCHASTIC": (ENUM_STATE_FORMAT, "bf16_sr"),
+    "STATE_INT8_BLOCK64": (ENUM_STATE_FORMAT, "int8"),
+    "DEVICE_CPU": (ENUM_DEVICE_KIND, "cpu"), "DEVICE_CUDA": (ENUM_DEVICE_KIND, "cuda"),
+}
+
+
+def __getattr__(name: str) -> int:
+    """RULE_<NAME> (the rule's name, any case), and the names of _ENUM_ATTRIBUTES: their code
+    in the loaded library, cached as a module attribute."""
+    if name in _ENUM_ATTRIBUTES:
+        kind, library_name = _ENUM_ATTRIBUTES[name]
+    elif name.startswith("RULE_"):
+        kind, library_name = ENUM_RULE, name[len("RULE_"):]
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    code = get().enum_code(kind, library_name)
+    globals()[name] = code
+    return code
+
+
 # forge_capability
 CAP_CPU, CAP_OPENMP, CAP_CUDA = 1, 2, 4
 
@@ -99,6 +125,21 @@ class StateLayout(ctypes.Structure):  # forge_state_layout
                 ("names", ctypes.c_char_p * MAX_STATES)]
 
 
+class RuleInfo(ctypes.Structure):  # forge_rule_info
+    _fields_ = [("name", ctypes.c_char_p), ("fields", ctypes.c_char_p * MAX_RULE_FIELDS),
+                ("state_names", ctypes.c_char_p * MAX_STATES),
+                ("state_condition", ctypes.c_char_p * MAX_STATES),
+                ("num_fields", _c_int32), ("max_states", _c_int32),
+                ("state_signed", _c_int32 * MAX_STATES)]
+
+
+# Every mirror, by its forge.h name: their sizes are checked against the library's at load.
+_STRUCTS = {"forge_device": Device, "forge_hparams": Hparams, "forge_param": Param,
+            "forge_step_outputs": StepOutputs, "forge_wgrad_args": WgradArgs,
+            "forge_elementwise_args": ElementwiseArgs, "forge_state_layout": StateLayout,
+            "forge_rule_info": RuleInfo}
+
+
 class ForgeError(RuntimeError):
     """A libforge call failed; the message is forge_last_error()'s. `status` is the code."""
 
@@ -154,11 +195,18 @@ class Library:
 
     def __init__(self, path: Path):
         self.path = path
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise ImportError(f"{path}: cannot be loaded ({e})") from None
         self._lib = lib
         # The version first: an older library lacks newer entry points (a clearer error).
-        lib.forge_abi_version.argtypes, lib.forge_abi_version.restype = [], _c_int32
-        abi = lib.forge_abi_version()
+        try:
+            abi_version = lib.forge_abi_version
+        except AttributeError:
+            raise ImportError(f"{path}: not a libforge (no forge_abi_version)") from None
+        abi_version.argtypes, abi_version.restype = [], _c_int32
+        abi = abi_version()
         if abi != ABI_VERSION:
             raise ImportError(f"{path}: libforge speaks ABI {abi}, this package {ABI_VERSION}; "
                               "rebuild the library from this checkout")
@@ -167,6 +215,11 @@ class Library:
             "forge_version_string": ([], ctypes.c_char_p),
             "forge_capabilities": ([], ctypes.c_uint32),
             "forge_last_error": ([], ctypes.c_char_p),
+            "forge_enum_count": ([_c_int32, P(_c_int32)], _c_int32),
+            "forge_enum_name": ([_c_int32, _c_int32, P(ctypes.c_char_p)], _c_int32),
+            "forge_enum_value": ([_c_int32, ctypes.c_char_p, P(_c_int32)], _c_int32),
+            "forge_rule_query": ([_c_int32, P(RuleInfo)], _c_int32),
+            "forge_struct_size": ([ctypes.c_char_p, P(_c_int64)], _c_int32),
             "forge_hparams_default": ([_c_int32, P(Hparams)], _c_int32),
             "forge_state_layout_query": ([P(Hparams), _c_int32, _c_int64, _c_int64,
                                           P(StateLayout)], _c_int32),
@@ -179,10 +232,30 @@ class Library:
             "forge_elementwise_step": ([P(ElementwiseArgs)], _c_int32),
         }
         for name, (argtypes, restype) in sigs.items():
-            fn = getattr(lib, name)
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise ImportError(f"{path}: libforge ABI {abi} without {name}; rebuild the "
+                                  "library from this checkout") from None
             fn.argtypes, fn.restype = argtypes, restype
+        self._check_struct_sizes()
         self.capabilities = int(lib.forge_capabilities())
         self.version = lib.forge_version_string().decode()
+        self._enum_cache: Dict[int, Tuple[str, ...]] = {}
+
+    def _check_struct_sizes(self) -> None:
+        """ImportError unless every mirror has the size of the library's struct."""
+        for name, mirror in _STRUCTS.items():
+            size = _c_int64(-1)
+            status = self._lib.forge_struct_size(name.encode(), ctypes.byref(size))
+            if status != OK:
+                message = (self._lib.forge_last_error() or b"").decode(errors="replace")
+                raise ImportError(f"{self.path}: forge_struct_size({name}): {message}")
+            if size.value != ctypes.sizeof(mirror):
+                raise ImportError(
+                    f"{self.path}: struct {name} is {size.value} bytes in the library but "
+                    f"{ctypes.sizeof(mirror)} in forge._lib.{mirror.__name__}; the binding and "
+                    "the library disagree on forge.h (rebuild the library from this checkout)")
 
     @property
     def has_cuda(self) -> bool:
@@ -195,6 +268,76 @@ class Library:
         text = f"{what}: {message or _STATUS_NAMES.get(status, f'status {status}')}"
         cls = ForgeInvalidArgument if status == ERR_INVALID_ARGUMENT else ForgeError
         raise cls(text, status)
+
+    # ---- names: what the library calls its rules, formats, dtypes and device kinds
+
+    def enum_names(self, kind: int) -> Tuple[str, ...]:
+        """The names of enumeration `kind` (ENUM_*), in value order."""
+        names = self._enum_cache.get(kind)
+        if names is None:
+            count = _c_int32()
+            self.check(self._lib.forge_enum_count(kind, ctypes.byref(count)), "forge_enum_count")
+            out = []
+            for value in range(count.value):
+                name = ctypes.c_char_p()
+                self.check(self._lib.forge_enum_name(kind, value, ctypes.byref(name)),
+                           "forge_enum_name")
+                out.append(name.value.decode())
+            names = self._enum_cache[kind] = tuple(out)
+        return names
+
+    def enum_code(self, kind: int, name: str) -> int:
+        """The value named `name` (case-insensitive) in enumeration `kind`; ValueError
+        (ForgeInvalidArgument) listing the known names otherwise."""
+        if not isinstance(name, str):
+            raise TypeError(f"name: must be a str, got {type(name).__name__}")
+        value = _c_int32()
+        self.check(self._lib.forge_enum_value(kind, name.encode(), ctypes.byref(value)),
+                   "forge_enum_value")
+        return value.value
+
+    def rule_code(self, name: str) -> int:
+        return self.enum_code(ENUM_RULE, name)
+
+    def rule_name(self, code: int) -> str:
+        names = self.enum_names(ENUM_RULE)
+        if not 0 <= code < len(names):
+            raise ValueError(f"rule: unknown value {code}")
+        return names[code]
+
+    def rules(self) -> Dict[str, int]:
+        """{name: code} of every rule the library has."""
+        return {name: code for code, name in enumerate(self.enum_names(ENUM_RULE))}
+
+    def weight_format_code(self, name: str) -> int:
+        return self.enum_code(ENUM_WEIGHT_FORMAT, name)
+
+    def state_format_code(self, name: str) -> int:
+        return self.enum_code(ENUM_STATE_FORMAT, name)
+
+    def dtype_code(self, name: str) -> int:
+        return self.enum_code(ENUM_DTYPE, name)
+
+    def device_kind_code(self, name: str) -> int:
+        return self.enum_code(ENUM_DEVICE_KIND, name)
+
+    def rule_info(self, rule: int) -> Dict[str, Any]:
+        """What rule `rule` reads and keeps: {"name", "fields", "states"}, each state a dict
+        {"name", "signed", "condition"} (condition: None, or the field that must be non-zero
+        for the state to be kept), in the slot order of the rule's largest configuration."""
+        info = RuleInfo()
+        self.check(self._lib.forge_rule_query(rule, ctypes.byref(info)), "forge_rule_query")
+        return {
+            "name": info.name.decode(),
+            "fields": tuple(info.fields[i].decode() for i in range(info.num_fields)),
+            "states": tuple({"name": info.state_names[i].decode(),
+                             "signed": bool(info.state_signed[i]),
+                             "condition": (info.state_condition[i].decode()
+                                           if info.state_condition[i] else None)}
+                            for i in range(info.max_states)),
+        }
+
+    # ---- the C ABI's entry points
 
     def hparams_default(self, rule: int) -> Hparams:
         hp = Hparams()

@@ -1,12 +1,20 @@
 // forge_capi.cpp — the C ABI: checks every argument (the message names it),
 // computes the rule's step scalars, and dispatches to the CPU or CUDA backend.
-// No math here. Nothing is written unless every check passes.
+// No math here. Nothing is written unless every check passes, and no C++ exception
+// leaves an entry point (guarded: bad_alloc is FORGE_ERR_OUT_OF_MEMORY, anything else
+// FORGE_ERR_INTERNAL).
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <exception>
+#include <new>
 
 #include "backend.h"
+#include "capi/buffer_checks.h"
 #include "core/hparams.h"
+#include "core/rule_table.h"
+#include "core/run_scalars.h"
 #include "core/status.h"
 #include "forge/forge.h"
 
@@ -19,9 +27,26 @@ namespace {
 
 constexpr forge_status kBad = FORGE_ERR_INVALID_ARGUMENT;
 
+// The body of an entry point, with every C++ exception turned into a status.
+template <class Body>
+forge_status guarded(const char* entry, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc& e) {
+    return fail(FORGE_ERR_OUT_OF_MEMORY, "%s: out of host memory (%s)", entry, e.what());
+  } catch (const std::exception& e) {
+    return fail(FORGE_ERR_INTERNAL, "%s: internal error: %s", entry, e.what());
+  } catch (...) {
+    return fail(FORGE_ERR_INTERNAL, "%s: internal error: an exception of unknown type", entry);
+  }
+}
+
 forge_status check_device(const forge_device& d) {
   if (d.kind == FORGE_DEVICE_CPU) {
-    if (d.num_threads < 0) return fail(kBad, "device.num_threads: must be >= 0, got %d", d.num_threads);
+    // NOTE: the cap, because libgomp ends the process when it cannot create the threads.
+    if (d.num_threads < 0 || d.num_threads > FORGE_MAX_CPU_THREADS)
+      return fail(kBad, "device.num_threads: must be in 0 .. FORGE_MAX_CPU_THREADS = %d, got %d",
+                  FORGE_MAX_CPU_THREADS, d.num_threads);
     return FORGE_OK;
   }
   if (d.kind == FORGE_DEVICE_CUDA) {
@@ -32,20 +57,31 @@ forge_status check_device(const forge_device& d) {
     return fail(FORGE_ERR_UNSUPPORTED, "device.kind: CUDA, but this libforge was built without CUDA");
 #endif
   }
-  return fail(kBad, "device.kind: unknown value %d", static_cast<int>(d.kind));
+  return fail(kBad, "device.kind: unknown value %d", d.kind);
 }
 
-forge_status check_dtype(forge_dtype t, const char* name) {
+forge_status check_dtype(int32_t t, const char* name) {
   if (t == FORGE_DTYPE_FP32 || t == FORGE_DTYPE_BF16 || t == FORGE_DTYPE_FP16) return FORGE_OK;
-  return fail(kBad, "%s: unknown dtype %d", name, static_cast<int>(t));
+  return fail(kBad, "%s: unknown dtype %d", name, t);
+}
+
+// rows × cols elements whose bytes (4 each at most) count in int64.
+forge_status check_shape(int64_t rows, int64_t cols, const char* rows_name, const char* cols_name) {
+  if (rows <= 0) return fail(kBad, "%s: must be > 0, got %lld", rows_name, static_cast<long long>(rows));
+  if (cols <= 0) return fail(kBad, "%s: must be > 0, got %lld", cols_name, static_cast<long long>(cols));
+  int64_t n;
+  if (!product_within(rows, cols, kMaxElements, &n))
+    return fail(kBad, "%s × %s: %lld × %lld elements, more than 2^61 (4 bytes each must count in "
+                "int64)", rows_name, cols_name, static_cast<long long>(rows),
+                static_cast<long long>(cols));
+  return FORGE_OK;
 }
 
 // Shape and formats only (no states).
 forge_status check_param_shape(const forge_param& p) {
-  if (p.rows <= 0) return fail(kBad, "param.rows: must be > 0, got %lld", static_cast<long long>(p.rows));
-  if (p.cols <= 0) return fail(kBad, "param.cols: must be > 0, got %lld", static_cast<long long>(p.cols));
+  if (forge_status s = check_shape(p.rows, p.cols, "param.rows", "param.cols")) return s;
   if (p.state_format < 0 || p.state_format >= FORGE_STATE_FORMAT_COUNT)
-    return fail(kBad, "param.state_format: unknown value %d", static_cast<int>(p.state_format));
+    return fail(kBad, "param.state_format: unknown value %d", p.state_format);
   return FORGE_OK;
 }
 
@@ -60,7 +96,7 @@ forge_status check_state(const forge_param& p, int i) {
 forge_status check_param(const forge_param& p, const RuleScalars& k) {
   if (forge_status s = check_param_shape(p)) return s;
   if (p.weight_format < 0 || p.weight_format >= FORGE_WEIGHT_FORMAT_COUNT)
-    return fail(kBad, "param.weight_format: unknown value %d", static_cast<int>(p.weight_format));
+    return fail(kBad, "param.weight_format: unknown value %d", p.weight_format);
   if (!p.weight) return fail(kBad, "param.weight: NULL");
   if (p.weight_format == FORGE_WEIGHT_BF16_MASTER && !p.master)
     return fail(kBad, "param.master: NULL, but weight_format is FORGE_WEIGHT_BF16_MASTER");
@@ -71,60 +107,108 @@ forge_status check_param(const forge_param& p, const RuleScalars& k) {
   return FORGE_OK;
 }
 
-static_assert(sizeof(RuleScalars) <= FORGE_RUN_SCALARS_BYTES,
-              "FORGE_RUN_SCALARS_BYTES must hold the RuleScalars a run_scalars buffer carries");
 
-forge_status check_hparams(const forge_hparams* hp) {
+// `k` (nullable) receives the step's scalars.
+forge_status check_hparams(const forge_hparams* hp, RuleScalars* k = nullptr) {
   if (!hp) return fail(kBad, "hparams: NULL");
   if (reinterpret_cast<uintptr_t>(hp->run_scalars) % 16 != 0)
     return fail(kBad, "hparams.run_scalars: %p is not 16-byte aligned", hp->run_scalars);
-  return validate_hparams(*hp);
+  return validate_hparams(*hp, k);
 }
 
 template <typename Args>
-forge_status check_step_common(const Args* a, const char* what) {
+forge_status check_step_common(const Args* a, const char* what, RuleScalars* k) {
   if (!a) return fail(kBad, "args: NULL (%s)", what);
   if (a->abi_version != FORGE_ABI_VERSION)
     return fail(kBad, "args.abi_version: %d, this library speaks %d", a->abi_version, FORGE_ABI_VERSION);
   if (forge_status s = check_device(a->device)) return s;
-  return check_hparams(&a->hparams);
+  return check_hparams(&a->hparams, k);
+}
+
+// An input of `tokens` rows of `extent` elements, `ld` apart: ld >= extent, and the
+// (tokens − 1) · ld + extent elements it spans count their bytes in int64.
+forge_status check_input_extent(int64_t tokens, int64_t ld, int64_t extent, const char* ld_name,
+                                const char* extent_name, const char* input, int64_t* elements) {
+  if (ld < extent)
+    return fail(kBad, "%s: %lld is smaller than a row of %s (%s = %lld)", ld_name,
+                static_cast<long long>(ld), input, extent_name, static_cast<long long>(extent));
+  int64_t span;
+  if (!product_within(tokens - 1, ld, kMaxElements - extent, &span))
+    return fail(kBad, "%s × tokens: %lld × %lld elements of %s, more than 2^61 (4 bytes each "
+                "must count in int64)", ld_name, static_cast<long long>(ld),
+                static_cast<long long>(tokens), input);
+  *elements = span + extent;
+  return FORGE_OK;
+}
+
+// The step's outputs and run_scalars, after the parameter's and the inputs' buffers.
+forge_status add_step_extras(BufferSet& set, const forge_step_outputs& out,
+                             const forge_hparams& hp) {
+  if (out.grad_sq_sum)
+    if (forge_status s = set.add("outputs.grad_sq_sum", out.grad_sq_sum, 8, 8, "double", true))
+      return s;
+  if (out.nonfinite_count)
+    if (forge_status s = set.add("outputs.nonfinite_count", out.nonfinite_count, 8, 8, "int64", true))
+      return s;
+  if (hp.run_scalars)
+    if (forge_status s = set.add("hparams.run_scalars", hp.run_scalars, FORGE_RUN_SCALARS_BYTES,
+                                 16, "run scalars", false))
+      return s;
+  return set.check_overlaps();
 }
 
 forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
-  if (forge_status s = check_step_common(a, "forge_wgrad_step")) return s;
-  *k = make_rule_scalars(a->hparams);
+  if (forge_status s = check_step_common(a, "forge_wgrad_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
   if (a->tokens <= 0) return fail(kBad, "tokens: must be > 0, got %lld", static_cast<long long>(a->tokens));
   if (!a->x) return fail(kBad, "x: NULL");
   if (!a->dy) return fail(kBad, "dy: NULL");
   if (forge_status s = check_dtype(a->x_dtype, "x_dtype")) return s;
   if (forge_status s = check_dtype(a->dy_dtype, "dy_dtype")) return s;
-  if (a->ldx < a->param.cols)
-    return fail(kBad, "ldx: %lld is smaller than a row of x (param.cols = %lld)",
-                static_cast<long long>(a->ldx), static_cast<long long>(a->param.cols));
-  if (a->lddy < a->param.rows)
-    return fail(kBad, "lddy: %lld is smaller than a row of dy (param.rows = %lld)",
-                static_cast<long long>(a->lddy), static_cast<long long>(a->param.rows));
-  if (a->tile_rows < 0 || a->tile_cols < 0)
-    return fail(kBad, "tile_rows/tile_cols: must be >= 0 (0 = default), got %d / %d", a->tile_rows,
-                a->tile_cols);
+  int64_t x_elements = 0, dy_elements = 0;
+  if (forge_status s = check_input_extent(a->tokens, a->ldx, a->param.cols, "ldx", "param.cols",
+                                          "x", &x_elements))
+    return s;
+  if (forge_status s = check_input_extent(a->tokens, a->lddy, a->param.rows, "lddy",
+                                          "param.rows", "dy", &dy_elements))
+    return s;
+  if (a->tile_rows < 0 || a->tile_rows > FORGE_MAX_TILE)
+    return fail(kBad, "tile_rows: must be in 0 .. FORGE_MAX_TILE = %d (0 = default), got %d",
+                FORGE_MAX_TILE, a->tile_rows);
+  if (a->tile_cols < 0 || a->tile_cols > FORGE_MAX_TILE)
+    return fail(kBad, "tile_cols: must be in 0 .. FORGE_MAX_TILE = %d (0 = default), got %d",
+                FORGE_MAX_TILE, a->tile_cols);
   if (a->param.state_format == FORGE_STATE_INT8_BLOCK64 && a->tile_cols % FORGE_INT8_BLOCK != 0)
     return fail(kBad, "tile_cols: %d is not a multiple of %d, which int8 block states need",
                 a->tile_cols, FORGE_INT8_BLOCK);
-  return FORGE_OK;
+  BufferSet set;
+  if (forge_status s = add_param_buffers(set, a->param, k->num_states)) return s;
+  const int xb = dtype_bytes(a->x_dtype), dyb = dtype_bytes(a->dy_dtype);
+  if (forge_status s = set.add("x", a->x, x_elements * xb, xb, xb == 4 ? "fp32" : "16-bit", false))
+    return s;
+  if (forge_status s = set.add("dy", a->dy, dy_elements * dyb, dyb, dyb == 4 ? "fp32" : "16-bit", false))
+    return s;
+  return add_step_extras(set, a->outputs, a->hparams);
 }
 
 forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k) {
-  if (forge_status s = check_step_common(a, "forge_elementwise_step")) return s;
-  *k = make_rule_scalars(a->hparams);
+  if (forge_status s = check_step_common(a, "forge_elementwise_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
   if (!a->grad) return fail(kBad, "grad: NULL");
-  return check_dtype(a->grad_dtype, "grad_dtype");
+  if (forge_status s = check_dtype(a->grad_dtype, "grad_dtype")) return s;
+  BufferSet set;
+  if (forge_status s = add_param_buffers(set, a->param, k->num_states)) return s;
+  const int gb = dtype_bytes(a->grad_dtype);
+  if (forge_status s = set.add("grad", a->grad, a->param.rows * a->param.cols * gb, gb,
+                               gb == 4 ? "fp32" : "16-bit", false))
+    return s;
+  return add_step_extras(set, a->outputs, a->hparams);
 }
 
-// Shared checks of the state entry points; returns the state's signedness.
+// Shared checks of the state entry points; returns the state's signedness. `buffer` is the
+// caller's fp32 [rows, cols] (`buffer_written`: the call writes it, else it writes the state).
 forge_status check_state_access(const forge_param* p, const forge_hparams* hp, int index,
-                                const void* buffer, const char* buffer_name,
+                                const void* buffer, const char* buffer_name, bool buffer_written,
                                 const forge_device& device, bool* is_signed) {
   if (!p) return fail(kBad, "param: NULL");
   if (forge_status s = check_hparams(hp)) return s;
@@ -136,8 +220,28 @@ forge_status check_state_access(const forge_param* p, const forge_hparams* hp, i
     return fail(kBad, "index: %d, but this rule keeps %d state(s)", index, layout.num_states);
   if (forge_status s = check_state(*p, index)) return s;
   if (!buffer) return fail(kBad, "%s: NULL", buffer_name);
+  BufferSet set;
+  if (forge_status s = add_state_buffers(set, *p, index, !buffer_written)) return s;
+  if (forge_status s = set.add(buffer_name, buffer, p->rows * p->cols * 4, 4, "fp32", buffer_written))
+    return s;
+  if (forge_status s = set.check_overlaps()) return s;
   *is_signed = layout.is_signed[index] != 0;
   return FORGE_OK;
+}
+
+forge_status check_enum_kind(int32_t kind) {
+  if (enum_count(kind) == 0)
+    return fail(kBad, "kind: unknown value %d (a forge_enum: 0 .. %d)", kind, FORGE_ENUM_COUNT - 1);
+  return FORGE_OK;
+}
+
+bool equal_ignoring_case(const char* a, const char* b) {
+  for (; *a && *b; ++a, ++b) {
+    const char ca = (*a >= 'A' && *a <= 'Z') ? static_cast<char>(*a - 'A' + 'a') : *a;
+    const char cb = (*b >= 'A' && *b <= 'Z') ? static_cast<char>(*b - 'A' + 'a') : *b;
+    if (ca != cb) return false;
+  }
+  return *a == *b;
 }
 
 }  // namespace
@@ -170,86 +274,200 @@ uint32_t forge_capabilities(void) {
 
 const char* forge_last_error(void) { return last_error(); }
 
-forge_status forge_hparams_default(forge_rule rule, forge_hparams* out) {
+forge_status forge_hparams_default(int32_t rule, forge_hparams* out) {
   clear_error();
-  return default_hparams(rule, out);
+  return guarded("forge_hparams_default", [&]() -> forge_status {
+    return default_hparams(rule, out);
+  });
 }
 
-forge_status forge_state_layout_query(const forge_hparams* hparams, forge_state_format format,
+forge_status forge_state_layout_query(const forge_hparams* hparams, int32_t format,
                                       int64_t rows, int64_t cols, forge_state_layout* out) {
   clear_error();
-  if (forge_status s = check_hparams(hparams)) return s;
-  if (!out) return fail(kBad, "out: NULL");
-  if (rows <= 0) return fail(kBad, "rows: must be > 0, got %lld", static_cast<long long>(rows));
-  if (cols <= 0) return fail(kBad, "cols: must be > 0, got %lld", static_cast<long long>(cols));
-  return state_layout(*hparams, format, rows, cols, out);
+  return guarded("forge_state_layout_query", [&]() -> forge_status {
+    if (forge_status s = check_hparams(hparams)) return s;
+    if (!out) return fail(kBad, "out: NULL");
+    if (forge_status s = check_shape(rows, cols, "rows", "cols")) return s;
+    return state_layout(*hparams, format, rows, cols, out);
+  });
+}
+
+forge_status forge_enum_count(int32_t kind, int32_t* count) {
+  clear_error();
+  return guarded("forge_enum_count", [&]() -> forge_status {
+    if (forge_status s = check_enum_kind(kind)) return s;
+    if (!count) return fail(kBad, "count: NULL");
+    *count = enum_count(kind);
+    return FORGE_OK;
+  });
+}
+
+forge_status forge_enum_name(int32_t kind, int32_t value, const char** name) {
+  clear_error();
+  return guarded("forge_enum_name", [&]() -> forge_status {
+    if (forge_status s = check_enum_kind(kind)) return s;
+    if (!name) return fail(kBad, "name: NULL");
+    const char* n = enum_name(kind, value);
+    if (!n)
+      return fail(kBad, "value: %d is not a %s (0 .. %d)", value, enum_kind_name(kind),
+                  enum_count(kind) - 1);
+    *name = n;
+    return FORGE_OK;
+  });
+}
+
+forge_status forge_enum_value(int32_t kind, const char* name, int32_t* value) {
+  clear_error();
+  return guarded("forge_enum_value", [&]() -> forge_status {
+    if (forge_status s = check_enum_kind(kind)) return s;
+    if (!name) return fail(kBad, "name: NULL");
+    if (!value) return fail(kBad, "value: NULL");
+    for (int v = 0; v < enum_count(kind); ++v)
+      if (equal_ignoring_case(name, enum_name(kind, v))) {
+        *value = v;
+        return FORGE_OK;
+      }
+    char known[256] = "";
+    for (int v = 0; v < enum_count(kind); ++v) {
+      const size_t used = std::strlen(known);
+      std::snprintf(known + used, sizeof(known) - used, "%s\"%s\"", v ? ", " : "",
+                    enum_name(kind, v));
+    }
+    return fail(kBad, "name: \"%.64s\" is no %s (known: %s)", name, enum_kind_name(kind), known);
+  });
+}
+
+forge_status forge_rule_query(int32_t rule, forge_rule_info* out) {
+  clear_error();
+  return guarded("forge_rule_query", [&]() -> forge_status {
+    const RuleInfo* info = rule_info(rule);
+    if (!info) return fail(kBad, "rule: unknown value %d", rule);
+    if (!out) return fail(kBad, "out: NULL");
+    forge_rule_info r{};
+    r.name = info->name;
+    for (int f = 0; f < kFieldCount; ++f)
+      if (rule_reads(*info, f)) r.fields[r.num_fields++] = field_info(f).name;
+    r.max_states = info->max_states;
+    for (int i = 0; i < info->max_states; ++i) {
+      const StateInfo& s = info->states[i];
+      r.state_names[i] = s.name;
+      r.state_signed[i] = s.is_signed ? 1 : 0;
+      r.state_condition[i] = s.when == StateWhen::kCentered   ? "centered"
+                             : s.when == StateWhen::kMomentum ? "momentum"
+                                                              : nullptr;
+    }
+    *out = r;
+    return FORGE_OK;
+  });
+}
+
+forge_status forge_struct_size(const char* name, int64_t* size) {
+  clear_error();
+  return guarded("forge_struct_size", [&]() -> forge_status {
+    if (!name) return fail(kBad, "name: NULL");
+    if (!size) return fail(kBad, "size: NULL");
+    static const struct {
+      const char* name;
+      int64_t size;
+    } kStructs[] = {
+        {"forge_device", sizeof(forge_device)},
+        {"forge_hparams", sizeof(forge_hparams)},
+        {"forge_param", sizeof(forge_param)},
+        {"forge_step_outputs", sizeof(forge_step_outputs)},
+        {"forge_wgrad_args", sizeof(forge_wgrad_args)},
+        {"forge_elementwise_args", sizeof(forge_elementwise_args)},
+        {"forge_state_layout", sizeof(forge_state_layout)},
+        {"forge_rule_info", sizeof(forge_rule_info)},
+    };
+    for (const auto& s : kStructs)
+      if (std::strcmp(name, s.name) == 0) {
+        *size = s.size;
+        return FORGE_OK;
+      }
+    return fail(kBad, "name: \"%.64s\" is no public struct of forge.h", name);
+  });
 }
 
 forge_status forge_state_init(const forge_param* param, const forge_hparams* hparams,
                               forge_device device) {
   clear_error();
-  if (!param) return fail(kBad, "param: NULL");
-  if (forge_status s = check_hparams(hparams)) return s;
-  if (forge_status s = check_device(device)) return s;
-  if (forge_status s = check_param_shape(*param)) return s;
-  forge_state_layout layout{};
-  if (forge_status s = state_layout(*hparams, param->state_format, param->rows, param->cols, &layout))
-    return s;
-  for (int i = 0; i < layout.num_states; ++i)
-    if (forge_status s = check_state(*param, i)) return s;
-  for (int i = 0; i < layout.num_states; ++i) {
-    const bool adagrad_sum = hparams->rule == FORGE_RULE_ADAGRAD && i == 0;
-    const float value = adagrad_sum ? static_cast<float>(hparams->initial_accumulator_value) : 0.0f;
-    if (forge_status s = FORGE_DISPATCH(device, state_fill(*param, i, layout.is_signed[i], value, device)))
+  return guarded("forge_state_init", [&]() -> forge_status {
+    if (!param) return fail(kBad, "param: NULL");
+    if (forge_status s = check_hparams(hparams)) return s;
+    if (forge_status s = check_device(device)) return s;
+    if (forge_status s = check_param_shape(*param)) return s;
+    forge_state_layout layout{};
+    if (forge_status s = state_layout(*hparams, param->state_format, param->rows, param->cols, &layout))
       return s;
-  }
-  return FORGE_OK;
+    for (int i = 0; i < layout.num_states; ++i)
+      if (forge_status s = check_state(*param, i)) return s;
+    BufferSet set;
+    for (int i = 0; i < layout.num_states; ++i)
+      if (forge_status s = add_state_buffers(set, *param, i, true)) return s;
+    if (forge_status s = set.check_overlaps()) return s;
+    for (int i = 0; i < layout.num_states; ++i) {
+      const bool adagrad_sum = hparams->rule == FORGE_RULE_ADAGRAD && i == 0;
+      const float value = adagrad_sum ? static_cast<float>(hparams->initial_accumulator_value) : 0.0f;
+      if (forge_status s = FORGE_DISPATCH(device, state_fill(*param, i, layout.is_signed[i], value, device)))
+        return s;
+    }
+    return FORGE_OK;
+  });
 }
 
 forge_status forge_state_to_fp32(const forge_param* param, const forge_hparams* hparams,
                                  int32_t index, float* out, forge_device device) {
   clear_error();
-  bool is_signed = false;
-  if (forge_status s = check_state_access(param, hparams, index, out, "out", device, &is_signed))
-    return s;
-  return FORGE_DISPATCH(device, state_to_fp32(*param, index, is_signed, out, device));
+  return guarded("forge_state_to_fp32", [&]() -> forge_status {
+    bool is_signed = false;
+    if (forge_status s = check_state_access(param, hparams, index, out, "out", true, device, &is_signed))
+      return s;
+    return FORGE_DISPATCH(device, state_to_fp32(*param, index, is_signed, out, device));
+  });
 }
 
 forge_status forge_state_from_fp32(const forge_param* param, const forge_hparams* hparams,
                                    int32_t index, const float* in, forge_device device) {
   clear_error();
-  bool is_signed = false;
-  if (forge_status s = check_state_access(param, hparams, index, in, "in", device, &is_signed))
-    return s;
-  return FORGE_DISPATCH(device, state_from_fp32(*param, index, is_signed, in, device));
+  return guarded("forge_state_from_fp32", [&]() -> forge_status {
+    bool is_signed = false;
+    if (forge_status s = check_state_access(param, hparams, index, in, "in", false, device, &is_signed))
+      return s;
+    return FORGE_DISPATCH(device, state_from_fp32(*param, index, is_signed, in, device));
+  });
 }
 
 forge_status forge_run_scalars_fill(const forge_hparams* hparams, void* out, int64_t bytes) {
   clear_error();
-  if (!hparams) return fail(kBad, "hparams: NULL");
-  if (forge_status s = validate_hparams(*hparams)) return s;
-  if (!out) return fail(kBad, "out: NULL");
-  if (bytes < FORGE_RUN_SCALARS_BYTES)
-    return fail(kBad, "bytes: %lld, but a run_scalars buffer is FORGE_RUN_SCALARS_BYTES = %d",
-                static_cast<long long>(bytes), FORGE_RUN_SCALARS_BYTES);
-  const RuleScalars k = make_rule_scalars(*hparams);
-  std::memset(out, 0, FORGE_RUN_SCALARS_BYTES);
-  std::memcpy(out, &k, sizeof(k));
-  return FORGE_OK;
+  return guarded("forge_run_scalars_fill", [&]() -> forge_status {
+    if (!hparams) return fail(kBad, "hparams: NULL");
+    RuleScalars k;
+    if (forge_status s = validate_hparams(*hparams, &k)) return s;
+    if (!out) return fail(kBad, "out: NULL");
+    if (bytes < FORGE_RUN_SCALARS_BYTES)
+      return fail(kBad, "bytes: %lld, but a run_scalars buffer is FORGE_RUN_SCALARS_BYTES = %d",
+                  static_cast<long long>(bytes), FORGE_RUN_SCALARS_BYTES);
+    run_scalars_write(*hparams, k, out);
+    return FORGE_OK;
+  });
 }
 
 forge_status forge_wgrad_step(const forge_wgrad_args* args) {
   clear_error();
-  RuleScalars k;
-  if (forge_status s = check_wgrad(args, &k)) return s;
-  return FORGE_DISPATCH(args->device, wgrad_step(*args, k));
+  return guarded("forge_wgrad_step", [&]() -> forge_status {
+    RuleScalars k;
+    if (forge_status s = check_wgrad(args, &k)) return s;
+    return FORGE_DISPATCH(args->device, wgrad_step(*args, k));
+  });
 }
 
 forge_status forge_elementwise_step(const forge_elementwise_args* args) {
   clear_error();
-  RuleScalars k;
-  if (forge_status s = check_elementwise(args, &k)) return s;
-  return FORGE_DISPATCH(args->device, elementwise_step(*args, k));
+  return guarded("forge_elementwise_step", [&]() -> forge_status {
+    RuleScalars k;
+    if (forge_status s = check_elementwise(args, &k)) return s;
+    return FORGE_DISPATCH(args->device, elementwise_step(*args, k));
+  });
 }
 
 }  // extern "C"

@@ -40,6 +40,15 @@ FORGE_HD float bits_float(uint32_t u) {
 
 FORGE_HD bool is_finite(float x) { return (float_bits(x) & 0x7F800000u) != 0x7F800000u; }
 
+// The largest finite bf16, 0x1.FEp127 (about 3.39e38).
+constexpr float kBf16Max = 0x1.FEp127f;
+
+// Whether a computed weight, master or state value may be stored: not NaN and at most the
+// largest bf16 in magnitude, so it stays finite in every storage format (bf16 rounding of
+// anything larger can overflow; an int8 block's absmax is one of these values).
+// NOTE: one bound for every format keeps the check one comparison, free of the format.
+FORGE_HD bool storable(float x) { return fabsf(x) <= kBf16Max; }
+
 // ---- bf16 (stored as uint16_t bits) -------------------------------------------------
 
 FORGE_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }

@@ -4,54 +4,45 @@
 
 #include <cmath>
 
+#include "rule_table.h"
 #include "status.h"
 
 namespace forge {
 namespace {
 
-const char* rule_name(int rule) {
-  static const char* kNames[FORGE_RULE_COUNT] = {"SGD",   "SGD_MOMENTUM", "AdamW",   "NAdam",
-                                                 "RAdam", "Lion",         "RMSprop", "Adagrad"};
-  return (rule >= 0 && rule < FORGE_RULE_COUNT) ? kNames[rule] : "?";
+constexpr forge_status kBad = FORGE_ERR_INVALID_ARGUMENT;
+
+bool in_range(double x, const FieldRange& r) {
+  if (!std::isfinite(x)) return false;
+  if (r.lo_open ? !(x > r.lo) : !(x >= r.lo)) return false;
+  if (r.hi_open ? !(x < r.hi) : !(x <= r.hi)) return false;
+  return true;
 }
 
-bool uses_betas(int rule) {
-  return rule == FORGE_RULE_ADAMW || rule == FORGE_RULE_NADAM || rule == FORGE_RULE_RADAM ||
-         rule == FORGE_RULE_LION;
-}
-bool uses_eps(int rule) {
-  return rule == FORGE_RULE_ADAMW || rule == FORGE_RULE_NADAM || rule == FORGE_RULE_RADAM ||
-         rule == FORGE_RULE_RMSPROP || rule == FORGE_RULE_ADAGRAD;
-}
-
-// NAdam's Π_{i<=t} mu_i depends on every step before t. Memoised per thread so a
-// training loop (t, t+1, ...) pays O(1) per call; any other order recomputes.
-double nadam_mu(double beta1, double momentum_decay, int64_t i) {
-  return beta1 * (1.0 - 0.5 * std::pow(0.96, static_cast<double>(i) * momentum_decay));
-}
-double nadam_mu_product(double beta1, double momentum_decay, int64_t t) {
-  thread_local double cached_beta1 = -1, cached_decay = -1, cached_product = 1;
-  thread_local int64_t cached_t = 0;
-  if (cached_beta1 != beta1 || cached_decay != momentum_decay || cached_t > t) {
-    cached_beta1 = beta1;
-    cached_decay = momentum_decay;
-    cached_t = 0;
-    cached_product = 1;
-  }
-  for (int64_t i = cached_t + 1; i <= t; ++i) cached_product *= nadam_mu(beta1, momentum_decay, i);
-  cached_t = t;
-  return cached_product;
+forge_status range_error(const FieldRange& r, double x, const char* rule) {
+  const char* field = field_info(r.field).name;
+  const char* hint = r.hint ? r.hint : "";
+  const char* space = r.hint ? " " : "";
+  if (std::isinf(r.hi))
+    return fail(kBad, "hparams.%s: must be finite and %s %g for %s%s%s, got %g", field,
+                r.lo_open ? ">" : ">=", r.lo, rule, space, hint, x);
+  if (r.lo == r.hi)
+    return fail(kBad, "hparams.%s: must be %g for %s%s%s, got %g", field, r.lo, rule, space,
+                hint, x);
+  return fail(kBad, "hparams.%s: must be in %c%g, %g%c for %s%s%s, got %g", field,
+              r.lo_open ? '(' : '[', r.lo, r.hi, r.hi_open ? ')' : ']', rule, space, hint, x);
 }
 
 }  // namespace
 
-forge_status default_hparams(forge_rule rule, forge_hparams* out) {
-  if (!out) return fail(FORGE_ERR_INVALID_ARGUMENT, "out is NULL");
-  if (rule < 0 || rule >= FORGE_RULE_COUNT)
-    return fail(FORGE_ERR_INVALID_ARGUMENT, "rule: unknown value %d", static_cast<int>(rule));
+forge_status default_hparams(int rule, forge_hparams* out) {
+  if (!out) return fail(kBad, "out: NULL");
+  const RuleInfo* info = rule_info(rule);
+  if (!info) return fail(kBad, "rule: unknown value %d", rule);
   forge_hparams hp{};
   hp.abi_version = FORGE_ABI_VERSION;
   hp.rule = rule;
+  // every rule's base: torch.optim's values of the fields several rules share
   hp.step = 1;
   hp.grad_scale = 1.0;
   hp.beta1 = 0.9;
@@ -59,96 +50,118 @@ forge_status default_hparams(forge_rule rule, forge_hparams* out) {
   hp.eps = 1e-8;
   hp.momentum_decay = 4e-3;
   hp.alpha = 0.99;
-  switch (rule) {
-    case FORGE_RULE_SGD: hp.lr = 1e-3; break;
-    case FORGE_RULE_SGD_MOMENTUM: hp.lr = 1e-3; hp.momentum = 0.9; break;
-    case FORGE_RULE_ADAMW: hp.lr = 1e-3; hp.weight_decay = 1e-2; hp.decoupled_weight_decay = 1; break;
-    case FORGE_RULE_NADAM: hp.lr = 2e-3; break;
-    case FORGE_RULE_RADAM: hp.lr = 1e-3; break;
-    case FORGE_RULE_LION: hp.lr = 1e-4; hp.beta2 = 0.99; break;
-    case FORGE_RULE_RMSPROP: hp.lr = 1e-2; break;
-    case FORGE_RULE_ADAGRAD: hp.lr = 1e-2; hp.eps = 1e-10; break;
-  }
+  for (const auto& d : info->defaults)
+    if (d.field >= 0) set_field(hp, d.field, d.value);
   *out = hp;
   return FORGE_OK;
 }
 
-forge_status validate_hparams(const forge_hparams& hp) {
-  const forge_status bad = FORGE_ERR_INVALID_ARGUMENT;
-  if (hp.abi_version != FORGE_ABI_VERSION)
-    return fail(bad, "hparams.abi_version: %d, this library speaks %d", hp.abi_version,
-                FORGE_ABI_VERSION);
-  const int r = hp.rule;
-  if (r < 0 || r >= FORGE_RULE_COUNT) return fail(bad, "hparams.rule: unknown value %d", r);
-  const char* name = rule_name(r);
-  auto finite = [](double x) { return std::isfinite(x); };
-  if (hp.step < 1) return fail(bad, "hparams.step: must be >= 1 (1-based), got %lld",
-                               static_cast<long long>(hp.step));
-  if (!finite(hp.lr) || hp.lr < 0) return fail(bad, "hparams.lr: must be finite and >= 0, got %g", hp.lr);
-  if (!finite(hp.weight_decay) || hp.weight_decay < 0)
-    return fail(bad, "hparams.weight_decay: must be finite and >= 0, got %g", hp.weight_decay);
-  if (!finite(hp.grad_scale) || hp.grad_scale == 0)
-    return fail(bad, "hparams.grad_scale: must be finite and non-zero, got %g", hp.grad_scale);
-  if (uses_betas(r)) {
-    if (!(hp.beta1 >= 0 && hp.beta1 < 1))
-      return fail(bad, "hparams.beta1: must be in [0, 1) for %s, got %g", name, hp.beta1);
-    if (!(hp.beta2 >= 0 && hp.beta2 < 1))
-      return fail(bad, "hparams.beta2: must be in [0, 1) for %s, got %g", name, hp.beta2);
+namespace {
+
+// Each fp32 scalar of RuleScalars, the field it comes from (named when the scalar is not
+// finite, or zero where `nonzero`), and the rules that compute with it (0: every rule
+// reading the field).
+struct ScalarSource {
+  float RuleScalars::*member;
+  const char* what;
+  int field;
+  bool nonzero;
+  uint32_t rules;
+};
+constexpr uint32_t rule_bit(int r) { return 1u << r; }
+const ScalarSource kScalarSources[] = {
+    {&RuleScalars::grad_scale, "grad_scale", kFieldGradScale, true, 0},
+    {&RuleScalars::neg_lr, "-lr", kFieldLr, false, 0},
+    {&RuleScalars::lr, "lr", kFieldLr, false, 0},
+    {&RuleScalars::decay, "1 - lr * weight_decay", kFieldWeightDecay, false, 0},
+    {&RuleScalars::wd_coupled, "weight_decay", kFieldWeightDecay, false, 0},
+    {&RuleScalars::neg_step_size, "-lr / (1 - beta1^step)", kFieldLr, false, 0},
+    {&RuleScalars::nadam_coef_grad, "-lr (1 - mu) / (1 - prod mu)", kFieldLr, false, 0},
+    {&RuleScalars::nadam_coef_avg, "-lr mu' / (1 - prod mu')", kFieldLr, false, 0},
+    {&RuleScalars::eps, "eps", kFieldEps, true, 0},
+    {&RuleScalars::beta1, "beta1", kFieldBeta1, false, 0},
+    {&RuleScalars::one_minus_beta1, "1 - beta1", kFieldBeta1, false, 0},
+    {&RuleScalars::beta2, "beta2", kFieldBeta2, false, 0},
+    {&RuleScalars::one_minus_beta2, "1 - beta2", kFieldBeta2, false, 0},
+    {&RuleScalars::bc1, "1 - beta1^step", kFieldBeta1, true, rule_bit(FORGE_RULE_RADAM)},
+    {&RuleScalars::bc2, "1 - beta2^step", kFieldBeta2, true, rule_bit(FORGE_RULE_NADAM)},
+    {&RuleScalars::bc2_sqrt, "sqrt(1 - beta2^step)", kFieldBeta2, true,
+     rule_bit(FORGE_RULE_ADAMW) | rule_bit(FORGE_RULE_RADAM)},
+    {&RuleScalars::rect, "the rectification", kFieldBeta2, false, 0},
+    {&RuleScalars::alpha, "alpha", kFieldAlpha, false, 0},
+    {&RuleScalars::one_minus_alpha, "1 - alpha", kFieldAlpha, false, 0},
+    {&RuleScalars::momentum, "momentum", kFieldMomentum, false, 0},
+    {&RuleScalars::buf_keep, "momentum", kFieldMomentum, false, 0},
+    {&RuleScalars::buf_take, "1 - dampening", kFieldDampening, false, 0},
+};
+
+// The fp32 scalars the element code computes with: finite, and non-zero where a zero is
+// invalid (eps, grad_scale, divisors). Fields valid in double can break this (lr = 1e39,
+// eps = 1e-50).
+forge_status check_scalars(const forge_hparams& hp, const RuleInfo& info, const RuleScalars& k) {
+  for (const ScalarSource& src : kScalarSources) {
+    if (!rule_reads(info, src.field)) continue;
+    if (src.rules != 0 && !(src.rules & rule_bit(hp.rule))) continue;
+    const float x = k.*src.member;
+    const bool finite = std::isfinite(x), zero = src.nonzero && x == 0.0f;
+    if (finite && !zero) continue;
+    return fail(kBad, "hparams.%s: %g makes the step's fp32 scalar %s %s (%g)",
+                field_info(src.field).name, field_value(hp, src.field), src.what,
+                finite ? "zero" : "not finite", static_cast<double>(x));
   }
-  if (uses_eps(r) && !(finite(hp.eps) && hp.eps > 0))
-    return fail(bad, "hparams.eps: must be finite and > 0 for %s, got %g", name, hp.eps);
-  if (r == FORGE_RULE_NADAM && !(finite(hp.momentum_decay) && hp.momentum_decay >= 0))
-    return fail(bad, "hparams.momentum_decay: must be finite and >= 0, got %g", hp.momentum_decay);
-  if (r == FORGE_RULE_RMSPROP) {
-    if (!(hp.alpha >= 0 && hp.alpha < 1))
-      return fail(bad, "hparams.alpha: must be in [0, 1) for RMSprop, got %g", hp.alpha);
-    if (!(hp.momentum >= 0 && hp.momentum < 1))
-      return fail(bad, "hparams.momentum: must be in [0, 1) for RMSprop, got %g", hp.momentum);
-  }
-  if (r == FORGE_RULE_SGD && hp.momentum != 0)
-    return fail(bad, "hparams.momentum: must be 0 for SGD (use FORGE_RULE_SGD_MOMENTUM), got %g",
-                hp.momentum);
-  if (r == FORGE_RULE_SGD_MOMENTUM) {
-    if (!(hp.momentum > 0 && hp.momentum < 1))
-      return fail(bad, "hparams.momentum: must be in (0, 1) for SGD_MOMENTUM, got %g", hp.momentum);
-    if (!(hp.dampening >= 0 && hp.dampening <= 1))
-      return fail(bad, "hparams.dampening: must be in [0, 1], got %g", hp.dampening);
-    if (hp.nesterov && hp.dampening != 0)
-      return fail(bad, "hparams.nesterov: needs dampening == 0 (as torch.optim.SGD), got %g",
-                  hp.dampening);
-  }
-  if (r == FORGE_RULE_ADAGRAD) {
-    if (!(finite(hp.lr_decay) && hp.lr_decay >= 0))
-      return fail(bad, "hparams.lr_decay: must be finite and >= 0, got %g", hp.lr_decay);
-    if (!(finite(hp.initial_accumulator_value) && hp.initial_accumulator_value >= 0))
-      return fail(bad, "hparams.initial_accumulator_value: must be finite and >= 0, got %g",
-                  hp.initial_accumulator_value);
-  }
+  if (rule_reads(info, kFieldInitialAccumulatorValue) &&
+      !std::isfinite(static_cast<float>(hp.initial_accumulator_value)))
+    return fail(kBad, "hparams.initial_accumulator_value: %g is not finite in fp32",
+                hp.initial_accumulator_value);
   return FORGE_OK;
 }
 
-forge_status state_layout(const forge_hparams& hp, forge_state_format format, int64_t rows,
-                          int64_t cols, forge_state_layout* out) {
+}  // namespace
+
+forge_status validate_hparams(const forge_hparams& hp, RuleScalars* scalars) {
+  if (hp.abi_version != FORGE_ABI_VERSION)
+    return fail(kBad, "hparams.abi_version: %d, this library speaks %d", hp.abi_version,
+                FORGE_ABI_VERSION);
+  const RuleInfo* info = rule_info(hp.rule);
+  if (!info) return fail(kBad, "hparams.rule: unknown value %d", hp.rule);
+  auto finite = [](double x) { return std::isfinite(x); };
+  if (hp.step < 1) return fail(kBad, "hparams.step: must be >= 1 (1-based), got %lld",
+                               static_cast<long long>(hp.step));
+  if (!finite(hp.lr) || hp.lr < 0) return fail(kBad, "hparams.lr: must be finite and >= 0, got %g", hp.lr);
+  if (!finite(hp.weight_decay) || hp.weight_decay < 0)
+    return fail(kBad, "hparams.weight_decay: must be finite and >= 0, got %g", hp.weight_decay);
+  if (!finite(hp.grad_scale) || hp.grad_scale == 0)
+    return fail(kBad, "hparams.grad_scale: must be finite and non-zero, got %g", hp.grad_scale);
+  for (const FieldRange& r : info->ranges) {
+    if (r.field < 0) continue;
+    const double x = field_value(hp, r.field);
+    if (!in_range(x, r)) return range_error(r, x, info->name);
+  }
+  if (rule_reads(*info, kFieldNesterov) && hp.nesterov && hp.dampening != 0)
+    return fail(kBad, "hparams.nesterov: needs dampening == 0 (as torch.optim.SGD), got %g",
+                hp.dampening);
+  // Fields the rule does not read are ignored, but a NaN there is refused all the same.
+  for (int f = 0; f < kFieldCount; ++f)
+    if (field_info(f).kind == FieldInfo::kDouble && std::isnan(field_value(hp, f)))
+      return fail(kBad, "hparams.%s: NaN (%s does not read it, but it must not be NaN)",
+                  field_info(f).name, info->name);
+  const RuleScalars k = make_rule_scalars(hp);
+  if (forge_status s = check_scalars(hp, *info, k)) return s;
+  if (scalars) *scalars = k;
+  return FORGE_OK;
+}
+
+forge_status state_layout(const forge_hparams& hp, int format, int64_t rows, int64_t cols,
+                          forge_state_layout* out) {
+  const RuleInfo* info = rule_info(hp.rule);
+  if (!info) return fail(kBad, "hparams.rule: unknown value %d", hp.rule);
   forge_state_layout layout{};
-  auto add = [&](const char* state_name, bool is_signed) {
-    layout.names[layout.num_states] = state_name;
-    layout.is_signed[layout.num_states] = is_signed ? 1 : 0;
+  for (int i = 0; i < info->max_states; ++i) {
+    const StateInfo& s = info->states[i];
+    if (!state_kept(s, hp)) continue;
+    layout.names[layout.num_states] = s.name;
+    layout.is_signed[layout.num_states] = s.is_signed ? 1 : 0;
     ++layout.num_states;
-  };
-  switch (hp.rule) {
-    case FORGE_RULE_SGD: break;
-    case FORGE_RULE_SGD_MOMENTUM: add("momentum_buffer", true); break;
-    case FORGE_RULE_ADAMW:
-    case FORGE_RULE_NADAM:
-    case FORGE_RULE_RADAM: add("exp_avg", true); add("exp_avg_sq", false); break;
-    case FORGE_RULE_LION: add("exp_avg", true); break;
-    case FORGE_RULE_RMSPROP:
-      add("square_avg", false);
-      if (hp.centered) add("grad_avg", true);
-      if (hp.momentum > 0) add("momentum_buffer", true);
-      break;
-    case FORGE_RULE_ADAGRAD: add("sum", false); break;
-    default: return fail(FORGE_ERR_INVALID_ARGUMENT, "hparams.rule: unknown value %d", hp.rule);
   }
   const int64_t n = rows * cols;
   const int64_t blocks = rows * ((cols + FORGE_INT8_BLOCK - 1) / FORGE_INT8_BLOCK);
@@ -162,8 +175,7 @@ forge_status state_layout(const forge_hparams& hp, forge_state_format format, in
         layout.absmax_count[i] = blocks;
         break;
       default:
-        return fail(FORGE_ERR_INVALID_ARGUMENT, "state_format: unknown value %d",
-                    static_cast<int>(format));
+        return fail(kBad, "state_format: unknown value %d", format);
     }
   }
   *out = layout;
@@ -174,11 +186,17 @@ RuleScalars make_rule_scalars(const forge_hparams& hp) {
   RuleScalars k{};
   const int r = hp.rule;
   const double t = static_cast<double>(hp.step);
-  forge_state_layout layout{};
-  state_layout(hp, FORGE_STATE_FP32, 1, 1, &layout);
   k.rule = r;
-  k.num_states = layout.num_states;
-  for (int i = 0; i < FORGE_MAX_STATES; ++i) k.state_signed[i] = layout.is_signed[i];
+  k.slot_grad_avg = -1;
+  k.slot_momentum = -1;
+  const RuleInfo& info = *rule_info(r);
+  for (int i = 0; i < info.max_states; ++i) {
+    const StateInfo& s = info.states[i];
+    if (!state_kept(s, hp)) continue;
+    if (s.when == StateWhen::kCentered) k.slot_grad_avg = k.num_states;
+    if (s.when == StateWhen::kMomentum) k.slot_momentum = k.num_states;
+    k.state_signed[k.num_states++] = s.is_signed ? 1 : 0;
+  }
   k.maximize = hp.maximize ? 1 : 0;
   k.grad_scale = static_cast<float>(hp.grad_scale);
   const bool decoupled = r == FORGE_RULE_LION ||
@@ -195,8 +213,6 @@ RuleScalars make_rule_scalars(const forge_hparams& hp) {
   k.eps = static_cast<float>(hp.eps);
   const double bc1 = 1.0 - std::pow(hp.beta1, t);
   const double bc2 = 1.0 - std::pow(hp.beta2, t);
-  k.slot_grad_avg = -1;
-  k.slot_momentum = -1;
   switch (r) {
     case FORGE_RULE_SGD_MOMENTUM:
       // torch: the first step sets buf = grad; later ones buf = momentum buf + (1 - dampening) g
@@ -210,8 +226,8 @@ RuleScalars make_rule_scalars(const forge_hparams& hp) {
       k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
       break;
     case FORGE_RULE_NADAM: {
-      const double mu = nadam_mu(hp.beta1, hp.momentum_decay, hp.step);
-      const double mu_next = nadam_mu(hp.beta1, hp.momentum_decay, hp.step + 1);
+      const double mu = nadam_mu(hp.beta1, hp.momentum_decay, t);
+      const double mu_next = nadam_mu(hp.beta1, hp.momentum_decay, t + 1.0);
       const double mu_product = nadam_mu_product(hp.beta1, hp.momentum_decay, hp.step);
       k.bc2 = static_cast<float>(bc2);
       k.nadam_coef_grad = static_cast<float>(-hp.lr * (1.0 - mu) / (1.0 - mu_product));
@@ -234,9 +250,6 @@ RuleScalars make_rule_scalars(const forge_hparams& hp) {
       k.one_minus_alpha = static_cast<float>(1.0 - hp.alpha);
       k.momentum = static_cast<float>(hp.momentum);
       k.centered = hp.centered ? 1 : 0;
-      int slot = 1;
-      if (hp.centered) k.slot_grad_avg = slot++;
-      if (hp.momentum > 0) k.slot_momentum = slot++;
       break;
     }
     case FORGE_RULE_ADAGRAD:

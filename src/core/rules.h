@@ -61,10 +61,24 @@ struct IeeeMath {
   FORGE_HD void require(bool) {}
 };
 
+// Whether an element's new weight and states may be stored (formats.h, storable). A deferring
+// Math computes on regardless: its batch-wise caller checks every result itself
+// (update.cuh, apply_quads_fast) and redoes the batch with IeeeMath, which returns here.
+template <class Math>
+FORGE_HD bool results_storable(bool ok) {
+  if constexpr (Math::kDeferFiniteCheck) {
+    return true;
+  } else {
+    return ok;
+  }
+}
+
 // Applies one step to one element. `g` is the raw gradient element (dW), `w`
 // the fp32 weight, `s` the fp32 states. Returns false, touching nothing, when the
-// gradient (after grad_scale) is not finite. `g_out` receives the scaled
-// gradient (for the sum of squares).
+// gradient (after grad_scale) is not finite, or when the new weight or a new state would not
+// be storable (NaN, infinite, or above the largest bf16: a finite gradient whose g² or
+// update overflows): the element is then skipped exactly like a non-finite gradient.
+// `g_out` receives the scaled gradient (for the sum of squares).
 template <class Math>
 FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, float& g_out,
                          Math& math) {
@@ -80,90 +94,104 @@ FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, floa
   }
   if (k.maximize) g = -g;
   if (k.wd_coupled != 0.0f) g = g + k.wd_coupled * w;  // torch: grad.add(param, alpha=wd)
-  w = w * k.decay;                                    // torch: param.mul_(1 - lr * wd)
+  float wn = w * k.decay;                             // torch: param.mul_(1 - lr * wd)
+  // Each case computes the new values, checks them (one comparison each), then stores them.
   switch (k.rule) {
     case FORGE_RULE_SGD:
-      w = w + k.neg_lr * g;
+      wn = wn + k.neg_lr * g;
+      if (!results_storable<Math>(storable(wn))) return false;
       break;
     case FORGE_RULE_SGD_MOMENTUM: {
       const float buf = s[0] * k.buf_keep + g * k.buf_take;
-      s[0] = buf;
       const float d = k.nesterov ? g + k.momentum * buf : buf;
-      w = w + k.neg_lr * d;
+      wn = wn + k.neg_lr * d;
+      if (!results_storable<Math>(storable(wn) & storable(buf))) return false;
+      s[0] = buf;
       break;
     }
     case FORGE_RULE_ADAMW: {
       const float m = s[0] + k.one_minus_beta1 * (g - s[0]);  // torch: lerp_(grad, 1 - beta1)
       const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
-      s[0] = m;
-      s[1] = v;
       // NOTE: update.cuh's fast path takes m and v as proven finite by adamw_direction's
       // checks: keep them its operands.
-      w = w + k.neg_step_size * math.adamw_direction(m, v, k.bc2_sqrt, k.eps);
+      wn = wn + k.neg_step_size * math.adamw_direction(m, v, k.bc2_sqrt, k.eps);
+      if (!results_storable<Math>(storable(wn) & storable(m) & storable(v))) return false;
+      s[0] = m;
+      s[1] = v;
       break;
     }
     case FORGE_RULE_NADAM: {
       const float m = s[0] + k.one_minus_beta1 * (g - s[0]);
       const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
+      const float denom = math.sqrt(math.div(v, k.bc2)) + k.eps;
+      wn = wn + k.nadam_coef_grad * math.div(g, denom);
+      wn = wn + k.nadam_coef_avg * math.div(m, denom);
+      if (!results_storable<Math>(storable(wn) & storable(m) & storable(v))) return false;
       s[0] = m;
       s[1] = v;
-      const float denom = math.sqrt(math.div(v, k.bc2)) + k.eps;
-      w = w + k.nadam_coef_grad * math.div(g, denom);
-      w = w + k.nadam_coef_avg * math.div(m, denom);
       break;
     }
     case FORGE_RULE_RADAM: {
       const float m = s[0] + k.one_minus_beta1 * (g - s[0]);
       const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
-      s[0] = m;
-      s[1] = v;
       const float m_hat = math.div(m, k.bc1);
       if (k.rect_on) {
         const float adaptive_lr = math.div(k.bc2_sqrt, math.sqrt(v) + k.eps);
-        w = w - m_hat * k.lr * adaptive_lr * k.rect;
+        wn = wn - m_hat * k.lr * adaptive_lr * k.rect;
       } else {
-        w = w - m_hat * k.lr;
+        wn = wn - m_hat * k.lr;
       }
+      if (!results_storable<Math>(storable(wn) & storable(m) & storable(v))) return false;
+      s[0] = m;
+      s[1] = v;
       break;
     }
     case FORGE_RULE_LION: {
       const float c = s[0] * k.beta1 + g * k.one_minus_beta1;
       const float sign = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
-      w = w + k.neg_lr * sign;
-      s[0] = s[0] * k.beta2 + g * k.one_minus_beta2;
+      wn = wn + k.neg_lr * sign;
+      const float m = s[0] * k.beta2 + g * k.one_minus_beta2;
+      if (!results_storable<Math>(storable(wn) & storable(m))) return false;
+      s[0] = m;
       break;
     }
     case FORGE_RULE_RMSPROP: {
       const float sq = s[0] * k.alpha + k.one_minus_alpha * (g * g);
-      s[0] = sq;
-      float avg;
+      bool ok = storable(sq);
+      float avg, ga = 0.0f, buf = 0.0f;
       if (k.centered) {
-        const float ga = s[k.slot_grad_avg] + k.one_minus_alpha * (g - s[k.slot_grad_avg]);
-        s[k.slot_grad_avg] = ga;
+        ga = s[k.slot_grad_avg] + k.one_minus_alpha * (g - s[k.slot_grad_avg]);
         avg = math.sqrt(sq + -1.0f * (ga * ga));  // torch: square_avg.addcmul(ga, ga, value=-1)
+        ok = ok & storable(ga);
       } else {
         avg = math.sqrt(sq);
       }
       avg = avg + k.eps;
       if (k.slot_momentum >= 0) {
-        const float buf = s[k.slot_momentum] * k.momentum + math.div(g, avg);
-        s[k.slot_momentum] = buf;
-        w = w + k.neg_lr * buf;
+        buf = s[k.slot_momentum] * k.momentum + math.div(g, avg);
+        wn = wn + k.neg_lr * buf;
+        ok = ok & storable(buf);
       } else {
-        w = w + k.neg_lr * math.div(g, avg);
+        wn = wn + k.neg_lr * math.div(g, avg);
       }
+      if (!results_storable<Math>(ok & storable(wn))) return false;
+      s[0] = sq;
+      if (k.centered) s[k.slot_grad_avg] = ga;
+      if (k.slot_momentum >= 0) s[k.slot_momentum] = buf;
       break;
     }
     case FORGE_RULE_ADAGRAD: {
       const float sum = s[0] + g * g;
-      s[0] = sum;
       const float std = math.sqrt(sum) + k.eps;
-      w = w + k.neg_lr * math.div(g, std);
+      wn = wn + k.neg_lr * math.div(g, std);
+      if (!results_storable<Math>(storable(wn) & storable(sum))) return false;
+      s[0] = sum;
       break;
     }
     default:
       break;
   }
+  w = wn;
   return true;
 }
 

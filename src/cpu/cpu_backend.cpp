@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
-#include <vector>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -21,6 +20,8 @@
 #include "cpu/cpu_wgrad_tile.h"
 #include "core/formats.h"
 #include "core/rules.h"
+#include "core/run_scalars.h"
+#include "core/status.h"
 
 namespace forge {
 namespace cpu {
@@ -29,7 +30,7 @@ namespace {
 constexpr int kDefaultTile = 128;
 constexpr int kSegment = FORGE_INT8_BLOCK;  // elements updated together (one int8 block)
 
-float load_input(const void* base, forge_dtype dtype, int64_t i) {
+float load_input(const void* base, int32_t dtype, int64_t i) {
   switch (dtype) {
     case FORGE_DTYPE_FP32: return static_cast<const float*>(base)[i];
     case FORGE_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
@@ -66,11 +67,14 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
   }
 }
 
-// Writes n fp32 values to state `i`. Elements with keep[e] set are left as they
-// are (fp32/bf16), or re-encoded from their loaded value against the block's new
-// absmax (int8, where the block shares one scale). `draw` (nullable: n draws packed as
-// rng_draw packs them) selects stochastic rounding for FORGE_STATE_BF16_STOCHASTIC, with
-// stream 1 + i's bits.
+// Writes n fp32 values to state `i`. Elements with keep[e] set (skipped by the step) are
+// left as they are. For int8, where a block shares one scale: a block with no skipped
+// element takes the largest magnitude of its values as its absmax; one holding a skipped
+// element takes max(its old absmax, the updated elements' largest magnitude), and its skipped
+// elements keep their code bytes while that absmax stays, or are re-encoded from their
+// decoded values (in[e], loaded against the old absmax) when it grew. `draw` (nullable: n
+// draws packed as rng_draw packs them) selects stochastic rounding for
+// FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
 void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
                  const float* in, const bool* keep, const uint64_t* draw) {
   const int64_t base = row * p.cols + col0;
@@ -94,10 +98,17 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
     }
     case FORGE_STATE_INT8_BLOCK64: {
       uint8_t* s = static_cast<uint8_t*>(p.state[i]) + base;
-      float absmax = 0.0f;
-      for (int e = 0; e < n; ++e) absmax = std::max(absmax, std::fabs(in[e]));
-      p.state_absmax[i][absmax_index(p, row, col0)] = absmax;
-      for (int e = 0; e < n; ++e) s[e] = int8_encode(in[e], absmax, is_signed);
+      float& block_absmax = p.state_absmax[i][absmax_index(p, row, col0)];
+      bool any_kept = false;
+      for (int e = 0; e < n; ++e) any_kept = any_kept || (keep && keep[e]);
+      const float old_absmax = block_absmax;
+      float absmax = any_kept ? old_absmax : 0.0f;
+      for (int e = 0; e < n; ++e)
+        if (!(keep && keep[e])) absmax = std::max(absmax, std::fabs(in[e]));
+      const bool grew = float_bits(absmax) != float_bits(old_absmax);
+      block_absmax = absmax;
+      for (int e = 0; e < n; ++e)
+        if (!(keep && keep[e]) || grew) s[e] = int8_encode(in[e], absmax, is_signed);
       break;
     }
   }
@@ -149,7 +160,7 @@ void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int
   for (int i = 0; i < k.num_states; ++i) load_state(p, i, k.state_signed[i], row, col0, n, s[i]);
 
   for (int e = 0; e < n; ++e) {
-    float st[FORGE_MAX_STATES];
+    float st[FORGE_MAX_STATES] = {};
     for (int i = 0; i < k.num_states; ++i) st[i] = s[i][e];
     float w_new = w[e], g_used;
     skipped[e] = !apply_rule(k, g[e], w_new, st, g_used);
@@ -206,12 +217,24 @@ void update_row(const RuleScalars& k, const forge_param& p, int64_t row, int64_t
   }
 }
 
-int thread_count(const forge_device& d) {
+// Threads for `work` independent items: the device's count (OpenMP's default for 0), never
+// more than the items.
+int thread_count(const forge_device& d, int64_t work) {
 #if defined(_OPENMP)
-  return d.num_threads > 0 ? d.num_threads : omp_get_max_threads();
+  const int64_t want = d.num_threads > 0 ? d.num_threads : omp_get_max_threads();
+  return static_cast<int>(std::max<int64_t>(1, std::min(want, work)));
 #else
   (void)d;
+  (void)work;
   return 1;
+#endif
+}
+
+int thread_index() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
 #endif
 }
 
@@ -221,9 +244,15 @@ void add_outputs(const forge_step_outputs& out, const StepTotals& totals) {
 }
 
 // The scalars a step uses: hparams.run_scalars' (host memory here: what
-// forge_run_scalars_fill wrote) when set, else those the C API made from the call's hparams.
-const RuleScalars& step_scalars(const forge_hparams& hp, const RuleScalars& k) {
-  return hp.run_scalars ? *static_cast<const RuleScalars*>(hp.run_scalars) : k;
+// forge_run_scalars_fill wrote), once its tag matches this call, when set; else those the C
+// API made from the call's hparams.
+forge_status step_scalars(const forge_hparams& hp, const RuleScalars& call_k,
+                          const RuleScalars** k) {
+  *k = &call_k;
+  if (!hp.run_scalars) return FORGE_OK;
+  if (forge_status s = run_scalars_check(hp.run_scalars, hp, call_k)) return s;
+  *k = static_cast<const RuleScalars*>(hp.run_scalars);
+  return FORGE_OK;
 }
 
 // The tile height when the caller leaves it to the backend (tile_rows = 0): at most
@@ -242,14 +271,6 @@ int64_t default_tile_rows(int64_t rows, int64_t tiles_c, int threads) {
   return std::max<int64_t>(tile_rows, std::min<int64_t>(rows, kMinDefaultTileRows));
 }
 
-int thread_index() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
 // The instruction set of the tile accumulation: the widest this CPU runs, found once.
 TileIsa tile_isa() {
   static const TileIsa isa = best_tile_isa();
@@ -259,12 +280,14 @@ TileIsa tile_isa() {
 }  // namespace
 
 forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
-  const RuleScalars& k = step_scalars(a.hparams, call_k);
+  const RuleScalars* run_k;
+  if (forge_status s = step_scalars(a.hparams, call_k, &run_k)) return s;
+  const RuleScalars& k = *run_k;
   const forge_param& p = a.param;
-  const int threads = thread_count(a.device);
+  const int max_threads = thread_count(a.device, INT64_MAX);
   const int64_t tile_cols = a.tile_cols > 0 ? a.tile_cols : kDefaultTile;
   const int64_t tiles_c = (p.cols + tile_cols - 1) / tile_cols;
-  const int64_t tile_rows = a.tile_rows > 0 ? a.tile_rows : default_tile_rows(p.rows, tiles_c, threads);
+  const int64_t tile_rows = a.tile_rows > 0 ? a.tile_rows : default_tile_rows(p.rows, tiles_c, max_threads);
   const int64_t tiles_r = (p.rows + tile_rows - 1) / tile_rows;
   const int64_t num_tiles = tiles_r * tiles_c;
   const TileIsa isa = tile_isa();
@@ -272,6 +295,7 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
   StepTotals totals;
   double sq_sum = 0;
   int64_t nonfinite = 0;
+  const int threads = thread_count(a.device, num_tiles);
   // NOTE: one fp32 accumulator tile and one dY and X panel of kTokenChunk tokens per thread,
   // reused across its tiles: the only memory this step allocates (threads × tile, never
   // rows × cols). Allocated before any thread starts (no exception can leave a parallel
@@ -289,7 +313,9 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
       const int64_t r0 = (tile / tiles_c) * tile_rows, c0 = (tile % tiles_c) * tile_cols;
       const int64_t bm = std::min(tile_rows, p.rows - r0), bn = std::min(tile_cols, p.cols - c0);
       std::fill(acc, acc + sizes.acc_floats, 0.0f);
-      const TileJob job{a.x, a.dy, a.x_dtype, a.dy_dtype, a.ldx, a.lddy, a.tokens, r0, c0, bm, bn};
+      // (the dtypes were checked by the C API: the casts are to values of the enum)
+      const TileJob job{a.x, a.dy, static_cast<forge_dtype>(a.x_dtype),
+                        static_cast<forge_dtype>(a.dy_dtype), a.ldx, a.lddy, a.tokens, r0, c0, bm, bn};
       accumulate_tile(isa, job, acc, sizes.ldacc, dy_panel, x_panel);  // [bm × bn] of dW
       for (int64_t i = 0; i < bm; ++i)
         update_row(k, p, r0 + i, c0, c0 + bn, acc + i * sizes.ldacc, mine);
@@ -304,18 +330,23 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& call_k) {
 }
 
 forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars& call_k) {
-  const RuleScalars& k = step_scalars(a.hparams, call_k);
+  const RuleScalars* run_k;
+  if (forge_status s = step_scalars(a.hparams, call_k, &run_k)) return s;
+  const RuleScalars& k = *run_k;
   const forge_param& p = a.param;
   double sq_sum = 0;
   int64_t nonfinite = 0;
-#pragma omp parallel num_threads(thread_count(a.device)) reduction(+ : sq_sum, nonfinite)
+#pragma omp parallel num_threads(thread_count(a.device, p.rows)) reduction(+ : sq_sum, nonfinite)
   {
-    std::vector<float> g(p.cols);
     StepTotals mine;
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < p.rows; ++row) {
-      for (int64_t c = 0; c < p.cols; ++c) g[c] = load_input(a.grad, a.grad_dtype, row * p.cols + c);
-      update_row(k, p, row, 0, p.cols, g.data(), mine);
+      for (int64_t c0 = 0; c0 < p.cols; c0 += kSegment) {
+        const int n = static_cast<int>(std::min<int64_t>(kSegment, p.cols - c0));
+        float g[kSegment];
+        for (int e = 0; e < n; ++e) g[e] = load_input(a.grad, a.grad_dtype, row * p.cols + c0 + e);
+        update_segment(k, p, row, c0, n, g, mine);
+      }
     }
     sq_sum += mine.grad_sq_sum;
     nonfinite += mine.nonfinite;
@@ -329,11 +360,12 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
 
 forge_status state_fill(const forge_param& p, int index, bool is_signed, float value,
                         const forge_device&) {
-  std::vector<float> row(p.cols, value);
+  float segment[kSegment];
+  std::fill(segment, segment + kSegment, value);
   for (int64_t r = 0; r < p.rows; ++r)
     for (int64_t c = 0; c < p.cols; c += kSegment)
       store_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),
-                  row.data() + c, nullptr, nullptr);
+                  segment, nullptr, nullptr);
   return FORGE_OK;
 }
 
@@ -348,6 +380,17 @@ forge_status state_to_fp32(const forge_param& p, int index, bool is_signed, floa
 
 forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, const float* in,
                              const forge_device&) {
+  // Nothing a step would never store: checked whole before anything is written.
+  const int64_t n = p.rows * p.cols;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!storable(in[i]))
+      return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is not a storable state value (finite, "
+                  "magnitude at most the largest bf16, %g)", static_cast<long long>(i),
+                  static_cast<double>(in[i]), static_cast<double>(kBf16Max));
+    if (!is_signed && in[i] < 0.0f)
+      return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is negative, but state %d is a second "
+                  "moment (unsigned)", static_cast<long long>(i), static_cast<double>(in[i]), index);
+  }
   for (int64_t r = 0; r < p.rows; ++r)
     for (int64_t c = 0; c < p.cols; c += kSegment)
       store_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),

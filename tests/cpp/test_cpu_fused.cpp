@@ -2,10 +2,12 @@
 // (materialize dW summed over tokens in the same order, then apply the rule with
 // forge_elementwise_step), for every rule × weight format × state format, on odd
 // shapes, strided inputs, every input dtype and several steps in a row; and
-// independent of tile shape and thread count. Non-finite gradients are skipped
-// and counted. Every tile accumulation path this CPU runs (cpu_wgrad_tile.h:
-// AVX-512, AVX2, portable), called directly, is the naive sum bit for bit.
+// independent of tile shape and thread count. Non-finite gradients, and updates whose
+// results would not be storable, are skipped and counted. Every tile accumulation path this
+// CPU runs (cpu_wgrad_tile.h: AVX-512, AVX2, portable), called directly, is the naive sum bit
+// for bit.
 #include <algorithm>
+#include <limits>
 #include <tuple>
 
 #include "core/rng.h"
@@ -377,6 +379,122 @@ TEST(FusedOddShapes, EveryDtypePairBitExact) {
         ASSERT_EQ(forge_elementwise_step(&e), FORGE_OK) << forge_last_error();
         ASSERT_EQ(fused.snapshot(), unfused.snapshot());
       }
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// The weight and states of one parameter as fp32, for "untouched" / "finite" checks.
+struct Values {
+  std::vector<float> w, master;
+  std::vector<std::vector<float>> s;
+};
+Values values_of(const HostParam& p, const forge_hparams& hp) {
+  Values v;
+  for (int64_t i = 0; i < p.size(); ++i) v.w.push_back(p.w(i));
+  if (!p.master.empty()) {
+    v.master.resize(p.size());
+    std::memcpy(v.master.data(), p.master.data(), 4 * p.size());
+  }
+  for (int i = 0; i < p.num_states; ++i) v.s.push_back(p.state_fp32(i, hp));
+  return v;
+}
+
+// A finite gradient whose update overflows (g² = 1e40 > fp32's max, so AdamW's v would be
+// infinite) is skipped like a non-finite one: its weight, master and states untouched, counted,
+// not in Σ g². Before, int8 states took v = inf as the block's absmax and every weight of the
+// block became NaN at the next step. Every weight and state format, fused and element-wise.
+TEST(FusedNonFinite, OverflowingUpdateIsSkippedAndCounted) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const int64_t rows = 3, cols = 100, tokens = 4;
+  for (int wf : {FORGE_WEIGHT_FP32, FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_MASTER})
+    for (int sf = 0; sf < FORGE_STATE_FORMAT_COUNT; ++sf)
+      for (bool fused : {true, false}) {
+        SCOPED_TRACE(std::string(weight_format_name(wf)) + " " + state_format_name(sf) +
+                     (fused ? " fused" : " element-wise"));
+        forge_hparams hp = all_rule_cases()[3].hp;  // AdamW
+        HostParam p(rows, cols, static_cast<forge_weight_format>(wf),
+                    static_cast<forge_state_format>(sf), hp);
+        p.randomize(rng, hp);
+        for (int64_t step = 1; step <= 4; ++step) {
+          hp.step = step;
+          // dW = dYᵀX: x[0, 7] = 1e10 and dy[0, 1] = 1e10 make dW[1, 7] = 1e20 (plus O(1)),
+          // on the first two steps; the later steps are ordinary.
+          Matrix x = random_matrix(rng, tokens, cols, cols, FORGE_DTYPE_FP32, 0.1f);
+          Matrix dy = random_matrix(rng, tokens, rows, rows, FORGE_DTYPE_FP32, 0.1f);
+          const bool overflow = step <= 2;
+          if (overflow) {
+            x.set(0, 7, 1e10f);
+            dy.set(0, 1, 1e10f);
+          }
+          const std::vector<float> dw = reference_dw(x, dy);
+          const Values before = values_of(p, hp);
+          double sq = 0;
+          int64_t count = 0;
+          if (fused) {
+            forge_wgrad_args a = wgrad_args(p, hp, x, dy);
+            a.outputs = {&sq, &count};
+            ASSERT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
+          } else {
+            forge_elementwise_args a = elementwise_args(p, hp, dw);
+            a.outputs = {&sq, &count};
+            ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+          }
+          const Values after = values_of(p, hp);
+          const int64_t j = 1 * cols + 7;
+          if (overflow) {
+            ASSERT_GT(std::fabs(dw[j]), 1e19f);
+            EXPECT_EQ(count, 1) << "step " << step;
+            EXPECT_LT(sq, 1e30) << "the skipped element's g² was summed";
+            EXPECT_EQ(after.w[j], before.w[j]);
+            if (!after.master.empty()) EXPECT_EQ(after.master[j], before.master[j]);
+            for (int i = 0; i < p.num_states; ++i) {
+              // int8: a block with a skipped element keeps its absmax unless the others grow
+              // it; the skipped element's value then stays or is re-encoded (one rounding).
+              if (sf == FORGE_STATE_INT8_BLOCK64)
+                EXPECT_NEAR(after.s[i][j], before.s[i][j], kInt8MapRel * std::fabs(before.s[i][j]) + 1e-30)
+                    << "state " << i;
+              else
+                EXPECT_EQ(after.s[i][j], before.s[i][j]) << "state " << i;
+            }
+          } else {
+            EXPECT_EQ(count, 0) << "step " << step;
+          }
+          for (int64_t i = 0; i < p.size(); ++i) {
+            ASSERT_TRUE(std::isfinite(after.w[i])) << "weight " << i << " step " << step;
+            for (int s = 0; s < p.num_states; ++s)
+              ASSERT_TRUE(std::isfinite(after.s[s][i])) << "state " << s << " element " << i;
+          }
+        }
+      }
+}
+
+// The bound that makes a result storable is the largest finite bf16 (0x1.FEp127), for every
+// format: bf16 rounding of anything above it can overflow. SGD, lr = 1, w = 0: w' = -g.
+TEST(FusedNonFinite, ResultsAboveTheLargestBf16AreSkipped) {
+  forge_hparams hp;
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_SGD, &hp), FORGE_OK);
+  hp.lr = 1.0;
+  const float largest = 0x1.FEp127f, above = std::nextafter(largest, INFINITY);
+  for (int wf : {FORGE_WEIGHT_FP32, FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_STOCHASTIC}) {
+    SCOPED_TRACE(weight_format_name(wf));
+    HostParam p(1, 4, static_cast<forge_weight_format>(wf), FORGE_STATE_FP32, hp);
+    const std::vector<float> grad = {-largest, -above, largest, -std::numeric_limits<float>::max()};
+    int64_t count = 0;
+    forge_elementwise_args a = elementwise_args(p, hp, grad);
+    a.outputs.nonfinite_count = &count;
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+    EXPECT_EQ(count, 2);
+    EXPECT_EQ(p.w(0), largest);
+    EXPECT_EQ(p.w(1), 0.0f);
+    EXPECT_EQ(p.w(2), -largest);
+    EXPECT_EQ(p.w(3), 0.0f);
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // test_formats.cpp — storage formats: bf16 nearest and stochastic rounding, fp16
-// input decoding, the int8 dynamic map and its block-64 round trip, and an AdamW
-// run with int8 states that tracks the fp32-state run on least squares.
+// input decoding, the int8 dynamic map and its block-64 round trip, an AdamW run with
+// int8 states that tracks the fp32-state run on least squares, how a block holding a
+// skipped element keeps its absmax and codes, and what forge_state_from_fp32 refuses.
 #include <algorithm>
 
 #include "core/formats.h"
@@ -275,6 +276,116 @@ TEST(Int8States, AdamWTracksFp32OnLeastSquares) {
   }
   EXPECT_LE(loss32, first / kLsqMinReduction);
   EXPECT_LE(loss8, first / kLsqMinReduction);
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+using namespace forge;
+
+float absmax_at(const HostParam& p, int state, int64_t block) {
+  float a;
+  std::memcpy(&a, p.absmax[state].data() + 4 * block, 4);
+  return a;
+}
+
+// In an int8 block holding a skipped element, the new absmax is max(old absmax, the updated
+// elements' new magnitudes); the skipped element keeps its code byte while the absmax stays,
+// and is re-encoded from its decoded value when the absmax grows. Element 5 of the first
+// block and element 70 of the second (partial) block get a NaN gradient every step; the
+// others' gradients are 0 for ten steps (their moments only decay: the absmax stays) and then
+// large (it grows). Before, a skipped element was re-encoded against each step's new absmax,
+// and drifted.
+TEST(Int8States, SkippedElementKeepsItsCodeUnlessTheAbsmaxGrows) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  const int64_t cols = 100;  // a whole block and a partial one
+  HostParam p(1, cols, FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64, hp);
+  p.randomize(rng, hp);
+  std::vector<float> grad(cols);
+  for (int64_t step = 1; step <= 3; ++step) {  // moments of every size
+    hp.step = step;
+    for (float& g : grad) g = rng.normal(1.0f);
+    const forge_elementwise_args a = elementwise_args(p, hp, grad);
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+  }
+  const int64_t skipped[2] = {5, 70};
+  int grew = 0, stayed = 0;
+  for (int64_t step = 4; step <= 16; ++step) {
+    hp.step = step;
+    const bool large = step > 13;
+    for (int64_t c = 0; c < cols; ++c) grad[c] = large ? 100.0f * rng.normal(1.0f) : 0.0f;
+    for (int64_t c : skipped) grad[c] = NAN;
+    const HostParam before(p);
+    int64_t count = 0;
+    forge_elementwise_args a = elementwise_args(p, hp, grad);
+    a.outputs.nonfinite_count = &count;
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+    EXPECT_EQ(count, 2);
+    for (int s = 0; s < 2; ++s)
+      for (int64_t block = 0; block < 2; ++block) {
+        SCOPED_TRACE(::testing::Message() << "step " << step << " state " << s << " block " << block);
+        const float old_max = absmax_at(before, s, block), new_max = absmax_at(p, s, block);
+        const int64_t e = skipped[block];
+        const uint8_t old_code = before.state[s][e], new_code = p.state[s][e];
+        const bool is_signed = s == 0;
+        EXPECT_GE(new_max, old_max);
+        if (float_bits(new_max) == float_bits(old_max)) {
+          ++stayed;
+          EXPECT_EQ(new_code, old_code);
+        } else {
+          ++grew;
+          EXPECT_EQ(new_code, int8_encode(int8_decode(old_code, is_signed) * old_max, new_max, is_signed));
+        }
+        // The updated elements' magnitudes never exceed the absmax, and one of them reaches
+        // it whenever it grew.
+        float largest = 0;
+        for (int64_t c = block * 64; c < std::min<int64_t>(cols, block * 64 + 64); ++c)
+          if (c != e) largest = std::max(largest, std::fabs(int8_decode(p.state[s][c], is_signed) * new_max));
+        EXPECT_LE(largest, new_max);
+        if (new_max != old_max) EXPECT_EQ(largest, new_max);
+      }
+  }
+  EXPECT_GT(stayed, 0);
+  EXPECT_GT(grew, 0);
+}
+
+// forge_state_from_fp32 stores nothing it would never compute: a value that is not finite
+// (or above the largest bf16), or a negative second moment, is refused naming its index.
+TEST(Int8States, StateFromFp32RefusesWhatNoStepStores) {
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  const forge_device cpu{};
+  for (int sf = 0; sf < FORGE_STATE_FORMAT_COUNT; ++sf) {
+    SCOPED_TRACE(state_format_name(sf));
+    HostParam p(3, 70, FORGE_WEIGHT_FP32, static_cast<forge_state_format>(sf), hp);
+    std::vector<float> good(p.size());
+    for (int64_t i = 0; i < p.size(); ++i) good[i] = 0.01f * static_cast<float>(i % 13) - 0.05f;
+    ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 0, good.data(), cpu), FORGE_OK) << forge_last_error();
+    const std::vector<uint8_t> before = p.snapshot();
+    struct Bad { int state; int64_t index; float value; const char* part; };
+    for (const Bad& b : {Bad{0, 7, NAN, "in[7]"}, Bad{1, 200, INFINITY, "in[200]"},
+                         Bad{0, 0, -INFINITY, "in[0]"}, Bad{0, 9, 3.4e38f, "in[9]"},
+                         Bad{1, 3, -0.5f, "negative"}}) {
+      std::vector<float> in(p.size(), 0.25f);
+      in[b.index] = b.value;
+      EXPECT_EQ(forge_state_from_fp32(&p.p, &hp, b.state, in.data(), cpu), FORGE_ERR_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(forge_last_error()).find(b.part), std::string::npos) << forge_last_error();
+      EXPECT_EQ(p.snapshot(), before);
+    }
+    // a negative first moment is fine, and so is -0 for a second moment
+    std::vector<float> in(p.size(), -0.0f);
+    in[4] = -0.25f;
+    EXPECT_EQ(forge_state_from_fp32(&p.p, &hp, 0, in.data(), cpu), FORGE_OK) << forge_last_error();
+    in[4] = 0.0f;
+    EXPECT_EQ(forge_state_from_fp32(&p.p, &hp, 1, in.data(), cpu), FORGE_OK) << forge_last_error();
+  }
 }
 
 }  // namespace

@@ -1,8 +1,14 @@
 // test_rules.cpp — every rule against an independent textbook implementation in
 // double (written from torch.optim's documented algorithms and the Lion paper),
-// over 12 steps with fp32 weights and states; plus defaults and state layouts.
+// over 12 steps with fp32 weights and states; plus defaults and state layouts, what
+// forge_rule_query says of each rule, and NAdam's momentum product in closed form.
+#include <algorithm>
+#include <chrono>
 #include <functional>
+#include <limits>
 
+#include "core/hparams.h"
+#include "core/rules.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -195,6 +201,169 @@ TEST(RuleStateLayout, CountsSignsAndSizes) {
   forge_hparams_default(FORGE_RULE_SGD, &hp);
   ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_FP32, 2, 5, &l), FORGE_OK);
   EXPECT_EQ(l.num_states, 0);
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// forge_rule_query describes what forge_state_layout_query and forge_hparams_default do:
+// the states of the largest configuration with their names, signs and conditions, and the
+// fields whose defaults and checks belong to the rule.
+TEST(RuleQuery, AgreesWithLayoutsAndDefaults) {
+  int32_t count = 0;
+  ASSERT_EQ(forge_enum_count(FORGE_ENUM_RULE, &count), FORGE_OK);
+  ASSERT_EQ(count, FORGE_RULE_COUNT);
+  for (int32_t rule = 0; rule < count; ++rule) {
+    forge_rule_info info;
+    ASSERT_EQ(forge_rule_query(rule, &info), FORGE_OK) << forge_last_error();
+    const char* name = nullptr;
+    ASSERT_EQ(forge_enum_name(FORGE_ENUM_RULE, rule, &name), FORGE_OK);
+    EXPECT_STREQ(info.name, name);
+    SCOPED_TRACE(info.name);
+    std::vector<std::string> fields(info.fields, info.fields + info.num_fields);
+    ASSERT_LE(info.num_fields, FORGE_MAX_RULE_FIELDS);
+    for (const char* always : {"step", "lr", "weight_decay", "maximize", "grad_scale", "seed"})
+      EXPECT_NE(std::find(fields.begin(), fields.end(), always), fields.end()) << always;
+    // The largest configuration: every condition met.
+    forge_hparams hp;
+    ASSERT_EQ(forge_hparams_default(rule, &hp), FORGE_OK);
+    for (int i = 0; i < info.max_states; ++i) {
+      if (!info.state_condition[i]) continue;
+      if (std::string(info.state_condition[i]) == "centered") hp.centered = 1;
+      else if (std::string(info.state_condition[i]) == "momentum") hp.momentum = 0.5;
+      else ADD_FAILURE() << "unknown condition " << info.state_condition[i];
+    }
+    forge_state_layout layout;
+    ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_FP32, 1, 1, &layout), FORGE_OK)
+        << forge_last_error();
+    ASSERT_EQ(layout.num_states, info.max_states);
+    for (int i = 0; i < info.max_states; ++i) {
+      EXPECT_STREQ(layout.names[i], info.state_names[i]);
+      EXPECT_EQ(layout.is_signed[i], info.state_signed[i]);
+      // Each conditional state disappears when its field is zero; later ones move up.
+      if (info.state_condition[i]) {
+        forge_hparams without = hp;
+        if (std::string(info.state_condition[i]) == "centered") without.centered = 0;
+        else without.momentum = 0;
+        forge_state_layout fewer;
+        ASSERT_EQ(forge_state_layout_query(&without, FORGE_STATE_FP32, 1, 1, &fewer), FORGE_OK);
+        EXPECT_EQ(fewer.num_states, info.max_states - 1);
+        for (int j = i; j + 1 < info.max_states; ++j) EXPECT_STREQ(fewer.names[j], info.state_names[j + 1]);
+      }
+    }
+  }
+  forge_rule_info info;
+  EXPECT_EQ(forge_rule_query(FORGE_RULE_COUNT, &info), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("rule"), std::string::npos);
+  EXPECT_EQ(forge_rule_query(FORGE_RULE_ADAMW, nullptr), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("out"), std::string::npos);
+}
+
+TEST(RuleQuery, FieldsAreThoseTheRuleReads) {
+  auto fields = [](int rule) {
+    forge_rule_info info;
+    EXPECT_EQ(forge_rule_query(rule, &info), FORGE_OK);
+    return std::vector<std::string>(info.fields, info.fields + info.num_fields);
+  };
+  auto has = [](const std::vector<std::string>& v, const char* f) {
+    return std::find(v.begin(), v.end(), f) != v.end();
+  };
+  const auto adamw = fields(FORGE_RULE_ADAMW);
+  for (const char* f : {"beta1", "beta2", "eps", "decoupled_weight_decay"}) EXPECT_TRUE(has(adamw, f)) << f;
+  for (const char* f : {"momentum", "alpha", "momentum_decay", "lr_decay"}) EXPECT_FALSE(has(adamw, f)) << f;
+  EXPECT_TRUE(has(fields(FORGE_RULE_NADAM), "momentum_decay"));
+  const auto rms = fields(FORGE_RULE_RMSPROP);
+  for (const char* f : {"alpha", "eps", "momentum", "centered"}) EXPECT_TRUE(has(rms, f)) << f;
+  EXPECT_FALSE(has(rms, "beta1"));
+  const auto lion = fields(FORGE_RULE_LION);
+  EXPECT_TRUE(has(lion, "beta2"));
+  EXPECT_FALSE(has(lion, "eps"));
+  const auto adagrad = fields(FORGE_RULE_ADAGRAD);
+  for (const char* f : {"lr_decay", "initial_accumulator_value", "eps"}) EXPECT_TRUE(has(adagrad, f)) << f;
+  const auto sgdm = fields(FORGE_RULE_SGD_MOMENTUM);
+  for (const char* f : {"momentum", "dampening", "nesterov"}) EXPECT_TRUE(has(sgdm, f)) << f;
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// NAdam's Π_{i<=t} mu_i in closed form against the incremental product (in long double, so
+// that the reference's own rounding is far below the tolerance), for t up to 10^5.
+TEST(NAdamMuProduct, ClosedFormMatchesIncrementalProduct) {
+  const double cases[][2] = {{0.9, 4e-3},  {0.99, 4e-3},   {0.999, 1e-4}, {0.5, 0.5},
+                             {0.9, 0.0},   {0.9999, 0.04}, {0.9, 1e-300}, {0.95, 10.0},
+                             {0.0, 4e-3}};
+  for (const auto& c : cases) {
+    const double beta1 = c[0], decay = c[1];
+    SCOPED_TRACE(::testing::Message() << "beta1 " << beta1 << " momentum_decay " << decay);
+    long double reference = 1;
+    double worst = 0;
+    for (int64_t t = 1; t <= 100000; ++t) {
+      reference *= static_cast<long double>(beta1) *
+                   (1 - 0.5L * std::pow(0.96L, static_cast<long double>(t) * decay));
+      const double got = forge::nadam_mu_product(beta1, decay, t);
+      ASSERT_TRUE(std::isfinite(got) && got >= 0) << "t " << t;
+      if (reference < 1e-300L) {  // underflowing: no relative comparison
+        ASSERT_LE(got, 1e-290) << "t " << t;
+        continue;
+      }
+      const double rel = static_cast<double>(std::fabs((got - reference) / reference));
+      const double bound = kNadamMuProductEpsPerLog *
+                           (std::fabs(std::log(static_cast<double>(reference))) + 1) *
+                           std::numeric_limits<double>::epsilon();
+      ASSERT_LE(rel, bound) << "t " << t << ": " << got << " vs " << static_cast<double>(reference);
+      worst = std::max(worst, rel);
+    }
+    RecordProperty("worst_relative", std::to_string(worst));
+  }
+}
+
+forge_hparams nadam_at(int64_t step, double beta1) {
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_NADAM, &hp);
+  hp.step = step;
+  hp.beta1 = beta1;
+  return hp;
+}
+
+// The largest step: constant time, finite scalars, finite weights.
+TEST(NAdamMuProduct, LargestStepIsPromptAndFinite) {
+  const auto start = std::chrono::steady_clock::now();
+  const forge_hparams hp = nadam_at(INT64_MAX, 0.9);
+  alignas(16) unsigned char run[FORGE_RUN_SCALARS_BYTES];
+  ASSERT_EQ(forge_run_scalars_fill(&hp, run, sizeof(run)), FORGE_OK) << forge_last_error();
+  forge::RuleScalars k;
+  std::memcpy(&k, run, sizeof(k));
+  EXPECT_TRUE(std::isfinite(k.nadam_coef_grad) && std::isfinite(k.nadam_coef_avg) &&
+              std::isfinite(k.bc2));
+  HostParam p(3, 70, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+  Rng rng(fresh_seed());
+  p.randomize(rng, hp);
+  std::vector<float> grad(p.size(), 0.25f);
+  const forge_elementwise_args a = elementwise_args(p, hp, grad);
+  ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+  for (int64_t i = 0; i < p.size(); ++i) ASSERT_TRUE(std::isfinite(p.w(i))) << i;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+            kPromptSeconds);
+}
+
+// Two param groups (two beta1) alternating at step ~10^6: every call is a new (beta1, step)
+// pair, which a memoised loop pays O(step) for.
+TEST(NAdamMuProduct, AlternatingGroupsCostConstantTime) {
+  const auto start = std::chrono::steady_clock::now();
+  alignas(16) unsigned char run[FORGE_RUN_SCALARS_BYTES];
+  for (int64_t i = 0; i < 200; ++i) {
+    const forge_hparams hp = nadam_at(1000000 + i / 2, i % 2 ? 0.9 : 0.95);
+    ASSERT_EQ(forge_run_scalars_fill(&hp, run, sizeof(run)), FORGE_OK) << forge_last_error();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+            kPromptSeconds);
 }
 
 }  // namespace

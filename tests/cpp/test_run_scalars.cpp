@@ -2,13 +2,18 @@
 // backend: a step whose scalars come from a filled buffer gives the bits of the eager step
 // those scalars were filled for, whatever step, lr and seed the call itself carries (what a
 // CUDA graph's replay relies on; the GPU suite checks the same on the device and under
-// capture). Bad buffers get an error naming them, and nothing is written.
+// capture). Bad buffers get an error naming them, and nothing is written: misaligned ones,
+// and any whose tag says they are not what forge_run_scalars_fill wrote for this call.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "core/rules.h"
+#include "core/run_scalars.h"
 #include "test_util.h"
 
 namespace forge_test {
@@ -118,6 +123,106 @@ TEST(RunScalarsErrors, MisalignedBufferIsRefusedAndNothingWritten) {
   forge_elementwise_args e = elementwise_args(p, call, grad);
   EXPECT_EQ(forge_elementwise_step(&e), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(p.snapshot(), before);
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// A run_scalars buffer carries what it was filled for; a step refuses (naming
+// hparams.run_scalars, writing nothing) any buffer that is not what forge_run_scalars_fill
+// wrote for this call's rule and hyper-parameters (step, lr and seed aside).
+struct TagCase {
+  std::string name;
+  std::function<void(forge_hparams& fill, forge_hparams& call, unsigned char* buffer)> setup;
+  std::string message_part;
+};
+
+TEST(RunScalarsTag, MismatchedBuffersAreRefusedAndNothingWritten) {
+  const std::vector<TagCase> cases = {
+      {"unfilled_zeros", [](forge_hparams&, forge_hparams&, unsigned char* b) {
+         std::memset(b, 0, FORGE_RUN_SCALARS_BYTES); }, "not filled"},
+      {"another_rule", [](forge_hparams& fill, forge_hparams&, unsigned char*) {
+         forge_hparams_default(FORGE_RULE_SGD, &fill); }, "rule SGD"},
+      {"rmsprop_centered_for_plain", [](forge_hparams& fill, forge_hparams& call, unsigned char*) {
+         forge_hparams_default(FORGE_RULE_RMSPROP, &fill);
+         call = fill;
+         fill.centered = 1;
+         fill.momentum = 0.9; }, "state"},
+      {"other_beta2", [](forge_hparams& fill, forge_hparams&, unsigned char*) { fill.beta2 = 0.95; },
+       "differ from this call's"},
+      {"other_weight_decay", [](forge_hparams& fill, forge_hparams&, unsigned char*) {
+         fill.weight_decay = 0.5; }, "differ from this call's"},
+      {"other_grad_scale", [](forge_hparams& fill, forge_hparams&, unsigned char*) {
+         fill.grad_scale = 0.5; }, "differ from this call's"},
+      {"maximize", [](forge_hparams& fill, forge_hparams&, unsigned char*) { fill.maximize = 1; },
+       "differ from this call's"},
+      {"one_scalar_changed", [](forge_hparams&, forge_hparams&, unsigned char* b) {
+         b[offsetof(forge::RuleScalars, neg_step_size)] ^= 1; }, "checksum"},
+      {"tail_not_copied", [](forge_hparams&, forge_hparams&, unsigned char* b) {
+         std::memset(b + 128, 0, FORGE_RUN_SCALARS_BYTES - 128); }, "not filled"},
+  };
+  Rng rng(fresh_seed());
+  for (const TagCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    forge_hparams fill = all_rule_cases()[3].hp;  // AdamW
+    fill.step = 5;
+    forge_hparams call = fill;
+    RunBuffer run;
+    std::memset(run.bytes, 0x5A, sizeof(run.bytes));
+    c.setup(fill, call, run.bytes);  // may change fill / call, or the buffer after the fill
+    if (c.name != "unfilled_zeros") {
+      ASSERT_EQ(forge_run_scalars_fill(&fill, run.bytes, sizeof(run.bytes)), FORGE_OK)
+          << forge_last_error();
+      c.setup(fill, call, run.bytes);
+    }
+    call.run_scalars = run.bytes;
+    HostParam p(20, 70, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, call);
+    p.randomize(rng, call);
+    const std::vector<uint8_t> before = p.snapshot();
+    const Matrix x = random_matrix(rng, 3, 70, 70, FORGE_DTYPE_FP32);
+    const Matrix dy = random_matrix(rng, 3, 20, 20, FORGE_DTYPE_FP32);
+    std::vector<float> grad(20 * 70, 0.5f);
+    forge_wgrad_args a = wgrad_args(p, call, x, dy);
+    EXPECT_EQ(forge_wgrad_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(forge_last_error()).find("hparams.run_scalars"), std::string::npos)
+        << forge_last_error();
+    EXPECT_NE(std::string(forge_last_error()).find(c.message_part), std::string::npos)
+        << forge_last_error();
+    forge_elementwise_args e = elementwise_args(p, call, grad);
+    EXPECT_EQ(forge_elementwise_step(&e), FORGE_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(forge_last_error()).find("hparams.run_scalars"), std::string::npos)
+        << forge_last_error();
+    EXPECT_EQ(p.snapshot(), before);
+  }
+}
+
+// The layout the CUDA kernels rely on: the RuleScalars at offset 0, the tag in the last 32
+// bytes; -0 and +0 in a field are the same hyper-parameters.
+TEST(RunScalarsTag, LayoutAndSignedZeros) {
+  forge_hparams hp = all_rule_cases()[3].hp;  // AdamW
+  hp.weight_decay = 0.0;
+  RunBuffer run;
+  ASSERT_EQ(forge_run_scalars_fill(&hp, run.bytes, sizeof(run.bytes)), FORGE_OK);
+  forge::RuleScalars k;
+  std::memcpy(&k, run.bytes, sizeof(k));
+  EXPECT_EQ(k.rule, FORGE_RULE_ADAMW);
+  EXPECT_EQ(k.num_states, 2);
+  forge::RunScalarsTag tag;
+  std::memcpy(&tag, run.bytes + forge::kRunScalarsTagOffset, sizeof(tag));
+  EXPECT_EQ(tag.magic, forge::kRunScalarsMagic);
+  EXPECT_EQ(tag.checksum, forge::run_scalars_checksum(run.bytes));
+  forge_hparams call = hp;
+  call.weight_decay = -0.0;
+  call.run_scalars = run.bytes;
+  Rng rng(fresh_seed());
+  HostParam p(4, 64, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, call);
+  p.randomize(rng, call);
+  std::vector<float> grad(4 * 64, 0.5f);
+  forge_elementwise_args e = elementwise_args(p, call, grad);
+  EXPECT_EQ(forge_elementwise_step(&e), FORGE_OK) << forge_last_error();
 }
 
 }  // namespace

@@ -1,6 +1,10 @@
 """test_errors.py — bad input is refused with a ValueError/TypeError naming the problem,
 and the model is left untouched (no patched forward, no hook: plain autograd still works).
 Errors of libforge itself surface as Python exceptions carrying forge_last_error()."""
+import ctypes
+import ctypes.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -151,6 +155,57 @@ def test_library_not_found(monkeypatch, tmp_path):
     monkeypatch.setenv("FORGE_LIBRARY", str(tmp_path / "missing.so"))
     with pytest.raises(ImportError, match="FORGE_LIBRARY"):
         forge._lib.find()
+
+
+def test_wrong_library_is_refused_by_name(tmp_path):
+    """A shared library that is not libforge (here the C library) is refused with the path
+    and the reason, not a raw AttributeError; a file that is no library at all likewise."""
+    libc = ctypes.util.find_library("c")
+    assert libc, "the C library is needed to stand in for a foreign shared library"
+    with pytest.raises(ImportError, match=r": not a libforge \(no forge_abi_version\)"):
+        forge._lib.Library(Path(libc))
+    junk = tmp_path / "libforge.so"
+    junk.write_bytes(b"not an ELF file")
+    with pytest.raises(ImportError, match=r"libforge\.so: cannot be loaded"):
+        forge._lib.Library(junk)
+
+
+def test_struct_mirror_of_the_wrong_size_is_refused_at_load(monkeypatch):
+    """Every ctypes mirror is checked against forge_struct_size when the library loads: a
+    mirror missing a field names the struct and both sizes."""
+    lib = forge.library()
+    short = type("Hparams", (ctypes.Structure,),
+                 {"_fields_": [f for f in forge._lib.Hparams._fields_ if f[0] != "seed"]})
+    monkeypatch.setitem(forge._lib._STRUCTS, "forge_hparams", short)
+    size = ctypes.sizeof(forge._lib.Hparams)
+    with pytest.raises(ImportError, match=rf"struct forge_hparams is {size} bytes in the library "
+                                          rf"but {ctypes.sizeof(short)} in forge\._lib\.Hparams"):
+        forge._lib.Library(lib.path)
+    monkeypatch.undo()
+    forge._lib.Library(lib.path)  # the real mirrors pass
+
+
+def test_names_come_from_the_library():
+    """Rules, formats, dtypes and device kinds are looked up by name in the library; the
+    legacy constants agree with it, and an unknown name lists the known ones."""
+    lib = forge.library()
+    assert lib.rule_code("AdamW") == lib.rule_code("adamw") == forge._lib.RULE_ADAMW
+    assert lib.rules()["RMSprop"] == forge._lib.RULE_RMSPROP
+    assert lib.rule_name(forge._lib.RULE_LION) == "Lion"
+    assert lib.weight_format_code("bf16_sr") == forge._lib.WEIGHT_BF16_STOCHASTIC
+    assert lib.weight_format_code("bf16_master") == forge._lib.WEIGHT_BF16_MASTER
+    assert lib.state_format_code("int8") == forge._lib.STATE_INT8_BLOCK64
+    assert lib.dtype_code("fp16") == forge._lib.DTYPE_FP16
+    assert lib.device_kind_code("cuda") == forge._lib.DEVICE_CUDA
+    with pytest.raises(ValueError, match=r'"fp8" is no state format \(known: "fp32", "bf16", '
+                                         r'"bf16_sr", "int8"\)'):
+        lib.state_format_code("fp8")
+    info = lib.rule_info(lib.rule_code("RMSprop"))
+    assert [s["name"] for s in info["states"]] == ["square_avg", "grad_avg", "momentum_buffer"]
+    assert [s["condition"] for s in info["states"]] == [None, "centered", "momentum"]
+    assert "alpha" in info["fields"] and "beta1" not in info["fields"]
+    with pytest.raises(ValueError, match="rule"):
+        lib.rule_info(99)
 
 
 @requires_cuda

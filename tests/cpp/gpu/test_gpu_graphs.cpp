@@ -78,7 +78,7 @@ std::vector<RunParam> run_params() {
   for (int i = 0; i < static_cast<int>(rule_cases().size()); ++i)
     v.emplace_back(i, FORGE_WEIGHT_FP32, FORGE_STATE_FP32);
   for (int i = 0; i < static_cast<int>(rule_cases().size()); ++i) {
-    const forge_rule rule = rule_cases()[i].hp.rule;
+    const int32_t rule = rule_cases()[i].hp.rule;  // a forge_rule value
     if (rule != FORGE_RULE_ADAMW && rule != FORGE_RULE_LION && rule != FORGE_RULE_SGD) continue;
     for (forge_weight_format wf :
          {FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_WEIGHT_BF16_MASTER})
