@@ -132,3 +132,35 @@ def test_checkpoint_reshards_int8_states_bit_for_bit(results, world):
     assert m["same_states"], m["differ"]
     if world == 4:
         assert m["continued_vs_saver"] == 0.0, "resumed at the same size: bit-exact"
+
+
+def _forge_train(tmp_path, name, nproc, *options):
+    """forge-train under torchrun (nproc ranks) or alone; returns metrics.json."""
+    import subprocess
+    out = tmp_path / name
+    common = ["-m", "forge.tools.train", "--steps", "4", "--batch-size", "4", "--seq-len", "32",
+              "--no-plot", "--out", str(out), *options]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                 "--master-port", str(_free_port())] if nproc > 1 else [sys.executable])
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..",
+                                                        "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(launcher + common, capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("nproc,options", [(2, ("--tp", "2")), (4, ("--tp", "2", "--fsdp"))],
+                         ids=["tp2", "tp2-fsdp2"])
+def test_forge_train_under_torchrun(tmp_path, nproc, options):
+    """`torchrun -m forge.tools.train --tp N [--fsdp]` trains the built-in model as one process
+    does: the same losses within tensor parallel's rounding, and the same global grad norm."""
+    from tolerances import PARALLEL_RUN_RTOL
+    alone = _forge_train(tmp_path, "alone", 1)
+    spread = _forge_train(tmp_path, "spread", nproc, *options)
+    assert len(spread["losses"]) == len(alone["losses"]) == 4
+    for key in ("losses", "grad_norms"):
+        for a, b in zip(spread[key], alone[key]):
+            assert abs(a - b) <= PARALLEL_RUN_RTOL * abs(b), (key, spread[key], alone[key])

@@ -74,8 +74,8 @@ class Geometry(NamedTuple):
 
 
 def geometry(param: torch.Tensor, name: str) -> Geometry:
-    """The parameter's Geometry; a DTensor sharded other than by blocks of whole rows or of
-    whole columns is refused, naming it."""
+    """The parameter's Geometry; a DTensor sharded along a middle dimension is refused, naming
+    it (row blocks, column blocks and 2-D blocks of both are what FORGE updates)."""
     shape = tuple(param.shape)
     cols = shape[-1] if shape else 1
     rows = param.numel() // cols if cols else 0
@@ -93,14 +93,13 @@ def geometry(param: torch.Tensor, name: str) -> Geometry:
         inner *= d
     if not sharded:
         return Geometry(rows, cols)
-    if sharded == [0]:
-        return Geometry(local_shape[0] * inner, cols, offset[0] * inner, 0, cols)
-    if sharded == [len(shape) - 1]:
-        return Geometry(rows, local_shape[-1], 0, offset[-1], cols)
+    last = len(shape) - 1
+    if set(sharded) <= {0, last}:  # a block of whole rows, of whole columns, or both (2-D)
+        local_rows = (local_shape[0] if 0 in sharded else shape[0]) * inner
+        return Geometry(local_rows, local_shape[last], offset[0] * inner, offset[last], cols)
     raise ValueError(f"parameter '{name}': a DTensor of shape {list(shape)} with placements "
                      f"{list(param.placements)} is sharded along dims {sharded}; FORGE updates "
-                     "shards of whole rows (Shard(0)) or of whole columns (Shard on the last "
-                     "dim)")
+                     "blocks of rows (dim 0) and columns (the last dim) only")
 
 
 def check_int8_blocks(geo: Geometry, name: str) -> None:
@@ -154,7 +153,8 @@ def counts_once(param) -> bool:
     coords = mesh.get_coordinate()
     if coords is None:
         return False
-    return all(isinstance(p, _DT.Shard) or coords[d] == 0
+    # (a shard of any kind: Shard, and the _StridedShard of FSDP2 over tensor parallel)
+    return all(not (p.is_replicate() or p.is_partial()) or coords[d] == 0
                for d, p in enumerate(param.placements))
 
 

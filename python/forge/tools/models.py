@@ -91,12 +91,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # (-1 heads: under tensor parallel this rank holds a slice of the heads)
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            repeat = self.n_heads // self.n_kv_heads
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, head_dim]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

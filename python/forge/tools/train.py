@@ -166,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "keeping their intermediates (less memory, same gradients in bf16: "
                         "forge.lean)")
     g.add_argument("--seed", type=int, default=0, help="initial weights and batches")
+    g = p.add_argument_group("several processes (under torchrun; forge/tools/parallel.py)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel over N ranks (Megatron-style plan, sequence parallel "
+                        "norms)")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 over the data-parallel ranks (world / tp)")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --tp: norms and the residual stream sharded along the sequence")
     g.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda "
                                                     "| cuda:N")
     g = p.add_argument_group("output and checkpoints")
@@ -721,7 +729,19 @@ def train(args, explicit=frozenset()) -> TrainResult:
         if os.path.abspath(resume_from) == os.path.abspath(ckpt_file):
             saved_step = resume_state["step"]
     check_precision(args)
-    device = pick_device(args.device)
+    from forge.tools import parallel
+    try:
+        par = parallel.from_environment(args.tp, args.fsdp, args.device)
+    except parallel.ParallelError as e:
+        raise TrainError(str(e)) from None
+    if par is not None:
+        if args.save_every or args.resume is not None or args.cuda_graph:
+            raise TrainError("--save-every, --resume and --cuda-graph: forge-train does not do "
+                             "them for a run spread over ranks (torch.distributed.checkpoint "
+                             "saves and reshards forge.optim's states: README)")
+        if not par.main:  # one process reports
+            sys.stdout = open(os.devnull, "w")
+    device = par.device if par is not None else pick_device(args.device)
     check_cuda_graph(args, device)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     warmup = args.warmup if args.warmup is not None else args.steps // 20
@@ -743,6 +763,13 @@ def train(args, explicit=frozenset()) -> TrainResult:
                              f"tokenizer's {tokenizer.vocab_size}")
     if args.activation_checkpointing:
         forge_models.enable_activation_checkpointing(model)
+    rows = slice(None)
+    if par is not None:
+        try:
+            parallel.apply(model, par, args.sequence_parallel)
+            rows = par.batch_rows(args.batch_size)
+        except parallel.ParallelError as e:
+            raise TrainError(str(e)) from None
     if args.lean_activations:
         from forge.lean import enable_lean_activations
         if not any(enable_lean_activations(model).values()):
@@ -777,6 +804,10 @@ def train(args, explicit=frozenset()) -> TrainResult:
                              f"--steps {args.steps}")
 
     n_params = forge_models.count_parameters(model)
+    if par is not None:
+        print(f"forge-train: {par.world} ranks: tensor parallel {par.tp}"
+              f"{' (sequence parallel)' if par.tp > 1 and args.sequence_parallel else ''}, "
+              f"data parallel {par.dp}{' (FSDP2)' if par.fsdp else ''}", flush=True)
     print(f"forge-train: model {args.model} ({n_params / 1e6:.2f} M parameters, "
           f"{str(dtype).replace('torch.', '')}{', bf16 autocast' if args.amp else ''}) on "
           f"{device}; data {data.description}; "
@@ -820,9 +851,13 @@ def train(args, explicit=frozenset()) -> TrainResult:
         with InterruptGuard() as interrupt:
             for step in range(start, args.steps):
                 t0 = time.perf_counter()
-                tokens = data.batch(step, device)
+                tokens = data.batch(step, device)[rows]
                 loss = train_step(tokens)
                 schedule.step()           # (forge.optim reads the new lr at the next replay)
+                if par is not None and par.dp > 1:  # the global batch's loss
+                    loss = loss.detach().clone()
+                    torch.distributed.all_reduce(loss)
+                    loss /= par.dp * par.tp
                 loss_value = loss.item()  # synchronises: the step's time is complete
                 dt = time.perf_counter() - t0
                 if not math.isfinite(loss_value):
@@ -865,7 +900,8 @@ def train(args, explicit=frozenset()) -> TrainResult:
         peak_linear_grad_bytes=tracker.peak_linear, peak_other_grad_bytes=tracker.peak_other,
         tokens_per_s=timed_tokens / timed_s if timed_s else 0.0, optimizer=opt_label,
         out=args.out, grad_norms=grad_norms, nonfinite=nonfinite)
-    write_outputs(args, result, n_params, device)
+    if par is None or par.main:
+        write_outputs(args, result, n_params, device)
     return result
 
 
@@ -945,7 +981,12 @@ def main(argv=None) -> int:
     # set wins, and a process that imported torch already keeps what it has.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        train(args, explicit)
+        try:
+            train(args, explicit)
+        finally:
+            dist = sys.modules.get("torch.distributed")
+            if dist is not None and dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
     except TrainError as e:
         print(f"forge-train: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,133 @@
+"""parallel.py — forge-train and forge-bench under torchrun: tensor (and sequence) parallel
+with torch.distributed.tensor.parallel, FSDP2 (fully_shard), or both on a 2-D mesh.
+
+    torchrun --nproc-per-node 4 -m forge.tools.train --tp 4               # tensor parallel
+    torchrun --nproc-per-node 4 -m forge.tools.train --fsdp               # FSDP2 over 4 ranks
+    torchrun --nproc-per-node 4 -m forge.tools.train --tp 2 --fsdp        # 2 × 2
+
+The mesh is (dp, tp) with dp = world / tp; with --fsdp the model is sharded over dp, and
+without it dp must be 1 (a replicated model would need DDP, which forge.optim refuses). Each
+dp rank trains on its rows of the global batch. The plans below know forge.tools.models'
+CausalLM and Hugging Face Llama / Qwen3 / Mistral module names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+
+
+class ParallelError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class Parallel:
+    world: int
+    rank: int
+    local_rank: int
+    tp: int
+    dp: int
+    fsdp: bool
+    mesh: object            # DeviceMesh ("dp", "tp")
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def batch_rows(self, batch_size: int) -> slice:
+        """This rank's rows of a global batch (every tensor-parallel rank of a group the same)."""
+        if batch_size % self.dp:
+            raise ParallelError(f"--batch-size {batch_size} does not split over the {self.dp} "
+                                "data-parallel ranks")
+        dp_rank = self.mesh.get_local_rank("dp")
+        per = batch_size // self.dp
+        return slice(dp_rank * per, (dp_rank + 1) * per)
+
+
+def from_environment(tp: int, fsdp: bool, device_name: str) -> Optional[Parallel]:
+    """The process group of a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK), or None for one
+    process without --tp / --fsdp."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and tp == 1 and not fsdp:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if tp < 1 or world % tp:
+        raise ParallelError(f"--tp {tp}: must divide the {world} ranks")
+    dp = world // tp
+    if dp > 1 and not fsdp:
+        raise ParallelError(f"{world} ranks with --tp {tp} leave {dp} data-parallel replicas: "
+                            "add --fsdp to shard them (forge.optim refuses DDP replicas)")
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_name != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return Parallel(world, rank, local_rank, tp, dp, fsdp, mesh, device)
+
+
+def _names(model: nn.Module) -> Dict[str, str]:
+    """The module names the plan needs: layers, attention and MLP projections, norms."""
+    if hasattr(model, "blocks"):  # forge.tools.models.CausalLM
+        return dict(layers="blocks", attn="attn", mlp="mlp", attn_norm="attn_norm",
+                    mlp_norm="mlp_norm", embed="embed", norm="norm", head="head")
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "layers"):  # Hugging Face Llama / Qwen3 / Mistral
+        return dict(layers="model.layers", attn="self_attn", mlp="mlp",
+                    attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+                    embed="model.embed_tokens", norm="model.norm", head="lm_head")
+    raise ParallelError(f"no tensor-parallel plan for {type(model).__name__}")
+
+
+def _layers(model: nn.Module, names) -> nn.ModuleList:
+    module = model
+    for part in names["layers"].split("."):
+        module = getattr(module, part)
+    return module
+
+
+def apply(model: nn.Module, par: Parallel, sequence_parallel: bool = True) -> nn.Module:
+    """Tensor parallel over par.mesh["tp"] (Megatron-style: q/k/v, gate/up by columns, o and
+    down by rows, norms sequence-parallel), then FSDP2 per layer and at the root over
+    par.mesh["dp"] with --fsdp. In place; returns the model."""
+    names = _names(model)
+    if par.tp > 1:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+        seq = Shard(1) if sequence_parallel else Replicate()
+        plan = {names["embed"]: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+                names["head"]: ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+        if sequence_parallel:
+            plan[names["norm"]] = SequenceParallel()
+        for i in range(len(_layers(model, names))):
+            prefix = f"{names['layers']}.{i}."
+            a, m = prefix + names["attn"] + ".", prefix + names["mlp"] + "."
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                plan[a + proj] = ColwiseParallel(input_layouts=seq)
+            plan[a + "o_proj"] = RowwiseParallel(output_layouts=seq)
+            plan[m + "gate_proj"] = ColwiseParallel(input_layouts=seq)
+            plan[m + "up_proj"] = ColwiseParallel(input_layouts=seq)
+            plan[m + "down_proj"] = RowwiseParallel(output_layouts=seq)
+            if sequence_parallel:
+                plan[prefix + names["attn_norm"]] = SequenceParallel()
+                plan[prefix + names["mlp_norm"]] = SequenceParallel()
+        parallelize_module(model, par.mesh["tp"], plan)
+    if par.fsdp:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch 2.4-2.5
+            from torch.distributed._composable.fsdp import fully_shard
+        dp_mesh = par.mesh["dp"]
+        for layer in _layers(model, names):
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    return model
