@@ -142,6 +142,12 @@ class BenchError(Exception):
     """User-facing problem: one message, exit 2."""
 
 
+# Under torchrun with --tp / --fsdp (forge/tools/parallel.py): the process group and mesh every
+# case's model is spread over; None in one process. Rows then give rank 0's peak memory and
+# step time, and tokens/s per GPU.
+_PARALLEL = None
+
+
 # ----------------------------------------------------------------------------- models
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype):
@@ -299,6 +305,9 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
         if not any(enable_lean_activations(model).values()):
             raise BenchError(f"{mode}: model {model_name} has nothing forge.lean recomputes")
     n_params = sum(p.numel() for p in model.parameters())
+    if _PARALLEL is not None:
+        from forge.tools import parallel
+        parallel.apply(model, _PARALLEL)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -345,7 +354,9 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
                 weights: int, leftover: int, profile: int = 0, lean: bool = False,
                 graph: bool = False) -> dict:
     vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
+    # (one sequence per data-parallel rank: every tensor-parallel rank of a group the same)
+    dp_rank = _PARALLEL.mesh.get_local_rank("dp") if _PARALLEL is not None else 0
+    g = torch.Generator().manual_seed(dp_rank)
     tokens = torch.randint(0, vocab, (1, seq), generator=g).to(device)
     timer = Timer(device)
     warmup, step = WARMUP_STEPS, functools.partial(train_step, model, optimizer, tokens, lean)
@@ -377,8 +388,9 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
         note = "non-finite loss"
     if leftover > 2**28:
         note = f"{leftover / 2**30:.1f} GiB left over from earlier cases is in the peak"
+    per_gpu = 1.0 if _PARALLEL is None else _PARALLEL.dp / _PARALLEL.world
     row = dict(status="ok", peak_gib=round(peak / 2**30, 2) if peak else None,
-               step_ms=round(step_ms, 1), tokens_per_s=round(seq / (step_ms / 1e3)),
+               step_ms=round(step_ms, 1), tokens_per_s=round(seq * per_gpu / (step_ms / 1e3)),
                params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 2),
                note=note, step_ms_each=[round(t, 1) for t in times],
                host_ms=round(statistics.median(host), 1))
@@ -463,6 +475,11 @@ def environment(device: torch.device, argv: List[str]) -> dict:
         info["forge"] = getattr(forge, "__version__", "unknown")
     except Exception:  # noqa: BLE001
         info["forge"] = None
+    if _PARALLEL is not None:
+        info["parallel"] = {"world": _PARALLEL.world, "tp": _PARALLEL.tp, "dp": _PARALLEL.dp,
+                            "fsdp": _PARALLEL.fsdp}
+        info["gpu"] += f" ×{_PARALLEL.world} (tp {_PARALLEL.tp}, dp {_PARALLEL.dp}" + \
+            (", FSDP2)" if _PARALLEL.fsdp else ")")
     return info
 
 
@@ -955,6 +972,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "time is then the median of its rounds' medians (order-balanced: on "
                         "the H200 the later of two modes has measured 1-2 %% slower); "
                         "--profile runs in the first round only")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="under torchrun: tensor parallel over N ranks (forge/tools/parallel.py)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: FSDP2 over the data-parallel ranks (world / tp); "
+                        "batch 1 per data-parallel rank")
     p.add_argument("--cuda-graph", action="store_true",
                    help="run every step through forge.graphs.CUDAGraphStep: the warm-ups eager, "
                         "then one capture, then the timed steps as CUDA graph replays (torch "
@@ -1072,6 +1094,19 @@ def main(argv=None) -> int:
             return 0
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                               else ("cpu" if args.device == "auto" else args.device))
+        global _PARALLEL
+        from forge.tools import parallel
+        try:
+            _PARALLEL = parallel.from_environment(args.tp, args.fsdp, device.type)
+        except parallel.ParallelError as e:
+            raise BenchError(str(e)) from None
+        if _PARALLEL is not None:
+            device = _PARALLEL.device
+            if args.cuda_graph or args.parity or args.profile:
+                raise BenchError("--tp / --fsdp: --cuda-graph, --parity and --profile run in "
+                                 "one process")
+            if not _PARALLEL.main:
+                sys.stdout = open(os.devnull, "w")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise BenchError("--device cuda: no CUDA GPU is available to torch")
         if args.cuda_graph and device.type != "cuda":
@@ -1112,8 +1147,11 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{label}: {cell(row)}" + (f" ({row['note']})" if row.get("note") else ""),
               flush=True)
-        paths = write_results(args.out, info, merge_rounds(rows))
+        if _PARALLEL is None or _PARALLEL.main:
+            paths = write_results(args.out, info, merge_rounds(rows))
     rows = merge_rounds(rows)
+    if _PARALLEL is not None and not _PARALLEL.main:
+        return 0
     paths = write_results(args.out, info, rows)
     print("\n" + markdown(info, rows))
     print("\n".join(f"{k}: {v}" for k, v in paths.items()), flush=True)

@@ -78,12 +78,16 @@ def _names(model: nn.Module) -> Dict[str, str]:
     """The module names the plan needs: layers, attention and MLP projections, norms."""
     if hasattr(model, "blocks"):  # forge.tools.models.CausalLM
         return dict(layers="blocks", attn="attn", mlp="mlp", attn_norm="attn_norm",
-                    mlp_norm="mlp_norm", embed="embed", norm="norm", head="head")
+                    mlp_norm="mlp_norm", embed="embed", norm="norm", head="head",
+                    sequence_parallel=True)
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "layers"):  # Hugging Face Llama / Qwen3 / Mistral
+        # (no sequence parallel: the model computes its rotary tables from the sequence its
+        # decoder layers receive, which SP would shard)
         return dict(layers="model.layers", attn="self_attn", mlp="mlp",
                     attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
-                    embed="model.embed_tokens", norm="model.norm", head="lm_head")
+                    embed="model.embed_tokens", norm="model.norm", head="lm_head",
+                    sequence_parallel=False)
     raise ParallelError(f"no tensor-parallel plan for {type(model).__name__}")
 
 
@@ -94,11 +98,18 @@ def _layers(model: nn.Module, names) -> nn.ModuleList:
     return module
 
 
-def apply(model: nn.Module, par: Parallel, sequence_parallel: bool = True) -> nn.Module:
+def apply(model: nn.Module, par: Parallel, sequence_parallel: Optional[bool] = None) -> nn.Module:
     """Tensor parallel over par.mesh["tp"] (Megatron-style: q/k/v, gate/up by columns, o and
-    down by rows, norms sequence-parallel), then FSDP2 per layer and at the root over
-    par.mesh["dp"] with --fsdp. In place; returns the model."""
+    down by rows; norms sequence-parallel where the model allows it, by default where it
+    does), then FSDP2 per layer and at the root over par.mesh["dp"] with --fsdp. In place;
+    returns the model."""
     names = _names(model)
+    if sequence_parallel is None:
+        sequence_parallel = names["sequence_parallel"]
+    elif sequence_parallel and not names["sequence_parallel"]:
+        raise ParallelError(f"sequence parallel: {type(model).__name__} computes its rotary "
+                            "tables from the sequence its layers see; use "
+                            "--no-sequence-parallel")
     if par.tp > 1:
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,

@@ -172,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "norms)")
     g.add_argument("--fsdp", action="store_true",
                    help="shard the model with FSDP2 over the data-parallel ranks (world / tp)")
-    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --tp: norms and the residual stream sharded along the sequence")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --tp: norms and the residual stream sharded along the sequence "
+                        "(default: where the model allows it)")
     g.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda "
                                                     "| cuda:N")
     g = p.add_argument_group("output and checkpoints")
@@ -806,7 +807,7 @@ def train(args, explicit=frozenset()) -> TrainResult:
     n_params = forge_models.count_parameters(model)
     if par is not None:
         print(f"forge-train: {par.world} ranks: tensor parallel {par.tp}"
-              f"{' (sequence parallel)' if par.tp > 1 and args.sequence_parallel else ''}, "
+              f"{' (sequence parallel)' if par.tp > 1 and args.sequence_parallel is not False else ''}, "
               f"data parallel {par.dp}{' (FSDP2)' if par.fsdp else ''}", flush=True)
     print(f"forge-train: model {args.model} ({n_params / 1e6:.2f} M parameters, "
           f"{str(dtype).replace('torch.', '')}{', bf16 autocast' if args.amp else ''}) on "
