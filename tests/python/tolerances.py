@@ -96,3 +96,10 @@ LOOP_RTOL = 1e-6
 # sum in another order, and the loss and global grad norm follow by rounding (measured
 # ~1e-7 relative for both); the margin covers the growth of that difference over the steps.
 PARALLEL_RUN_RTOL = 1e-5
+
+# forge.loss.head_cross_entropy against F.cross_entropy(F.linear(hidden, W)) in fp32: the same
+# formula in other summation orders: the log-sum-exp taken block by block online, and dX
+# summed over the vocabulary as a sum of per-block products (one GEMM over all of it in the
+# unfused path). fp32 rounding of sums over hundreds of terms: measured up to 1.1e-6 normwise
+# on dX (vocabulary 301 in blocks of 64), 3e-7 on the loss and dW.
+HEAD_CE_RTOL = 5e-6

@@ -187,10 +187,13 @@ class _CallMixin:
         self._checked_step = self._step_id
 
     def _update(self, slot, grad: Optional[torch.Tensor] = None, x=None, dy=None,
-                stream=None, scale: Optional[float] = None) -> None:
+                stream=None, scale: Optional[float] = None,
+                rows: Optional[Tuple[int, int]] = None, last: bool = True) -> None:
         """One step of slot's parameter, from a gradient tensor or from (X, dY), on `stream`
         (the raw handle of a CUDA stream, _linear.current_stream_handle's; None: the current
-        one)."""
+        one). rows = (r0, r1): only those rows of the parameter, dY holding their columns
+        (forge.loss updates a head's weight block by block); the step is counted once, by the
+        call with last=True."""
         if self._checked_step != self._step_id:
             self._check_step()
         p = slot.param
@@ -212,6 +215,8 @@ class _CallMixin:
                                "after the states were created")
         step = st["step"] + 1
         param = self._param_struct(slot, st)
+        if rows is not None:
+            param = _row_block(param, rows)
         device = self._device_struct(slot.local() if slot.dtensor else p, stream)
         # NOTE: == p.device (checked), no new object; a replica other ranks also count adds
         # nothing to this rank's statistics
@@ -259,6 +264,39 @@ class _CallMixin:
             if capturing:
                 hp.run_scalars = self._capture_region(slot, hparams)
             self._lib.elementwise_step(args)
+        if not last:
+            return
         if not capturing:  # a captured update runs at each replay: prepare_graph_replay counts it
             st["step"] = step
         slot.updated_at = self._step_id
+
+
+_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2, "bf16_master": 2}
+_STATE_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2, "int8": 1}
+
+
+def _row_block(param: _lib.Param, rows: Tuple[int, int]) -> _lib.Param:
+    """The forge_param of rows [r0, r1) of `param` (contiguous rows: the pointers move by
+    whole rows), placed at its rows in the full parameter for stochastic rounding."""
+    lib = _lib.get()
+    r0, r1 = rows
+    block = _lib.Param.from_buffer_copy(param)
+    cols = param.cols
+    block.rows = r1 - r0
+    block.weight = param.weight + r0 * cols * _WEIGHT_BYTES[
+        lib.enum_names(_lib.ENUM_WEIGHT_FORMAT)[param.weight_format]]
+    if param.master:
+        block.master = _lib.float_ptr(ctypes.addressof(param.master.contents) + r0 * cols * 4)
+    state_bytes = _STATE_BYTES[lib.enum_names(_lib.ENUM_STATE_FORMAT)[param.state_format]]
+    blocks_per_row = -(-cols // _lib.INT8_BLOCK)
+    for i in range(_lib.MAX_STATES):
+        if param.state[i]:
+            block.state[i] = param.state[i] + r0 * cols * state_bytes
+        if param.state_absmax[i]:
+            block.state_absmax[i] = _lib.float_ptr(
+                ctypes.addressof(param.state_absmax[i].contents) + r0 * blocks_per_row * 4)
+    if hasattr(block, "row_offset"):
+        if not param.full_cols:  # the full parameter: its rows are the block's place in it
+            block.full_cols = cols
+        block.row_offset = param.row_offset + r0
+    return block
