@@ -780,13 +780,14 @@ def test_torch_unfused_needs_a_gpu():
     assert "needs a CUDA device" in proc.stderr, proc.stderr
 
 
-def test_bench_loop_modes_on_cpu(tmp_path):
-    """forge-bench's deferred, clipping and accumulate_grad modes run and report."""
+def test_bench_loop_and_head_modes_on_cpu(tmp_path):
+    """forge-bench's deferred, clipping, accumulate_grad and fused-head modes run and report."""
     from forge.tools import bench
+    modes = bench.LOOP_MODES + bench.HEAD_MODES
     assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
-                       "--modes", *bench.LOOP_MODES, "--out", str(tmp_path)]) == 0
+                       "--modes", *modes, "--out", str(tmp_path)]) == 0
     with open(tmp_path / next(f for f in sorted(os.listdir(tmp_path))
                               if f.endswith(".json"))) as f:
         rows = json.load(f)["results"]
-    assert [r["mode"] for r in rows] == bench.LOOP_MODES
+    assert [r["mode"] for r in rows] == modes
     assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows

@@ -69,6 +69,12 @@ MODEL_CONFIGS: Dict[str, dict] = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
         hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
         bos_token_id=151643, eos_token_id=151645),
+    "qwen3-32b": dict(
+        family="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+        num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645),
     # NOTE: its public config ties input and output embeddings; FORGE detects the shared
     # weight and gives it the materialized-gradient path (a warning names it).
     "qwen3-0.6b": dict(
@@ -100,7 +106,9 @@ GRAPH_MODES = ["torch-adamw-graph", "forge-bf16-lean-graph", "forge-int8-lean-gr
 # keeps X and dY, or a dense gradient where smaller, until step()), deferred with exact
 # clipping (max_grad_norm=1.0), and accumulate_grad=True (a dense .grad per parameter).
 LOOP_MODES = ["forge-bf16-deferred", "forge-bf16-clip", "forge-bf16-accum"]
-KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES
+# FORGE with the head and its cross entropy fused (forge.loss.enable_fused_head): no logits.
+HEAD_MODES = ["forge-bf16-head", "forge-int8-head"]
+KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES
 # The cases of ../shared/ANCHORS.md and of TARGETS below, most important first:
 # (model, seq, activation checkpointing, modes). torch-adamw leads each group: its number
 # is the reference, and it is safe from a FORGE kernel fault that could spoil the rest.
@@ -207,6 +215,7 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         return OptimizerInBackward(model, fused)
     import forge.optim
     mode = mode[:-len("-lean")] if mode in LEAN_MODES else mode
+    mode = mode[:-len("-head")] if mode in HEAD_MODES else mode
     immediate = dict(mode="immediate")
     if mode == "forge-bf16":
         return forge.optim.AdamW(model, lr=LR, state_format="bf16", **immediate)
@@ -304,6 +313,12 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
         from forge.lean import enable_lean_activations
         if not any(enable_lean_activations(model).values()):
             raise BenchError(f"{mode}: model {model_name} has nothing forge.lean recomputes")
+    if mode in HEAD_MODES:
+        import forge.loss
+        try:
+            forge.loss.enable_fused_head(model)
+        except ValueError as e:
+            raise BenchError(f"{mode}: {e}") from None
     n_params = sum(p.numel() for p in model.parameters())
     if _PARALLEL is not None:
         from forge.tools import parallel
