@@ -39,15 +39,15 @@ def train_step(model, opt, x) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def per_linear_us(model, opt, x, steps: int, layers: int) -> float:
+def per_linear_us(model, opt, x, steps: int, layers: int, warmup: int = WARMUP) -> float:
     cuda = x.is_cuda
     times = []
-    for i in range(WARMUP + steps):
+    for i in range(warmup + steps):
         t = time.perf_counter()
         train_step(model, opt, x)
         if cuda:
             torch.cuda.synchronize()
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(time.perf_counter() - t)
     return statistics.median(times) / layers * 1e6
 
@@ -73,6 +73,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="measure each optimizer N times, alternating (order reversed every other "
+                        "round), and report the median of the rounds: on a busy host a single "
+                        "pass of each measures the load as much as the code")
     p.add_argument("--json", metavar="PATH", help="also write the figures there (bench/record.py "
                    "appends them to the results table)")
     args = p.parse_args()
@@ -85,20 +89,27 @@ def main() -> int:
         return torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False)
                                      for _ in range(args.layers)]).to(device, dtype)
 
-    model = stack()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
-    torch_us = per_linear_us(model, opt, x, args.steps, args.layers)
-    if args.profile:
-        profile_steps(model, opt, x, args.profile, "torch AdamW(foreach)")
-    model = stack()
+    if args.rounds < 1:
+        p.error(f"--rounds: must be >= 1, got {args.rounds}")
+    torch_model = stack()
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-6, foreach=True)
+    forge_model = stack()
     states = {"state_format": "fp32"} if dtype == torch.float32 else {}  # bf16: the default
-    opt = forge.optim.AdamW(model, lr=1e-6, **states)
-    forge_us = per_linear_us(model, opt, x, args.steps, args.layers)
+    forge_opt = forge.optim.AdamW(forge_model, lr=1e-6, mode="immediate", **states)
+    runs = {"torch": (torch_model, torch_opt), "forge": (forge_model, forge_opt)}
+    measured = {"torch": [], "forge": []}
+    for r in range(args.rounds):
+        for name in (("torch", "forge") if r % 2 == 0 else ("forge", "torch")):
+            model, opt = runs[name]
+            measured[name].append(per_linear_us(model, opt, x, args.steps, args.layers,
+                                                warmup=WARMUP if r < 2 else 2))
+    torch_us, forge_us = (statistics.median(measured[k]) for k in ("torch", "forge"))
     if args.profile:
-        profile_steps(model, opt, x, args.profile, "forge.optim.AdamW")
+        profile_steps(*runs["torch"], x, args.profile, "torch AdamW(foreach)")
+        profile_steps(*runs["forge"], x, args.profile, "forge.optim.AdamW")
     print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}, "
-          f"torch {torch.__version__}): torch AdamW(foreach) {torch_us:.1f} us, "
-          f"forge.optim.AdamW {forge_us:.1f} us")
+          f"torch {torch.__version__}, median of {args.rounds} round(s)): torch AdamW(foreach) "
+          f"{torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us")
     if args.json:
         case = f"{args.layers} Linears 16x16 {args.dtype} {device.type}"
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -182,8 +182,8 @@ class _CallMixin:
                 if type(step) is not int or step < 0:
                     raise RuntimeError(f"forge: parameter '{slot.name}': state 'step' must be an "
                                        f"int >= 0, got {step!r}")
-                if slot.signature is not None:
-                    self._param_struct(slot, st)  # (checks replaced state tensors)
+                if slot.signature is not None:  # (checks replaced state tensors)
+                    slot.struct, slot.struct_step = self._param_struct(slot, st), self._step_id
         self._checked_step = self._step_id
 
     def _update(self, slot, grad: Optional[torch.Tensor] = None, x=None, dy=None,
@@ -214,7 +214,8 @@ class _CallMixin:
                                "the update rule or its states (e.g. momentum 0 <-> > 0, centered) "
                                "after the states were created")
         step = st["step"] + 1
-        param = self._param_struct(slot, st)
+        param = slot.struct if slot.struct_step == self._step_id else \
+            self._param_struct(slot, st)
         if rows is not None:
             param = _row_block(param, rows)
         device = self._device_struct(slot.local() if slot.dtensor else p, stream)
@@ -227,23 +228,33 @@ class _CallMixin:
             (x2, ldx), (dy2, lddy) = x, dy
             x2, x_code = _linear.forge_dtype(x2)
             dy2, dy_code = _linear.forge_dtype(dy2)
-            args = _lib.WgradArgs()
-            args.abi_version = _lib.ABI_VERSION
-            args.device = device
+            # NOTE: one forge_wgrad_args per parameter, kept: a field that holds a struct
+            # (device, param, hparams, outputs) is copied in only when what it holds changed
+            # (a ctypes struct assignment copies), the rest is set per call.
+            args, held = slot.call_args, slot.call_held
+            if args is None:
+                args = slot.call_args = _lib.WgradArgs()
+                args.abi_version = _lib.ABI_VERSION
+                held = slot.call_held = [None, None, None, None]
+            if held[0] is not device:
+                args.device, held[0] = device, device
+            if held[1] is not param:
+                args.param, held[1] = param, param
+            if held[2] is not hparams:
+                args.hparams, held[2] = hparams, hparams
+            if held[3] is not outputs:
+                args.outputs, held[3] = outputs, outputs
             args.tokens = x2.size(0)
             args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
             args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
-            args.param, args.hparams, args.outputs = param, hparams, outputs
-            # NOTE: step and seed set in args' own copy of the hyper-parameters (a view of
-            # args), not in a fresh struct copied in: half the time.
-            hp = args.hparams
+            hp = args.hparams  # (a view of args' own copy)
             hp.step, hp.seed = step, self.seed + slot.index
             if scale is None:
                 scale = self._backward_scale
-            if scale != 1.0:
+            if hp.grad_scale != scale:
                 hp.grad_scale = scale
-            if capturing:
-                hp.run_scalars = self._capture_region(slot, hparams)
+            if capturing or hp.run_scalars:
+                hp.run_scalars = self._capture_region(slot, hparams) if capturing else None
             self._lib.wgrad_step(args)
         else:
             with torch.no_grad():

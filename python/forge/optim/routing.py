@@ -88,6 +88,12 @@ class _Slot:
         self.held: Optional[torch.Tensor] = None
         self.grad_version: Optional[int] = None
         self._consumed: Optional[ConsumedGrad] = None
+        # The host's fast path (call.py): the forge_param checked this step (and the step),
+        # and the forge_wgrad_args kept for this parameter with what its struct fields hold.
+        self.struct = None
+        self.struct_step = -1
+        self.call_args = None
+        self.call_held = None
 
     def consumed_grad(self) -> ConsumedGrad:
         """The .grad left on this parameter once its update ran inside backward (made once)."""
