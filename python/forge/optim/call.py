@@ -182,6 +182,7 @@ class _CallMixin:
                 if type(step) is not int or step < 0:
                     raise RuntimeError(f"forge: parameter '{slot.name}': state 'step' must be an "
                                        f"int >= 0, got {step!r}")
+                self._check_state_format(slot, group)  # (fixed once states exist)
                 if slot.signature is not None:
                     self._param_struct(slot, st)  # (checks replaced state tensors)
         self._checked_step = self._step_id

@@ -58,6 +58,7 @@ class _Slot:
         self.names = names
         self.name = names[0]
         self.mode = mode            # "fused" | "hook" | "deferred"
+        self.state_format = None    # "fp32" | "bf16" | "int8", fixed when its states are made
         self.dtype = param.dtype
         self.device = param.device
         # [rows, cols] of what this rank updates, and where it lies in the full parameter
