@@ -296,6 +296,7 @@ def test_per_group_state_format_equals_separate_optimizers():
     assert set(formats.values()) == {"int8", "bf16"}
     for (name, a), b in zip(mixed.named_parameters(), split.parameters()):
         assert torch.equal(a, b), name
+    assert "bf16" in opt.summary() and "int8" in opt.summary()
 
 
 @pytest.mark.parametrize("change", ["state_format", "min_8bit_size"])

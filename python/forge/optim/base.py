@@ -28,6 +28,7 @@ from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
 from . import distributed
 from .deferred import ConsumedGrad, FactoredGrad
+from . import summary as _summary
 from .states import MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin, check_storage_options
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -225,8 +226,17 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._any_cuda = False  # a parameter on CUDA (set by _attach)
         self._attached = True
         self._attach(model, all_params, names)
+        if _log.isEnabledFor(logging.INFO):
+            _log.info("%s", _summary.one_line(self))
 
     # ------------------------------------------------------------------ public surface
+
+    def summary(self, verbose: bool = False) -> str:
+        """Which parameters are fused, which take the element-wise path and why (not an
+        nn.Linear / Conv1D forward, shared/tied, frozen, ...), the bytes of each, the gradient
+        bytes never allocated and the state bytes by format, as readable lines (summary.py).
+        verbose: every parameter's name, not the first few of each line."""
+        return _summary.describe(self, verbose)
 
     @property
     def mode(self) -> str:
