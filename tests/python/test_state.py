@@ -176,6 +176,27 @@ def test_frozen_parameter_in_params_is_never_stepped():
     assert torch.equal(frozen, model.blocks[0].up.weight)
 
 
+def test_frozen_parameter_of_any_dtype_is_accepted_and_never_stepped():
+    """A frozen parameter FORGE could not update (a quantized layer's uint8 storage, an fp16
+    copy) is accepted in params= as torch.optim accepts it, and never stepped; one unfrozen
+    later and given a gradient is refused at step(), naming it, before any weight changes."""
+    model = TinyTransformer()
+    model.codes = torch.nn.Parameter(torch.arange(6, dtype=torch.uint8), requires_grad=False)
+    model.half_copy = torch.nn.Parameter(torch.ones(3, dtype=torch.float16), requires_grad=False)
+    codes, before = model.codes.detach().clone(), model.half_copy.detach().clone()
+    opt = forge.optim.AdamW(model, params=list(model.parameters()), mode="deferred")
+    train(model, opt, 2, 0, "cpu")
+    assert torch.equal(model.codes, codes) and torch.equal(model.half_copy, before)
+    assert model.codes not in opt.state and model.half_copy not in opt.state
+    model.half_copy.requires_grad_(True)
+    lm_loss(model, 2).backward()
+    model.half_copy.grad = torch.ones_like(model.half_copy)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"'half_copy' \(torch.float16\) got a gradient"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_norm_matches_clip_grad_norm(device):
     torch.manual_seed(0)

@@ -635,7 +635,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             name = names[id(p)][0]
             if not isinstance(p, nn.Parameter) and not p.is_leaf:
                 raise ValueError(f"parameter '{name}': not a leaf tensor")
-            if p.dtype not in _SUPPORTED_DTYPES:
+            # (a frozen parameter of another dtype, e.g. a quantized base layer's uint8
+            # storage, is accepted as torch.optim accepts it: it is never stepped)
+            if p.dtype not in _SUPPORTED_DTYPES and p.requires_grad:
                 raise TypeError(f"parameter '{name}': dtype {p.dtype} is not supported by FORGE "
                                 "(float32 or bfloat16)")
             if p.device.type == "cuda":

@@ -172,6 +172,7 @@ class _CallMixin:
                     f"optimizer was built ({slot.dtype} on {slot.device} -> {p.dtype} on "
                     f"{p.device}); build the optimizer after moving the model")
             group = self._group_of(slot)
+            self._check_storage(slot, group)  # (states.py: formats, dtypes)
             if id(group) not in checked_groups:
                 checked_groups.add(id(group))
                 self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32,
@@ -182,7 +183,6 @@ class _CallMixin:
                 if type(step) is not int or step < 0:
                     raise RuntimeError(f"forge: parameter '{slot.name}': state 'step' must be an "
                                        f"int >= 0, got {step!r}")
-                self._check_state_format(slot, group)  # (fixed once states exist)
                 if slot.signature is not None:
                     self._param_struct(slot, st)  # (checks replaced state tensors)
         self._checked_step = self._step_id

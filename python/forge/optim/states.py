@@ -62,6 +62,10 @@ class _StatesMixin:
     def _weight_format(self, slot) -> int:
         if slot.dtype == torch.float32:
             return _lib.WEIGHT_FP32
+        if slot.dtype != torch.bfloat16:  # accepted frozen at construction, trained now
+            raise RuntimeError(f"forge: parameter '{slot.name}' ({slot.dtype}) got a gradient, "
+                               "but FORGE updates float32 or bfloat16 parameters only (it was "
+                               "frozen when the optimizer was built, so it was accepted)")
         if self.master_weights:
             return _lib.WEIGHT_BF16_MASTER
         return _lib.WEIGHT_BF16_STOCHASTIC if self.stochastic_rounding else _lib.WEIGHT_BF16
@@ -120,10 +124,14 @@ class _StatesMixin:
                          f"state_format={was!r}, this optimizer keeps {fmt!r} states for it"
                          f"{hint}")
 
-    def _check_state_format(self, slot, group: Dict[str, Any]) -> None:
-        """Refuses a group whose state format changed after slot's states were made (their
-        buffers hold the old format; converting them is not implemented)."""
-        if slot.state_format is None:
+    def _check_storage(self, slot, group: Dict[str, Any]) -> None:
+        """Before a step's first update (call.py, _check_step): refuses a parameter of a dtype
+        FORGE does not update (accepted frozen) that now holds a gradient, and a group whose
+        state format changed after slot's states were made (their buffers hold the old
+        format; converting them is not implemented)."""
+        if slot.dtype not in (torch.float32, torch.bfloat16) and slot.param.grad is not None:
+            self._weight_format(slot)  # (raises, naming it)
+        if slot.state_format is None or not self.state.get(slot.param):
             return
         want = self._requested_format(slot, group)
         if want != slot.state_format:
@@ -192,7 +200,7 @@ class _StatesMixin:
         fmt = self._requested_format(slot, group)
         if slot.dtensor and fmt == "int8":
             distributed.check_int8_blocks(slot.geometry, slot.name)
-        slot.state_format = fmt  # fixed from here on (see _check_state_format)
+        slot.state_format = fmt  # fixed from here on (see _check_storage)
         st = self.state[p]
         st.clear()
         full = self._state_spec(slot, group)
