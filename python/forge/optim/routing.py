@@ -66,6 +66,7 @@ class _Slot:
         self.kind = None            # fused: the layer, "Linear" or "Conv1D"
         self.reason = ""            # why this path, in words (opt.summary())
         self.state_format = None    # "fp32" | "bf16" | "int8", fixed when its states are made
+        self.storage_asked = None   # its group's (state_format, min_8bit_size) then
         self.dtype = param.dtype
         self.device = param.device
         # [rows, cols] of what this rank updates, and where it lies in the full parameter
