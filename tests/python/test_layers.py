@@ -249,6 +249,39 @@ def test_functional_linear_and_own_forward_take_the_elementwise_path(device,
     assert_contract(errors, device)
 
 
+class Attention(nn.Module):
+    """nn.MultiheadAttention: F.linear on in_proj_weight, and out_proj an nn.Linear whose
+    weight it reads directly, never calling its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(DIM, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.head(self.attn(h, h, h, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multihead_attention_weights_take_the_elementwise_path(device, record_difference):
+    model = Attention()
+    opt = forge.optim.AdamW(model)
+    modes = {s.name: (s.mode, s.reason) for s in opt._slots.values()}
+    assert modes["inp.weight"][0] == modes["head.weight"][0] == "fused"
+    assert modes["attn.in_proj_weight"][0] == "hook" and "F.linear" in modes[
+        "attn.in_proj_weight"][1]
+    assert modes["attn.out_proj.weight"][0] == "hook" and "MultiheadAttention's out_proj" in \
+        modes["attn.out_proj.weight"][1]
+    # (SGD: the key bias's gradient is rounding noise, its true value 0; Adam would turn
+    # that noise into full-size steps and the comparison into one of noise)
+    errors = trajectories(Attention, "SGD", dict(lr=0.05, momentum=0.9), device, steps=5,
+                          loss_fn=regression_loss)
+    record_difference("SGD nn.MultiheadAttention", errors["forge_vs_ordered"])
+    assert_contract(errors, device)
+
+
 def test_summary_and_construction_log(caplog):
     """summary(): fused / element-wise / deferred / frozen, with bytes; one INFO line."""
     model = Conv1DNet()

@@ -255,6 +255,10 @@ class _RoutingMixin:
             if _linear.layer_kind(m) is not None and isinstance(
                     getattr(m, "weight", None), torch.Tensor):
                 layers.setdefault(id(m.weight), []).append(m)
+        # nn.MultiheadAttention keeps out_proj as an nn.Linear but reads its weight directly
+        # (F.multi_head_attention_forward), never calling its forward: nothing to reroute
+        direct = {id(m.out_proj.weight) for m in model.modules()
+                  if isinstance(m, nn.MultiheadAttention)}
         post_hook, pre_hook = _has_post_accumulate_hook(), _has_node_prehook()
         self._any_cuda = self._any_cuda or any(p.is_cuda for p in params)
         shared = []
@@ -263,6 +267,9 @@ class _RoutingMixin:
             mods = layers.get(id(p), [])
             kinds = {_linear.layer_kind(m) for m in mods}
             refusals = [r for r in map(_linear.why_not_patchable, mods) if r is not None]
+            if id(p) in direct:
+                refusals.insert(0, "nn.MultiheadAttention's out_proj, whose weight it reads "
+                                   "directly, never through the Linear's forward")
             kind = None
             if distributed.is_fsdp_managed(model, p) and post_hook:
                 mode, reason = "hook", "an FSDP2 shard: its gradient arrives reduce-scattered"
