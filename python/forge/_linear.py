@@ -1,4 +1,4 @@
-"""_linear.py — how an nn.Linear's weight update moves into its backward.
+"""_linear.py — how the weight update of a linear layer moves into its backward.
 
 Each nn.Linear whose weight a forge optimizer owns gets, per instance, a forward that
 calls FusedLinearFunction:
@@ -6,6 +6,13 @@ calls FusedLinearFunction:
     backward: dX = dY·W with the OLD weight, db = Σ dY   (returned to autograd)
               (X, dY) handed to the optimizer's slot      (no dW is formed)
               None for W: the weight never gets a .grad.
+transformers' Conv1D (GPT-2 and its relatives: y = x·W + b with W stored [in, out], a
+transposed Linear) gets FusedConv1DFunction: the same, with dW = Xᵀ·dY. The fused step
+takes, for a parameter [rows, cols], x: [T, cols] and dy: [T, rows] and computes
+Σ_t dy[t]ᵀ x[t]; for W [in, out] that is Xᵀ·dY when x := dY and dy := X. So a Conv1D hands
+its slot the pair swapped, and everything downstream (the fused step, the fp32 sum of a
+weight with several uses, the deferred FactoredGrad) sees a parameter [rows, cols] with
+its two operands, whichever layer made them.
 The optimizer applies the fused step (forge_wgrad_step) when autograd reaches W's
 AccumulateGrad node, i.e. once every consumer of W in this backward is done (see
 forge/optim/routing.py); that is what makes a Linear applied twice, or a weight also used outside its
@@ -16,6 +23,7 @@ deep copy of the model (a new weight) silently behaves like a plain nn.Linear.
 """
 from __future__ import annotations
 
+import sys
 import types
 import weakref
 from typing import Dict, Optional, Tuple
@@ -161,23 +169,105 @@ def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
         return FusedLinearFunction.apply(input, weight, self.bias, slot, compute_dtype)
 
 
+class FusedConv1DFunction(torch.autograd.Function):
+    """y = x·W + b with W: [in, out] (transformers' Conv1D: torch.addmm, as its forward);
+    backward returns dX = dY·Wᵀ (old W) and db, hands the slot (dY, X) as the fused step's
+    (x, dy) pair (see the file header) and returns no dW."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, slot, compute_dtype):
+        w = weight if compute_dtype is None else weight.to(compute_dtype)
+        b = bias if bias is None or compute_dtype is None else bias.to(compute_dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.slot = slot
+        ctx.compute_dtype = compute_dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        y = x2.mm(w) if b is None else torch.addmm(b, x2, w)
+        return y.view(x.shape[:-1] + (w.shape[1],))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        w = weight if ctx.compute_dtype is None else weight.to(ctx.compute_dtype)
+        dy2 = dy.reshape(-1, dy.shape[-1])                                   # [T, out]
+        # NOTE: dX first, with the weight as the forward saw it (see FusedLinearFunction);
+        # 2-d products as addmm's own backward makes them, so fp32 results are torch's bits.
+        dx = dy2.mm(w.t()).view(x.shape) if ctx.needs_input_grad[0] else None  # [..., in]
+        db = dy2.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None  # [out]
+        dw = ctx.slot.linear_backward(dy, x, weight) if ctx.needs_input_grad[1] else None
+        return dx, dw, db, None, None
+
+
+def conv1d_class() -> Optional[type]:
+    """transformers' Conv1D, or None where transformers is not imported (a model that holds
+    one has imported it: FORGE never imports transformers itself)."""
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None) if module is not None else None
+
+
+def _forge_conv1d_forward(self, input: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    ref = _SLOTS.get(id(weight))
+    slot = ref() if ref is not None else None
+    if (slot is None or slot.param is not weight or not slot.is_live()
+            or not torch.is_grad_enabled() or not weight.requires_grad):
+        return type(self).forward(self, input)  # Conv1D's own forward (checked in can_patch)
+    compute_dtype = autocast_dtype(input.device.type) if input.is_floating_point() else None
+    if compute_dtype is None:
+        return FusedConv1DFunction.apply(input, weight, self.bias, slot, None)
+    input = input.to(compute_dtype)
+    with torch.autocast(input.device.type, enabled=False):
+        return FusedConv1DFunction.apply(input, weight, self.bias, slot, compute_dtype)
+
+
+_FORGE_FORWARDS = (_forge_linear_forward, _forge_conv1d_forward)
+
+
+def layer_kind(module: nn.Module) -> Optional[str]:
+    """"Linear" for an nn.Linear (or a subclass), "Conv1D" for transformers' Conv1D (or a
+    subclass), else None: the layers whose weight FORGE can fuse when can_patch allows."""
+    if isinstance(module, nn.Linear):
+        return "Linear"
+    conv1d = conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return "Conv1D"
+    return None
+
+
+def why_not_patchable(module: nn.Module) -> Optional[str]:
+    """None where can_patch(module), else why not, in words (for opt.summary())."""
+    kind = layer_kind(module)
+    if kind is None:
+        return f"{type(module).__name__} is not an nn.Linear or transformers Conv1D"
+    base = nn.Linear if kind == "Linear" else conv1d_class()
+    if type(module).forward is not base.forward:
+        return (f"{type(module).__name__} replaces {base.__name__}.forward (its own "
+                "computation, e.g. a quantized or adapter layer)")
+    fwd = module.__dict__.get("forward")
+    if fwd is not None and not (isinstance(fwd, types.MethodType)
+                                and fwd.__func__ in _FORGE_FORWARDS):
+        return f"the forward of this {base.__name__} was replaced on the instance"
+    if getattr(module, "weight", None) is None or module.weight.dim() != 2:
+        return f"this {base.__name__} has no 2-d weight"
+    return None
+
+
 def can_patch(module: nn.Module) -> bool:
-    """A plain nn.Linear (or a subclass keeping its forward) whose forward nobody else
-    replaced (ours, left by an optimizer that was garbage-collected, is fine)."""
-    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
-        return False
-    fwd = module.__dict__.get("forward")
-    return fwd is None or (isinstance(fwd, types.MethodType)
-                           and fwd.__func__ is _forge_linear_forward)
+    """A plain nn.Linear or transformers Conv1D (or a subclass keeping its forward) whose
+    forward nobody else replaced (ours, left by an optimizer that was garbage-collected, is
+    fine)."""
+    return why_not_patchable(module) is None
 
 
-def patch(module: nn.Linear, slot) -> None:
+def patch(module: nn.Module, slot) -> None:
     _SLOTS[id(module.weight)] = weakref.ref(slot)
-    module.forward = types.MethodType(_forge_linear_forward, module)
+    forward = _forge_conv1d_forward if layer_kind(module) == "Conv1D" else _forge_linear_forward
+    module.forward = types.MethodType(forward, module)
 
 
-def unpatch(module: nn.Linear, weight: torch.Tensor) -> None:
+def unpatch(module: nn.Module, weight: torch.Tensor) -> None:
     fwd = module.__dict__.get("forward")
-    if isinstance(fwd, types.MethodType) and fwd.__func__ is _forge_linear_forward:
+    if isinstance(fwd, types.MethodType) and fwd.__func__ in _FORGE_FORWARDS:
         del module.forward
     _SLOTS.pop(id(weight), None)

@@ -3,7 +3,8 @@
 - ordered(model): every nn.Linear's weight gradient summed over tokens one at a time
   (acc += outer(dy[t], x[t]), each product rounded, in token order) — the order of
   FORGE's CPU backend — so torch.optim gets the same dW as the fused step consumed and
-  the comparison isolates the update itself ("up to GEMM summation order").
+  the comparison isolates the update itself ("up to GEMM summation order"). transformers'
+  Conv1D (W: [in, out], dW = XᵀdY) likewise: acc += outer(x[t], dy[t]).
 - LionReference: Lion as written in the paper (Chen et al. 2023, Algorithm 2), since
   torch.optim has none.
 - trajectories(): trains copies of one model side by side (forge, torch on ordered dW,
@@ -21,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import forge
+from forge._linear import conv1d_class
 from tiny_models import lm_loss
 
 
@@ -46,10 +48,50 @@ def _ordered_forward(self, x):
     return OrderedLinearFunction.apply(x, self.weight, self.bias)
 
 
+def _conv1d_forward_backward(x, weight, bias, dy, acc):
+    """Conv1D (y = x·W + b, W: [in, out]) as torch.addmm computes it: the forward, and in
+    backward (dy given) dX, db, and dW = XᵀdY added into `acc` token by token."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if dy is None:
+        return torch.addmm(bias, x2, weight).view(x.shape[:-1] + (weight.shape[1],))
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    for t in range(x2.shape[0]):
+        acc += torch.outer(x2[t], dy2[t])              # rounded product, then rounded sum
+    return dy2.mm(weight.t()).view(x.shape), dy2.sum(0)
+
+
+class OrderedConv1DFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return _conv1d_forward_backward(x, weight, bias, None, None)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dw = torch.zeros_like(weight)                  # [in, out]
+        dx, db = _conv1d_forward_backward(x, weight, None, dy, dw)
+        return dx, dw, db
+
+
+def _ordered_conv1d_forward(self, x):
+    return OrderedConv1DFunction.apply(x, self.weight, self.bias)
+
+
+def is_conv1d(m: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's linear layers), where transformers is imported."""
+    conv1d = conv1d_class()
+    return conv1d is not None and isinstance(m, conv1d)
+
+
 def ordered(model: nn.Module) -> nn.Module:
+    """The layers FORGE fuses (nn.Linear keeping its class's forward, Conv1D) sum dW in
+    token order; a subclass with its own forward keeps it (FORGE leaves it to autograd)."""
     for m in model.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
             m.forward = types.MethodType(_ordered_forward, m)
+        elif is_conv1d(m):
+            m.forward = types.MethodType(_ordered_conv1d_forward, m)
     return model
 
 
@@ -187,12 +229,36 @@ def _concat_forward(self, x):
     return _ConcatOrderedLinearFunction.apply(x, self.weight, self.bias)
 
 
+class _ConcatOrderedConv1DFunction(torch.autograd.Function):
+    """_ConcatOrderedLinearFunction for a Conv1D: dW = XᵀdY continues weight._ordered_acc."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return _conv1d_forward_backward(x, weight, bias, None, None)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        acc = getattr(weight, "_ordered_acc", None)
+        if acc is None:
+            acc = weight._ordered_acc = torch.zeros_like(weight)
+        dx, db = _conv1d_forward_backward(x, weight, None, dy, acc)
+        return dx, None, db
+
+
+def _concat_conv1d_forward(self, x):
+    return _ConcatOrderedConv1DFunction.apply(x, self.weight, self.bias)
+
+
 def ordered_concat(model: nn.Module) -> nn.Module:
-    """The reference of the training-loop tests (test_loop.py): Linear weight gradients summed
-    in FORGE's order over all micro-batches; model.move_ordered_grads() hands them to .grad."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    """The reference of the training-loop tests (test_loop.py): Linear (and Conv1D) weight
+    gradients summed in FORGE's order over all micro-batches; model.move_ordered_grads() hands
+    them to .grad."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) or is_conv1d(m)]
     for m in linears:
-        m.forward = types.MethodType(_concat_forward, m)
+        forward = _concat_conv1d_forward if is_conv1d(m) else _concat_forward
+        m.forward = types.MethodType(forward, m)
 
     def move_ordered_grads():
         for m in linears:

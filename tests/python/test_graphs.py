@@ -386,7 +386,7 @@ def train_cuda(state_format, graphed, lrs, dtype=torch.bfloat16):
     torch.manual_seed(0)
     model = TinyTransformer().to("cuda", dtype)
     opt = forge.optim.AdamW(model, lr=lrs[0], weight_decay=0.1, state_format=state_format,
-                            seed=11)
+                            seed=11, min_8bit_size=0)  # (int8 on every parameter)
 
     train_step = make_train_step(model, opt)
     step = forge.graphs.CUDAGraphStep(train_step, optimizers=[opt], warmup=2) if graphed \

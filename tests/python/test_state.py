@@ -31,7 +31,8 @@ def train(model, opt, steps, start, device):
 @pytest.mark.parametrize("dtype,state_format,master", FORMATS)
 def test_resume_is_bit_exact(dtype, state_format, master, device, deterministic):
     dtype = getattr(torch, dtype)
-    options = dict(state_format=state_format, master_weights=master, seed=7)
+    # (min_8bit_size=0: int8 on every parameter of the tiny model, not only the large ones)
+    options = dict(state_format=state_format, master_weights=master, seed=7, min_8bit_size=0)
     model = TinyTransformer().to(device=device, dtype=dtype)
     opt = forge.optim.AdamW(model, lr=1e-2, weight_decay=0.1, **options)
     train(model, opt, 3, 0, device)
@@ -64,7 +65,7 @@ def test_resume_is_bit_exact(dtype, state_format, master, device, deterministic)
 def test_state_dict_round_trip(state_format):
     model = TinyTransformer()
     opt = forge.optim.RMSprop(model, lr=1e-3, centered=True, momentum=0.9,
-                              state_format=state_format)
+                              state_format=state_format, min_8bit_size=0)
     train(model, opt, 2, 0, "cpu")
     saved = copy.deepcopy(opt.state_dict())
     p = model.blocks[0].attn.q.weight
@@ -79,7 +80,7 @@ def test_state_dict_round_trip(state_format):
         assert opt.state[p]["square_avg_absmax"].shape == (p.shape[0], -(-p.shape[1] // 64))
 
     other = forge.optim.RMSprop(copy.deepcopy(model), lr=1e-3, centered=True, momentum=0.9,
-                                state_format=state_format)
+                                state_format=state_format, min_8bit_size=0)
     other.load_state_dict(saved)
     again = other.state_dict()
     assert again["param_groups"] == saved["param_groups"]
@@ -131,7 +132,7 @@ def test_load_is_all_or_nothing(state_format, corrupt):
     """A state dict with one bad value, in the last parameter's state: refused with a message
     naming it, and the optimizer keeps every state it had (nothing was cleared or loaded)."""
     model = TinyTransformer()
-    opt = forge.optim.AdamW(model, state_format=state_format)
+    opt = forge.optim.AdamW(model, state_format=state_format, min_8bit_size=0)  # (int8: all)
     train(model, opt, 2, 0, "cpu")
     saved = copy.deepcopy(opt.state_dict())
     last = saved["state"][max(saved["state"])]
@@ -173,6 +174,27 @@ def test_frozen_parameter_in_params_is_never_stepped():
     opt = forge.optim.AdamW(model, params=list(model.parameters()))
     train(model, opt, 3, 0, "cpu")
     assert torch.equal(frozen, model.blocks[0].up.weight)
+
+
+def test_frozen_parameter_of_any_dtype_is_accepted_and_never_stepped():
+    """A frozen parameter FORGE could not update (a quantized layer's uint8 storage, an fp16
+    copy) is accepted in params= as torch.optim accepts it, and never stepped; one unfrozen
+    later and given a gradient is refused at step(), naming it, before any weight changes."""
+    model = TinyTransformer()
+    model.codes = torch.nn.Parameter(torch.arange(6, dtype=torch.uint8), requires_grad=False)
+    model.half_copy = torch.nn.Parameter(torch.ones(3, dtype=torch.float16), requires_grad=False)
+    codes, before = model.codes.detach().clone(), model.half_copy.detach().clone()
+    opt = forge.optim.AdamW(model, params=list(model.parameters()), mode="deferred")
+    train(model, opt, 2, 0, "cpu")
+    assert torch.equal(model.codes, codes) and torch.equal(model.half_copy, before)
+    assert model.codes not in opt.state and model.half_copy not in opt.state
+    model.half_copy.requires_grad_(True)
+    lm_loss(model, 2).backward()
+    model.half_copy.grad = torch.ones_like(model.half_copy)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"'half_copy' \(torch.float16\) got a gradient"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -230,3 +252,157 @@ def test_state_fp32_decodes_states(state_format, device):
         assert torch.equal(want[key], ref_opt.state[q][key])
         err = ((got[key] - want[key]).abs().max() / want[key].abs().max()).item()
         assert err <= STATE_STORE_RTOL[state_format], (key, err)
+
+
+# ----------------------------------------------------------------- state format per parameter
+
+def _formats(opt, model):
+    """{name: the format of its stored states} read from the tensors themselves."""
+    dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}
+    return {n: dtypes[opt.state[p]["exp_avg"].dtype] for n, p in model.named_parameters()
+            if p in opt.state}
+
+
+def test_min_8bit_size_keeps_small_parameters_fp32():
+    """state_format="int8": a parameter of fewer than min_8bit_size elements (default 4096,
+    bitsandbytes') keeps fp32 states; 0 makes every parameter int8."""
+    for min_size in (None, 0, 10 ** 9):
+        model = TinyTransformer()
+        kwargs = {} if min_size is None else {"min_8bit_size": min_size}
+        opt = forge.optim.AdamW(model, state_format="int8", **kwargs)
+        train(model, opt, 1, 0, "cpu")
+        threshold = 4096 if min_size is None else min_size
+        want = {n: "int8" if p.numel() >= threshold else "fp32"
+                for n, p in model.named_parameters()}
+        assert _formats(opt, model) == want, min_size
+        if min_size is None:  # the MLP weights (32 x 128) are int8, the rest fp32
+            assert sorted(n for n, f in want.items() if f == "int8") == [
+                "blocks.0.down.weight", "blocks.0.up.weight", "blocks.1.down.weight",
+                "blocks.1.up.weight"]
+
+
+def _groups(model, small_format="fp32", **big):
+    """Two param groups: the MLP weights (4096 elements each) int8, everything else
+    `small_format`."""
+    mlp = [p for n, p in model.named_parameters() if n.endswith(("up.weight", "down.weight"))]
+    rest = [p for n, p in model.named_parameters() if not n.endswith(("up.weight",
+                                                                      "down.weight"))]
+    return [dict({"params": mlp, "state_format": "int8"}, **big),
+            {"params": rest, "state_format": small_format}]
+
+
+def test_per_group_state_format_equals_separate_optimizers():
+    """A group's "state_format" is that group's: one optimizer with an int8 and a bf16 group
+    gives the bits two optimizers, one per format over the same parameters, give (bf16
+    stores round to nearest here: stochastic rounding draws from seed + parameter index,
+    and the indices differ between one optimizer and two)."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    mixed, split = copy.deepcopy(base), copy.deepcopy(base)
+    opt = forge.optim.AdamW(mixed, lr=1e-2, params=_groups(mixed, "bf16"),
+                            stochastic_rounding=False)
+    groups = _groups(split, "bf16")
+    opts = [forge.optim.AdamW(split, lr=1e-2, params=g["params"], stochastic_rounding=False,
+                              state_format=g["state_format"]) for g in groups]
+    for step in range(4):
+        lm_loss(mixed, step).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(split, step).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    formats = _formats(opt, mixed)
+    assert formats["blocks.0.up.weight"] == "int8" and formats["head.weight"] == "bf16"
+    assert set(formats.values()) == {"int8", "bf16"}
+    for (name, a), b in zip(mixed.named_parameters(), split.parameters()):
+        assert torch.equal(a, b), name
+    assert "bf16" in opt.summary() and "int8" in opt.summary()
+
+
+@pytest.mark.parametrize("change", ["state_format", "min_8bit_size"])
+def test_state_format_is_fixed_once_states_exist(change):
+    """Before the first step a group's format may change; after, a change is refused at the
+    next step, before any weight changes, naming the parameter."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, lr=1e-2, params=_groups(model), mode="immediate")
+    opt.param_groups[1]["state_format"] = "bf16"  # no states yet: taken
+    train(model, opt, 1, 0, "cpu")
+    assert _formats(opt, model)["head.weight"] == "bf16"
+    if change == "state_format":
+        opt.param_groups[0]["state_format"] = "fp32"
+    else:
+        opt.param_groups[0]["min_8bit_size"] = 10 ** 6  # the int8 group's weights: fp32 now
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.up\.weight.*fixed once"):
+        lm_loss(model, 1).backward()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.param_groups[0].update(state_format="int8", min_8bit_size=4096)  # restored: it runs
+    opt.zero_grad()
+    train(model, opt, 1, 2, "cpu")
+
+
+def test_bad_group_storage_options_are_refused():
+    model = TinyTransformer()
+    with pytest.raises(ValueError, match=r"param group 1: state_format: unknown value 'int4'"):
+        forge.optim.AdamW(model, params=_groups(model, "int4"))
+    with pytest.raises(ValueError, match=r"param group 0: min_8bit_size: must be an int >= 0"):
+        forge.optim.AdamW(model, params=_groups(model, min_8bit_size=-1))
+    with pytest.raises(ValueError, match=r"^min_8bit_size: must be an int >= 0, got True"):
+        forge.optim.AdamW(model, min_8bit_size=True)
+    opt = forge.optim.AdamW(model)
+    with pytest.raises(ValueError, match=r"param group 1: state_format"):
+        opt.add_param_group({"params": [], "state_format": "fp8"})
+    assert len(opt.param_groups) == 1
+
+
+def test_mixed_formats_round_trip_and_resume_bit_exact():
+    """state_dict() records each parameter's format ('forge': state_formats); a resumed run
+    is the uninterrupted one bit for bit; an optimizer whose groups ask for other formats is
+    refused, naming the parameter, and keeps what it had."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, lr=1e-2, params=_groups(model, "bf16"), seed=5)
+    train(model, opt, 3, 0, "cpu")
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    train(model, opt, 2, 3, "cpu")
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    saved = checkpoint["opt"]
+    assert saved["forge"]["format_version"] == 2
+    assert sorted(set(saved["forge"]["state_formats"].values())) == ["bf16", "int8"]
+    resumed = TinyTransformer()
+    resumed.load_state_dict(checkpoint["model"])
+    other = forge.optim.AdamW(resumed, lr=1e-2, params=_groups(resumed, "fp32"), seed=5)
+    train_once = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match=r"parameter '[a-z0-9.]+': saved with "
+                                         r"state_format='bf16', this optimizer keeps 'fp32'"):
+        other.load_state_dict(saved)
+    assert other.state_dict()["state"] == train_once["state"] == {}, "nothing was loaded"
+    other.detach()  # (gives the model back for the next optimizer)
+    opt2 = forge.optim.AdamW(resumed, lr=1e-2, params=_groups(resumed, "bf16"), seed=5)
+    opt2.load_state_dict(saved)
+    train(resumed, opt2, 2, 3, "cpu")
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    assert _formats(opt2, resumed) == _formats(opt, model)
+
+
+def test_version_1_state_dict_loads_with_min_8bit_size_0():
+    """A state dict from before per-parameter formats (format_version 1: one state_format,
+    int8 on every parameter) loads where min_8bit_size=0 asks for that, and is refused with
+    the way out where min_8bit_size would keep small parameters fp32."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, state_format="int8", min_8bit_size=0)
+    train(model, opt, 1, 0, "cpu")
+    saved = opt.state_dict()
+    saved["forge"] = {k: v for k, v in saved["forge"].items() if k != "state_formats"}
+    saved["forge"]["format_version"] = 1
+    with pytest.raises(ValueError, match=r"saved with state_format='int8'.*min_8bit_size=0"):
+        forge.optim.AdamW(copy.deepcopy(model), state_format="int8").load_state_dict(saved)
+    copied = copy.deepcopy(model)
+    again = forge.optim.AdamW(copied, state_format="int8", min_8bit_size=0)
+    again.load_state_dict(saved)
+    assert set(_formats(again, copied).values()) == {"int8"}

@@ -28,7 +28,8 @@ from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
 from . import distributed
 from .deferred import ConsumedGrad, FactoredGrad
-from .states import STATE_FORMATS, _StatesMixin
+from . import summary as _summary
+from .states import MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin, check_storage_options
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MODES = ("auto", "immediate", "deferred")
@@ -82,7 +83,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
       params               param groups (dicts, as torch.optim takes) over the model's
                            parameters; default: every parameter with requires_grad, one group.
                            See param_groups_no_decay().
-      state_format         "fp32" | "bf16" | "int8" (block-64 dynamic map + fp32 absmax).
+      state_format         "fp32" | "bf16" | "int8" (block-64 dynamic map + fp32 absmax);
+                           a param group may carry its own "state_format" (states.py).
+      min_8bit_size        with "int8", a parameter of fewer elements keeps fp32 states
+                           (bitsandbytes' name and default, 4096); a group may carry its own.
       master_weights       bf16 parameters keep an fp32 master copy (state "master"); the
                            bf16 weight is its nearest rounding. No effect on fp32 parameters.
       stochastic_rounding  bf16 weight and state stores round stochastically (default True);
@@ -120,7 +124,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
     _torch_name = "?"
 
     def __init__(self, model: nn.Module, params, defaults: Dict[str, Any], *,
-                 state_format: str = "fp32", master_weights: bool = False,
+                 state_format: str = "fp32", min_8bit_size: int = MIN_8BIT_SIZE,
+                 master_weights: bool = False,
                  stochastic_rounding: Optional[bool] = None, seed: int = 0,
                  mode: str = "auto", max_grad_norm: Optional[float] = None,
                  deferred_store: str = "auto", accumulate_grad: bool = False,
@@ -141,9 +146,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             raise TypeError(f"{self._torch_name}: the first argument must be the nn.Module to "
                             f"train, got {type(model).__name__} (forge.optim takes the model, "
                             "not model.parameters())")
-        if state_format not in STATE_FORMATS:
-            raise ValueError(f"state_format: unknown value {state_format!r}; choose one of "
-                             f"{', '.join(STATE_FORMATS)}")
+        check_storage_options(state_format, min_8bit_size)
         if stochastic_rounding is not None and not isinstance(stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding: must be a bool or None, got "
                             f"{type(stochastic_rounding).__name__}")
@@ -168,7 +171,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if accumulate_grad and mode == "immediate":
             raise ValueError("accumulate_grad=True keeps every gradient until opt.step(); it "
                              "cannot be combined with mode='immediate'")
-        self.state_format = state_format
+        self.state_format = state_format  # the default of every param group (states.py)
+        self.min_8bit_size = min_8bit_size
         self.master_weights = master_weights
         self.stochastic_rounding = True if stochastic_rounding is None else stochastic_rounding
         self.seed = seed
@@ -193,7 +197,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             if not params:
                 raise ValueError(f"{self._torch_name}: the model has no trainable parameters "
                                  "(none with requires_grad=True)")
-        super().__init__(params, defaults)  # validates each group (add_param_group below)
+        # (the storage keys join the group defaults; _hparam_keys above leaves them out)
+        super().__init__(params, dict(defaults, state_format=state_format,
+                                      min_8bit_size=min_8bit_size))  # validates each group
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(model, all_params, names)
 
@@ -220,8 +226,17 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._any_cuda = False  # a parameter on CUDA (set by _attach)
         self._attached = True
         self._attach(model, all_params, names)
+        if _log.isEnabledFor(logging.INFO):
+            _log.info("%s", _summary.one_line(self))
 
     # ------------------------------------------------------------------ public surface
+
+    def summary(self, verbose: bool = False) -> str:
+        """Which parameters are fused, which take the element-wise path and why (not an
+        nn.Linear / Conv1D forward, shared/tied, frozen, ...), the bytes of each, the gradient
+        bytes never allocated and the state bytes by format, as readable lines (summary.py).
+        verbose: every parameter's name, not the first few of each line."""
+        return _summary.describe(self, verbose)
 
     @property
     def mode(self) -> str:
@@ -465,7 +480,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         state buffers (fp32, bf16, or int8 codes + fp32 absmax, and the fp32 master), each
         parameter's 'step', and a 'forge' entry with the storage options."""
         sd = super().state_dict()
-        sd["forge"] = {"format_version": 1, "state_format": self.state_format,
+        # format_version 2 added state_formats: {parameter index: format} of every
+        # parameter with states (version 1: state_format held for all of them)
+        sd["forge"] = {"format_version": 2, "state_format": self.state_format,
+                       "state_formats": self._state_formats_by_index(),
                        "master_weights": self.master_weights,
                        "stochastic_rounding": self.stochastic_rounding, "seed": self.seed,
                        "step_id": self._step_id}
@@ -478,10 +496,11 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         and 'param_groups', or torch.optim's of the same rule with fp32 states) loads when
         every state matches this optimizer's names, dtypes and shapes."""
         meta = state_dict.get("forge") or {}
-        for key in ("state_format", "master_weights"):
-            if key in meta and meta[key] != getattr(self, key):
-                raise ValueError(f"load_state_dict: saved with {key}={meta.get(key)!r}, this "
-                                 f"optimizer has {key}={getattr(self, key)!r}")
+        if "master_weights" in meta and meta["master_weights"] != self.master_weights:
+            raise ValueError(f"load_state_dict: saved with master_weights="
+                             f"{meta['master_weights']!r}, this optimizer has "
+                             f"master_weights={self.master_weights!r}")
+        saved_formats = self._saved_state_formats(meta)  # (checked per parameter below)
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"load_state_dict: {len(saved_groups)} param groups saved, "
@@ -494,7 +513,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError("load_state_dict: a param group's size differs from the saved one")
             index_to_param.update(zip(saved["params"], group["params"]))
             new = dict(group)
-            new.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            # (a group's storage keys stay this optimizer's: the formats are checked below)
+            new.update({k: v for k, v in saved.items()
+                        if k not in ("params", "param_names") + STORAGE_KEYS})
             self._check_group(new)
             new_groups.append(new)
         group_of = {id(p): new for new in new_groups for p in new["params"]}
@@ -506,7 +527,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError(f"load_state_dict: state for unknown parameter index {index}")
             p = index_to_param[index]
             slot = self._slots[id(p)]
-            expected = self._state_spec(slot, group_of[id(p)])
+            fmt = self._check_saved_format(slot, group_of[id(p)], index, saved_formats)
+            expected = self._state_spec(slot, group_of[id(p)], fmt=fmt)
             keys = set(saved_state) - {"step"}
             if keys != set(expected) or "step" not in saved_state:
                 raise ValueError(f"load_state_dict: parameter '{slot.name}': saved states "
@@ -519,7 +541,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                                      f"must be {dtype} {list(shape)}, got "
                                      f"{getattr(t, 'dtype', type(t))} "
                                      f"{list(getattr(t, 'shape', []))}")
-            self._check_loaded_values(slot, group_of[id(p)], saved_state)
+            self._check_loaded_values(slot, group_of[id(p)], saved_state, fmt)
             step = _saved_count(saved_state["step"], f"parameter '{slot.name}': state 'step'")
             plans.append((slot, saved_state, step))
         for new, group in zip(new_groups, self.param_groups):
@@ -539,14 +561,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             slot.partial = None
             slot.uses = 0
 
-    def _check_loaded_values(self, slot, group, saved_state) -> None:
+    def _check_loaded_values(self, slot, group, saved_state, fmt: str) -> None:
         """Values a step could never have stored are refused: NaN/Inf anywhere (states,
         int8 absmax, master weights), a negative second moment or int8 absmax."""
-        layout = self._layout(slot, group)
+        layout = self._layout(slot, group, fmt)
         for i in range(layout.num_states):
             name = layout.names[i].decode()
             unsigned = not layout.is_signed[i]
-            if self.state_format == "int8":
+            if fmt == "int8":
                 checks = [(name + "_absmax", True)]
             else:
                 checks = [(name, unsigned)]
@@ -595,6 +617,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if "eps" in group and not 0.0 < _as_float(group["eps"], "eps") < math.inf:
             raise ValueError(f"Invalid epsilon value: {group['eps']} (FORGE needs eps > 0)")
         self._check_group_rule(group)
+        self._check_group_storage(group)
         # The library's own validation, as a backstop (the message names the field).
         try:
             self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32, 1, 1)
@@ -612,7 +635,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             name = names[id(p)][0]
             if not isinstance(p, nn.Parameter) and not p.is_leaf:
                 raise ValueError(f"parameter '{name}': not a leaf tensor")
-            if p.dtype not in _SUPPORTED_DTYPES:
+            # (a frozen parameter of another dtype, e.g. a quantized base layer's uint8
+            # storage, is accepted as torch.optim accepts it: it is never stepped)
+            if p.dtype not in _SUPPORTED_DTYPES and p.requires_grad:
                 raise TypeError(f"parameter '{name}': dtype {p.dtype} is not supported by FORGE "
                                 "(float32 or bfloat16)")
             if p.device.type == "cuda":

@@ -172,6 +172,7 @@ class _CallMixin:
                     f"optimizer was built ({slot.dtype} on {slot.device} -> {p.dtype} on "
                     f"{p.device}); build the optimizer after moving the model")
             group = self._group_of(slot)
+            self._check_storage(slot, group)  # (states.py: formats, dtypes)
             if id(group) not in checked_groups:
                 checked_groups.add(id(group))
                 self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32,

@@ -5,7 +5,10 @@ FactoredGrad is what a fused Linear weight holds as `.grad` in deferred mode:
 
     dW = scale · Σ_k dY_kᵀ · X_k        X_k: [T_k, in], dY_k: [T_k, out]
 
-(one (X_k, dY_k) pair per backward: micro-batches concatenate their tokens). It is a
+(one (X_k, dY_k) pair per backward: micro-batches concatenate their tokens). The pairs
+are the fused step's operands (x: [T, cols], dy: [T, rows] of a [rows, cols] weight, dW =
+Σ dyᵀ·x): a Linear's (X, dY); a transformers Conv1D (W: [in, out], dW = Xᵀ·dY) hands its
+pair over swapped, (dY, X), so everything here holds for it unchanged. It is a
 torch.Tensor of W's shape, dtype and device that owns no storage of that size, so a training
 loop's own code can work on it: torch.nn.utils.clip_grad_norm_ takes its norm
 (linalg_vector_norm, computed exactly without forming dW) and scales it (mul_), GradScaler's
@@ -53,7 +56,8 @@ class FactoredGrad(torch.Tensor):
 
     def __init__(self, weight: torch.Tensor, name: str):
         self.param_name = name               # the parameter's name, for messages
-        self.parts: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (X_k [T, in], dY_k [T, out])
+        # (x_k [T, cols], dy_k [T, rows]): a Linear's (X_k, dY_k), a Conv1D's (dY_k, X_k)
+        self.parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.scale = 1.0                     # a float, or a 0-dim tensor (a clip coefficient)
         self.dense: Optional[torch.Tensor] = None  # dW in fp32, once an operation needed it
         self._sum_sq: Optional[torch.Tensor] = None  # ‖Σ dY_kᵀ X_k‖² (fp64), unscaled
@@ -67,7 +71,7 @@ class FactoredGrad(torch.Tensor):
     # ---------------------------------------------------------------- building it
 
     def add(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
-        """Adds dY2ᵀ·X2 (x2: [T, in], dy2: [T, out]) to the gradient."""
+        """Adds dy2ᵀ·x2 (x2: [T, cols], dy2: [T, rows]) to the gradient."""
         if self.dense is None and _is_one(self.scale):
             self.parts.append((x2, dy2))
         else:  # after a scale or a materialization: into the dense dW, unscaled

@@ -2,18 +2,23 @@
 
 Each optimized parameter gets a slot (_Slot) and one of three paths:
 
-  fused     the weight of an nn.Linear: its forward is rerouted to FusedLinearFunction
-            (forge/_linear.py), whose backward computes dX and hands (X, dY) to the slot. When
+  fused     the weight of an nn.Linear (or of transformers' Conv1D, a transposed Linear):
+            its forward is rerouted to FusedLinearFunction (FusedConv1DFunction; both in
+            forge/_linear.py), whose backward computes dX and hands (X, dY) to the slot. When
             autograd reaches the weight's AccumulateGrad node (all consumers of W in this
             backward are done), a pre-hook runs forge_wgrad_step: dW = dYᵀX tile by tile
             with the update applied in place; no dW tensor exists. If W had more than one
             use (a Linear applied twice, or W also read outside its Linear) the hook sums
             the full gradient in fp32 instead and applies forge_elementwise_step once.
-  hook      any other parameter (bias, norm, embedding): a post-accumulate-grad hook
-            (torch >= 2.1) applies forge_elementwise_step and frees .grad at once.
-  deferred  a parameter registered in more than one place (tied embeddings), or every
+  hook      any other parameter (bias, norm, embedding, a weight that F.linear or a matmul
+            reads in a custom forward, the weight of a layer that replaces nn.Linear's
+            forward): autograd forms its gradient, a post-accumulate-grad hook (torch >= 2.1)
+            applies forge_elementwise_step and frees .grad at once.
+  deferred  a parameter registered in more than one place (tied embeddings), a frozen one
+            (requires_grad=False: never stepped unless it gets a .grad), or every
             parameter when torch lacks the hooks: autograd accumulates its full .grad and
             step() applies the update, then frees the .grad.
+Each slot records why it took its path (slot.reason, slot.kind); opt.summary() reports them.
 
 _RoutingMixin attaches the slots to the model and detaches them; the callbacks call
 _update (call.py) when a parameter's gradient is complete.
@@ -58,6 +63,10 @@ class _Slot:
         self.names = names
         self.name = names[0]
         self.mode = mode            # "fused" | "hook" | "deferred"
+        self.kind = None            # fused: the layer, "Linear" or "Conv1D"
+        self.reason = ""            # why this path, in words (opt.summary())
+        self.state_format = None    # "fp32" | "bf16" | "int8", fixed when its states are made
+        self.storage_asked = None   # its group's (state_format, min_8bit_size) then
         self.dtype = param.dtype
         self.device = param.device
         # [rows, cols] of what this rank updates, and where it lies in the full parameter
@@ -115,6 +124,9 @@ class _Slot:
         return opt is not None and opt._attached
 
     def linear_backward(self, x, dy, weight):
+        """x: [..., cols], dy: [..., rows], the fused step's operands for this [rows, cols]
+        parameter (dW = dyᵀ·x): a Linear's input and output gradient, a Conv1D's output
+        gradient and input."""
         opt = self.opt_ref()
         if opt is None or not opt._attached:
             return _materialize_dw(x, dy, weight)  # plain nn.Linear behaviour
@@ -154,6 +166,29 @@ def _add_dw(acc: Optional[torch.Tensor], x2: torch.Tensor, dy2: torch.Tensor) ->
     """acc += dYᵀ·X in fp32 ([rows, cols])."""
     dw = dy2.float().t().matmul(x2.float())
     return dw if acc is None else acc.add_(dw)
+
+
+def _elementwise_reason(model: nn.Module, p: torch.Tensor, name: str, mods, refusals,
+                        pre_hook: bool) -> str:
+    """Why a trainable parameter takes the element-wise (hook) path, in words."""
+    if mods and not pre_hook:
+        return "this torch has no AccumulateGrad pre-hooks to run the fused step"
+    if refusals:
+        return "weight of a layer FORGE cannot fuse: " + refusals[0]
+    if mods:  # (only a sharded Conv1D is left)
+        return "a sharded (DTensor) Conv1D weight"
+    owner_name = name.rpartition(".")[0]
+    try:
+        owner = model.get_submodule(owner_name) if owner_name else model
+    except AttributeError:
+        owner = None
+    if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)):
+        return "embedding"
+    if p.dim() < 2:
+        return "1-d (bias, norm scale)"
+    return (f"a {p.dim()}-d parameter of {type(owner).__name__ if owner is not None else '?'} "
+            "outside nn.Linear / Conv1D forwards (F.linear or a matmul in a custom forward "
+            "cannot be intercepted without patching torch)")
 
 
 # id(param) -> weakref to the slot of the live optimizer that drives it (one at a time:
@@ -221,33 +256,50 @@ class _RoutingMixin:
                 names: Dict[int, List[str]]) -> None:
         index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups
                                                    for p in g["params"])}
-        linears: Dict[int, List[nn.Linear]] = {}
+        layers: Dict[int, List[nn.Module]] = {}  # id(weight) -> its nn.Linear / Conv1D layers
         for m in model.modules():
-            if isinstance(m, nn.Linear):
-                linears.setdefault(id(m.weight), []).append(m)
+            if _linear.layer_kind(m) is not None and isinstance(
+                    getattr(m, "weight", None), torch.Tensor):
+                layers.setdefault(id(m.weight), []).append(m)
+        # nn.MultiheadAttention keeps out_proj as an nn.Linear but reads its weight directly
+        # (F.multi_head_attention_forward), never calling its forward: nothing to reroute
+        direct = {id(m.out_proj.weight) for m in model.modules()
+                  if isinstance(m, nn.MultiheadAttention)}
         post_hook, pre_hook = _has_post_accumulate_hook(), _has_node_prehook()
         self._any_cuda = self._any_cuda or any(p.is_cuda for p in params)
         shared = []
         for p in params:
             p_names = names[id(p)]
-            mods = linears.get(id(p), [])
+            mods = layers.get(id(p), [])
+            kinds = {_linear.layer_kind(m) for m in mods}
+            refusals = [r for r in map(_linear.why_not_patchable, mods) if r is not None]
+            if id(p) in direct:
+                refusals.insert(0, "nn.MultiheadAttention's out_proj, whose weight it reads "
+                                   "directly, never through the Linear's forward")
+            kind = None
             if distributed.is_fsdp_managed(model, p) and post_hook:
-                # FSDP2: the gradient arrives reduce-scattered, in the shard's hook
-                mode = "hook"
+                mode, reason = "hook", "an FSDP2 shard: its gradient arrives reduce-scattered"
             elif len(p_names) > 1:
-                mode = "deferred"
+                mode, reason = "deferred", "shared/tied (one parameter under several names)"
                 shared.append(" = ".join(p_names))
             elif not p.requires_grad:
                 # frozen (torch.optim takes it and never steps it): nothing is hooked or
                 # patched; should it get a .grad after all, step() applies it
-                mode = "deferred"
-            elif mods and pre_hook and all(_linear.can_patch(m) for m in mods):
+                mode, reason = "deferred", "frozen (requires_grad=False): never stepped"
+            elif mods and pre_hook and not refusals and not (
+                    "Conv1D" in kinds and distributed.is_dtensor(p)):
                 mode = "fused"
+                kind = "Conv1D" if kinds == {"Conv1D"} else "Linear"
+                reason = {"Linear": "nn.Linear weight",
+                          "Conv1D": "transformers Conv1D weight (dW = Xᵀ·dY)"}[kind]
             elif post_hook:
                 mode = "hook"
+                reason = _elementwise_reason(model, p, p_names[0], mods, refusals, pre_hook)
             else:
-                mode = "deferred"
+                mode, reason = "deferred", ("this torch has no post-accumulate-grad hooks: "
+                                            "applied in opt.step()")
             slot = _Slot(self, p, index_of[id(p)], p_names, mode)
+            slot.kind, slot.reason = kind, reason
             if mode == "fused" and slot.dtensor:
                 slot.layouts = distributed.fused_layouts(p, slot.name)
             self._slots[id(p)] = slot

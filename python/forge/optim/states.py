@@ -1,13 +1,18 @@
 """states.py — how a forge optimizer stores its states: formats, tensors, the forge_param struct.
 
-state_format ("fp32", "bf16", "int8") and master_weights / stochastic_rounding decide the
-storage codes passed to libforge; the states of a parameter are plain tensors in
-optimizer.state[param] under torch.optim's names (exp_avg, exp_avg_sq, ...; int8 adds
-<name>_absmax, master weights "master"), so state_dict() holds the raw buffers.
+The state format ("fp32", "bf16", "int8") is per parameter: its param group's
+"state_format" (default: the constructor's state_format), where "int8" gives a parameter
+of fewer than the group's "min_8bit_size" elements (default 4096, bitsandbytes' name and
+value) fp32 states. It is fixed when the parameter's states are made (slot.state_format); a
+group changed afterwards is refused at the next step. With master_weights /
+stochastic_rounding it decides the storage codes passed to libforge; the states of a
+parameter are plain tensors in optimizer.state[param] under torch.optim's names (exp_avg,
+exp_avg_sq, ...; int8 adds <name>_absmax, master weights "master"), so state_dict() holds
+the raw buffers, and its 'forge' entry each parameter's format.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -15,6 +20,21 @@ from .. import _lib
 from . import distributed
 
 STATE_FORMATS = ("fp32", "bf16", "int8")
+_UPDATABLE = (torch.float32, torch.bfloat16)  # parameter dtypes FORGE updates
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 states under "int8"
+# The keys a param group may carry to choose its storage (defaults: the constructor's).
+STORAGE_KEYS = ("state_format", "min_8bit_size")
+
+
+def check_storage_options(state_format, min_8bit_size, where: str = "") -> None:
+    """state_format / min_8bit_size as a constructor argument or a param group's key
+    (`where` names the group); one ValueError naming the argument."""
+    if not isinstance(state_format, str) or state_format not in STATE_FORMATS:
+        raise ValueError(f"{where}state_format: unknown value {state_format!r}; choose one of "
+                         f"{', '.join(STATE_FORMATS)}")
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) \
+            or min_8bit_size < 0:
+        raise ValueError(f"{where}min_8bit_size: must be an int >= 0, got {min_8bit_size!r}")
 
 
 class _StatesMixin:
@@ -43,26 +63,118 @@ class _StatesMixin:
     def _weight_format(self, slot) -> int:
         if slot.dtype == torch.float32:
             return _lib.WEIGHT_FP32
+        if slot.dtype != torch.bfloat16:  # accepted frozen at construction, trained now
+            raise RuntimeError(f"forge: parameter '{slot.name}' ({slot.dtype}) got a gradient, "
+                               "but FORGE updates float32 or bfloat16 parameters only (it was "
+                               "frozen when the optimizer was built, so it was accepted)")
         if self.master_weights:
             return _lib.WEIGHT_BF16_MASTER
         return _lib.WEIGHT_BF16_STOCHASTIC if self.stochastic_rounding else _lib.WEIGHT_BF16
 
-    def _state_format_code(self) -> int:
-        if self.state_format == "fp32":
+    def _requested_format(self, slot, group: Dict[str, Any]) -> str:
+        """The state format slot's group asks for: its "state_format", with "int8" meaning
+        fp32 below "min_8bit_size" elements (of the whole parameter, on every rank alike)."""
+        fmt = group.get("state_format", self.state_format)
+        if fmt == "int8" and slot.param.numel() < group.get("min_8bit_size",
+                                                            self.min_8bit_size):
+            return "fp32"
+        return fmt
+
+    def _format_of(self, slot, group: Dict[str, Any]) -> str:
+        """slot's state format: fixed once its states exist, else what its group asks for."""
+        if slot.state_format is not None and self.state.get(slot.param):
+            return slot.state_format
+        return self._requested_format(slot, group)
+
+    def _check_group_storage(self, group: Dict[str, Any]) -> None:
+        """A param group's "state_format" / "min_8bit_size" (torch fills the defaults in)."""
+        index = next((i for i, g in enumerate(self.param_groups) if g is group), None)
+        check_storage_options(group.get("state_format", self.state_format),
+                              group.get("min_8bit_size", self.min_8bit_size),
+                              where="param group: " if index is None
+                              else f"param group {index}: ")
+
+    def _state_formats_by_index(self) -> Dict[int, str]:
+        """{state_dict index: state format} of every parameter that has states."""
+        return {slot.index: slot.state_format for slot in self._slots.values()
+                if slot.state_format is not None and self.state.get(slot.param)}
+
+    @staticmethod
+    def _saved_state_formats(meta: Dict[str, Any]):
+        """What a state dict's 'forge' entry says of the formats: {index: format} (version
+        2), one format for every parameter (version 1: a str), or None (no 'forge' entry:
+        torch's or torch.distributed.checkpoint's dict; the states' dtypes decide)."""
+        if "state_formats" in meta:
+            return {int(k): v for k, v in meta["state_formats"].items()}
+        return meta.get("state_format")
+
+    def _check_saved_format(self, slot, group: Dict[str, Any], index: int, saved) -> str:
+        """The format slot's states load into (what its group asks for); a state dict that
+        says it saved another one is refused, naming the parameter."""
+        fmt = self._requested_format(slot, group)
+        was = saved.get(index) if isinstance(saved, dict) else saved
+        if was is None or was == fmt:
+            return fmt
+        hint = ""
+        if was == "int8" and group.get("state_format") == "int8":
+            hint = (f" (it has {slot.param.numel()} elements, fewer than min_8bit_size="
+                    f"{group.get('min_8bit_size')}; a checkpoint made before min_8bit_size "
+                    "existed holds int8 states for every parameter: load it with "
+                    "min_8bit_size=0)")
+        raise ValueError(f"load_state_dict: parameter '{slot.name}': saved with "
+                         f"state_format={was!r}, this optimizer keeps {fmt!r} states for it"
+                         f"{hint}")
+
+    def _fix_state_format(self, slot, group: Dict[str, Any]) -> None:
+        """slot's states are made now: their format is fixed from here on (_check_storage)."""
+        slot.state_format = self._requested_format(slot, group)
+        slot.storage_asked = (group.get("state_format"), group.get("min_8bit_size"))
+
+    def _check_storage(self, slot, group: Dict[str, Any]) -> None:
+        """Before a step's first update (call.py, _check_step): refuses a parameter of a dtype
+        FORGE does not update (accepted frozen) that now holds a gradient, and a group whose
+        state format changed after slot's states were made (their buffers hold the old
+        format; converting them is not implemented)."""
+        if slot.dtype not in _UPDATABLE and slot.param.grad is not None:
+            self._weight_format(slot)  # (raises, naming it)
+        # NOTE: the group's keys as they were when the format was fixed: nothing changed (the
+        # common case, once per parameter per step): 0.9 -> 0.3-0.5 µs (2-core CPU dev host)
+        if slot.state_format is None or slot.storage_asked == (
+                group.get("state_format"), group.get("min_8bit_size")):
+            return
+        if not self.state.get(slot.param):
+            return
+        want = self._requested_format(slot, group)
+        if want != slot.state_format:
+            raise RuntimeError(
+                f"forge: parameter '{slot.name}': its param group now asks for "
+                f"state_format={want!r} (state_format={group.get('state_format')!r}, "
+                f"min_8bit_size={group.get('min_8bit_size')!r}), but its states were made as "
+                f"{slot.state_format!r}; a parameter's state format is fixed once its states "
+                "exist: restore the group's value, or build a new optimizer")
+
+    @staticmethod
+    def _state_format_code(fmt: str, stochastic_rounding: bool) -> int:
+        if fmt == "fp32":
             return _lib.STATE_FP32
-        if self.state_format == "int8":
+        if fmt == "int8":
             return _lib.STATE_INT8_BLOCK64
-        return _lib.STATE_BF16_STOCHASTIC if self.stochastic_rounding else _lib.STATE_BF16
+        return _lib.STATE_BF16_STOCHASTIC if stochastic_rounding else _lib.STATE_BF16
 
-    def _layout(self, slot, group: Dict[str, Any]) -> _lib.StateLayout:
+    def _layout(self, slot, group: Dict[str, Any], fmt: Optional[str] = None
+                ) -> _lib.StateLayout:
         hp = self._hparams(group, step=1, seed=0)
-        return self._lib.state_layout(hp, self._state_format_code(), slot.rows, slot.cols)
+        code = self._state_format_code(fmt or self._format_of(slot, group),
+                                       self.stochastic_rounding)
+        return self._lib.state_layout(hp, code, slot.rows, slot.cols)
 
-    def _state_spec(self, slot, group: Dict[str, Any],
-                    local: bool = False) -> Dict[str, Tuple[torch.dtype, tuple]]:
+    def _state_spec(self, slot, group: Dict[str, Any], local: bool = False,
+                    fmt: Optional[str] = None) -> Dict[str, Tuple[torch.dtype, tuple]]:
         """Every state tensor this parameter keeps: key -> (dtype, shape), the shape of the
-        full parameter's state, or (local) of this rank's shard of it."""
-        layout = self._layout(slot, group)
+        full parameter's state, or (local) of this rank's shard of it; in format `fmt`
+        (default: the parameter's, _format_of)."""
+        fmt = fmt or self._format_of(slot, group)
+        layout = self._layout(slot, group, fmt)
         if local:
             shape, rows, cols = tuple(slot.local().shape), slot.rows, slot.cols
         else:
@@ -72,9 +184,9 @@ class _StatesMixin:
         spec = {}
         for i in range(layout.num_states):
             name = layout.names[i].decode()
-            if self.state_format == "fp32":
+            if fmt == "fp32":
                 spec[name] = (torch.float32, shape)
-            elif self.state_format == "bf16":
+            elif fmt == "bf16":
                 spec[name] = (torch.bfloat16, shape)
             else:
                 spec[name] = (torch.uint8, shape)
@@ -88,14 +200,18 @@ class _StatesMixin:
         return (self._rule(group),)
 
     def _signature(self, slot, group: Dict[str, Any]) -> tuple:
+        if slot.state_format is None:  # states made by hand (torch-style): fixed from here on
+            self._fix_state_format(slot, group)
         layout = self._layout(slot, group)
         return (self._layout_key(group),
                 tuple(layout.names[i].decode() for i in range(layout.num_states)))
 
     def _allocate_state(self, slot, group: Dict[str, Any], init: bool) -> Dict[str, Any]:
         p = slot.param
-        if slot.dtensor and self.state_format == "int8":
+        fmt = self._requested_format(slot, group)
+        if slot.dtensor and fmt == "int8":
             distributed.check_int8_blocks(slot.geometry, slot.name)
+        self._fix_state_format(slot, group)
         st = self.state[p]
         st.clear()
         full = self._state_spec(slot, group)
@@ -123,7 +239,7 @@ class _StatesMixin:
         # themselves, and a list comprehension with isinstance instead of a generator with
         # torch.is_tensor: 0.86 -> 0.53 µs per update (2-core CPU dev host).
         local = distributed.local
-        key = [self.state_format, self.master_weights, self.stochastic_rounding,
+        key = [slot.state_format, self.master_weights, self.stochastic_rounding,
                local(slot.param).data_ptr()]
         key += [local(t).data_ptr() for t in st.values() if isinstance(t, torch.Tensor)]
         cached = slot.param_cache
@@ -160,10 +276,10 @@ class _StatesMixin:
         fp.weight = slot.local().data_ptr()
         if "master" in st:
             fp.master = _lib.float_ptr(local(st["master"]).data_ptr())
-        fp.state_format = self._state_format_code()
+        fp.state_format = self._state_format_code(slot.state_format, self.stochastic_rounding)
         for i, name in enumerate(slot.signature[1]):
             fp.state[i] = local(st[name]).data_ptr()
-            if self.state_format == "int8":
+            if slot.state_format == "int8":
                 fp.state_absmax[i] = _lib.float_ptr(local(st[name + "_absmax"]).data_ptr())
         geo = slot.geometry
         if geo.full_cols and hasattr(fp, "row_offset"):  # a shard: its elements' full indices
