@@ -11,9 +11,10 @@
 #   4. prints a short summary last.
 # Everything stays under 9 minutes (TOTAL_BUDGET_S): each stage has a budget and a hard
 # timeout, and results are written as they come, so a cut-short stage keeps its numbers.
-# Results go to $OUT (default ./out), flat, at most 7 files: forge-bench-*.{md,json,csv,png},
-# forge-parity-*.{json,png} and the full log gpu_python.log. Copy the first six into
-# bench/results/ to commit them.
+# Results go to $OUT (default ./out), flat, at most 8 files: forge-bench-*.{md,json,csv,png},
+# forge-parity-*.{json,png}, host-overhead.json and the full log gpu_python.log. Record the
+# JSON files in the results table with `python3 bench/record.py $OUT/*.json`, then
+# `python3 bench/render.py` (bench/results/README.md).
 # Knobs (environment): OUT, PYTHON (python3), TOTAL_BUDGET_S (540), PYTEST_BUDGET_S (120; 0
 # skips pytest), SKIP_PARITY (0; 1 skips stage 3), PARITY_STEPS (1000),
 # PARITY_RESERVE_S (200: kept for the parity stage), PARITY_NOISE_RUNS (1: torch runs with
@@ -58,7 +59,8 @@ print('torch', torch.__version__, torch.cuda.get_device_name(), 'libforge', forg
 fi
 
 # 1b. The host's cost per Linear per step, FORGE against torch (bench/host_overhead.py, ~10 s).
-say "$(timeout 60 $PY bench/host_overhead.py 2>&1 | tail -1)"
+say "$(timeout 90 $PY bench/host_overhead.py --device cuda --dtype bf16 --rounds 4 \
+  --json "$OUT/host-overhead.json" 2>&1 | tail -1)"
 
 # 1c. The Python suite's GPU tests (the CPU ones run in CI); PYTEST_BUDGET_S=0 skips them.
 if [ "${PYTEST_BUDGET_S:-120}" != 0 ]; then
