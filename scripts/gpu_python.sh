@@ -58,7 +58,7 @@ print('torch', torch.__version__, torch.cuda.get_device_name(), 'libforge', forg
   exit 1
 fi
 
-# 1b. The host's cost per Linear per step, FORGE against torch (bench/host_overhead.py, ~10 s).
+# 1b. The host's cost per Linear per step, FORGE against torch (bench/host_overhead.py, ~40 s).
 say "$(timeout 90 $PY bench/host_overhead.py --device cuda --dtype bf16 --rounds 4 \
   --json "$OUT/host-overhead.json" 2>&1 | tail -1)"
 
