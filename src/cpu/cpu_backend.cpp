@@ -114,8 +114,9 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
   }
 }
 
-// rng_draw(key, base + e) for e < n, but only the streams in `streams` (bit s: stream s;
-// the others' fields stay 0): one rng_group_hash per group of 4 elements and stream.
+// rng_draw(key, base + e) for e < n (base: the segment's first sr_index), but only the
+// streams in `streams` (bit s: stream s; the others' fields stay 0): one rng_group_hash per
+// group of 4 elements and stream.
 void segment_draws(uint64_t key, int64_t base, int n, unsigned streams, uint64_t* draw) {
   for (int e = 0; e < n; ++e) draw[e] = 0;
   for (int stream = 0; stream < kRngStreams; ++stream) {
@@ -130,6 +131,14 @@ void segment_draws(uint64_t key, int64_t base, int n, unsigned streams, uint64_t
       draw[e] |= ((hash >> (16 * (index & 3))) & 0xFFFFu) << (16 * stream);
     }
   }
+}
+
+// Element (row, col)'s index for stochastic rounding: its index in the full parameter when
+// `p` is a shard of one (forge_param's row_offset, col_offset, full_cols), so the bits do not
+// depend on how the parameter is sharded; else row * cols + col.
+int64_t sr_index(const forge_param& p, int64_t row, int64_t col) {
+  if (p.full_cols == 0) return row * p.cols + col;
+  return (p.row_offset + row) * p.full_cols + p.col_offset + col;
 }
 
 struct StepTotals {
@@ -177,7 +186,7 @@ void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int
   unsigned streams = p.weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ? 1u : 0u;
   if (p.state_format == FORGE_STATE_BF16_STOCHASTIC)
     for (int i = 0; i < k.num_states; ++i) streams |= 2u << i;
-  if (streams != 0) segment_draws(k.sr_key, base, n, streams, draw);
+  if (streams != 0) segment_draws(k.sr_key, sr_index(p, row, col0), n, streams, draw);
   for (int i = 0; i < k.num_states; ++i)
     store_state(p, i, k.state_signed[i], row, col0, n, s[i], skipped, draw);
   switch (p.weight_format) {
