@@ -141,7 +141,13 @@ typedef struct {
    * the state count, a hash of every field but step, lr and seed, and a checksum of the
    * rest). The CPU backend checks it at every call and refuses, naming hparams.run_scalars,
    * a buffer that is unfilled, filled for another rule, state count or other
-   * hyper-parameters, or changed since the fill. */
+   * hyper-parameters, or changed since the fill. The CUDA backend refuses at the call a
+   * buffer that is not memory of the step's device, and checks the tag (the same checks) on
+   * the device each time the step runs, a captured graph's replays included, where nothing
+   * can be returned: a step whose buffer does not match writes nothing (weight, master,
+   * states, grad_sq_sum) and adds rows · cols, every element skipped, to
+   * *outputs.nonfinite_count where that is set. A graph that must notice sets
+   * nonfinite_count and reads it after the replay. */
   const void* run_scalars;
 } forge_hparams;
 

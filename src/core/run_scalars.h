@@ -86,7 +86,8 @@ FORGE_HD RunScalarsTagCheck run_scalars_tag_check(const RunScalarsTag& tag, uint
   return kRunScalarsMatch;
 }
 
-#if !defined(__CUDA_ARCH__)
+// Host code (run_scalars.cpp); declared for every compilation pass, the CUDA backend's host
+// code included.
 // A hash of every forge_hparams field but step, lr, seed and run_scalars: the fields a
 // buffer's scalars may differ in from the call that reads them (-0 and +0 hash alike).
 uint64_t run_scalars_key(const forge_hparams& hp);
@@ -96,6 +97,5 @@ void run_scalars_write(const forge_hparams& hp, const RuleScalars& k, void* out)
 // names hparams.run_scalars and what does not match.
 forge_status run_scalars_check(const void* buffer, const forge_hparams& call,
                                const RuleScalars& call_k);
-#endif
 
 }  // namespace forge

@@ -391,15 +391,9 @@ forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, co
                              const forge_device&) {
   // Nothing a step would never store: checked whole before anything is written.
   const int64_t n = p.rows * p.cols;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!storable(in[i]))
-      return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is not a storable state value (finite, "
-                  "magnitude at most the largest bf16, %g)", static_cast<long long>(i),
-                  static_cast<double>(in[i]), static_cast<double>(kBf16Max));
-    if (!is_signed && in[i] < 0.0f)
-      return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is negative, but state %d is a second "
-                  "moment (unsigned)", static_cast<long long>(i), static_cast<double>(in[i]), index);
-  }
+  for (int64_t i = 0; i < n; ++i)
+    if (!storable(in[i]) || (!is_signed && in[i] < 0.0f))
+      return refuse_state_value(i, in[i], index);
   for (int64_t r = 0; r < p.rows; ++r)
     for (int64_t c = 0; c < p.cols; c += kSegment)
       store_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),
@@ -408,4 +402,14 @@ forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, co
 }
 
 }  // namespace cpu
+
+forge_status refuse_state_value(int64_t i, float value, int index) {
+  if (!storable(value))
+    return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is not a storable state value (finite, "
+                "magnitude at most the largest bf16, %g)", static_cast<long long>(i),
+                static_cast<double>(value), static_cast<double>(kBf16Max));
+  return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is negative, but state %d is a second "
+              "moment (unsigned)", static_cast<long long>(i), static_cast<double>(value), index);
+}
+
 }  // namespace forge
