@@ -171,7 +171,9 @@ typedef struct {
    * >= 0; full_cols 0 only with both offsets 0, else full_cols >= col_offset + cols and every
    * index below 2^61; int8 states need shards of whole blocks of 64 columns (col_offset % 64
    * == 0, and col_offset + cols a multiple of 64 or full_cols). The buffers are the shard's
-   * own: [rows, cols] contiguous, absmax [rows, ceil(cols / 64)]. */
+   * own: [rows, cols] contiguous, absmax [rows, ceil(cols / 64)]. On CUDA a stochastically
+   * rounded shard whose col_offset or full_cols is not a multiple of 4 takes a slower path
+   * (no vector accesses); the bits are the same. */
   int64_t row_offset, col_offset, full_cols;
 } forge_param;
 

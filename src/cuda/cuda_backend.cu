@@ -662,8 +662,9 @@ forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, co
     what = "cudaStreamSynchronize(state_from_fp32's check)";
   }
   if (e == cudaSuccess && found != ~0ull) {
-    e = cudaMemcpy(&value, in + found, sizeof(value), cudaMemcpyDeviceToHost);
-    what = "cudaMemcpy(state_from_fp32's offending value)";
+    e = cudaMemcpyAsync(&value, in + found, sizeof(value), cudaMemcpyDeviceToHost, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    what = "cudaMemcpyAsync(state_from_fp32's offending value)";
   }
   const cudaError_t freed = cudaFreeAsync(first, stream);
   if (e != cudaSuccess) return device_error(e, what);
