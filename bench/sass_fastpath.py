@@ -87,8 +87,9 @@ def main() -> int:
         if not found:
             print(f"{spec}: no wgrad_wgmma_kernel for UpdateSpec<{spec}> in {sys.argv[1]}")
             continue
+        # (one function per architecture of the build: every pass but sm_90a has a stub)
         candidates = []
-        for body in loops(found[0]):
+        for body in (b for rows in found for b in loops(rows)):
             ops = collections.Counter(op(t) for _, t in body)
             if ops["MUFU"] > 0:
                 candidates.append((ops["LDG"], len(body), body))

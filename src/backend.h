@@ -18,6 +18,10 @@
                                const float* in, const forge_device& device);
 
 namespace forge {
+// A state_from_fp32 refusal: in[i] = `value` is not a value state `index` may hold (not
+// storable; otherwise negative, and the state unsigned). Every backend's message.
+forge_status refuse_state_value(int64_t i, float value, int index);
+
 namespace cpu {
 FORGE_DECLARE_BACKEND
 }  // namespace cpu

@@ -129,7 +129,8 @@ typedef struct {
   double lr_decay;           /* Adagrad */
   double initial_accumulator_value; /* Adagrad */
   double grad_scale;         /* the gradient is multiplied by this before anything (1 = none) */
-  uint64_t seed;             /* stochastic rounding: bits = hash(seed, step, stream, element) */
+  uint64_t seed;             /* stochastic rounding: bits = hash(seed, step, stream, the
+                                element's index; forge_param says which index) */
   /* CUDA graphs. NULL: the step uses step, lr and seed above, as they are at the call.
    * Otherwise FORGE_RUN_SCALARS_BYTES of memory on the step's device, 16-byte aligned,
    * holding what forge_run_scalars_fill() wrote from hyper-parameters that differ from
@@ -140,7 +141,13 @@ typedef struct {
    * the state count, a hash of every field but step, lr and seed, and a checksum of the
    * rest). The CPU backend checks it at every call and refuses, naming hparams.run_scalars,
    * a buffer that is unfilled, filled for another rule, state count or other
-   * hyper-parameters, or changed since the fill. */
+   * hyper-parameters, or changed since the fill. The CUDA backend refuses at the call a
+   * buffer that is not memory of the step's device, and checks the tag (the same checks) on
+   * the device each time the step runs, a captured graph's replays included, where nothing
+   * can be returned: a step whose buffer does not match writes nothing (weight, master,
+   * states, grad_sq_sum) and adds rows · cols, every element skipped, to
+   * *outputs.nonfinite_count where that is set. A graph that must notice sets
+   * nonfinite_count and reads it after the replay. */
   const void* run_scalars;
 } forge_hparams;
 
@@ -156,6 +163,18 @@ typedef struct {
   int32_t state_format;               /* a forge_state_format value */
   void* state[FORGE_MAX_STATES];      /* [rows, cols] each; float / bf16 / uint8 codes */
   float* state_absmax[FORGE_MAX_STATES]; /* [rows, ceil(cols / 64)] each, int8 only */
+  /* Shards (tensor parallel: a block of rows or of columns; FSDP: rows): this param is the
+   * block [rows, cols] at (row_offset, col_offset) of a full [*, full_cols] parameter. Its
+   * element (r, c) then draws the stochastic-rounding bits of its index in the full parameter,
+   * (row_offset + r) · full_cols + col_offset + c, so a step gives the same bits however the
+   * parameter is sharded. 0, 0, 0: not a shard (the index is r · cols + c). Checked: offsets
+   * >= 0; full_cols 0 only with both offsets 0, else full_cols >= col_offset + cols and every
+   * index below 2^61; int8 states need shards of whole blocks of 64 columns (col_offset % 64
+   * == 0, and col_offset + cols a multiple of 64 or full_cols). The buffers are the shard's
+   * own: [rows, cols] contiguous, absmax [rows, ceil(cols / 64)]. On CUDA a stochastically
+   * rounded shard whose col_offset or full_cols is not a multiple of 4 takes a slower path
+   * (no vector accesses); the bits are the same. */
+  int64_t row_offset, col_offset, full_cols;
 } forge_param;
 
 /* Optional by-products of a step. Each non-NULL pointer is ADDED to (the

@@ -97,7 +97,10 @@ class Hparams(ctypes.Structure):  # forge_hparams
 class Param(ctypes.Structure):  # forge_param
     _fields_ = [("rows", _c_int64), ("cols", _c_int64), ("weight_format", _c_int32),
                 ("weight", _c_void_p), ("master", _c_float_p), ("state_format", _c_int32),
-                ("state", _c_void_p * MAX_STATES), ("state_absmax", _c_float_p * MAX_STATES)]
+                ("state", _c_void_p * MAX_STATES), ("state_absmax", _c_float_p * MAX_STATES),
+                # a shard: the block [rows, cols] at (row_offset, col_offset) of a full
+                # [*, full_cols] parameter (0, 0, 0: not a shard)
+                ("row_offset", _c_int64), ("col_offset", _c_int64), ("full_cols", _c_int64)]
 
 
 class StepOutputs(ctypes.Structure):  # forge_step_outputs

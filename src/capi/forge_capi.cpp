@@ -77,12 +77,48 @@ forge_status check_shape(int64_t rows, int64_t cols, const char* rows_name, cons
   return FORGE_OK;
 }
 
-// Shape and formats only (no states).
+// Where a shard lies in its full parameter (forge_param's row_offset, col_offset, full_cols).
+// `p`'s shape and state format are checked.
+forge_status check_shard(const forge_param& p) {
+  const long long ro = p.row_offset, co = p.col_offset, fc = p.full_cols;
+  if (ro < 0) return fail(kBad, "param.row_offset: must be >= 0, got %lld", ro);
+  if (co < 0) return fail(kBad, "param.col_offset: must be >= 0, got %lld", co);
+  if (fc < 0) return fail(kBad, "param.full_cols: must be >= 0 (0: not a shard), got %lld", fc);
+  if (fc == 0) {
+    if (ro != 0 || co != 0)
+      return fail(kBad, "param.full_cols: 0 (not a shard), but param.row_offset = %lld and "
+                  "param.col_offset = %lld (both must be 0 then)", ro, co);
+    return FORGE_OK;
+  }
+  if (co > fc - p.cols)
+    return fail(kBad, "param.full_cols: %lld, but the shard's columns end at param.col_offset + "
+                "param.cols = %lld", fc, co + static_cast<long long>(p.cols));
+  // Every element's index in the full parameter, (row_offset + rows) · full_cols, counts in
+  // int64 like an element count.
+  int64_t indices = 0;
+  if (ro > kMaxElements - p.rows || !product_within(ro + p.rows, fc, kMaxElements, &indices))
+    return fail(kBad, "param.row_offset: %lld: the full parameter's element indices "
+                "((param.row_offset + param.rows) × param.full_cols) exceed 2^61", ro);
+  if (p.state_format == FORGE_STATE_INT8_BLOCK64) {
+    if (co % FORGE_INT8_BLOCK != 0)
+      return fail(kBad, "param.col_offset: %lld is not a multiple of %d, which int8 block states "
+                  "need (one absmax per %d columns of a row of the full parameter)", co,
+                  FORGE_INT8_BLOCK, FORGE_INT8_BLOCK);
+    const long long end = co + static_cast<long long>(p.cols);
+    if (end % FORGE_INT8_BLOCK != 0 && end != fc)
+      return fail(kBad, "param.col_offset + param.cols: the shard ends at column %lld of "
+                  "param.full_cols = %lld, inside a block of %d: int8 block states need shards "
+                  "of whole blocks (or one that ends the row)", end, fc, FORGE_INT8_BLOCK);
+  }
+  return FORGE_OK;
+}
+
+// Shape, formats and shard placement only (no states).
 forge_status check_param_shape(const forge_param& p) {
   if (forge_status s = check_shape(p.rows, p.cols, "param.rows", "param.cols")) return s;
   if (p.state_format < 0 || p.state_format >= FORGE_STATE_FORMAT_COUNT)
     return fail(kBad, "param.state_format: unknown value %d", p.state_format);
-  return FORGE_OK;
+  return check_shard(p);
 }
 
 forge_status check_state(const forge_param& p, int i) {

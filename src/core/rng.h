@@ -41,7 +41,8 @@ FORGE_HD uint64_t rng_group_hash(uint64_t key, uint64_t group, int stream) {
   return mix64(key + (group * kRngStreams + static_cast<uint64_t>(stream)) * kRngIndexMul);
 }
 
-// The 16 bits of element `index` (row * cols + col of the parameter) in `stream`.
+// The 16 bits of element `index` in `stream`: row * cols + col of the parameter, or of the full
+// parameter when it is a shard of one (forge_param's row_offset, col_offset, full_cols).
 FORGE_HD uint32_t rng_bits(uint64_t key, uint64_t index, int stream) {
   return static_cast<uint32_t>(rng_group_hash(key, index >> 2, stream) >> (16 * (index & 3))) &
          0xFFFFu;

@@ -43,27 +43,31 @@ forge_status run_scalars_check(const void* buffer, const forge_hparams& call,
   const unsigned char* bytes = static_cast<const unsigned char*>(buffer);
   RunScalarsTag tag;
   std::memcpy(&tag, bytes + kRunScalarsTagOffset, sizeof(tag));
-  if (tag.magic != kRunScalarsMagic)
-    return fail(bad, "hparams.run_scalars: %p was not filled by forge_run_scalars_fill (no tag "
-                "in its last %d bytes)", buffer, static_cast<int>(sizeof(tag)));
-  if (tag.checksum != run_scalars_checksum(bytes))
-    return fail(bad, "hparams.run_scalars: %p does not match its checksum (changed or partly "
-                "copied since forge_run_scalars_fill wrote it)", buffer);
-  if (tag.abi_version != FORGE_ABI_VERSION)
-    return fail(bad, "hparams.run_scalars: filled by a libforge of ABI %d, this one speaks %d",
-                tag.abi_version, FORGE_ABI_VERSION);
-  if (tag.rule != call_k.rule) {
-    const char* filled = enum_name(FORGE_ENUM_RULE, tag.rule);
-    return fail(bad, "hparams.run_scalars: filled for rule %s, but this step's rule is %s",
-                filled ? filled : "?", enum_name(FORGE_ENUM_RULE, call_k.rule));
+  switch (run_scalars_tag_check(tag, run_scalars_checksum(bytes), call_k.rule, call_k.num_states,
+                                run_scalars_key(call))) {
+    case kRunScalarsMatch:
+      return FORGE_OK;
+    case kRunScalarsUnfilled:
+      return fail(bad, "hparams.run_scalars: %p was not filled by forge_run_scalars_fill (no tag "
+                  "in its last %d bytes)", buffer, static_cast<int>(sizeof(tag)));
+    case kRunScalarsChecksum:
+      return fail(bad, "hparams.run_scalars: %p does not match its checksum (changed or partly "
+                  "copied since forge_run_scalars_fill wrote it)", buffer);
+    case kRunScalarsAbi:
+      return fail(bad, "hparams.run_scalars: filled by a libforge of ABI %d, this one speaks %d",
+                  tag.abi_version, FORGE_ABI_VERSION);
+    case kRunScalarsRule: {
+      const char* filled = enum_name(FORGE_ENUM_RULE, tag.rule);
+      return fail(bad, "hparams.run_scalars: filled for rule %s, but this step's rule is %s",
+                  filled ? filled : "?", enum_name(FORGE_ENUM_RULE, call_k.rule));
+    }
+    case kRunScalarsNumStates:
+      return fail(bad, "hparams.run_scalars: filled for %d state(s), but this step keeps %d",
+                  tag.num_states, call_k.num_states);
+    default:
+      return fail(bad, "hparams.run_scalars: filled from hyper-parameters that differ from this "
+                  "call's in more than step, lr and seed");
   }
-  if (tag.num_states != call_k.num_states)
-    return fail(bad, "hparams.run_scalars: filled for %d state(s), but this step keeps %d",
-                tag.num_states, call_k.num_states);
-  if (tag.hparams_key != run_scalars_key(call))
-    return fail(bad, "hparams.run_scalars: filled from hyper-parameters that differ from this "
-                "call's in more than step, lr and seed");
-  return FORGE_OK;
 }
 
 }  // namespace forge

@@ -30,21 +30,64 @@ static_assert(sizeof(RunScalarsTag) == 32, "the tag is 4 words");
 static_assert(sizeof(RuleScalars) <= kRunScalarsTagOffset, "the scalars end before the tag");
 static_assert(kRunScalarsTagOffset % 16 == 0, "the tag is 16-byte aligned like the buffer");
 
-// A hash of the buffer's bytes before the checksum: the scalars, the zero bytes after them
-// and the tag's first three words. `buffer` is FORGE_RUN_SCALARS_BYTES, 8-byte aligned.
+// The 8-byte words the checksum covers: the scalars, the zero bytes after them and the tag's
+// first three words (everything before the checksum).
+constexpr int kRunScalarsWords = (kRunScalarsTagOffset + 24) / 8;
+static_assert(kRunScalarsWords <= 32, "one word per lane of a warp");
+
+// Word i's term of the checksum.
+FORGE_HD uint64_t run_scalars_word_hash(uint64_t word, int i) {
+  return mix64(word + static_cast<uint64_t>(i + 1) * 0x9E3779B97F4A7C15ull);
+}
+// The checksum of the sum (wrapping) of the words' terms.
+FORGE_HD uint64_t run_scalars_checksum_of_sum(uint64_t sum) {
+  return mix64(sum ^ 0x52554E5343414C53ull);  // "RUNSCALS"
+}
+// A hash of the buffer's bytes before the checksum. `buffer` is FORGE_RUN_SCALARS_BYTES,
+// 8-byte aligned.
+// NOTE: a sum of independent per-word terms, not a chain: a warp computes it in one hash and a
+// 5-step shuffle reduction (update.cuh, run_scalars_refused) where a chain took 31 dependent
+// hashes at the start of every CTA of a graph's step. Each term depends on its word and its
+// position: a changed, moved or missing word changes the checksum (but for a 2^-64 chance).
 FORGE_HD uint64_t run_scalars_checksum(const void* buffer) {
-  constexpr int kWords = (kRunScalarsTagOffset + 24) / 8;
   const unsigned char* bytes = static_cast<const unsigned char*>(buffer);
-  uint64_t h = 0x52554E5343414C53ull;  // "RUNSCALS"
-  for (int i = 0; i < kWords; ++i) {
+  uint64_t sum = 0;
+  for (int i = 0; i < kRunScalarsWords; ++i) {
     uint64_t word;
     memcpy(&word, bytes + 8 * i, 8);
-    h = mix64(h ^ word) + static_cast<uint64_t>(i);
+    sum += run_scalars_word_hash(word, i);
   }
-  return h;
+  return run_scalars_checksum_of_sum(sum);
 }
 
-#if !defined(__CUDA_ARCH__)
+// What a buffer's tag says against a step that would read it: kMatch, or the first check that
+// fails, in this order. `rule` and `num_states` are the step's (its RuleScalars'), `key` its
+// run_scalars_key(). Host and device code: run_scalars_check (the CPU backend, at the call) and
+// the CUDA kernels (when they run, at every replay of a captured graph) make the same checks.
+enum RunScalarsTagCheck : int {
+  kRunScalarsMatch = 0,
+  kRunScalarsUnfilled,     // no magic: never filled
+  kRunScalarsChecksum,     // changed or partly copied since the fill
+  kRunScalarsAbi,          // filled by a libforge of another ABI
+  kRunScalarsRule,         // filled for another rule
+  kRunScalarsNumStates,    // ... another state count
+  kRunScalarsHparams,      // ... hyper-parameters that differ in more than step, lr and seed
+};
+// `checksum`: run_scalars_checksum(buffer), however computed.
+FORGE_HD RunScalarsTagCheck run_scalars_tag_check(const RunScalarsTag& tag, uint64_t checksum,
+                                                  int32_t rule, int32_t num_states,
+                                                  uint64_t key) {
+  if (tag.magic != kRunScalarsMagic) return kRunScalarsUnfilled;
+  if (tag.checksum != checksum) return kRunScalarsChecksum;
+  if (tag.abi_version != FORGE_ABI_VERSION) return kRunScalarsAbi;
+  if (tag.rule != rule) return kRunScalarsRule;
+  if (tag.num_states != num_states) return kRunScalarsNumStates;
+  if (tag.hparams_key != key) return kRunScalarsHparams;
+  return kRunScalarsMatch;
+}
+
+// Host code (run_scalars.cpp); declared for every compilation pass, the CUDA backend's host
+// code included.
 // A hash of every forge_hparams field but step, lr, seed and run_scalars: the fields a
 // buffer's scalars may differ in from the call that reads them (-0 and +0 hash alike).
 uint64_t run_scalars_key(const forge_hparams& hp);
@@ -54,6 +97,5 @@ void run_scalars_write(const forge_hparams& hp, const RuleScalars& k, void* out)
 // names hparams.run_scalars and what does not match.
 forge_status run_scalars_check(const void* buffer, const forge_hparams& call,
                                const RuleScalars& call_k);
-#endif
 
 }  // namespace forge

@@ -114,8 +114,9 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
   }
 }
 
-// rng_draw(key, base + e) for e < n, but only the streams in `streams` (bit s: stream s;
-// the others' fields stay 0): one rng_group_hash per group of 4 elements and stream.
+// rng_draw(key, base + e) for e < n (base: the segment's first sr_index), but only the
+// streams in `streams` (bit s: stream s; the others' fields stay 0): one rng_group_hash per
+// group of 4 elements and stream.
 void segment_draws(uint64_t key, int64_t base, int n, unsigned streams, uint64_t* draw) {
   for (int e = 0; e < n; ++e) draw[e] = 0;
   for (int stream = 0; stream < kRngStreams; ++stream) {
@@ -130,6 +131,14 @@ void segment_draws(uint64_t key, int64_t base, int n, unsigned streams, uint64_t
       draw[e] |= ((hash >> (16 * (index & 3))) & 0xFFFFu) << (16 * stream);
     }
   }
+}
+
+// Element (row, col)'s index for stochastic rounding: its index in the full parameter when
+// `p` is a shard of one (forge_param's row_offset, col_offset, full_cols), so the bits do not
+// depend on how the parameter is sharded; else row * cols + col.
+int64_t sr_index(const forge_param& p, int64_t row, int64_t col) {
+  if (p.full_cols == 0) return row * p.cols + col;
+  return (p.row_offset + row) * p.full_cols + p.col_offset + col;
 }
 
 struct StepTotals {
@@ -177,7 +186,7 @@ void update_segment(const RuleScalars& k, const forge_param& p, int64_t row, int
   unsigned streams = p.weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ? 1u : 0u;
   if (p.state_format == FORGE_STATE_BF16_STOCHASTIC)
     for (int i = 0; i < k.num_states; ++i) streams |= 2u << i;
-  if (streams != 0) segment_draws(k.sr_key, base, n, streams, draw);
+  if (streams != 0) segment_draws(k.sr_key, sr_index(p, row, col0), n, streams, draw);
   for (int i = 0; i < k.num_states; ++i)
     store_state(p, i, k.state_signed[i], row, col0, n, s[i], skipped, draw);
   switch (p.weight_format) {
@@ -382,15 +391,9 @@ forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, co
                              const forge_device&) {
   // Nothing a step would never store: checked whole before anything is written.
   const int64_t n = p.rows * p.cols;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!storable(in[i]))
-      return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is not a storable state value (finite, "
-                  "magnitude at most the largest bf16, %g)", static_cast<long long>(i),
-                  static_cast<double>(in[i]), static_cast<double>(kBf16Max));
-    if (!is_signed && in[i] < 0.0f)
-      return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is negative, but state %d is a second "
-                  "moment (unsigned)", static_cast<long long>(i), static_cast<double>(in[i]), index);
-  }
+  for (int64_t i = 0; i < n; ++i)
+    if (!storable(in[i]) || (!is_signed && in[i] < 0.0f))
+      return refuse_state_value(i, in[i], index);
   for (int64_t r = 0; r < p.rows; ++r)
     for (int64_t c = 0; c < p.cols; c += kSegment)
       store_state(p, index, is_signed, r, c, static_cast<int>(std::min<int64_t>(kSegment, p.cols - c)),
@@ -399,4 +402,14 @@ forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, co
 }
 
 }  // namespace cpu
+
+forge_status refuse_state_value(int64_t i, float value, int index) {
+  if (!storable(value))
+    return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is not a storable state value (finite, "
+                "magnitude at most the largest bf16, %g)", static_cast<long long>(i),
+                static_cast<double>(value), static_cast<double>(kBf16Max));
+  return fail(FORGE_ERR_INVALID_ARGUMENT, "in[%lld]: %g is negative, but state %d is a second "
+              "moment (unsigned)", static_cast<long long>(i), static_cast<double>(value), index);
+}
+
 }  // namespace forge

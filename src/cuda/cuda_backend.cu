@@ -31,6 +31,7 @@
 #include <utility>
 
 #include "backend.h"
+#include "core/run_scalars.h"
 #include "core/status.h"
 #include "cuda/heuristics.h"
 #include "cuda/kernel_tables.cuh"
@@ -367,6 +368,18 @@ ParamView make_param_view(const forge_param& p, int num_states) {
       vec = vec && aligned16(p.state[i]);
     }
   }
+  // A shard's stochastic-rounding indices (forge_param): (row_offset + row) * full_cols +
+  // col_offset + col = idx + sr_base + row * sr_row_extra.
+  if (p.full_cols != 0) {
+    v.sr_base = p.row_offset * p.full_cols + p.col_offset;
+    v.sr_row_extra = p.full_cols - p.cols;
+  }
+  // A vector quad must be one group of 4 SR indices (QuadDraws hashes once per stream for it).
+  // A shard whose rows do not start on a group (col_offset or full_cols not a multiple of 4)
+  // takes the element-wise quads instead: correct, not fast.
+  const bool stochastic = p.weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
+                          (num_states > 0 && p.state_format == FORGE_STATE_BF16_STOCHASTIC);
+  if (stochastic && (v.sr_base % 4 != 0 || v.sr_row_extra % 4 != 0)) vec = false;
   v.vec4 = vec ? 1 : 0;
   return v;
 }
@@ -508,6 +521,7 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
   w.p = make_param_view(param, k.num_states);
   w.k = k;
   w.run_k = run;
+  if (run) w.run_key = run_scalars_key(a.hparams);
   w.stagger_ns = plan.stagger_ns;
   w.stagger_first = plan.stagger_first;
   w.stagger_count = plan.stagger_count;
@@ -585,9 +599,11 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
   log_kernel_choice(kernel->name, k, a.param.weight_format, a.param.state_format, 1);
   const bool grad_vec = view.vec4 != 0 && aligned16(a.grad);
   // The flat view (see elementwise_flat_pipelined): same offsets, one row, no division per
-  // pair. The kernels that do not pipeline run their ordinary loop on it.
+  // pair. The kernels that do not pipeline run their ordinary loop on it. Not for a shard whose
+  // SR index is not linear in the offset (rows that are not whole rows of the full parameter).
   const bool flat = kernel != &generic && grad_vec &&
-                    a.grad_dtype == FORGE_DTYPE_BF16 && view.cols % FORGE_INT8_BLOCK == 0;
+                    a.grad_dtype == FORGE_DTYPE_BF16 && view.cols % FORGE_INT8_BLOCK == 0 &&
+                    (view.sr_row_extra == 0 || view.rows == 1);
   ParamView run_view = view;
   if (flat) {
     run_view.cols = view.rows * view.cols;
@@ -596,8 +612,9 @@ forge_status elementwise_step(const forge_elementwise_args& a, const RuleScalars
   }
   const int blocks = elementwise_blocks(run_view.rows * run_view.blocks_per_row, info.num_sms,
                                        kernel->pairs_per_warp, kElementwiseThreads);
+  const uint64_t run_key = run ? run_scalars_key(a.hparams) : 0;
   kernel->fn<<<blocks, kElementwiseThreads, 0, stream>>>(
-      a.grad, a.grad_dtype, grad_vec, flat, run_view, k, run, a.outputs.grad_sq_sum,
+      a.grad, a.grad_dtype, grad_vec, flat, run_view, k, run, run_key, a.outputs.grad_sq_sum,
       reinterpret_cast<unsigned long long*>(a.outputs.nonfinite_count));
   FORGE_CUDA_TRY(cudaGetLastError());
   return FORGE_OK;
@@ -615,6 +632,45 @@ forge_status state_to_fp32(const forge_param& p, int index, bool is_signed, floa
 
 forge_status state_from_fp32(const forge_param& p, int index, bool is_signed, const float* in,
                              const forge_device& device) {
+  // Nothing a step would never store (the CPU backend's refusals, with its messages): the
+  // smallest offending index of `in` is found and copied back before anything is written.
+  DeviceGuard guard;
+  if (forge_status s = guard.enter(device.index)) return s;
+  DeviceInfo info;
+  if (forge_status s = device_info(device.index, &info)) return s;
+  const cudaStream_t stream = static_cast<cudaStream_t>(device.stream);
+  const int64_t n = p.rows * p.cols;
+  unsigned long long* first = nullptr;
+  FORGE_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&first), sizeof(*first), stream));
+  unsigned long long found = ~0ull;
+  float value = 0.0f;
+  cudaError_t e = cudaMemsetAsync(first, 0xFF, sizeof(*first), stream);
+  const char* what = "cudaMemsetAsync(state_from_fp32's check)";
+  if (e == cudaSuccess) {
+    // (one element per lane and iteration: 32 per warp)
+    const int blocks = elementwise_blocks(n, info.num_sms, 32, kElementwiseThreads);
+    state_value_check_kernel<<<blocks, kElementwiseThreads, 0, stream>>>(in, n, is_signed, first);
+    e = cudaGetLastError();
+    what = "state_value_check_kernel";
+  }
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(&found, first, sizeof(found), cudaMemcpyDeviceToHost, stream);
+    what = "cudaMemcpyAsync(state_from_fp32's check)";
+  }
+  if (e == cudaSuccess) {
+    e = cudaStreamSynchronize(stream);
+    what = "cudaStreamSynchronize(state_from_fp32's check)";
+  }
+  if (e == cudaSuccess && found != ~0ull) {
+    e = cudaMemcpyAsync(&value, in + found, sizeof(value), cudaMemcpyDeviceToHost, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    what = "cudaMemcpyAsync(state_from_fp32's offending value)";
+  }
+  const cudaError_t freed = cudaFreeAsync(first, stream);
+  if (e != cudaSuccess) return device_error(e, what);
+  FORGE_CUDA_TRY(freed);
+  if (found != ~0ull)
+    return refuse_state_value(static_cast<int64_t>(found), value, index);
   return run_state_kernel(p, index, is_signed, kStateFromFp32, 0.0f, in, nullptr, device);
 }
 

@@ -196,13 +196,19 @@ __device__ __forceinline__ void elementwise_body(const void* grad, int grad_dtyp
 }
 
 // run_k: the step's scalars in device memory, for a kRunScalars Spec (CUDA graphs); k then
-// only holds what chose the kernel. Otherwise unused.
+// only holds what chose the kernel, and run_key is run_scalars_key() of the call's
+// hyper-parameters: the launch writes nothing unless run_k's tag matches them
+// (run_scalars_refused). Otherwise unused.
 template <class Spec, int kQ>
 __global__ void __launch_bounds__(kElementwiseThreads, 2)
     elementwise_kernel(const void* grad, int grad_dtype, bool grad_vec, bool flat,
                        const ParamView p, const RuleScalars k, const RuleScalars* run_k,
-                       double* grad_sq_sum, unsigned long long* nonfinite_count) {
+                       uint64_t run_key, double* grad_sq_sum,
+                       unsigned long long* nonfinite_count) {
   if constexpr (Spec::kRunScalars) {
+    if (run_scalars_refused(run_k, k.rule, k.num_states, run_key, p.rows * p.cols,
+                            nonfinite_count))
+      return;
     elementwise_body<Spec, kQ>(grad, grad_dtype, grad_vec, flat, p, *run_k, grad_sq_sum,
                                nonfinite_count);
   } else {
@@ -212,6 +218,28 @@ __global__ void __launch_bounds__(kElementwiseThreads, 2)
 }
 
 enum StateOp : int { kStateFill = 0, kStateToFp32 = 1, kStateFromFp32 = 2 };
+
+// state_from_fp32's check before it writes: the smallest index i < n of `in` holding a value no
+// step stores in a state (not storable, formats.h, or negative for an unsigned state: the CPU
+// backend's refusals), atomicMin-ed into *first, which the host presets to ~0.
+__global__ void __launch_bounds__(kElementwiseThreads)
+    state_value_check_kernel(const float* in, int64_t n, bool is_signed,
+                             unsigned long long* first) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  unsigned long long mine = ~0ull;
+  // a thread's indices ascend: its first offending one is its smallest
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float x = in[i];
+    if (!storable(x) || (!is_signed && x < 0.0f)) {
+      mine = static_cast<unsigned long long>(i);
+      break;
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    mine = min(mine, __shfl_xor_sync(0xFFFFFFFFu, mine, offset));
+  if (threadIdx.x % 32 == 0 && mine != ~0ull) atomicMin(first, mine);
+}
 
 // The state in slot 0 of p filled with a value, decoded to fp32 (`out`, [rows, cols]), or
 // encoded from fp32 (`in`): the CPU's load_state/store_state with no stochastic rounding.

@@ -145,7 +145,7 @@ const Sm90Kernel kSm90GenericKernels[2][2] = {
 // ---- element-wise kernels ------------------------------------------------------------------
 
 using ElementwiseKernelFn = void (*)(const void*, int, bool, bool, ParamView, RuleScalars,
-                                     const RuleScalars*, double*, unsigned long long*);
+                                     const RuleScalars*, uint64_t, double*, unsigned long long*);
 struct ElementwiseKernel {
   ElementwiseKernelFn fn;
   SpecMatchFn matches;

@@ -96,8 +96,10 @@ struct WgradParams {
   int32_t stagger_ns;         // CTAs [stagger_first, stagger_first + stagger_count) wait this
   int32_t stagger_first, stagger_count;  // long before their main loop
   // kRunScalars kernels only (CUDA graphs): the step's scalars, read when the kernel runs;
-  // k above then only holds what chose the kernel (rule, formats, number of states).
+  // k above then only holds what chose the kernel (rule, formats, number of states), and
+  // run_key is run_scalars_key() of the call's hyper-parameters (run_scalars_refused).
   const RuleScalars* run_k;
+  uint64_t run_key;
 };
 
 // The RuleScalars the update of a Spec uses: the launch's own, or a.run_k's (kRunScalars).
@@ -107,6 +109,19 @@ __device__ __forceinline__ const RuleScalars& scalars_of(const WgradParams& a) {
     return *a.run_k;
   } else {
     return a.k;
+  }
+}
+
+// A kRunScalars kernel's first statement: whether its run_scalars buffer does not match the
+// launch, and the CTA must return having written nothing (update.cuh, run_scalars_refused).
+// Always false for the other kernels (no code). Every thread of the CTA must call it.
+template <class Spec>
+__device__ __forceinline__ bool run_scalars_refused(const WgradParams& a) {
+  if constexpr (Spec::kRunScalars) {
+    return run_scalars_refused(a.run_k, a.k.rule, a.k.num_states, a.run_key, a.p.rows * a.p.cols,
+                               a.nonfinite_count);
+  } else {
+    return false;
   }
 }
 
@@ -276,9 +291,12 @@ __device__ __forceinline__ void pass_quads(const float* sC, int r, int64_t m0, i
 }
 
 // The update of one pass of whole quads whose raw operands `cur` are at hand (the pipelined
-// loop of update_tile): row, col, idx and g come from pass_quads.
+// loop of update_tile): row, col, idx and g come from pass_quads; `k` and `p` are the step's
+// scalars and the parameter's view, with the pass's SR row term moved into one of them
+// (update_tile).
 template <class Spec, int kQ>
-__device__ __forceinline__ void update_raw_pass(const WgradParams& a, const RawQuads<Spec, kQ>& cur,
+__device__ __forceinline__ void update_raw_pass(const RuleScalars& k, const ParamView& p,
+                                                const RawQuads<Spec, kQ>& cur,
                                                 const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                                 const int64_t (&idx)[kQ],
                                                 const float (&g)[kQ][kQuad], int lane16,
@@ -292,7 +310,7 @@ __device__ __forceinline__ void update_raw_pass(const WgradParams& a, const RawQ
   }
   float w[kQ][kQuad], s[FORGE_MAX_STATES][kQ][kQuad];
   cur.unpack(w, s);
-  update_loaded<kQ, Spec>(scalars_of<Spec>(a), a.p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
+  update_loaded<kQ, Spec>(k, p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
 }
 
 // update_tile's fast loop: interior tiles (all of them on the Llama shapes) of specialized
@@ -377,6 +395,19 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
       // states, whose pass is ~4x longer: 2 copies of it would not sit in the instruction
       // cache as well.
       constexpr int kPassUnroll = Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
+      // NOTE: with stochastic rounding, the SR indices' row term (ParamView::sr_index) is
+      // stepped per pass like idx0: the update sees a view whose sr_base holds the pass's row
+      // term and whose sr_row_extra is 0, so a quad's SR index is its offset plus one add, not
+      // a 64-bit multiply per quad (AdamW, SR weight and states: 65.3 instructions per element
+      // before shards, 67.0 with the multiply, 66.3 so; folding the term into the key instead
+      // gave 66.2: sass_fastpath.py). Other specs keep a.p (no SR index at all).
+      constexpr bool kStochastic = Spec::kWeightFormat == FORGE_WEIGHT_BF16_STOCHASTIC ||
+                                   (Spec::kNumStates > 0 &&
+                                    Spec::kStateFormat == FORGE_STATE_BF16_STOCHASTIC);
+      ParamView pv = a.p;
+      pv.sr_row_extra = 0;
+      int64_t sr_row_term = a.p.sr_base + (m0 + rsub) * a.p.sr_row_extra;
+      const int64_t sr_row_step = kRowsPerPass * a.p.sr_row_extra;
 #pragma unroll kPassUnroll
       for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, idx0 += idx_step) {
         const int r = pass * kRowsPerPass + rsub;
@@ -396,7 +427,15 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
           }
           next.load(a.p, row_next, col, idx_next);
         }
-        update_raw_pass<Spec, kQ>(a, cur, row, col, idx, g, lane16, want_sq, totals);
+        if constexpr (kStochastic) {
+          pv.sr_base = sr_row_term;
+          sr_row_term += sr_row_step;
+          update_raw_pass<Spec, kQ>(scalars_of<Spec>(a), pv, cur, row, col, idx, g, lane16,
+                                    want_sq, totals);
+        } else {
+          update_raw_pass<Spec, kQ>(scalars_of<Spec>(a), a.p, cur, row, col, idx, g, lane16,
+                                    want_sq, totals);
+        }
       }
       return;
     }
@@ -482,6 +521,7 @@ __device__ __forceinline__ void load_operand_stage(uint16_t* stage, const uint16
 // Spec: the epilogue's compile-time configuration (update.cuh); GenericSpec for any.
 template <bool kFp16, class Spec = GenericSpec>
 __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParams a) {
+  if (run_scalars_refused<Spec>(a)) return;
   extern __shared__ __align__(128) unsigned char smem[];
   uint16_t* const sA = reinterpret_cast<uint16_t*>(smem);  // [kStages][kBK][kLdS] dY, m fastest
   uint16_t* const sB = sA + kStages * kStageHalves;        // [kStages][kBK][kLdS] X, n fastest
@@ -607,6 +647,7 @@ __device__ __forceinline__ void load_operand_stage_f32(float* stage, const void*
 // Spec: GenericSpec, or GenericRunSpec (the step's scalars from a.run_k).
 template <class Spec = GenericSpec>
 __global__ void __launch_bounds__(kThreads, 2) wgrad_simt_kernel(const WgradParams a) {
+  if (run_scalars_refused<Spec>(a)) return;
   extern __shared__ __align__(128) unsigned char smem[];
   float* const sA = reinterpret_cast<float*>(smem);  // [2][kBK][kLdF] dY, m fastest
   float* const sB = sA + 2 * kBK * kLdF;             // [2][kBK][kLdF] X, n fastest

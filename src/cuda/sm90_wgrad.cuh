@@ -202,6 +202,7 @@ template <bool kFp16, class Spec = GenericSpec>
 __global__ void __launch_bounds__(kThreads, 2)
     wgrad_wgmma_kernel(const WgradParams a, const __grid_constant__ Sm90TensorMaps maps) {
 #if defined(FORGE_SM90A_DEVICE_PASS)
+  if (run_scalars_refused<Spec>(a)) return;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t s_full[kSm90Stages];   // TMA bytes of stage s landed
   __shared__ __align__(8) uint64_t s_empty[kSm90Stages];  // both warpgroups done reading s
@@ -354,6 +355,7 @@ template <bool kFp16, class Spec = GenericSpec>
 __global__ void __launch_bounds__(kPersistentThreads, 1)
     wgrad_wgmma_persistent_kernel(const WgradParams a, const __grid_constant__ Sm90TensorMaps maps) {
 #if defined(FORGE_SM90A_DEVICE_PASS)
+  if (run_scalars_refused<Spec>(a)) return;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t s_full[kPersistentStages];   // TMA bytes of stage s landed
   __shared__ __align__(8) uint64_t s_empty[kPersistentStages];  // both math warpgroups done

@@ -10,11 +10,15 @@
 //
 // Bit-exactness with the CPU (cpu_backend.cpp, update_segment/store_state): same fp32
 // operations in the same order (the library is built with --fmad=false), the same format
-// functions (formats.h), the same stochastic-rounding bits rng_bits(key, row * cols + col, ·),
-// and the same non-finite policy: a skipped element keeps its weight and fp32/bf16 states,
-// and its int8 states are re-encoded from their decoded old value against the block's new
-// absmax, exactly as store_state does. One exception: a NaN computed from non-finite weights
-// or states carries the hardware's payload (x86 0xFFC00000, the GPU 0x7FFFFFFF).
+// functions (formats.h), the same stochastic-rounding bits rng_bits(key, index, ·) with the
+// element's index in the full parameter (ParamView::sr_index; row * cols + col unless the
+// parameter is a shard), and the same skipping (forge.h, "Skipped elements"): an element whose
+// gradient is not finite or whose new weight, master or a state would not be storable keeps
+// its weight, master and fp32/bf16 states and is counted; an int8 block holding one takes
+// max(its old absmax, the updated elements' magnitudes), and the skipped element keeps its
+// code byte while that absmax is unchanged, or is re-encoded from its decoded value when it
+// grew (int8_kept_block_absmax). A step never stores a NaN it computed (an element whose
+// results hold one is skipped), so no NaN payload can differ between the CPU and the GPU.
 //
 // Compile-time specialization (UpdateSpec): the hot configurations (AdamW, Lion, SGD on bf16
 // weights with bf16 / int8 / fp32 states) get their rule, weight format, state format, state
@@ -30,6 +34,7 @@
 #include "core/formats.h"
 #include "core/rng.h"
 #include "core/rules.h"
+#include "core/run_scalars.h"
 #include "cuda/ptx.cuh"
 #include "forge/forge.h"
 
@@ -92,11 +97,14 @@ __host__ __device__ inline bool spec_matches(const RuleScalars& k, int weight_fo
   return true;
 }
 
-// The stochastic-rounding bits of a quad: bits(e, stream) == rng_bits(key, idx + e, stream).
+// The stochastic-rounding bits of a quad: bits(e, stream) == rng_bits(key, idx + e, stream),
+// idx the quad's first element's index (ParamView::sr_index: its index in the full parameter
+// when the parameter is a shard of one).
 // `aligned`: idx % 4 == 0, so the quad is one rng.h group (every vector quad: ParamView::vec4
-// needs cols % 4 == 0, and quads start at col % 4 == 0): one rng_group_hash per stream, made
-// here (a stream the step never reads is dead code). An unaligned quad straddles two groups:
-// bits() hashes per element and stream.
+// needs cols % 4 == 0, quads start at col % 4 == 0, and a shard whose indices would break that
+// gets no vector access: make_param_view): one rng_group_hash per stream, made here (a stream
+// the step never reads is dead code). An unaligned quad straddles two groups: bits() hashes
+// per element and stream.
 struct QuadDraws {
   uint64_t key;
   int64_t idx;
@@ -133,6 +141,14 @@ struct ParamView {
   float* master;           // [rows, cols] fp32 (FORGE_WEIGHT_BF16_MASTER only)
   void* state[FORGE_MAX_STATES];     // [rows, cols] fp32 / bf16 / uint8 codes
   float* absmax[FORGE_MAX_STATES];   // [rows, blocks_per_row] (int8 only)
+  // Stochastic rounding's element index (rng.h) of element (row, col), at offset
+  // idx = row * cols + col: idx + sr_base + row * sr_row_extra. A shard's
+  // (row_offset + row) * full_cols + col_offset + col (forge_param); 0 and 0 otherwise.
+  int64_t sr_base, sr_row_extra;
+
+  __host__ __device__ __forceinline__ int64_t sr_index(int64_t row, int64_t idx) const {
+    return idx + sr_base + row * sr_row_extra;
+  }
 };
 
 // Per-thread by-products of a step, reduced once per CTA at the end of a kernel.
@@ -189,7 +205,7 @@ __device__ __forceinline__ void load_quad_codes(const uint8_t* base, int64_t idx
   }
 }
 
-// Stores element e unless bit e of `keep` is set (a skipped, non-finite gradient).
+// Stores element e unless bit e of `keep` is set (a skipped element).
 __device__ __forceinline__ void store_quad_f32(float* base, int64_t idx, int n, bool vec,
                                                unsigned keep, const float (&v)[kQuad]) {
   if (vec && keep == 0) {
@@ -215,9 +231,11 @@ __device__ __forceinline__ void store_quad_u16(uint16_t* base, int64_t idx, int 
   }
 }
 
+// Stores element e's code unless bit e of `keep` is set (an int8 block's skipped element whose
+// code stays: int8_kept_block_absmax).
 __device__ __forceinline__ void store_quad_codes(uint8_t* base, int64_t idx, int n, bool vec,
-                                                 const uint8_t (&c)[kQuad]) {
-  if (vec) {
+                                                 unsigned keep, const uint8_t (&c)[kQuad]) {
+  if (vec && keep == 0) {
     *reinterpret_cast<uint32_t*>(base + idx) = static_cast<uint32_t>(c[0]) |
                                                (static_cast<uint32_t>(c[1]) << 8) |
                                                (static_cast<uint32_t>(c[2]) << 16) |
@@ -225,7 +243,7 @@ __device__ __forceinline__ void store_quad_codes(uint8_t* base, int64_t idx, int
   } else {
 #pragma unroll
     for (int e = 0; e < kQuad; ++e)
-      if (e < n) base[idx + e] = c[e];
+      if (e < n && !((keep >> e) & 1u)) base[idx + e] = c[e];
   }
 }
 
@@ -237,6 +255,42 @@ __device__ __forceinline__ float group_max(float v) {
   for (int offset = kGroupLanes / 2; offset > 0; offset >>= 1)
     v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   return v;
+}
+
+// Whether `v` holds in any lane of this half-warp. Every lane of the warp must call it (the
+// kernels' blocks are 1-D and whole warps, so bit 4 of threadIdx.x is the half).
+__device__ __forceinline__ bool group_any(bool v) {
+  const unsigned ballot = __ballot_sync(0xFFFFFFFFu, v);
+  return ((ballot >> (threadIdx.x & 16u)) & 0xFFFFu) != 0u;
+}
+
+// An int8 block's new absmax when it may hold skipped elements (forge.h, "Skipped elements";
+// cpu_backend.cpp, store_state): `v` this lane's quad of the block's new values (n in range;
+// a skipped element's is its decoded old value), bit e of `keep` set where element e was
+// skipped. A block without a skipped element takes the largest magnitude of its values, as
+// store_int8_states' usual path does. A block holding one takes max(its old absmax, the updated
+// elements' largest magnitude), folded as the CPU folds it (the old absmax kept on ties and
+// when nothing was updated, a NaN one kept), and `code_keep` receives the elements whose code
+// bytes stay: the skipped ones while that absmax is the old one bit for bit, none when it grew
+// (they are then re-encoded from their decoded values). `old_absmax`: the block's absmax slot,
+// read by the lane that writes it (lane16 == 0) before it does. Every lane of the warp must
+// call it.
+__device__ __forceinline__ float int8_kept_block_absmax(const float* old_absmax, int n,
+                                                        unsigned keep, int lane16,
+                                                        const float (&v)[kQuad],
+                                                        unsigned& code_keep) {
+  const bool kept = group_any(keep != 0u);
+  float old = 0.0f;
+  if (kept && lane16 == 0) old = *old_absmax;
+  float m = kept ? -INFINITY : 0.0f;  // updated magnitudes are never NaN: fmaxf is exact here
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e)
+    if (e < n && !((keep >> e) & 1u)) m = fmaxf(m, fabsf(v[e]));
+  m = group_max(m);
+  old = __shfl_sync(0xFFFFFFFFu, old, static_cast<int>(threadIdx.x & 16u));
+  const float amax = kept ? (old < m ? m : old) : m;
+  code_keep = kept && float_bits(amax) == float_bits(old) ? keep : 0u;
+  return amax;
 }
 
 // ---- the int8 dynamic map, fast and bit-identical ------------------------------------------
@@ -574,11 +628,17 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
       break;
     }
     default: {  // FORGE_STATE_INT8_BLOCK64: the block's absmax, then every code of the block
+      float* const absmax_slot = &p.absmax[i][row * p.blocks_per_row + col / FORGE_INT8_BLOCK];
       float amax = 0.0f;
+      unsigned code_keep = 0u;
+      if (__any_sync(0xFFFFFFFFu, keep != 0u)) {  // uniform: a skipped element in the warp
+        amax = int8_kept_block_absmax(absmax_slot, n, keep, lane16, v, code_keep);
+      } else {
 #pragma unroll
-      for (int e = 0; e < kQuad; ++e)
-        if (e < n) amax = fmaxf(amax, fabsf(v[e]));
-      amax = group_max(amax);
+        for (int e = 0; e < kQuad; ++e)
+          if (e < n) amax = fmaxf(amax, fabsf(v[e]));
+        amax = group_max(amax);
+      }
       if (n > 0) {
         float ratio[kQuad];
         if (!int8_quad_ratios(amax, v, ratio)) {
@@ -588,10 +648,10 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
         uint8_t c[kQuad];
 #pragma unroll
         for (int e = 0; e < kQuad; ++e) c[e] = int8_encode_ratio(v[e], ratio[e], amax, is_signed);
-        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx, n, vec, c);
+        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx, n, vec, code_keep, c);
         // lane 0 of the group holds the block's first column, so it is in range whenever
         // any column of the block is
-        if (lane16 == 0) p.absmax[i][row * p.blocks_per_row + col / FORGE_INT8_BLOCK] = amax;
+        if (lane16 == 0) *absmax_slot = amax;
       }
     }
   }
@@ -633,9 +693,11 @@ __device__ __forceinline__ void apply_quads(const RuleScalars& r, bool want_sq, 
 
 // The same update as apply_quads, branch-free through FastMath, into w_new / s_new. Returns
 // false when that is not the reference result for some in-range element: a non-finite
-// gradient, an operand outside FastMath's domain, or a non-finite result (the weight or a
-// state: NaN or infinity, which bf16x2_nearest_nonnan must not see). The caller then runs
-// apply_quads on the same inputs. `r` must have its rule as a compile-time constant.
+// gradient, an operand outside FastMath's domain, or a result that is not storable (the weight
+// or a state: NaN, infinite or above the largest bf16, formats.h; bf16x2_nearest_nonnan must
+// not see a NaN). The caller then runs apply_quads on the same inputs, which skips the element
+// that is not storable exactly as the CPU does. `r` must have its rule as a compile-time
+// constant.
 template <int kQ, int kNumStates, class Math = FastMath>
 __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int (&n)[kQ],
                                                  const float (&g)[kQ][kQuad],
@@ -644,9 +706,11 @@ __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int
                                                  float (&w_new)[kQ][kQuad],
                                                  float (&s_new)[FORGE_MAX_STATES][kQ][kQuad]) {
   Math math;
-  // NOTE: one running sum of every result instead of a NaN/infinity test per value: it is
-  // finite only if all of them are (a false alarm on huge finite values only costs the
-  // exact path).
+  // NOTE: one running sum of every result's magnitude instead of a storable() test per value:
+  // it is at most the largest bf16 only if every term is (rounding is monotone, and each
+  // partial sum of magnitudes is at least each of its terms), and NaN or an overflow to
+  // infinity fails the comparison. A false alarm on large storable values only costs the
+  // exact path. The magnitudes are free: |x| is an operand modifier of the add.
   float sum = 0.0f;
 #pragma unroll
   for (int q = 0; q < kQ; ++q)
@@ -656,11 +720,12 @@ __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int
       float wv = w[q][e], g_used;
       const Math before = math;
       apply_rule(r, g[q][e], wv, st, g_used, math);
-      float out = wv;
-      // AdamW: adamw_direction declines unless its m and v, the new states, are finite.
+      float out = fabsf(wv);
+      // AdamW: adamw_direction declines unless its m and v, the new states, lie in its domain
+      // (|m| < 2^62, v < 2^123: storable).
       if (r.rule != FORGE_RULE_ADAMW) {
 #pragma unroll
-        for (int i = 0; i < kNumStates; ++i) out = out + st[i];
+        for (int i = 0; i < kNumStates; ++i) out = out + fabsf(st[i]);
       }
       if (e < n[q]) {
         sum = sum + out;
@@ -671,7 +736,7 @@ __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int
 #pragma unroll
       for (int i = 0; i < FORGE_MAX_STATES; ++i) s_new[i][q][e] = st[i];
     }
-  math.require(is_finite(sum));
+  math.require(sum <= kBf16Max);
   return math.all_ok();
 }
 
@@ -747,27 +812,48 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
 // store, the ratio fallback), so its dependent chain (4 shuffles, the reciprocal, the
 // division, the level search, ~300 cycles) ran alone; in one region the 2·kQ chains
 // interleave.
+// keep[q]: the skipped elements of quad q; a block holding one takes int8_kept_block_absmax's
+// absmax and code mask.
+// NOTE: one warp-uniform branch for "a skipped element in the warp's blocks" around the absmax
+// alone: without one, the warp's blocks run exactly the usual instructions but for the vote
+// and the masked stores' test; the encoder after it is shared by both outcomes.
 template <int kQ, int kNumStates, int kRule>
 __device__ __forceinline__ void store_int8_states(const ParamView& p, const int64_t (&row)[kQ],
                                                   const int64_t (&col)[kQ],
                                                   const int64_t (&idx)[kQ], const int (&n)[kQ],
-                                                  const bool (&vec)[kQ], int lane16,
+                                                  const bool (&vec)[kQ],
+                                                  const unsigned (&keep)[kQ], int lane16,
                                                   const float (&s)[FORGE_MAX_STATES][kQ][kQuad]) {
   float amax[kNumStates][kQ];
+  unsigned code_keep[kNumStates][kQ];
+  unsigned any_keep = 0u;
 #pragma unroll
-  for (int i = 0; i < kNumStates; ++i)
+  for (int q = 0; q < kQ; ++q) any_keep |= keep[q];
+  if (__any_sync(0xFFFFFFFFu, any_keep != 0u)) {
 #pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      float m = 0.0f;
+    for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-      for (int e = 0; e < kQuad; ++e)
-        if (e < n[q]) m = fmaxf(m, fabsf(s[i][q][e]));
-      amax[i][q] = m;
-    }
+      for (int q = 0; q < kQ; ++q)
+        amax[i][q] = int8_kept_block_absmax(
+            &p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK], n[q], keep[q],
+            lane16, s[i][q], code_keep[i][q]);
+  } else {
 #pragma unroll
-  for (int i = 0; i < kNumStates; ++i)
+    for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-    for (int q = 0; q < kQ; ++q) amax[i][q] = group_max(amax[i][q]);
+      for (int q = 0; q < kQ; ++q) {
+        float m = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e)
+          if (e < n[q]) m = fmaxf(m, fabsf(s[i][q][e]));
+        amax[i][q] = m;
+        code_keep[i][q] = 0u;
+      }
+#pragma unroll
+    for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) amax[i][q] = group_max(amax[i][q]);
+  }
   float ratio[kNumStates][kQ][kQuad];
   bool fast = true;
 #pragma unroll
@@ -792,7 +878,8 @@ __device__ __forceinline__ void store_int8_states(const ParamView& p, const int6
         c[e] = int8_encode_ratio(s[i][q][e], ratio[i][q][e], amax[i][q],
                                  spec_state_signed(kRule, i));
       if (n[q] > 0) {
-        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q], c);
+        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q],
+                         code_keep[i][q], c);
         // lane 0 of the group holds the block's first column, so it is in range whenever
         // any column of the block is
         if (lane16 == 0)
@@ -825,10 +912,11 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   const bool stochastic = weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
                           (num_states > 0 && state_format == FORGE_STATE_BF16_STOCHASTIC);
   if constexpr (kSF == FORGE_STATE_INT8_BLOCK64 && Spec::kNumStates > 0)
-    store_int8_states<kQ, Spec::kNumStates, Spec::kRule>(p, row, col, idx, n, vec, lane16, s);
+    store_int8_states<kQ, Spec::kNumStates, Spec::kRule>(p, row, col, idx, n, vec, keep, lane16,
+                                                         s);
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
-    const QuadDraws draw(k.sr_key, idx[q], kAligned || vec[q], stochastic);
+    const QuadDraws draw(k.sr_key, p.sr_index(row[q], idx[q]), kAligned || vec[q], stochastic);
 #pragma unroll
     for (int i = 0; i < FORGE_MAX_STATES; ++i) {
       const bool is_signed =
@@ -995,7 +1083,7 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
                                               const float (&g)[kQ][kQuad], float (&w)[kQ][kQuad],
                                               float (&s)[FORGE_MAX_STATES][kQ][kQuad],
                                               StepTotals& totals) {
-  unsigned keep[kQ];  // bit e of keep[q]: element e of quad q was skipped (non-finite gradient)
+  unsigned keep[kQ];  // bit e of keep[q]: element e of quad q was skipped
   if constexpr (!Spec::kGeneric) {
     RuleScalars r = k;
     r.rule = Spec::kRule;
@@ -1112,6 +1200,48 @@ __device__ __forceinline__ void update_quads(const RuleScalars& k, const ParamVi
   }
 
   update_loaded<kQ, Spec, Math>(k, p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
+}
+
+// ---- run scalars (CUDA graphs) ----------------------------------------------------------------
+//
+// A kRunScalars kernel reads the step's RuleScalars from hparams.run_scalars when it runs, so it
+// checks that buffer's tag there (run_scalars.h: filled, unchanged since, for this rule, state
+// count and hyper-parameters), at every replay of a captured graph, before anything else. On a
+// mismatch the launch writes nothing: every CTA returns at once, and the first one adds
+// `elements` (rows · cols: every element, skipped) to *nonfinite_count where the step has one
+// (forge.h, forge_hparams.run_scalars). `rule`, `num_states`: the launch's own RuleScalars';
+// `key`: run_scalars_key() of the call's hyper-parameters.
+// Returns whether the CTA must return. Every thread of the CTA must call it, before any other
+// work (it ends with a __syncthreads); warp 0 reads the buffer, one 8-byte word per lane.
+// NOTE: per CTA, one read of the buffer (L2) and one hash per lane, then a shuffle reduction:
+// the checksum's terms are independent (run_scalars_checksum), not a chain of 31 hashes.
+__device__ __forceinline__ bool run_scalars_refused(const RuleScalars* run_k, int32_t rule,
+                                                    int32_t num_states, uint64_t key,
+                                                    int64_t elements,
+                                                    unsigned long long* nonfinite_count) {
+  __shared__ int s_refused;
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(run_k);
+    uint64_t term = 0;
+    if (lane < kRunScalarsWords)
+      term = run_scalars_word_hash(reinterpret_cast<const uint64_t*>(bytes)[lane], lane);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+      term += __shfl_xor_sync(0xFFFFFFFFu, term, offset);
+    if (lane == 0) {
+      RunScalarsTag tag;
+      memcpy(&tag, bytes + kRunScalarsTagOffset, sizeof(tag));
+      const bool refused = run_scalars_tag_check(tag, run_scalars_checksum_of_sum(term), rule,
+                                                 num_states, key) != kRunScalarsMatch;
+      s_refused = refused ? 1 : 0;
+      if (refused && nonfinite_count != nullptr && blockIdx.x == 0 && blockIdx.y == 0 &&
+          blockIdx.z == 0)
+        atomicAdd(nonfinite_count, static_cast<unsigned long long>(elements));
+    }
+  }
+  __syncthreads();
+  return s_refused != 0;
 }
 
 // ---- the by-products, once per CTA -------------------------------------------------------

@@ -116,6 +116,7 @@ struct ValidCall {
   int64_t ldx, lddy;
   int tile_rows, tile_cols, threads;
   bool use_run;
+  int64_t row_offset, col_offset, full_cols;  // a shard's place (forge_param), or 0, 0, 0
 };
 
 ValidCall random_call(Rng& rng) {
@@ -136,12 +137,26 @@ ValidCall random_call(Rng& rng) {
                                                              : rng.integer(1, 200);
   c.threads = rng.integer(0, 3);
   c.use_run = rng.integer(0, 3) == 0;
+  // A third of the calls update a shard: rows of a taller parameter, or columns of a wider one
+  // (int8: starting on a block of 64, and ending on one or at the row's end).
+  c.row_offset = c.col_offset = c.full_cols = 0;
+  const int shard = rng.integer(0, 5);
+  if (shard == 1) {
+    c.row_offset = rng.integer(0, 1000);
+    c.full_cols = c.cols;
+  } else if (shard == 2) {
+    c.row_offset = rng.integer(0, 3) ? 0 : rng.integer(1, 50);
+    const bool int8 = c.state_format == FORGE_STATE_INT8_BLOCK64;
+    c.col_offset = int8 ? 64 * rng.integer(0, 3) : rng.integer(0, 200);
+    const int64_t end = c.col_offset + c.cols;
+    c.full_cols = int8 && end % 64 != 0 ? end : end + (rng.integer(0, 1) ? 0 : 64 * rng.integer(1, 3));
+  }
   return c;
 }
 
 TEST(FuzzCapi, ValidCallsMatchTheUnfusedReference) {
   const int64_t count = env_int("FORGE_FUZZ_VALID", 250);
-  int64_t skipped_total = 0, with_run = 0;
+  int64_t skipped_total = 0, with_run = 0, shards = 0;
   for (int64_t i = 0; i < count; ++i) {
     const uint64_t seed = base_seed() + static_cast<uint64_t>(i);
     SCOPED_TRACE("FORGE_FUZZ_SEED=" + std::to_string(seed));
@@ -153,9 +168,13 @@ TEST(FuzzCapi, ValidCallsMatchTheUnfusedReference) {
                  << " " << state_format_name(c.state_format) << " " << c.rows << "x" << c.cols
                  << " T=" << c.tokens << " dtypes " << c.x_dtype << "/" << c.dy_dtype << " tiles "
                  << c.tile_rows << "x" << c.tile_cols << " threads " << c.threads
-                 << (c.use_run ? " run_scalars" : ""));
+                 << (c.use_run ? " run_scalars" : "") << " shard at " << c.row_offset << ", "
+                 << c.col_offset << " of " << c.full_cols << " columns");
     HostParam fused(c.rows, c.cols, static_cast<forge_weight_format>(c.weight_format),
                     static_cast<forge_state_format>(c.state_format), hp);
+    fused.p.row_offset = c.row_offset;
+    fused.p.col_offset = c.col_offset;
+    fused.p.full_cols = c.full_cols;
     for (int64_t e = 0; e < fused.size(); ++e) fused.set_w(e, rng.normal(0.5f));
     random_states(rng, fused, hp);
     HostParam unfused(fused);
@@ -187,11 +206,13 @@ TEST(FuzzCapi, ValidCallsMatchTheUnfusedReference) {
     ASSERT_EQ(n_fused, n_ref);
     ASSERT_NEAR(sq_fused, sq_ref, kGradSqSumRel * sq_ref);
     skipped_total += n_fused;
+    shards += c.full_cols != 0;
   }
   // The budget exercised what it is meant to.
   if (count >= 100) {
     EXPECT_GT(skipped_total, 0);
     EXPECT_GT(with_run, 0);
+    EXPECT_GT(shards, 0);
   }
 }
 
@@ -391,6 +412,32 @@ std::vector<Corruption> corruptions() {
          if (forge_run_scalars_fill(&s.hp, s.run.bytes, sizeof(s.run.bytes)) != FORGE_OK) return false;
          s.run.bytes[r.integer(0, FORGE_RUN_SCALARS_BYTES - 1)] ^= static_cast<unsigned char>(1 << r.integer(0, 7));
          s.wgrad.hparams.run_scalars = s.run.bytes; e = "hparams.run_scalars"; return true; }},
+      // shard placements (forge_param's row_offset, col_offset, full_cols)
+      {"shard_row_offset", kWgrad, [](S& s, Rng& r, std::string& e) {
+         s.wgrad.param.row_offset = pick(r, {-1, INT32_MIN}); s.wgrad.param.full_cols = s.wgrad.param.cols; e = "param.row_offset"; return true; }},
+      {"shard_col_offset", kWgrad, [](S& s, Rng&, std::string& e) {
+         s.wgrad.param.col_offset = -64; s.wgrad.param.full_cols = s.wgrad.param.cols + 128; e = "param.col_offset"; return true; }},
+      {"shard_full_cols", kWgrad, [](S& s, Rng& r, std::string& e) {
+         const int64_t cols = s.wgrad.param.cols;
+         s.wgrad.param.full_cols = r.integer(0, 1) || cols == 1 ? -1 : cols - 1; e = "param.full_cols"; return true; }},
+      {"shard_offsets_without_full_cols", kWgrad, [](S& s, Rng& r, std::string& e) {
+         if (r.integer(0, 1)) s.wgrad.param.row_offset = 3; else s.wgrad.param.col_offset = 64;
+         e = "param.full_cols"; return true; }},
+      {"shard_past_full_cols", kWgrad, [](S& s, Rng&, std::string& e) {
+         s.wgrad.param.col_offset = 64; s.wgrad.param.full_cols = s.wgrad.param.cols + 63; e = "param.full_cols"; return true; }},
+      {"shard_indices_overflow", kWgrad, [](S& s, Rng&, std::string& e) {
+         s.wgrad.param.row_offset = int64_t(1) << 61; s.wgrad.param.full_cols = s.wgrad.param.cols; e = "param.row_offset"; return true; }},
+      {"shard_int8_col_offset", kWgrad, [](S& s, Rng& r, std::string& e) {
+         if (!s.int8()) return false;
+         s.wgrad.param.col_offset = 64 * r.integer(0, 2) + r.integer(1, 63);
+         s.wgrad.param.full_cols = s.wgrad.param.col_offset + s.wgrad.param.cols; e = "param.col_offset"; return true; }},
+      {"shard_int8_end", kWgrad, [](S& s, Rng&, std::string& e) {
+         if (!s.int8() || s.wgrad.param.cols % 64 == 0) return false;
+         s.wgrad.param.full_cols = s.wgrad.param.cols + 1; e = "param.col_offset + param.cols"; return true; }},
+      {"shard_elementwise", kElementwise, [](S& s, Rng&, std::string& e) {
+         s.elementwise.param.full_cols = -5; e = "param.full_cols"; return true; }},
+      {"shard_state_init", kStateInit, [](S& s, Rng&, std::string& e) {
+         s.param.p.row_offset = 7; e = "param.full_cols"; return true; }},
       // the element-wise step
       {"grad_null", kElementwise, [](S& s, Rng&, std::string& e) { s.elementwise.grad = nullptr; e = "grad: NULL"; return true; }},
       {"grad_dtype", kElementwise, [](S& s, Rng& r, std::string& e) { s.elementwise.grad_dtype = pick(r, {3, -1}); e = "grad_dtype"; return true; }},

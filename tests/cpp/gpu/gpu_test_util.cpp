@@ -119,7 +119,79 @@ forge_param HostParam::view() {
     p.state[i] = state[i].data();
     p.state_absmax[i] = state_format == FORGE_STATE_INT8_BLOCK64 ? absmax[i].data() : nullptr;
   }
+  p.row_offset = row_offset;
+  p.col_offset = col_offset;
+  p.full_cols = full_cols;
   return p;
+}
+
+namespace {
+
+int state_bytes_of(forge_state_format f) {
+  return f == FORGE_STATE_FP32 ? 4 : f == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
+}
+
+// Rows × cols elements of `elem` bytes from a [*, from_ld] array to a [*, to_ld] one.
+void copy_block(const uint8_t* from, int64_t from_ld, uint8_t* to, int64_t to_ld, int64_t rows,
+                int64_t cols, int elem) {
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(to + r * to_ld * elem, from + r * from_ld * elem, static_cast<size_t>(cols * elem));
+}
+
+// Moves the shard's block between `full` and `shard` (to_shard: full -> shard).
+void move_shard(HostParam& full, HostParam& shard, bool to_shard) {
+  const int64_t r0 = shard.row_offset, c0 = shard.col_offset, rows = shard.rows, cols = shard.cols;
+  auto move = [&](std::vector<uint8_t>& f, std::vector<uint8_t>& s, int64_t f_ld, int64_t s_ld,
+                  int64_t col0, int64_t ncols, int elem) {
+    uint8_t* at = f.data() + (r0 * f_ld + col0) * elem;
+    if (to_shard) copy_block(at, f_ld, s.data(), s_ld, rows, ncols, elem);
+    else copy_block(s.data(), s_ld, at, f_ld, rows, ncols, elem);
+  };
+  move(full.weight, shard.weight, full.cols, cols, c0, cols,
+       full.weight_format == FORGE_WEIGHT_FP32 ? 4 : 2);
+  if (full.weight_format == FORGE_WEIGHT_BF16_MASTER)
+    move(full.master, shard.master, full.cols, cols, c0, cols, 4);
+  for (int i = 0; i < full.layout.num_states; ++i) {
+    move(full.state[i], shard.state[i], full.cols, cols, c0, cols, state_bytes_of(full.state_format));
+    if (full.state_format == FORGE_STATE_INT8_BLOCK64) {
+      const int64_t full_blocks = (full.cols + 63) / 64, blocks = (cols + 63) / 64;
+      auto* f = reinterpret_cast<uint8_t*>(full.absmax[i].data());
+      auto* s = reinterpret_cast<uint8_t*>(shard.absmax[i].data());
+      uint8_t* at = f + (r0 * full_blocks + c0 / 64) * 4;
+      if (to_shard) copy_block(at, full_blocks, s, blocks, rows, blocks, 4);
+      else copy_block(s, blocks, at, full_blocks, rows, blocks, 4);
+    }
+  }
+}
+
+}  // namespace
+
+HostParam take_shard(const HostParam& full, int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
+  HostParam h;
+  h.rows = rows;
+  h.cols = cols;
+  h.weight_format = full.weight_format;
+  h.state_format = full.state_format;
+  h.layout = full.layout;
+  h.weight.resize(static_cast<size_t>(rows * cols) * (full.weight_format == FORGE_WEIGHT_FP32 ? 4 : 2));
+  if (full.weight_format == FORGE_WEIGHT_BF16_MASTER) h.master.resize(static_cast<size_t>(rows * cols) * 4);
+  for (int i = 0; i < full.layout.num_states; ++i) {
+    h.layout.state_bytes[i] = rows * cols * state_bytes_of(full.state_format);
+    h.state[i].resize(static_cast<size_t>(h.layout.state_bytes[i]));
+    if (full.state_format == FORGE_STATE_INT8_BLOCK64) {
+      h.layout.absmax_count[i] = rows * ((cols + 63) / 64);
+      h.absmax[i].resize(static_cast<size_t>(h.layout.absmax_count[i]));
+    }
+  }
+  h.row_offset = r0;
+  h.col_offset = c0;
+  h.full_cols = full.cols;
+  move_shard(const_cast<HostParam&>(full), h, true);
+  return h;
+}
+
+void put_shard(HostParam& full, const HostParam& shard) {
+  move_shard(full, const_cast<HostParam&>(shard), false);
 }
 
 HostParam make_param(int64_t rows, int64_t cols, forge_weight_format wf, forge_state_format sf,
@@ -201,6 +273,9 @@ forge_param DeviceParam::view(const HostParam& shape) const {
         shape.state_format == FORGE_STATE_INT8_BLOCK64 ? static_cast<float*>(absmax[i].data())
                                                        : nullptr;
   }
+  p.row_offset = shape.row_offset;
+  p.col_offset = shape.col_offset;
+  p.full_cols = shape.full_cols;
   return p;
 }
 

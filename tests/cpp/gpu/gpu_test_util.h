@@ -76,6 +76,8 @@ struct HostParam {
   forge_state_layout layout{};
   std::vector<uint8_t> weight, master, state[FORGE_MAX_STATES];
   std::vector<float> absmax[FORGE_MAX_STATES];
+  // A shard's place in its full parameter (forge_param); 0, 0, 0: not a shard.
+  int64_t row_offset = 0, col_offset = 0, full_cols = 0;
   forge_param view();
 };
 
@@ -83,6 +85,12 @@ struct HostParam {
 // second moments U[1e-3, 1e-2]; Adagrad sums U[0.1, 1]) encoded by the CPU backend.
 HostParam make_param(int64_t rows, int64_t cols, forge_weight_format wf, forge_state_format sf,
                      const forge_hparams& hp, uint64_t seed);
+
+// Block [r0, r0 + rows) × [c0, c0 + cols) of `full` as a parameter of its own (its own
+// contiguous buffers; int8: c0 % 64 == 0, so its absmax blocks are the full one's) with its
+// shard offsets set; put_shard writes one back.
+HostParam take_shard(const HostParam& full, int64_t r0, int64_t rows, int64_t c0, int64_t cols);
+void put_shard(HostParam& full, const HostParam& shard);
 
 // The same parameter in device memory.
 struct DeviceParam {

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -206,7 +208,7 @@ TEST_P(StateOps, InitFromToMatchCpu) {
       std::vector<float> v(n);
       for (auto& x : v) x = cpu.layout.is_signed[i] ? normal(rng) : std::fabs(normal(rng)) * 1e-3f;
       v[0] = 0.0f;
-      if (n > 2) v[n / 2] = NAN;  // ignored by the absmax, encoded the same way on both
+      if (n > 2) v[n / 2] = -0.0f;  // valid for every state (a second moment's zero too)
       FORGE_OK(forge_state_from_fp32(&cp, &hp, i, v.data(), cpu_device()));
       values.upload(v.data(), 4 * n);
       FORGE_OK(forge_state_from_fp32(&gp, &hp, i, static_cast<const float*>(values.data()), gpu_device()));
@@ -234,6 +236,199 @@ INSTANTIATE_TEST_SUITE_P(Formats, StateOps,
                            return std::string(state_format_name(std::get<0>(info.param))) +
                                   (std::get<1>(info.param) == 0 ? "_AdamW" : "_Adagrad");
                          });
+
+// ---- skipped elements ----------------------------------------------------------------------
+//
+// forge.h, "Skipped elements": an element whose update is not storable is skipped and counted
+// like a non-finite gradient, and an int8 block holding a skipped element keeps its absmax and
+// the skipped element's code while no updated element grows it. The branch-free path of the
+// specialized kernels must decline such batches and the exact path skip them, bit for bit like
+// the CPU. Configurations: specialized ones (the flat, pipelined loop where cols % 64 == 0) and
+// generic ones.
+
+// One element-wise step on the CPU and on the GPU from the same gradient, given in fp32 and
+// passed as bf16 (nearest: what the specialized kernels' flat loop takes); returns the two skip
+// counts.
+std::pair<int64_t, int64_t> elementwise_both(HostParam& cpu, DeviceParam& gpu,
+                                             const forge_hparams& hp, const std::vector<float>& g) {
+  std::vector<uint16_t> g16(g.size());
+  for (size_t i = 0; i < g.size(); ++i) g16[i] = forge::bf16_nearest(g[i]);
+  int64_t want = 0, got = 0;
+  forge_elementwise_args a = elementwise_args(g16.data(), FORGE_DTYPE_BF16, cpu.view(), hp,
+                                              cpu_device(), nullptr, &want);
+  FORGE_OK(forge_elementwise_step(&a));
+  DeviceBuffer grad(g16.size() * 2), count(8);
+  grad.upload(g16.data(), g16.size() * 2);
+  count.fill(0);
+  a = elementwise_args(grad.data(), FORGE_DTYPE_BF16, gpu.view(cpu), hp, gpu_device(), nullptr,
+                       static_cast<int64_t*>(count.data()));
+  FORGE_OK(forge_elementwise_step(&a));
+  CUDA_OK(cudaDeviceSynchronize());
+  count.download(&got, 8);
+  return {want, got};
+}
+
+// A finite gradient of 1e20 (g² overflows, so AdamW's v would be infinite; before, int8 states
+// took it as the block's absmax and the block's weights became NaN at the next step), and one
+// that pushes an SGD weight of 3.3e38 past the largest bf16: skipped and counted.
+TEST(ElementwiseStorable, UnstorableUpdatesAreSkippedLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams adamw = rule_cases()[3].hp, sgd{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_SGD, &sgd));
+  sgd.lr = 1.0;
+  const int64_t rows = 6, cols = 256;
+  for (forge_weight_format wf : kWeightFormats)
+    for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_BF16_STOCHASTIC}) {
+      SCOPED_TRACE(std::string(weight_format_name(wf)) + " " + state_format_name(sf));
+      forge_hparams hp = adamw;
+      HostParam cpu = make_param(rows, cols, wf, sf, hp, 31);
+      DeviceParam gpu;
+      gpu.upload(cpu);
+      for (int step = 0; step < 3; ++step, hp.step += 1) {
+        std::vector<float> g(rows * cols);
+        std::mt19937_64 rng(step);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (float& x : g) x = normal(rng);
+        if (step < 2) g[1 * cols + 7] = 1e20f;  // then an ordinary step: no NaN may follow
+        const auto [want, got] = elementwise_both(cpu, gpu, hp, g);
+        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+        EXPECT_EQ(want, step < 2 ? 1 : 0);
+        EXPECT_EQ(want, got);
+        for (float w : decoded(cpu, "weight", hp)) ASSERT_TRUE(std::isfinite(w));
+      }
+      // SGD: w = 3.3e38 (bf16: its nearest) and g = -2^125, so w - lr·g is above 0x1.FEp127.
+      HostParam cpu_sgd = make_param(rows, cols, wf, FORGE_STATE_FP32, sgd, 32);
+      const int64_t at = 2 * cols + 5;
+      if (wf == FORGE_WEIGHT_FP32) {
+        const float w = 3.3e38f;
+        std::memcpy(&cpu_sgd.weight[4 * at], &w, 4);
+      } else {
+        const uint16_t h = forge::bf16_nearest(3.3e38f);
+        std::memcpy(&cpu_sgd.weight[2 * at], &h, 2);
+        if (wf == FORGE_WEIGHT_BF16_MASTER) {
+          const float w = forge::bf16_to_float(h);
+          std::memcpy(&cpu_sgd.master[4 * at], &w, 4);
+        }
+      }
+      DeviceParam gpu_sgd;
+      gpu_sgd.upload(cpu_sgd);
+      const HostParam before = cpu_sgd;
+      std::vector<float> g(rows * cols, 0.25f);
+      g[at] = -std::ldexp(1.0f, 125);
+      const auto [want, got] = elementwise_both(cpu_sgd, gpu_sgd, sgd, g);
+      ASSERT_TRUE(same_bits(cpu_sgd, gpu_sgd.download(cpu_sgd)));
+      EXPECT_EQ(want, 1);
+      EXPECT_EQ(got, 1);
+      EXPECT_EQ(decoded(cpu_sgd, "weight", sgd)[at], decoded(before, "weight", sgd)[at]);
+      EXPECT_TRUE(gpu.guards_intact());
+      EXPECT_TRUE(gpu_sgd.guards_intact());
+    }
+}
+
+// The int8 rule for a block holding a skipped element, bit for bit like the CPU, and as the
+// rule says: elements 5 and 70 of every row get a NaN gradient every step; the others a normal
+// one for 3 steps, then 0 for 8 (their moments only decay: each block keeps its absmax and the
+// skipped element its code), then a large one for 3 (the absmax grows: the skipped element is
+// re-encoded from its decoded value).
+TEST(ElementwiseInt8Skipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  // 4 × 128: the specialized kernels' flat loop; 5 × 100: their row loop and a partial block.
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 128}, {5, 100}})
+    for (forge_weight_format wf : kWeightFormats) {
+      SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + " " + weight_format_name(wf));
+      forge_hparams hp = rule_cases()[3].hp;  // AdamW
+      HostParam cpu = make_param(rows, cols, wf, FORGE_STATE_INT8_BLOCK64, hp, 33);
+      DeviceParam gpu;
+      gpu.upload(cpu);
+      std::mt19937_64 rng(34);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      int stayed = 0, grew = 0;
+      for (int step = 1; step <= 14; ++step, hp.step += 1) {
+        std::vector<float> g(rows * cols);
+        for (float& x : g) x = step <= 3 ? normal(rng) : step <= 11 ? 0.0f : 100.0f * normal(rng);
+        for (int64_t r = 0; r < rows; ++r) g[r * cols + 5] = g[r * cols + 70] = NAN;
+        const HostParam before = cpu;
+        const auto [want, got] = elementwise_both(cpu, gpu, hp, g);
+        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+        EXPECT_EQ(want, 2 * rows);
+        EXPECT_EQ(got, want);
+        for (int s = 0; s < 2; ++s)
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c : {int64_t{5}, int64_t{70}}) {
+              const int64_t b = r * ((cols + 63) / 64) + c / 64;
+              const bool same = std::memcmp(&before.absmax[s][b], &cpu.absmax[s][b], 4) == 0;
+              const uint8_t old_code = before.state[s][r * cols + c], new_code = cpu.state[s][r * cols + c];
+              if (same) {
+                ++stayed;
+                EXPECT_EQ(new_code, old_code) << "step " << step << " row " << r << " col " << c;
+              } else {
+                ++grew;
+                EXPECT_EQ(new_code, forge::int8_encode(forge::int8_decode(old_code, s == 0) *
+                                                           before.absmax[s][b],
+                                                       cpu.absmax[s][b], s == 0));
+              }
+            }
+      }
+      EXPECT_GT(stayed, 0);
+      EXPECT_GT(grew, 0);
+      EXPECT_TRUE(gpu.guards_intact());
+    }
+}
+
+// forge_state_from_fp32 refuses what no step stores (a value that is not storable, a negative
+// second moment) with the CPU backend's message, naming the smallest offending index, and
+// writes nothing.
+TEST(StateFromFp32, RefusesWhatNoStepStoresLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  constexpr int64_t kNone = INT64_MIN;
+  struct Bad {
+    int state;
+    int64_t index;  // of n elements; negative: from the end
+    float value;
+    int64_t second;  // where a second bad value (NaN) is (kNone: nowhere); the first is named
+  };
+  const Bad cases[] = {{0, 7, NAN, kNone},     {1, -1, INFINITY, kNone}, {0, 0, -INFINITY, kNone},
+                       {0, 9, 3.4e38f, kNone}, {1, 3, -0.5f, kNone},     {1, -2, -1e-30f, 5},
+                       {0, -200, NAN, -7}};
+  for (forge_state_format sf : kStateFormats)
+    for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{3, 70}, {300, 1000}}) {
+      SCOPED_TRACE(std::string(state_format_name(sf)) + " " + std::to_string(rows) + " x " +
+                   std::to_string(cols));
+      HostParam cpu = make_param(rows, cols, FORGE_WEIGHT_FP32, sf, hp, 35);
+      DeviceParam gpu;
+      gpu.upload(cpu);
+      const int64_t n = rows * cols;
+      DeviceBuffer values(static_cast<size_t>(n) * 4);
+      for (const Bad& b : cases) {
+        const int64_t i = b.index < 0 ? n + b.index : b.index;
+        std::vector<float> in(n, 0.25f);
+        in[i] = b.value;
+        int64_t first = i;
+        if (b.second != kNone) {
+          const int64_t j = b.second < 0 ? n + b.second : b.second;
+          in[j] = NAN;
+          first = std::min(i, j);
+        }
+        forge_param cp = cpu.view(), gp = gpu.view(cpu);
+        EXPECT_EQ(forge_state_from_fp32(&cp, &hp, b.state, in.data(), cpu_device()),
+                  FORGE_ERR_INVALID_ARGUMENT);
+        const std::string want = forge_last_error();
+        values.upload(in.data(), 4 * n);
+        EXPECT_EQ(forge_state_from_fp32(&gp, &hp, b.state, static_cast<const float*>(values.data()),
+                                        gpu_device()),
+                  FORGE_ERR_INVALID_ARGUMENT);
+        const std::string got = forge_last_error();
+        EXPECT_EQ(want, got);
+        EXPECT_NE(got.find("in[" + std::to_string(first) + "]"), std::string::npos) << got;
+        CUDA_OK(cudaDeviceSynchronize());
+        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "a refused call wrote";
+      }
+      EXPECT_TRUE(gpu.guards_intact());
+      EXPECT_TRUE(values.guards_intact());
+    }
+}
 
 }  // namespace
 }  // namespace fgt

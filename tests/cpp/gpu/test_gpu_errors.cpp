@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "bad_input_cases.h"
 #include "gpu_test_util.h"
 
 namespace fgt {
@@ -93,6 +94,107 @@ TEST(GpuErrors, InvalidArgumentsOnACudaDeviceWriteNothing) {
   CUDA_OK(cudaDeviceSynchronize());
   EXPECT_TRUE(same_bits(host, gpu.download(host)));
   EXPECT_TRUE(gpu.guards_intact());
+}
+
+// The CPU suite's invalid fused calls (tests/cpp/bad_input_cases.h) on a CUDA device: the same
+// status and message, and nothing written: the parameter, the outputs (set beforehand to values
+// a step would never leave there) and every guard band unchanged.
+TEST(GpuErrors, BadInputCasesOnACudaDeviceWriteNothing) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  const int64_t rows = 9, cols = 70, tokens = 5;
+  HostParam host = make_param(rows, cols, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, hp, 5);
+  DeviceParam gpu;
+  gpu.upload(host);
+  const Operand xo = make_operand(tokens, cols, FORGE_DTYPE_BF16, cols, 0, Fill::kInteger, 6);
+  const Operand dyo = make_operand(tokens, rows, FORGE_DTYPE_BF16, rows, 0, Fill::kInteger, 7);
+  DeviceBuffer x(xo.bytes.size()), dy(dyo.bytes.size()), outputs(16);
+  x.upload(xo.bytes.data(), xo.bytes.size());
+  dy.upload(dyo.bytes.data(), dyo.bytes.size());
+  const double poison_sq = 1.5;
+  const int64_t poison_count = 7;
+  int ran = 0;
+  for (const forge_test::BadCase& bc : forge_test::wgrad_cases()) {
+    if (bc.cpu_only) continue;
+    SCOPED_TRACE(bc.name);
+    outputs.upload(&poison_sq, 8);
+    CUDA_OK(cudaMemcpy(static_cast<uint8_t*>(outputs.data()) + 8, &poison_count, 8,
+                       cudaMemcpyHostToDevice));
+    auto* sq = static_cast<double*>(outputs.data());
+    auto* count = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(outputs.data()) + 8);
+    forge_wgrad_args a = wgrad_args(x.data(), dy.data(), xo, dyo, hp, gpu.view(host),
+                                    gpu_device(), sq, count);
+    bc.mutate(a);
+    EXPECT_EQ(forge_wgrad_step(&a), bc.code);
+    EXPECT_NE(std::string(forge_last_error()).find(bc.message_part), std::string::npos)
+        << "message: " << forge_last_error();
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(same_bits(host, gpu.download(host)));
+    double got_sq = 0;
+    int64_t got_count = 0;
+    CUDA_OK(cudaMemcpy(&got_sq, sq, 8, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&got_count, count, 8, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(got_sq, poison_sq);
+    EXPECT_EQ(got_count, poison_count);
+    ++ran;
+  }
+  EXPECT_GT(ran, 50);
+  EXPECT_TRUE(gpu.guards_intact());
+  EXPECT_TRUE(x.guards_intact());
+  EXPECT_TRUE(dy.guards_intact());
+  EXPECT_TRUE(outputs.guards_intact());
+  // The library is still usable: the valid call runs.
+  forge_wgrad_args a = wgrad_args(x.data(), dy.data(), xo, dyo, hp, gpu.view(host), gpu_device(),
+                                  nullptr, nullptr);
+  EXPECT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+// The element-wise step's and the state entry points' own invalid arguments on a CUDA device.
+TEST(GpuErrors, ElementwiseAndStateBadInputOnACudaDeviceWriteNothing) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  const int64_t rows = 3, cols = 70;
+  HostParam host = make_param(rows, cols, FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64, hp, 8);
+  DeviceParam gpu;
+  gpu.upload(host);
+  DeviceBuffer grad(rows * cols * 4), buffer(rows * cols * 4);
+  grad.fill(0);
+  buffer.fill(0x3E);  // 0.18...: a valid state value everywhere
+  forge_elementwise_args a = elementwise_args(grad.data(), FORGE_DTYPE_FP32, gpu.view(host), hp,
+                                              gpu_device(), nullptr, nullptr);
+  a.grad = nullptr;
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("grad: NULL"), std::string::npos);
+  a.grad = grad.data();
+  a.grad_dtype = 5;
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("grad_dtype"), std::string::npos);
+  a.grad_dtype = FORGE_DTYPE_FP32;
+  a.grad = gpu.view(host).weight;  // written by the step
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("grad"), std::string::npos);
+  a.grad = grad.data();
+  a.param.col_offset = 32;
+  a.param.full_cols = 200;
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("param.col_offset"), std::string::npos);
+  forge_param p = gpu.view(host);
+  EXPECT_EQ(forge_state_to_fp32(&p, &hp, 2, static_cast<float*>(buffer.data()), gpu_device()),
+            FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("index"), std::string::npos);
+  EXPECT_EQ(forge_state_from_fp32(&p, &hp, 0, nullptr, gpu_device()), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("in: NULL"), std::string::npos);
+  forge_param q = p;
+  q.state_absmax[1] = nullptr;
+  EXPECT_EQ(forge_state_init(&q, &hp, gpu_device()), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("param.state_absmax[1]"), std::string::npos);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bits(host, gpu.download(host)));
+  EXPECT_TRUE(gpu.guards_intact());
+  EXPECT_TRUE(buffer.guards_intact());
 }
 
 // Two host threads, two streams, split-K shapes (one workspace per stream), at once.

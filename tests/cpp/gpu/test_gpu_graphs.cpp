@@ -202,6 +202,132 @@ TEST(CudaGraph, ReplaysWithRefilledScalarsMatchEagerSteps) {
     }
 }
 
+// A run_scalars buffer that does not match the captured steps (unfilled, filled for another
+// rule, for other hyper-parameters, or changed since its fill) is refused by the kernels when
+// the graph replays: they write nothing (weights, states, grad_sq_sum) and add rows · cols to
+// nonfinite_count (forge.h, forge_hparams.run_scalars). A replay with a good buffer then goes on
+// from the untouched parameter like the eager steps. The specialized kernels (with the Hopper
+// ones where the shape suits TMA; scripts/gpu_check.sh also runs this with the persistent
+// kernel forced), split-K, and the generic kernels.
+TEST(CudaGraph, MismatchedRunScalarsWriteNothingAndAreCounted) {
+  FORGE_REQUIRE_GPU();
+  struct Config {
+    Shape s;
+    forge_weight_format wf;
+    forge_state_format sf;
+  };
+  const Config configs[] = {
+      {{256, 384, 96}, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC},
+      {{256, 384, 96}, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64},
+      {{96, 160, 1100}, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
+      {{129, 200, 67}, FORGE_WEIGHT_FP32, FORGE_STATE_FP32}};
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  hp.lr = 0.01;
+  hp.weight_decay = 0.1;
+  hp.seed = 4321;
+  enum Variant { kGood, kUnfilled, kOtherRule, kOtherHparams, kChanged };
+  const Variant variants[] = {kGood, kUnfilled, kOtherRule, kGood, kOtherHparams, kChanged, kGood};
+  // The bytes of a run_scalars buffer for the steps' hyper-parameters `h`, as `v` makes them.
+  auto buffer_bytes = [](Variant v, const forge_hparams& h) {
+    std::vector<unsigned char> b(FORGE_RUN_SCALARS_BYTES, 0);
+    forge_hparams fill = h;
+    if (v == kOtherRule) {
+      FORGE_OK(forge_hparams_default(FORGE_RULE_NADAM, &fill));  // two states, like AdamW
+      fill.step = h.step;
+    }
+    if (v == kOtherHparams) fill.beta2 = 0.95;
+    if (v != kUnfilled) FORGE_OK(forge_run_scalars_fill(&fill, b.data(), FORGE_RUN_SCALARS_BYTES));
+    if (v == kChanged) b[8] ^= 1;  // a byte of the scalars
+    return b;
+  };
+  for (const Config& c : configs) {
+    const Shape& s = c.s;
+    SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.cols) + ", T " +
+                 std::to_string(s.tokens) + ", " + weight_format_name(c.wf) + " " +
+                 state_format_name(c.sf));
+    cudaStream_t stream = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    forge_hparams h = hp, h_e = hp;
+    h.step = h_e.step = 1;
+    h_e.seed = hp.seed + 1;
+    HostParam cpu = make_param(s.rows, s.cols, c.wf, c.sf, hp, 81);
+    HostParam cpu_e = make_param(37, 320, c.wf, c.sf, hp, 82);
+    DeviceParam gpu, gpu_e;
+    gpu.upload(cpu);
+    gpu_e.upload(cpu_e);
+    const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 83);
+    const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 84);
+    const Operand g = make_operand(37, 320, FORGE_DTYPE_BF16, 320, 0, Fill::kNormal, 85);
+    DeviceBuffer dx(x.bytes.size()), ddy(dy.bytes.size()), dg(g.bytes.size());
+    dx.upload(x.bytes.data(), x.bytes.size());
+    ddy.upload(dy.bytes.data(), dy.bytes.size());
+    dg.upload(g.bytes.data(), g.bytes.size());
+    DeviceBuffer run(FORGE_RUN_SCALARS_BYTES), run_e(FORGE_RUN_SCALARS_BYTES), outputs(32);
+    auto* out = static_cast<unsigned char*>(outputs.data());
+    double* sq_w = reinterpret_cast<double*>(out);
+    int64_t* nf_w = reinterpret_cast<int64_t*>(out + 8);
+    double* sq_e = reinterpret_cast<double*>(out + 16);
+    int64_t* nf_e = reinterpret_cast<int64_t*>(out + 24);
+    forge_wgrad_args w = wgrad_args(dx.data(), ddy.data(), x, dy, stale(h, run.data()),
+                                    gpu.view(cpu), gpu_device(stream), sq_w, nf_w);
+    forge_elementwise_args e = elementwise_args(dg.data(), FORGE_DTYPE_BF16, gpu_e.view(cpu_e),
+                                                stale(h_e, run_e.data()), gpu_device(stream),
+                                                sq_e, nf_e);
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const forge_status ws = forge_wgrad_step(&w);
+    const forge_status es = forge_elementwise_step(&e);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    FORGE_OK(ws);
+    FORGE_OK(es);
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (Variant v : variants) {
+      SCOPED_TRACE("variant " + std::to_string(v) + ", step " + std::to_string(h.step));
+      const std::vector<unsigned char> b = buffer_bytes(v, h), b_e = buffer_bytes(v, h_e);
+      CUDA_OK(cudaMemcpyAsync(run.data(), b.data(), b.size(), cudaMemcpyHostToDevice, stream));
+      CUDA_OK(cudaMemcpyAsync(run_e.data(), b_e.data(), b_e.size(), cudaMemcpyHostToDevice, stream));
+      CUDA_OK(cudaMemsetAsync(outputs.data(), 0, 32, stream));
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      double got_sq_w = -1, got_sq_e = -1;
+      int64_t got_nf_w = -1, got_nf_e = -1;
+      CUDA_OK(cudaMemcpy(&got_sq_w, sq_w, 8, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(&got_nf_w, nf_w, 8, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(&got_sq_e, sq_e, 8, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(&got_nf_e, nf_e, 8, cudaMemcpyDeviceToHost));
+      if (v == kGood) {
+        StepOutputs want;
+        wgrad_cpu(x, dy, h, cpu, &want);
+        forge_elementwise_args ce = elementwise_args(g.data(), FORGE_DTYPE_BF16, cpu_e.view(), h_e,
+                                                     cpu_device(), nullptr, nullptr);
+        FORGE_OK(forge_elementwise_step(&ce));
+        EXPECT_EQ(got_nf_w, want.nonfinite);
+        EXPECT_EQ(got_nf_e, 0);
+        EXPECT_GT(got_sq_w, 0.0);
+        h.step += 1;
+        h_e.step += 1;
+      } else {
+        EXPECT_EQ(got_nf_w, s.rows * s.cols) << "a refused replay counts every element skipped";
+        EXPECT_EQ(got_nf_e, 37 * 320);
+        EXPECT_EQ(got_sq_w, 0.0);
+        EXPECT_EQ(got_sq_e, 0.0);
+      }
+      // refused: the parameters as the last good step left them
+      ASSERT_TRUE(same_bits(cpu, gpu.download(cpu)));
+      ASSERT_TRUE(same_bits(cpu_e, gpu_e.download(cpu_e)));
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    CUDA_OK(cudaStreamDestroy(stream));
+    EXPECT_TRUE(gpu.guards_intact());
+    EXPECT_TRUE(gpu_e.guards_intact());
+    EXPECT_TRUE(run.guards_intact());
+    EXPECT_TRUE(outputs.guards_intact());
+  }
+}
+
 // A run_scalars buffer in host memory on a CUDA step: refused, naming the field.
 TEST(RunScalarsErrors, HostMemoryOnACudaStepIsRefused) {
   FORGE_REQUIRE_GPU();

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/formats.h"
 #include "gpu_test_util.h"
 #include "gpu_tolerances.h"
 
@@ -20,6 +21,12 @@ namespace {
 
 struct Shape {
   int64_t rows, cols, tokens;
+};
+
+// A weight format and a state format.
+struct FormatPair {
+  forge_weight_format wf;
+  forge_state_format sf;
 };
 
 std::string shape_string(const Shape& s) {
@@ -224,32 +231,13 @@ void poison(HostParam& p, const std::string& buffer, int64_t row, int64_t col, f
   if (weight && p.weight_format == FORGE_WEIGHT_BF16_MASTER) std::memcpy(&p.master[4 * i], &value, 4);
 }
 
-// NaN results carry the hardware's payload (x86: 0xFFC00000 from an invalid operation, the
-// GPU: 0x7FFFFFFF), which no step promises to keep: both sides' NaNs are rewritten to one
-// pattern before the bit comparison. Returns how many elements were NaN.
-int64_t canonical_nans(HostParam& p) {
-  int64_t count = 0;
-  auto fix = [&](std::vector<uint8_t>& bytes, bool wide) {
-    for (size_t i = 0; i < bytes.size(); i += wide ? 4 : 2) {
-      uint32_t bits = 0;
-      std::memcpy(&bits, &bytes[i], wide ? 4 : 2);
-      const bool nan = wide ? (bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu) != 0
-                            : (bits & 0x7F80u) == 0x7F80u && (bits & 0x7Fu) != 0;
-      if (!nan) continue;
-      ++count;
-      const uint32_t canonical = wide ? 0x7FC00000u : 0x7FC0u;
-      std::memcpy(&bytes[i], &canonical, wide ? 4 : 2);
-    }
-  };
-  fix(p.weight, p.weight_format == FORGE_WEIGHT_FP32);
-  if (p.weight_format == FORGE_WEIGHT_BF16_MASTER) fix(p.master, true);
-  for (int i = 0; i < p.layout.num_states; ++i) fix(p.state[i], p.state_format == FORGE_STATE_FP32);
-  return count;
-}
-
 class WgradPoisonedState : public ::testing::TestWithParam<FormatParam> {};
 
-TEST_P(WgradPoisonedState, MatchesCpuBitForBit) {
+// Poisoned elements whose update is not storable (an infinite or huge m, a NaN or negative v, a
+// NaN or infinite weight) are skipped and counted, on the CPU and the GPU alike: their bits stay
+// (no NaN is computed into a buffer), every other element is updated. The huge but storable v
+// and weight, and v = 0, are updated.
+TEST_P(WgradPoisonedState, SkippedLikeTheCpu) {
   FORGE_REQUIRE_GPU();
   const auto [wf, sf] = GetParam();
   forge_hparams hp{};
@@ -257,29 +245,30 @@ TEST_P(WgradPoisonedState, MatchesCpuBitForBit) {
   const Shape s{256, 256, 64};
   HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 91);
   poison(cpu, "state0", 2, 3, INFINITY);   // m
-  poison(cpu, "state0", 10, 15, 3e38f);    // m: finite, above the division's 2^62
+  poison(cpu, "state0", 10, 15, 3e38f);    // m: finite, above the division's 2^62; w overflows
   poison(cpu, "state1", 4, 7, NAN);        // v
   poison(cpu, "state1", 6, 11, -1.0f);     // v < 0: sqrt of a negative
-  poison(cpu, "state1", 12, 17, 3e38f);    // v above the fast square root's 2^123
+  poison(cpu, "state1", 12, 17, 3e38f);    // v above the fast square root's 2^123, storable
   poison(cpu, "state1", 140, 200, 0.0f);   // v = 0, m small: sqrt(0) on the exact path
   poison(cpu, "weight", 8, 13, NAN);
   poison(cpu, "weight", 9, 14, -INFINITY);
-  poison(cpu, "weight", 130, 131, 3.3e38f);  // w near the top: the step may overflow it
+  poison(cpu, "weight", 130, 131, 3.3e38f);  // w near the top, the update keeps it storable
   DeviceParam gpu;
   gpu.upload(cpu);
   for (int step = 0; step < 2; ++step) {
+    const HostParam before = cpu;
     const Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 60 + step);
     const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 70 + step);
     StepOutputs want, got;
     wgrad_cpu(x, dy, hp, cpu, &want);
     wgrad_gpu(x, dy, hp, cpu, gpu, &got);
-    HostParam want_param = cpu, got_param = gpu.download(cpu);
-    const int64_t nans = canonical_nans(want_param);
-    EXPECT_GE(nans, 4) << "the poisoned elements' updates are NaN on the CPU";
-    EXPECT_EQ(canonical_nans(got_param), nans);
-    ASSERT_TRUE(same_bits(want_param, got_param)) << "step " << step;
+    ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+    EXPECT_GE(want.nonfinite, 6) << "the poisoned updates that cannot be stored are skipped";
     EXPECT_EQ(want.nonfinite, got.nonfinite);
     EXPECT_EQ(want.grad_sq_sum, got.grad_sq_sum);
+    const std::vector<float> w0 = decoded(before, "weight", hp), w1 = decoded(cpu, "weight", hp);
+    for (const auto& [r, c] : {std::pair<int64_t, int64_t>{2, 3}, {4, 7}, {6, 11}, {8, 13}, {9, 14}})
+      EXPECT_EQ(0, std::memcmp(&w0[r * s.cols + c], &w1[r * s.cols + c], 4)) << r << ", " << c;
     hp.step += 1;
   }
   EXPECT_TRUE(gpu.guards_intact());
@@ -295,6 +284,145 @@ INSTANTIATE_TEST_SUITE_P(Formats, WgradPoisonedState,
                            return std::string(weight_format_name(std::get<0>(info.param))) + "_" +
                                   state_format_name(std::get<1>(info.param));
                          });
+
+// ---- results that are not storable, and int8 blocks holding a skipped element -----------------
+//
+// forge.h, "Skipped elements". dW elements are made huge exactly: a row of dY and a column of X
+// zero but at token 0, where their product is a power of two, so every sum stays exact.
+
+// Makes dW[row][col] = a · b exactly (a, b powers of two), and the rest of that row and column
+// b · x[0][·] and a · dy[0][·].
+void plant(Operand& x, Operand& dy, int64_t row, int64_t col, float a, float b) {
+  for (int64_t t = 0; t < x.tokens; ++t) {
+    x.set(t, col, t == 0 ? a : 0.0f);
+    dy.set(t, row, t == 0 ? b : 0.0f);
+  }
+}
+
+// A finite gradient of 2^66 (g² overflows: AdamW's v would be infinite; before, int8 states took
+// it as the block's absmax and the block's weights became NaN at the next step): skipped and
+// counted, then an ordinary step.
+TEST(WgradStorable, HugeFiniteGradientIsSkippedLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  constexpr FormatPair kFormats[] = {{FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64},
+                                     {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
+                                     {FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64},
+                                     {FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64},
+                                     {FORGE_WEIGHT_BF16, FORGE_STATE_BF16}};
+  for (const Shape& s : {Shape{129, 200, 67}, Shape{256, 256, 64}})
+    for (const FormatPair& f : kFormats) {
+      SCOPED_TRACE(shape_string(s) + " " + weight_format_name(f.wf) + " " + state_format_name(f.sf));
+      HostParam cpu = make_param(s.rows, s.cols, f.wf, f.sf, hp, 92);
+      DeviceParam gpu;
+      gpu.upload(cpu);
+      forge_hparams h = hp;
+      for (int step = 0; step < 3; ++step, h.step += 1) {
+        Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 80 + step);
+        Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 90 + step);
+        if (step < 2) plant(x, dy, 1, 7, std::ldexp(1.0f, 33), std::ldexp(1.0f, 33));
+        StepOutputs want, got;
+        wgrad_cpu(x, dy, h, cpu, &want);
+        wgrad_gpu(x, dy, h, cpu, gpu, &got);
+        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+        EXPECT_EQ(want.nonfinite, step < 2 ? 1 : 0);
+        EXPECT_EQ(want.nonfinite, got.nonfinite);
+        EXPECT_NEAR(want.grad_sq_sum, got.grad_sq_sum, kGradSqSumRel * want.grad_sq_sum);
+        for (float w : decoded(cpu, "weight", h)) ASSERT_TRUE(std::isfinite(w));
+        for (int i = 0; i < cpu.layout.num_states; ++i)
+          for (float v : decoded(cpu, "state" + std::to_string(i), h)) ASSERT_TRUE(std::isfinite(v));
+      }
+      EXPECT_TRUE(gpu.guards_intact());
+    }
+}
+
+// An SGD weight of 3.3e38 (bf16: 0x1.FEp127's neighbour 0x1.F0p127) and a gradient of -2^125:
+// w - lr·g is above the largest bf16, so the element is skipped on every weight format (the
+// specialized kernels' branch-free path declines the batch by its sum of magnitudes).
+TEST(WgradStorable, WeightPushedAboveTheLargestBf16IsSkippedLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_SGD, &hp));
+  hp.lr = 1.0;
+  for (const Shape& s : {Shape{129, 200, 67}, Shape{256, 256, 64}})
+    for (forge_weight_format wf : kWeightFormats) {
+      SCOPED_TRACE(shape_string(s) + " " + weight_format_name(wf));
+      HostParam cpu = make_param(s.rows, s.cols, wf, FORGE_STATE_FP32, hp, 93);
+      poison(cpu, "weight", 3, 5, 3.3e38f);
+      DeviceParam gpu;
+      gpu.upload(cpu);
+      const HostParam before = cpu;
+      Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 81);
+      Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 82);
+      plant(x, dy, 3, 5, std::ldexp(1.0f, 63), -std::ldexp(1.0f, 62));
+      StepOutputs want, got;
+      wgrad_cpu(x, dy, hp, cpu, &want);
+      wgrad_gpu(x, dy, hp, cpu, gpu, &got);
+      ASSERT_TRUE(same_bits(cpu, gpu.download(cpu)));
+      EXPECT_EQ(want.nonfinite, 1);
+      EXPECT_EQ(got.nonfinite, 1);
+      EXPECT_NEAR(want.grad_sq_sum, got.grad_sq_sum, kGradSqSumRel * want.grad_sq_sum);
+      EXPECT_EQ(decoded(cpu, "weight", hp)[3 * s.cols + 5], decoded(before, "weight", hp)[3 * s.cols + 5]);
+      EXPECT_TRUE(gpu.guards_intact());
+    }
+}
+
+// The int8 rule for a block holding a skipped element, bit for bit like the CPU: columns 5 and
+// 70 of dW are NaN every step (X's columns hold a NaN); the rest of dW is ordinary for 3 steps,
+// then 0 for 8 (the moments only decay: every block keeps its absmax, the skipped elements their
+// codes), then large for 3 (the absmax grows: the skipped elements are re-encoded from their
+// decoded values). A layer of whole tiles (the pipelined loop) and one with edges.
+TEST(WgradInt8Skipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  for (const Shape& s : {Shape{128, 256, 64}, Shape{100, 200, 40}})
+    for (forge_weight_format wf : kWeightFormats) {
+      SCOPED_TRACE(shape_string(s) + " " + weight_format_name(wf));
+      HostParam cpu = make_param(s.rows, s.cols, wf, FORGE_STATE_INT8_BLOCK64, hp, 94);
+      DeviceParam gpu;
+      gpu.upload(cpu);
+      forge_hparams h = hp;
+      int stayed = 0, grew = 0;
+      const int64_t blocks_per_row = (s.cols + 63) / 64;
+      for (int step = 1; step <= 14; ++step, h.step += 1) {
+        Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 100 + step);
+        Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 200 + step);
+        for (int64_t t = 0; t < s.tokens; ++t)
+          for (int64_t c = 0; c < s.cols; ++c) {
+            if (step > 3 && step <= 11) x.set(t, c, 0.0f);
+            if (step > 11) x.set(t, c, 32.0f * x.get(t, c));  // exact: integers up to 16
+          }
+        x.set(0, 5, NAN);
+        x.set(0, 70, NAN);
+        const HostParam before = cpu;
+        StepOutputs want, got;
+        wgrad_cpu(x, dy, h, cpu, &want);
+        wgrad_gpu(x, dy, h, cpu, gpu, &got);
+        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+        EXPECT_EQ(want.nonfinite, 2 * s.rows);
+        EXPECT_EQ(want.nonfinite, got.nonfinite);
+        for (int i = 0; i < 2; ++i)
+          for (int64_t r = 0; r < s.rows; ++r)
+            for (int64_t c : {int64_t{5}, int64_t{70}}) {
+              const int64_t b = r * blocks_per_row + c / 64;
+              const uint8_t old_code = before.state[i][r * s.cols + c], code = cpu.state[i][r * s.cols + c];
+              if (std::memcmp(&before.absmax[i][b], &cpu.absmax[i][b], 4) == 0) {
+                ++stayed;
+                EXPECT_EQ(code, old_code) << "step " << step << ", row " << r << ", col " << c;
+              } else {
+                ++grew;
+                EXPECT_EQ(code, forge::int8_encode(forge::int8_decode(old_code, i == 0) * before.absmax[i][b],
+                                                   cpu.absmax[i][b], i == 0));
+              }
+            }
+      }
+      EXPECT_GT(stayed, 0);
+      EXPECT_GT(grew, 0);
+      EXPECT_TRUE(gpu.guards_intact());
+    }
+}
 
 // ---- split-K ----------------------------------------------------------------------------------
 
@@ -383,12 +511,6 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(dtype_name(std::get<0>(info.param))) + "_shape" +
              std::to_string(std::get<1>(info.param));
     });
-
-// A weight format and a state format.
-struct FormatPair {
-  forge_weight_format wf;
-  forge_state_format sf;
-};
 
 // ---- several waves of CTAs --------------------------------------------------------------------
 
