@@ -8,9 +8,12 @@ with a synchronize, so the figure is the wall time per step over LAYERS.
 --dtype bf16 runs the stack in bf16 with forge.optim's default states (stochastically rounded
 bf16), the configuration of forge-bench's forge-bf16 mode: on a Hopper GPU its steps take the
 TMA kernel, whose call also encodes two tensor maps (fp32 takes the SIMT kernel).
+--compile runs both stacks' models under torch.compile (default mode, Inductor; the optimizers
+as they are): the stack is one graph, and FORGE's backward calls its custom operators per
+Linear (forge/_ops.py); the first warm-up step compiles.
 
     python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100]
-                                  [--steps 200] [--profile N]
+                                  [--steps 200] [--compile] [--profile N]
 --profile N: then N more steps of each optimizer under cProfile (the top functions).
 
 Prints microseconds per Linear per step (median over the steps after 20 warm-ups); --json PATH
@@ -73,6 +76,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--compile", action="store_true",
+                   help="both models under torch.compile (see the file header)")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="measure each optimizer N times, alternating (order reversed every other "
                         "round), and report the median of the rounds: on a busy host a single "
@@ -96,6 +101,8 @@ def main() -> int:
     forge_model = stack()
     states = {"state_format": "fp32"} if dtype == torch.float32 else {}  # bf16: the default
     forge_opt = forge.optim.AdamW(forge_model, lr=1e-6, mode="immediate", **states)
+    if args.compile:
+        torch_model, forge_model = torch.compile(torch_model), torch.compile(forge_model)
     runs = {"torch": (torch_model, torch_opt), "forge": (forge_model, forge_opt)}
     measured = {"torch": [], "forge": []}
     for r in range(args.rounds):
@@ -107,11 +114,12 @@ def main() -> int:
     if args.profile:
         profile_steps(*runs["torch"], x, args.profile, "torch AdamW(foreach)")
         profile_steps(*runs["forge"], x, args.profile, "forge.optim.AdamW")
-    print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}, "
-          f"torch {torch.__version__}, median of {args.rounds} round(s)): torch AdamW(foreach) "
-          f"{torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us")
+    compiled = ", torch.compile" if args.compile else ""
+    print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}"
+          f"{compiled}, torch {torch.__version__}, median of {args.rounds} round(s)): torch "
+          f"AdamW(foreach) {torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us")
     if args.json:
-        case = f"{args.layers} Linears 16x16 {args.dtype} {device.type}"
+        case = f"{args.layers} Linears 16x16 {args.dtype} {device.type}{compiled}"
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         with open(args.json, "w") as f:
             json.dump({"benchmark": "host_overhead", "gpu": gpu,

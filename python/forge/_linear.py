@@ -20,9 +20,16 @@ Linear, come out right instead of being updated from a partial gradient.
 
 The patched forward finds its slot through a registry keyed by the weight's id, so a
 deep copy of the model (a new weight) silently behaves like a plain nn.Linear.
+
+Under torch.compile the same Functions are traced into the graph; their backward then hands
+(X, dY) over through the custom operator forge::wgrad_hand_off and sums db through
+forge::bias_grad (_ops.py), which find the slot by its key (an int from a counter, never
+reused; slot_of_key). Dynamo never sees the hand-off's side effects, so a compiled model has
+no graph break per Linear, and its fused Linears compute what eager ones do.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 import weakref
@@ -32,10 +39,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _lib
+from . import _lib, _ops
 
 # id(weight) -> weakref to the optimizer's slot of that weight
 _SLOTS: Dict[int, "weakref.ReferenceType"] = {}
+
+# key -> slot, for a compiled backward's forge::wgrad_hand_off (_ops.py); weak: a slot's entry
+# goes with it, and keys are never reused
+_BY_KEY: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def new_key(slot) -> int:
+    """A key for `slot` (the int a compiled graph holds), never given twice."""
+    key = next(_KEYS)
+    _BY_KEY[key] = slot
+    return key
+
+
+def slot_of_key(key: int):
+    """The slot registered under key, or None once it is gone."""
+    return _BY_KEY.get(key)
 
 # torch dtype -> the library's dtype code, filled on first use (the codes come from libforge)
 _FORGE_DTYPES: Dict[torch.dtype, int] = {}
@@ -116,10 +140,11 @@ RECOMPUTE_ATTR = "_forge_recompute"
 
 class FusedLinearFunction(torch.autograd.Function):
     """y = F.linear(x, W, b); backward returns dX, db and no dW (see the file header).
-    `compute_dtype` is autocast's dtype captured at forward (None without autocast)."""
+    `compute_dtype` is autocast's dtype captured at forward (None without autocast);
+    `in_graph`: traced by torch.compile, the backward calls _ops' operators."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, slot, compute_dtype):
+    def forward(ctx, x, weight, bias, slot, compute_dtype, in_graph):
         w = weight if compute_dtype is None else weight.to(compute_dtype)
         b = bias if bias is None or compute_dtype is None else bias.to(compute_dtype)
         recompute = getattr(x, RECOMPUTE_ATTR, None)
@@ -131,6 +156,7 @@ class FusedLinearFunction(torch.autograd.Function):
             ctx.save_for_backward(*recompute[1], weight)
         ctx.slot = slot
         ctx.compute_dtype = compute_dtype
+        ctx.in_graph = in_graph
         ctx.bias_dtype = None if bias is None else bias.dtype
         return F.linear(x, w, b)
 
@@ -146,11 +172,17 @@ class FusedLinearFunction(torch.autograd.Function):
         # NOTE: dX first, with the weight as the forward saw it; the update of W runs
         # later (at W's AccumulateGrad node), after this product on the same stream.
         dx = dy.matmul(w) if ctx.needs_input_grad[0] else None        # [..., in]
-        db = None
+        db = dw = None
+        if ctx.in_graph:
+            if ctx.needs_input_grad[2]:
+                db = _ops.bias_grad(dy).to(ctx.bias_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = _ops.wgrad_hand_off(x, dy, weight, ctx.slot.key)
+            return dx, dw, db, None, None, None
         if ctx.needs_input_grad[2]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.bias_dtype)  # [out]
         dw = ctx.slot.linear_backward(x, dy, weight) if ctx.needs_input_grad[1] else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -162,11 +194,12 @@ def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
         # no owner, inference, or the recompute-free first pass of a reentrant checkpoint
         return F.linear(input, weight, self.bias)
     compute_dtype = autocast_dtype(input.device.type) if input.is_floating_point() else None
+    in_graph = torch.compiler.is_compiling() and _ops.ready()
     if compute_dtype is None:
-        return FusedLinearFunction.apply(input, weight, self.bias, slot, None)
+        return FusedLinearFunction.apply(input, weight, self.bias, slot, None, in_graph)
     input = input.to(compute_dtype)
     with torch.autocast(input.device.type, enabled=False):
-        return FusedLinearFunction.apply(input, weight, self.bias, slot, compute_dtype)
+        return FusedLinearFunction.apply(input, weight, self.bias, slot, compute_dtype, in_graph)
 
 
 class FusedConv1DFunction(torch.autograd.Function):
@@ -175,12 +208,13 @@ class FusedConv1DFunction(torch.autograd.Function):
     (x, dy) pair (see the file header) and returns no dW."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, slot, compute_dtype):
+    def forward(ctx, x, weight, bias, slot, compute_dtype, in_graph):
         w = weight if compute_dtype is None else weight.to(compute_dtype)
         b = bias if bias is None or compute_dtype is None else bias.to(compute_dtype)
         ctx.save_for_backward(x, weight)
         ctx.slot = slot
         ctx.compute_dtype = compute_dtype
+        ctx.in_graph = in_graph
         ctx.bias_dtype = None if bias is None else bias.dtype
         x2 = x.reshape(-1, x.shape[-1])
         y = x2.mm(w) if b is None else torch.addmm(b, x2, w)
@@ -194,9 +228,16 @@ class FusedConv1DFunction(torch.autograd.Function):
         # NOTE: dX first, with the weight as the forward saw it (see FusedLinearFunction);
         # 2-d products as addmm's own backward makes them, so fp32 results are torch's bits.
         dx = dy2.mm(w.t()).view(x.shape) if ctx.needs_input_grad[0] else None  # [..., in]
+        db = dw = None
+        if ctx.in_graph:
+            if ctx.needs_input_grad[2]:
+                db = _ops.bias_grad(dy2).to(ctx.bias_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = _ops.wgrad_hand_off(dy, x, weight, ctx.slot.key)
+            return dx, dw, db, None, None, None
         db = dy2.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None  # [out]
         dw = ctx.slot.linear_backward(dy, x, weight) if ctx.needs_input_grad[1] else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def conv1d_class() -> Optional[type]:
@@ -214,11 +255,12 @@ def _forge_conv1d_forward(self, input: torch.Tensor) -> torch.Tensor:
             or not torch.is_grad_enabled() or not weight.requires_grad):
         return type(self).forward(self, input)  # Conv1D's own forward (checked in can_patch)
     compute_dtype = autocast_dtype(input.device.type) if input.is_floating_point() else None
+    in_graph = torch.compiler.is_compiling() and _ops.ready()
     if compute_dtype is None:
-        return FusedConv1DFunction.apply(input, weight, self.bias, slot, None)
+        return FusedConv1DFunction.apply(input, weight, self.bias, slot, None, in_graph)
     input = input.to(compute_dtype)
     with torch.autocast(input.device.type, enabled=False):
-        return FusedConv1DFunction.apply(input, weight, self.bias, slot, compute_dtype)
+        return FusedConv1DFunction.apply(input, weight, self.bias, slot, compute_dtype, in_graph)
 
 
 _FORGE_FORWARDS = (_forge_linear_forward, _forge_conv1d_forward)

@@ -325,9 +325,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 "never reached the weight's gradient node (torch.autograd.grad or "
                 "backward(inputs=...) without it?), so it was not updated this step", stacklevel=2)
         for slot in self._slots.values():
-            slot.pending.clear()
-            slot.partial = None
-            slot.uses = 0
+            slot.clear_backward()
             self._restore_held(slot)
         deferred = self._deferring
         if deferred:
@@ -453,9 +451,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for slot in self._slots.values():
-            slot.pending.clear()
-            slot.partial = None
-            slot.uses = 0
+            slot.clear_backward()
             slot.held = None
         super().zero_grad(set_to_none=set_to_none)
 
@@ -557,9 +553,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._checked_step = -1
         for slot in self._slots.values():
             slot.updated_at = -1
-            slot.pending.clear()
-            slot.partial = None
-            slot.uses = 0
+            slot.clear_backward()
 
     def _check_loaded_values(self, slot, group, saved_state, fmt: str) -> None:
         """Values a step could never have stored are refused: NaN/Inf anywhere (states,

@@ -119,9 +119,7 @@ class _CaptureMixin:
         self._step_id, self._last_stats = cap.step_id, cap.last_stats
         self._stats, self._stats_outputs = {}, {}
         for slot in self._slots.values():
-            slot.pending.clear()
-            slot.partial = None
-            slot.uses = 0
+            slot.clear_backward()
             if slot.updated_at >= cap.step_id:
                 slot.updated_at = cap.step_id - 1
         self._last_capture = cap

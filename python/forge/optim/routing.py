@@ -10,6 +10,10 @@ Each optimized parameter gets a slot (_Slot) and one of three paths:
             with the update applied in place; no dW tensor exists. If W had more than one
             use (a Linear applied twice, or W also read outside its Linear) the hook sums
             the full gradient in fp32 instead and applies forge_elementwise_step once.
+            In a backward compiled by torch.compile the hand-off is the custom operator
+            forge::wgrad_hand_off (forge/_ops.py, _Slot.hand_off_in_graph); the hooks run
+            after the compiled backward, and a weight with several uses in it gets the sum
+            of their stand-ins, which _outside_grad tells from an outside gradient.
   hook      any other parameter (bias, norm, embedding, a weight that F.linear or a matmul
             reads in a custom forward, the weight of a layer that replaces nn.Linear's
             forward): autograd forms its gradient, a post-accumulate-grad hook (torch >= 2.1)
@@ -88,6 +92,11 @@ class _Slot:
         self.acc_node = None        # W's AccumulateGrad node, held so its hook lives
         self.marker: Optional[torch.Tensor] = None  # stand-in dW of this backward (see below)
         self.stand_in: Optional[torch.Tensor] = None  # the marker, made once (a zero, expanded)
+        # A compiled backward's hand-offs (forge::wgrad_hand_off, forge/_ops.py) find the slot
+        # by this key. in_graph_uses counts those since the last update: from the second on,
+        # W's gradient arrives as a sum of stand-ins that the graph computed.
+        self.key = _linear.new_key(self)
+        self.in_graph_uses = 0
         # (formats and data pointers, forge_param) of the last update; rebuilt on any change
         self.param_cache: Optional[Tuple[tuple, Any]] = None
         self.modules: List[nn.Linear] = []
@@ -115,6 +124,14 @@ class _Slot:
             consumed = self._consumed = ConsumedGrad(self.param, self.name, opt._mode_name())
         return consumed
 
+    def clear_backward(self) -> None:
+        """Forgets what backward handed over since the last update (pending pairs, the fp32
+        partial sum, the use counts)."""
+        self.pending.clear()
+        self.partial = None
+        self.uses = 0
+        self.in_graph_uses = 0
+
     def local(self) -> torch.Tensor:
         """The parameter's tensor on this rank (a DTensor's local shard)."""
         return distributed.local(self.param)
@@ -131,6 +148,25 @@ class _Slot:
         if opt is None or not opt._attached:
             return _materialize_dw(x, dy, weight)  # plain nn.Linear behaviour
         return opt._linear_backward(self, x, dy, weight)
+
+    def hand_off_in_graph(self, x, dy, weight) -> torch.Tensor:
+        """linear_backward for forge::wgrad_hand_off, a compiled backward's hand-off: the op
+        returns a tensor of one layout (the stand-in's), so a second use of W in this backward
+        gets the stand-in too; the pre-hook then sees their sum (_on_weight_grad_ready)."""
+        opt = self.opt_ref()
+        if opt is None or not opt._attached:
+            raise RuntimeError(
+                f"forge: the optimizer of '{self.name}' was detached between a compiled forward "
+                "and its backward: its gradient has no place to go; detach between steps")
+        if x.is_cuda and not opt._capturing and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "forge: a compiled backward with fused Linears is being captured into a CUDA "
+                "graph (torch.compile mode='reduce-overhead'?): a replay would run its kernels "
+                "but not hand X and dY to the optimizer. Compile without CUDA graphs; "
+                "forge.graphs.CUDAGraphStep graphs a whole training step")
+        self.in_graph_uses += 1
+        dw = opt._linear_backward(self, x, dy, weight)
+        return self.stand_in if dw is None else dw
 
 
 def _materialize_dw(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -402,7 +438,8 @@ class _RoutingMixin:
     def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
         """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
         arrived = grads[0] if grads else None
-        outside = None if arrived is None or arrived is slot.marker else arrived
+        outside = None if arrived is None or arrived is slot.marker else \
+            self._outside_grad(slot, arrived)
         slot.marker = None
         consumed = (None,) if arrived is not None else None  # nothing reaches .grad
         if not slot.pending and slot.partial is None and outside is None:
@@ -437,10 +474,27 @@ class _RoutingMixin:
         else:
             self._update(slot, grad=self._summed_weight_grad(slot, outside))
             slot.param.grad = slot.consumed_grad()
-        slot.pending.clear()
-        slot.partial = None
-        slot.uses = 0
+        slot.clear_backward()
         return consumed
+
+    def _outside_grad(self, slot: _Slot, arrived: torch.Tensor) -> Optional[torch.Tensor]:
+        """What of W's gradient `arrived` (not the marker itself) came from uses outside its
+        Linears: None for a view of the stand-in (a compiled graph may hand one back), or,
+        after two or more hand-offs in a compiled backward, for a sum of their stand-ins,
+        all zero. (An outside gradient of exact zeros is then taken for none: the update
+        differs at most in the sign of a zero gradient element.)"""
+        stand_in = slot.stand_in
+        if stand_in is not None and not slot.dtensor and arrived.data_ptr() == stand_in.data_ptr():
+            if slot.marker is None:  # no hand-off ran: a replay of a compiled backward
+                raise RuntimeError(
+                    f"forge: the gradient of '{slot.name}' arrived without its Linear's "
+                    "hand-off of X and dY: a CUDA graph replay of a compiled backward "
+                    "(torch.compile mode='reduce-overhead')? Compile without CUDA graphs; "
+                    "forge.graphs.CUDAGraphStep graphs a whole training step")
+            return None
+        if slot.in_graph_uses > 1 and not bool(arrived.any()):
+            return None
+        return arrived
 
     def _summed_weight_grad(self, slot: _Slot, outside) -> torch.Tensor:
         """The full fp32 gradient of a weight with several uses in this backward."""
