@@ -8,12 +8,16 @@ with a synchronize, so the figure is the wall time per step over LAYERS.
 --dtype bf16 runs the stack in bf16 with forge.optim's default states (stochastically rounded
 bf16), the configuration of forge-bench's forge-bf16 mode: on a Hopper GPU its steps take the
 TMA kernel, whose call also encodes two tensor maps (fp32 takes the SIMT kernel).
+--layer scale times element-wise parameters instead: a stack of x * w with w a [1024]
+parameter (what a norm's weight costs: forge.optim's post-accumulate-grad hook and
+forge_elementwise_step per parameter, against torch's one multi-tensor step); its figure is
+µs per parameter per step.
 --compile runs both stacks' models under torch.compile (default mode, Inductor; the optimizers
 as they are): the stack is one graph, and FORGE's backward calls its custom operators per
 Linear (forge/_ops.py); the first warm-up step compiles.
 
     python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100]
-                                  [--steps 200] [--compile] [--profile N]
+                                  [--layer linear|scale] [--steps 200] [--compile] [--profile N]
 --profile N: then N more steps of each optimizer under cProfile (the top functions).
 
 Prints microseconds per Linear per step (median over the steps after 20 warm-ups); --json PATH
@@ -36,13 +40,24 @@ import forge.optim  # noqa: E402
 WARMUP = 20
 
 
+class Scale(torch.nn.Module):
+    """x * w: one element-wise parameter, as a norm's weight."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * self.w
+
+
 def train_step(model, opt, x) -> None:
     model(x).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def per_linear_us(model, opt, x, steps: int, layers: int, warmup: int = WARMUP) -> float:
+def per_layer_us(model, opt, x, steps: int, layers: int, warmup: int = WARMUP) -> float:
     cuda = x.is_cuda
     times = []
     for i in range(warmup + steps):
@@ -76,6 +91,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--layer", choices=("linear", "scale"), default="linear",
+                   help="linear: 16x16 nn.Linear; scale: x * w, w of 1024 elements (see above)")
     p.add_argument("--compile", action="store_true",
                    help="both models under torch.compile (see the file header)")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
@@ -88,11 +105,14 @@ def main() -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    x = torch.randn(4, 16, device=device, dtype=dtype)
+    width = 16 if args.layer == "linear" else 1024
+    x = torch.randn(4, width, device=device, dtype=dtype)
+
+    def layer():
+        return torch.nn.Linear(16, 16, bias=False) if args.layer == "linear" else Scale(width)
 
     def stack():
-        return torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False)
-                                     for _ in range(args.layers)]).to(device, dtype)
+        return torch.nn.Sequential(*[layer() for _ in range(args.layers)]).to(device, dtype)
 
     if args.rounds < 1:
         p.error(f"--rounds: must be >= 1, got {args.rounds}")
@@ -108,18 +128,22 @@ def main() -> int:
     for r in range(args.rounds):
         for name in (("torch", "forge") if r % 2 == 0 else ("forge", "torch")):
             model, opt = runs[name]
-            measured[name].append(per_linear_us(model, opt, x, args.steps, args.layers,
+            measured[name].append(per_layer_us(model, opt, x, args.steps, args.layers,
                                                 warmup=WARMUP if r < 2 else 2))
     torch_us, forge_us = (statistics.median(measured[k]) for k in ("torch", "forge"))
     if args.profile:
         profile_steps(*runs["torch"], x, args.profile, "torch AdamW(foreach)")
         profile_steps(*runs["forge"], x, args.profile, "forge.optim.AdamW")
     compiled = ", torch.compile" if args.compile else ""
-    print(f"host cost per Linear per step ({args.layers} Linears of 16x16, {args.dtype}, {device}"
+    what = ("Linear", f"{args.layers} Linears of 16x16") if args.layer == "linear" else \
+        ("parameter", f"{args.layers} element-wise parameters of 1024")
+    print(f"host cost per {what[0]} per step ({what[1]}, {args.dtype}, {device}"
           f"{compiled}, torch {torch.__version__}, median of {args.rounds} round(s)): torch "
           f"AdamW(foreach) {torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us")
     if args.json:
-        case = f"{args.layers} Linears 16x16 {args.dtype} {device.type}{compiled}"
+        shape = "Linears 16x16" if args.layer == "linear" else "element-wise params 1024"
+        case = f"{args.layers} {shape} {args.dtype} {device.type}{compiled}"
+        metric = "us_per_linear" if args.layer == "linear" else "us_per_param"
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         with open(args.json, "w") as f:
             json.dump({"benchmark": "host_overhead", "gpu": gpu,
@@ -127,9 +151,9 @@ def main() -> int:
                        "command": " ".join(["python3", "bench/host_overhead.py"] + sys.argv[1:]),
                        "torch": torch.__version__,
                        "results": [{"case": case, "variant": "torch AdamW(foreach)",
-                                    "us_per_linear": torch_us},
+                                    metric: torch_us},
                                    {"case": case, "variant": "forge.optim.AdamW",
-                                    "us_per_linear": forge_us}]}, f, indent=1)
+                                    metric: forge_us}]}, f, indent=1)
     return 0
 
 

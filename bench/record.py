@@ -93,7 +93,8 @@ def host_overhead_rows(d: dict, base: dict) -> Iterable[dict]:
     """bench/host_overhead.py's host-overhead.json."""
     base = dict(base, benchmark="host_overhead")
     for r in d["results"]:
-        yield _row(base, r["case"], r["variant"], "us_per_linear", r["us_per_linear"])
+        metric = "us_per_linear" if "us_per_linear" in r else "us_per_param"
+        yield _row(base, r["case"], r["variant"], metric, r[metric])
 
 
 def step_rows(d: dict, base: dict) -> Iterable[dict]:

@@ -9,7 +9,7 @@ current. Writes, replacing what was there:
                            bench/torch_unfused.py), totals and per layer
   steps.md / steps.png     whole training steps (forge-bench): peak memory and step time
   parity.md                convergence parity (forge-bench --parity)
-  host.md                  the host's cost per Linear (bench/host_overhead.py)
+  host.md                  the host's cost per layer (bench/host_overhead.py)
 Every table says which date, GPU, commit and command its figures come from.
 """
 from __future__ import annotations
@@ -189,9 +189,10 @@ def main(argv=None) -> int:
             "forge-bench --parity: the ~100M model of forge-train, bf16, seq 512 × batch 8, "
             "on text; mean |Δloss| over the second half of the run against the reference.", 4),
         "host.md": render_simple(
-            cur, "host_overhead", "The host's cost per Linear per step",
-            "bench/host_overhead.py: a stack of tiny Linears, so that only the host's work per "
-            "layer is timed (median µs per Linear per step).", 1),
+            cur, "host_overhead", "The host's cost per layer per step",
+            "bench/host_overhead.py: a stack of tiny Linears (or of element-wise parameters, "
+            "`--layer scale`), so that only the host's work per layer is timed (median µs per "
+            "Linear or parameter per step).", 1),
     }
     for name, lines in pages.items():
         if lines:
