@@ -258,23 +258,38 @@ class _CallMixin:
                 hp.run_scalars = self._capture_region(slot, hparams) if capturing else None
             self._lib.wgrad_step(args)
         else:
-            with torch.no_grad():
-                if grad.device != p.device:
-                    grad = grad.to(p.device)
-                grad, code = _linear.forge_dtype(grad.contiguous())
-            args = _lib.ElementwiseArgs()
-            args.abi_version = _lib.ABI_VERSION
-            args.device = device
+            # NOTE: no torch.no_grad() here either: .grad tensors do not require grad (but for
+            # a create_graph=True backward's, detached), so the casts below record nothing.
+            if grad.requires_grad:
+                grad = grad.detach()
+            if grad.device != p.device:
+                grad = grad.to(p.device)
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            grad, code = _linear.forge_dtype(grad)
+            # NOTE: one forge_elementwise_args per parameter, kept, as forge_wgrad_args above.
+            args, held = slot.elementwise_args, slot.elementwise_held
+            if args is None:
+                args = slot.elementwise_args = _lib.ElementwiseArgs()
+                args.abi_version = _lib.ABI_VERSION
+                held = slot.elementwise_held = [None, None, None, None]
+            if held[0] is not device:
+                args.device, held[0] = device, device
+            if held[1] is not param:
+                args.param, held[1] = param, param
+            if held[2] is not hparams:
+                args.hparams, held[2] = hparams, hparams
+            if held[3] is not outputs:
+                args.outputs, held[3] = outputs, outputs
             args.grad, args.grad_dtype = grad.data_ptr(), code
-            args.param, args.hparams, args.outputs = param, hparams, outputs
             hp = args.hparams
             hp.step, hp.seed = step, self.seed + slot.index
             if scale is None:
                 scale = self._backward_scale
-            if scale != 1.0:
+            if hp.grad_scale != scale:
                 hp.grad_scale = scale
-            if capturing:
-                hp.run_scalars = self._capture_region(slot, hparams)
+            if capturing or hp.run_scalars:
+                hp.run_scalars = self._capture_region(slot, hparams) if capturing else None
             self._lib.elementwise_step(args)
         if not last:
             return

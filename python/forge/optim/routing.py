@@ -112,6 +112,8 @@ class _Slot:
         self.struct_step = -1
         self.call_args = None
         self.call_held = None
+        self.elementwise_args = None  # the same for forge_elementwise_step (call.py)
+        self.elementwise_held = None
 
     def consumed_grad(self) -> ConsumedGrad:
         """The .grad left on this parameter once its update ran inside backward (made once)."""
