@@ -267,13 +267,17 @@ def job_ddp(rank, world, args):
     except ValueError as e:
         results["inner"] = str(e)
     del ddp
-    # 3. DDP made after the optimizer: refused at the first update, nothing changed
+    # 3. DDP made after the optimizer: refused at the model's forward (before backward starts
+    # DDP's all-reduces), nothing changed
     model = make_model()
     opt = forge.optim.AdamW(model, mode="immediate")
     ddp = DDP(model)
     before = [p.detach().clone() for p in model.parameters()]
+    results["later_at"] = "forward"
     try:
-        loss_of(ddp, 0, slice(rank, rank + 1)).backward()
+        loss = loss_of(ddp, 0, slice(rank, rank + 1))
+        results["later_at"] = "backward"
+        loss.backward()
         opt.step()
         results["later"] = "accepted"
     except ValueError as e:

@@ -124,6 +124,7 @@ def test_ddp_is_refused_before_any_weight_changes(results, how):
     m = results[2]["ddp"]
     assert "DistributedDataParallel" in m[how] and "FSDP2" in m[how], m[how]
     assert m["unchanged"]
+    assert m["later_at"] == "forward", "refused before backward starts DDP's all-reduces"
 
 
 @pytest.mark.parametrize("world", [4, 2, 1])

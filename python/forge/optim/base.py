@@ -207,8 +207,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         # statistics are summed over the ranks.
         self._distributed = distributed.world_size() > 1 and any(
             distributed.is_dtensor(p) for p in all_params)
+        self._wrapper_check = None
         if distributed.world_size() > 1:
             distributed.check_no_replicating_wrapper(model)
+            # A DDP / FSDP1 wrapper made after the optimizer: refused at the model's forward
+            # too (until the first step), before backward starts the wrapper's all-reduces
+            # that an error raised inside backward would leave in flight.
+            self._wrapper_check = model.register_forward_pre_hook(
+                _WrapperCheck(weakref.ref(self)))
         # Everything is checked: only now is the model touched.
         self._slots: Dict[int, _Slot] = {}
         self._step_id = 0                 # number of completed step() calls
@@ -655,6 +661,24 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError(f"parameter '{name}': already driven by "
                                  f"{'this' if owner is self else 'another'} forge optimizer"
                                  f"{'' if owner is self else '; call its .detach() first'}")
+
+
+class _WrapperCheck:
+    """The model's forward pre-hook on several ranks until the first step (see __init__)."""
+
+    def __init__(self, opt_ref):
+        self.opt_ref = opt_ref
+
+    def __call__(self, module, args) -> None:
+        opt = self.opt_ref()
+        if opt is None or not torch.is_grad_enabled():
+            return
+        if opt._step_id > 0:
+            if opt._wrapper_check is not None:
+                opt._wrapper_check.remove()
+                opt._wrapper_check = None
+            return
+        distributed.check_no_replicating_wrapper(module)
 
 
 def _global_norm(grads) -> torch.Tensor:

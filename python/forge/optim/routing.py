@@ -270,6 +270,9 @@ class _RoutingMixin:
         unusable afterwards (except state_dict())."""
         if not self._attached:
             return
+        if self._wrapper_check is not None:
+            self._wrapper_check.remove()
+            self._wrapper_check = None
         for slot in self._slots.values():
             for h in slot.handles:
                 h.remove()
