@@ -324,3 +324,50 @@ def test_accumulation_concatenates_tokens_without_a_gradient():
     assert isinstance(g, forge.optim.FactoredGrad) and len(g.parts) == 3 and g.dense is None
     opt.step()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_sum_of_squares_in_chunks_is_the_whole_sum(monkeypatch):
+    """The fp64 sum of squares of a dense gradient runs in chunks (bounded temporaries): the
+    same sum up to fp64 rounding, and non-finite wherever one element is."""
+    from forge.optim import deferred
+    t = torch.randn(1000, 37)
+    whole = t.double().square().sum()
+    monkeypatch.setattr(deferred, "_SQ_CHUNK", 4096)
+    chunked = deferred.sum_sq_fp64(t)
+    assert chunked.dtype == torch.float64
+    assert torch.allclose(chunked, whole, rtol=1e-12, atol=0)
+    t[999, 36] = float("inf")
+    assert torch.isinf(deferred.sum_sq_fp64(t))
+    t[0, 0] = float("nan")
+    assert torch.isnan(deferred.sum_sq_fp64(t))
+
+
+def test_exact_tf32_restores_the_matmul_setting():
+    """The norm's products may use TF32 (exact for bf16 / fp16 operands) only inside; the
+    user's setting is what it was afterwards, also after an error."""
+    from forge.optim import deferred
+    matmul = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    before = getattr(matmul, name)
+    with pytest.raises(ZeroDivisionError):
+        with deferred._ExactTF32(True):
+            assert getattr(matmul, name) in ("tf32", True)
+            1 / 0
+    assert getattr(matmul, name) == before
+    with deferred._ExactTF32(False):
+        assert getattr(matmul, name) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [256, 600], ids=["gram_cuda", "dense_rows_cuda"])
+def test_norm_of_bf16_factors_on_cuda_is_exact_to_fp32_accumulation(tokens):
+    """‖dYᵀX‖² of bf16 factors on CUDA, by the Gram identity (256 tokens) or dW's row blocks
+    (600), with the products on the tensor cores (TF32: exact for bf16 values), against fp64."""
+    from forge.optim import deferred
+    from tolerances import FACTORED_NORM_RTOL
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 512, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(tokens, 700, device="cuda", generator=gen).bfloat16()
+    want = (dy.double().t() @ x.double()).square().sum().item()
+    got = deferred._factored_sum_sq([(x, dy)], (700, 512), torch.device("cuda")).item()
+    assert abs(got - want) <= FACTORED_NORM_RTOL * want, (got, want)

@@ -27,7 +27,7 @@ from .call import _CallMixin, _as_float
 from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
 from . import distributed
-from .deferred import ConsumedGrad, FactoredGrad
+from .deferred import ConsumedGrad, FactoredGrad, sum_sq_fp64
 from . import summary as _summary
 from .states import MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin, check_storage_options
 
@@ -688,16 +688,13 @@ def _global_norm(grads) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         if isinstance(g, FactoredGrad):
-            if g.dense is not None:
-                sq = g.dense.double().square().sum()
-            else:
-                sq = g.sum_sq()
+            sq = sum_sq_fp64(g.dense) if g.dense is not None else g.sum_sq()
             scale = g.scale
             sq = sq * (scale.double() ** 2 if torch.is_tensor(scale) else float(scale) ** 2)
+        elif distributed.is_dtensor(g):  # a shard's sum: summed over the ranks once
+            sq = g.double().square().sum().full_tensor()
         else:
-            sq = g.double().square().sum()
-            if distributed.is_dtensor(sq):  # a shard's sum: summed over the ranks once
-                sq = sq.full_tensor()
+            sq = sum_sq_fp64(g)
         total += sq.to(device)
     return total.sqrt()
 

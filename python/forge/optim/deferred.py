@@ -44,6 +44,46 @@ _FOREACH_MUL = {_aten._foreach_mul_.Scalar, _aten._foreach_mul_.Tensor,
 _GRAM_BLOCK = 1024
 # Rows of dW formed at a time where dW itself is formed (the max-norm, or a cheaper product).
 _DENSE_ROWS = 1024
+# Elements squared in fp64 at a time (sum_sq_fp64): 128 MiB of fp64 temporaries at most, where
+# the whole tensor at once doubled an embedding's gradient in fp64 (8 GiB on Llama-3.1-8B).
+_SQ_CHUNK = 1 << 24
+
+
+def sum_sq_fp64(t: torch.Tensor) -> torch.Tensor:
+    """Σ t² of a dense tensor as a 0-dim fp64 tensor, in chunks (non-finite where t is)."""
+    flat = t.reshape(-1)
+    if flat.numel() <= _SQ_CHUNK:
+        return flat.double().square().sum()
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for i in range(0, flat.numel(), _SQ_CHUNK):
+        total += flat[i:i + _SQ_CHUNK].double().square().sum()
+    return total
+
+
+class _ExactTF32:
+    """Lets fp32 matmuls use TF32 tensor cores while inside, where that is exact: operands
+    whose values are bf16 or fp16 (8 and 11 significant bits, within TF32's 11: every product
+    exact in fp32, summed in fp32, as the fp32 products are). Restores the setting after."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.saved = None
+
+    def __enter__(self):
+        if self.enabled:
+            matmul = torch.backends.cuda.matmul
+            if hasattr(matmul, "fp32_precision"):  # (torch's newer setting; the old one next)
+                self.saved = ("fp32_precision", matmul.fp32_precision)
+                matmul.fp32_precision = "tf32"
+            else:
+                self.saved = ("allow_tf32", matmul.allow_tf32)
+                matmul.allow_tf32 = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            setattr(torch.backends.cuda.matmul, *self.saved)
+        return False
 
 
 class FactoredGrad(torch.Tensor):
@@ -114,7 +154,7 @@ class FactoredGrad(torch.Tensor):
         """‖Σ_k dY_kᵀ X_k‖² as a 0-dim fp64 tensor (non-finite when an element of dW is)."""
         if self._sum_sq is None:
             if self.dense is not None:
-                self._sum_sq = self.dense.double().square().sum()
+                self._sum_sq = sum_sq_fp64(self.dense)
             else:
                 self._sum_sq = _factored_sum_sq(self.parts, self.shape, self.device)
         return self._sum_sq
@@ -262,22 +302,25 @@ def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=device)
     if not parts:
         return total
-    # fp64 on the CPU (cheap, and the tests' reference precision); fp32 products on a GPU.
+    # fp64 on the CPU (cheap, and the tests' reference precision); fp32 products on a GPU,
+    # on the tensor cores where the operands are bf16 or fp16 (_ExactTF32).
     work = torch.float64 if device.type == "cpu" else torch.float32
+    narrow = all(t.dtype in (torch.bfloat16, torch.float16) for pair in parts for t in pair)
     xs = [x.to(work) for x, _ in parts]
     dys = [dy.to(work) for _, dy in parts]
     x = xs[0] if len(xs) == 1 else torch.cat(xs)
     dy = dys[0] if len(dys) == 1 else torch.cat(dys)
     tokens = x.size(0)
-    if tokens * (rows + cols) <= rows * cols:
-        for t0 in range(0, tokens, _GRAM_BLOCK):
-            gx = x[t0:t0 + _GRAM_BLOCK].matmul(x.t())      # [block, T]
-            gy = dy[t0:t0 + _GRAM_BLOCK].matmul(dy.t())    # [block, T]
-            total += (gx.double() * gy.double()).sum()
-    else:
-        for r0 in range(0, rows, _DENSE_ROWS):
-            block = dy[:, r0:r0 + _DENSE_ROWS].t().matmul(x)  # [rows block, cols] of dW
-            total += block.double().square().sum()
+    with _ExactTF32(device.type == "cuda" and narrow):
+        if tokens * (rows + cols) <= rows * cols:
+            for t0 in range(0, tokens, _GRAM_BLOCK):
+                gx = x[t0:t0 + _GRAM_BLOCK].matmul(x.t())      # [block, T]
+                gy = dy[t0:t0 + _GRAM_BLOCK].matmul(dy.t())    # [block, T]
+                total += (gx.double() * gy.double()).sum()
+        else:
+            for r0 in range(0, rows, _DENSE_ROWS):
+                block = dy[:, r0:r0 + _DENSE_ROWS].t().matmul(x)  # [rows block, cols] of dW
+                total += block.double().square().sum()
     return total
 
 
