@@ -138,6 +138,14 @@ def stream_of_handle(handle: int, device_index: int) -> "torch.cuda.Stream":
 RECOMPUTE_ATTR = "_forge_recompute"
 
 
+def _in_graph_grads(ctx, x, dy, weight, bias_rows):
+    """W's gradient stand-in and db of a fused backward traced by torch.compile: the hand-off
+    of the fused step's (x, dy) pair and the sum of bias_rows, through _ops' operators."""
+    db = _ops.bias_grad(bias_rows).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+    dw = _ops.wgrad_hand_off(x, dy, weight, ctx.slot.key) if ctx.needs_input_grad[1] else None
+    return dw, db
+
+
 class FusedLinearFunction(torch.autograd.Function):
     """y = F.linear(x, W, b); backward returns dX, db and no dW (see the file header).
     `compute_dtype` is autocast's dtype captured at forward (None without autocast);
@@ -172,13 +180,10 @@ class FusedLinearFunction(torch.autograd.Function):
         # NOTE: dX first, with the weight as the forward saw it; the update of W runs
         # later (at W's AccumulateGrad node), after this product on the same stream.
         dx = dy.matmul(w) if ctx.needs_input_grad[0] else None        # [..., in]
-        db = dw = None
         if ctx.in_graph:
-            if ctx.needs_input_grad[2]:
-                db = _ops.bias_grad(dy).to(ctx.bias_dtype)
-            if ctx.needs_input_grad[1]:
-                dw = _ops.wgrad_hand_off(x, dy, weight, ctx.slot.key)
+            dw, db = _in_graph_grads(ctx, x, dy, weight, dy)
             return dx, dw, db, None, None, None
+        db = None
         if ctx.needs_input_grad[2]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.bias_dtype)  # [out]
         dw = ctx.slot.linear_backward(x, dy, weight) if ctx.needs_input_grad[1] else None
@@ -228,12 +233,8 @@ class FusedConv1DFunction(torch.autograd.Function):
         # NOTE: dX first, with the weight as the forward saw it (see FusedLinearFunction);
         # 2-d products as addmm's own backward makes them, so fp32 results are torch's bits.
         dx = dy2.mm(w.t()).view(x.shape) if ctx.needs_input_grad[0] else None  # [..., in]
-        db = dw = None
         if ctx.in_graph:
-            if ctx.needs_input_grad[2]:
-                db = _ops.bias_grad(dy2).to(ctx.bias_dtype)
-            if ctx.needs_input_grad[1]:
-                dw = _ops.wgrad_hand_off(dy, x, weight, ctx.slot.key)
+            dw, db = _in_graph_grads(ctx, dy, x, weight, dy2)
             return dx, dw, db, None, None, None
         db = dy2.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None  # [out]
         dw = ctx.slot.linear_backward(dy, x, weight) if ctx.needs_input_grad[1] else None

@@ -23,7 +23,6 @@ unfused head + cross entropy to fp32 rounding (the log-sum-exp is summed in anot
 from __future__ import annotations
 
 import types
-from typing import Optional
 
 import torch
 import torch.nn as nn

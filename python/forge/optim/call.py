@@ -187,6 +187,38 @@ class _CallMixin:
                     slot.struct, slot.struct_step = self._param_struct(slot, st), self._step_id
         self._checked_step = self._step_id
 
+    def _kept_args(self, slot, kind: str, device, param, hparams, outputs, step: int,
+                   scale: Optional[float], capturing: bool):
+        """slot's forge_wgrad_args or forge_elementwise_args (kind "wgrad" / "elementwise"),
+        kept between calls, with this call's structs and scalars in it; the caller sets the
+        operands' pointers."""
+        # NOTE: kept per parameter: a field that holds a struct (device, param, hparams,
+        # outputs) is copied in only when what it holds changed (a ctypes struct assignment
+        # copies); the rest is set per call.
+        kept = slot.kept_args.get(kind)
+        if kept is None:
+            args = _lib.WgradArgs() if kind == "wgrad" else _lib.ElementwiseArgs()
+            args.abi_version = _lib.ABI_VERSION
+            kept = slot.kept_args[kind] = (args, [None, None, None, None])
+        args, held = kept
+        if held[0] is not device:
+            args.device, held[0] = device, device
+        if held[1] is not param:
+            args.param, held[1] = param, param
+        if held[2] is not hparams:
+            args.hparams, held[2] = hparams, hparams
+        if held[3] is not outputs:
+            args.outputs, held[3] = outputs, outputs
+        hp = args.hparams  # (a view of args' own copy)
+        hp.step, hp.seed = step, self.seed + slot.index
+        if scale is None:
+            scale = self._backward_scale
+        if hp.grad_scale != scale:
+            hp.grad_scale = scale
+        if capturing or hp.run_scalars:
+            hp.run_scalars = self._capture_region(slot, hparams) if capturing else None
+        return args
+
     def _update(self, slot, grad: Optional[torch.Tensor] = None, x=None, dy=None,
                 stream=None, scale: Optional[float] = None,
                 rows: Optional[Tuple[int, int]] = None, last: bool = True) -> None:
@@ -229,33 +261,11 @@ class _CallMixin:
             (x2, ldx), (dy2, lddy) = x, dy
             x2, x_code = _linear.forge_dtype(x2)
             dy2, dy_code = _linear.forge_dtype(dy2)
-            # NOTE: one forge_wgrad_args per parameter, kept: a field that holds a struct
-            # (device, param, hparams, outputs) is copied in only when what it holds changed
-            # (a ctypes struct assignment copies), the rest is set per call.
-            args, held = slot.call_args, slot.call_held
-            if args is None:
-                args = slot.call_args = _lib.WgradArgs()
-                args.abi_version = _lib.ABI_VERSION
-                held = slot.call_held = [None, None, None, None]
-            if held[0] is not device:
-                args.device, held[0] = device, device
-            if held[1] is not param:
-                args.param, held[1] = param, param
-            if held[2] is not hparams:
-                args.hparams, held[2] = hparams, hparams
-            if held[3] is not outputs:
-                args.outputs, held[3] = outputs, outputs
+            args = self._kept_args(slot, "wgrad", device, param, hparams, outputs, step,
+                                   scale, capturing)
             args.tokens = x2.size(0)
             args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
             args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
-            hp = args.hparams  # (a view of args' own copy)
-            hp.step, hp.seed = step, self.seed + slot.index
-            if scale is None:
-                scale = self._backward_scale
-            if hp.grad_scale != scale:
-                hp.grad_scale = scale
-            if capturing or hp.run_scalars:
-                hp.run_scalars = self._capture_region(slot, hparams) if capturing else None
             self._lib.wgrad_step(args)
         else:
             # NOTE: no torch.no_grad() here either: .grad tensors do not require grad (but for
@@ -267,29 +277,9 @@ class _CallMixin:
             if not grad.is_contiguous():
                 grad = grad.contiguous()
             grad, code = _linear.forge_dtype(grad)
-            # NOTE: one forge_elementwise_args per parameter, kept, as forge_wgrad_args above.
-            args, held = slot.elementwise_args, slot.elementwise_held
-            if args is None:
-                args = slot.elementwise_args = _lib.ElementwiseArgs()
-                args.abi_version = _lib.ABI_VERSION
-                held = slot.elementwise_held = [None, None, None, None]
-            if held[0] is not device:
-                args.device, held[0] = device, device
-            if held[1] is not param:
-                args.param, held[1] = param, param
-            if held[2] is not hparams:
-                args.hparams, held[2] = hparams, hparams
-            if held[3] is not outputs:
-                args.outputs, held[3] = outputs, outputs
+            args = self._kept_args(slot, "elementwise", device, param, hparams, outputs, step,
+                                   scale, capturing)
             args.grad, args.grad_dtype = grad.data_ptr(), code
-            hp = args.hparams
-            hp.step, hp.seed = step, self.seed + slot.index
-            if scale is None:
-                scale = self._backward_scale
-            if hp.grad_scale != scale:
-                hp.grad_scale = scale
-            if capturing or hp.run_scalars:
-                hp.run_scalars = self._capture_region(slot, hparams) if capturing else None
             self._lib.elementwise_step(args)
         if not last:
             return

@@ -110,10 +110,9 @@ class _Slot:
         # and the forge_wgrad_args kept for this parameter with what its struct fields hold.
         self.struct = None
         self.struct_step = -1
-        self.call_args = None
-        self.call_held = None
-        self.elementwise_args = None  # the same for forge_elementwise_step (call.py)
-        self.elementwise_held = None
+        # "wgrad" / "elementwise" -> (the forge_*_args kept for its calls, what its struct
+        # fields hold): call.py, _kept_args
+        self.kept_args: Dict[str, Any] = {}
 
     def consumed_grad(self) -> ConsumedGrad:
         """The .grad left on this parameter once its update ran inside backward (made once)."""
