@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "block_copy.h"
 #include "test_util.h"
 
 namespace forge_test {
@@ -21,16 +22,6 @@ struct Block {
   int64_t r0, rows, c0, cols;
 };
 
-int state_bytes(int sf) {
-  return sf == FORGE_STATE_FP32 ? 4 : sf == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
-}
-
-// Copies rows × cols elements of `elem` bytes between a [*, from_ld] and a [*, to_ld] array.
-void copy_block(const uint8_t* from, int64_t from_ld, uint8_t* to, int64_t to_ld, int64_t rows,
-                int64_t cols, int elem) {
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(to + r * to_ld * elem, from + r * from_ld * elem, static_cast<size_t>(cols * elem));
-}
 
 // The shard `b` of `full` in buffers of its own, with its offsets set; `to_full` copies it back.
 // int8 blocks: b.c0 % 64 == 0, so the shard's absmax blocks are the full parameter's.
@@ -61,7 +52,7 @@ struct Shard {
     };
     move(full.weight, p.weight, fc, b.cols, b.r0, b.c0, b.rows, b.cols, wb);
     if (!full.master.empty()) move(full.master, p.master, fc, b.cols, b.r0, b.c0, b.rows, b.cols, 4);
-    const int sb = state_bytes(full.p.state_format);
+    const int sb = state_element_bytes(full.p.state_format);
     for (int i = 0; i < full.num_states; ++i) {
       move(full.state[i], p.state[i], fc, b.cols, b.r0, b.c0, b.rows, b.cols, sb);
       if (full.p.state_format == FORGE_STATE_INT8_BLOCK64) {

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "block_copy.h"
 #include "core/formats.h"
 #include "gpu_tolerances.h"
 
@@ -127,16 +128,8 @@ forge_param HostParam::view() {
 
 namespace {
 
-int state_bytes_of(forge_state_format f) {
-  return f == FORGE_STATE_FP32 ? 4 : f == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
-}
-
-// Rows × cols elements of `elem` bytes from a [*, from_ld] array to a [*, to_ld] one.
-void copy_block(const uint8_t* from, int64_t from_ld, uint8_t* to, int64_t to_ld, int64_t rows,
-                int64_t cols, int elem) {
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(to + r * to_ld * elem, from + r * from_ld * elem, static_cast<size_t>(cols * elem));
-}
+using forge_test::copy_block;
+using forge_test::state_element_bytes;
 
 // Moves the shard's block between `full` and `shard` (to_shard: full -> shard).
 void move_shard(HostParam& full, HostParam& shard, bool to_shard) {
@@ -152,7 +145,8 @@ void move_shard(HostParam& full, HostParam& shard, bool to_shard) {
   if (full.weight_format == FORGE_WEIGHT_BF16_MASTER)
     move(full.master, shard.master, full.cols, cols, c0, cols, 4);
   for (int i = 0; i < full.layout.num_states; ++i) {
-    move(full.state[i], shard.state[i], full.cols, cols, c0, cols, state_bytes_of(full.state_format));
+    move(full.state[i], shard.state[i], full.cols, cols, c0, cols,
+         state_element_bytes(full.state_format));
     if (full.state_format == FORGE_STATE_INT8_BLOCK64) {
       const int64_t full_blocks = (full.cols + 63) / 64, blocks = (cols + 63) / 64;
       auto* f = reinterpret_cast<uint8_t*>(full.absmax[i].data());
@@ -176,7 +170,7 @@ HostParam take_shard(const HostParam& full, int64_t r0, int64_t rows, int64_t c0
   h.weight.resize(static_cast<size_t>(rows * cols) * (full.weight_format == FORGE_WEIGHT_FP32 ? 4 : 2));
   if (full.weight_format == FORGE_WEIGHT_BF16_MASTER) h.master.resize(static_cast<size_t>(rows * cols) * 4);
   for (int i = 0; i < full.layout.num_states; ++i) {
-    h.layout.state_bytes[i] = rows * cols * state_bytes_of(full.state_format);
+    h.layout.state_bytes[i] = rows * cols * state_element_bytes(full.state_format);
     h.state[i].resize(static_cast<size_t>(h.layout.state_bytes[i]));
     if (full.state_format == FORGE_STATE_INT8_BLOCK64) {
       h.layout.absmax_count[i] = rows * ((cols + 63) / 64);

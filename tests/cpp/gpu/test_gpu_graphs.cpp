@@ -33,6 +33,19 @@ void fill_run_scalars(const forge_hparams& hp, DeviceBuffer& run, cudaStream_t s
   CUDA_OK(cudaStreamSynchronize(stream));
 }
 
+// Captures one forge_wgrad_step and one forge_elementwise_step on `stream` (both must accept)
+// into *graph, instantiated into *exec.
+void capture_steps(const forge_wgrad_args& w, const forge_elementwise_args& e,
+                   cudaStream_t stream, cudaGraph_t* graph, cudaGraphExec_t* exec) {
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const forge_status ws = forge_wgrad_step(&w);
+  const forge_status es = forge_elementwise_step(&e);
+  CUDA_OK(cudaStreamEndCapture(stream, graph));
+  FORGE_OK(ws);
+  FORGE_OK(es);
+  CUDA_OK(cudaGraphInstantiate(exec, *graph, 0));
+}
+
 struct Shape {
   int64_t rows, cols, tokens;
 };
@@ -173,14 +186,8 @@ TEST(CudaGraph, ReplaysWithRefilledScalarsMatchEagerSteps) {
                            stale(hp_e, run_e.data()), gpu_device(stream), nullptr, nullptr);
       // Captured once, with a step, lr and seed of the call that are never the right ones.
       cudaGraph_t graph = nullptr;
-      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      const forge_status ws = forge_wgrad_step(&w);
-      const forge_status es = forge_elementwise_step(&e);
-      CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      FORGE_OK(ws);
-      FORGE_OK(es);
       cudaGraphExec_t exec = nullptr;
-      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      capture_steps(w, e, stream, &graph, &exec);
       for (int64_t step = 1; step <= 4; ++step) {
         hp.step = hp_e.step = step;
         fill_run_scalars(hp, run, stream);
@@ -275,14 +282,8 @@ TEST(CudaGraph, MismatchedRunScalarsWriteNothingAndAreCounted) {
                                                 stale(h_e, run_e.data()), gpu_device(stream),
                                                 sq_e, nf_e);
     cudaGraph_t graph = nullptr;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const forge_status ws = forge_wgrad_step(&w);
-    const forge_status es = forge_elementwise_step(&e);
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    FORGE_OK(ws);
-    FORGE_OK(es);
     cudaGraphExec_t exec = nullptr;
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    capture_steps(w, e, stream, &graph, &exec);
     for (Variant v : variants) {
       SCOPED_TRACE("variant " + std::to_string(v) + ", step " + std::to_string(h.step));
       const std::vector<unsigned char> b = buffer_bytes(v, h), b_e = buffer_bytes(v, h_e);
