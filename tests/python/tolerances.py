@@ -104,8 +104,8 @@ PARALLEL_RUN_RTOL = 1e-5
 # on dX (vocabulary 301 in blocks of 64), 3e-7 on the loss and dW.
 HEAD_CE_RTOL = 5e-6
 
-# The deferred mode's ‖dW‖² of bf16 factors on CUDA (Gram products or dW row blocks, fp32
-# accumulation on the tensor cores, every product exact) against the fp64 sum of dYᵀX: fp32
+# The deferred mode's ‖dW‖² of bf16 factors on CUDA (Gram products or dW row blocks, every
+# product of bf16 values exact in fp32, accumulated in fp32) against the fp64 sum of dYᵀX: fp32
 # accumulation over up to a few thousand terms per entry, ~1e-7 relative expected; ten times
 # that.
 FACTORED_NORM_RTOL = 1e-6
