@@ -190,21 +190,35 @@ class FusedLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    weight = self.weight  # NOTE: once: a module attribute lookup is a slow path in Python
+def _live_slot(weight: torch.Tensor):
+    """The optimizer slot that fuses `weight` in this forward, or None: no owner, inference,
+    or the recompute-free first pass of a reentrant checkpoint (the layer's own forward runs)."""
     ref = _SLOTS.get(id(weight))
     slot = ref() if ref is not None else None
     if (slot is None or slot.param is not weight or not slot.is_live()
             or not torch.is_grad_enabled() or not weight.requires_grad):
-        # no owner, inference, or the recompute-free first pass of a reentrant checkpoint
-        return F.linear(input, weight, self.bias)
+        return None
+    return slot
+
+
+def _apply_fused(function, input: torch.Tensor, weight, bias, slot) -> torch.Tensor:
+    """function (FusedLinearFunction or FusedConv1DFunction) applied with autocast's dtype
+    captured now and autocast off inside; in its graph form when torch.compile traces it."""
     compute_dtype = autocast_dtype(input.device.type) if input.is_floating_point() else None
     in_graph = torch.compiler.is_compiling() and _ops.ready()
     if compute_dtype is None:
-        return FusedLinearFunction.apply(input, weight, self.bias, slot, None, in_graph)
+        return function.apply(input, weight, bias, slot, None, in_graph)
     input = input.to(compute_dtype)
     with torch.autocast(input.device.type, enabled=False):
-        return FusedLinearFunction.apply(input, weight, self.bias, slot, compute_dtype, in_graph)
+        return function.apply(input, weight, bias, slot, compute_dtype, in_graph)
+
+
+def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    weight = self.weight  # NOTE: once: a module attribute lookup is a slow path in Python
+    slot = _live_slot(weight)
+    if slot is None:
+        return F.linear(input, weight, self.bias)
+    return _apply_fused(FusedLinearFunction, input, weight, self.bias, slot)
 
 
 class FusedConv1DFunction(torch.autograd.Function):
@@ -250,18 +264,10 @@ def conv1d_class() -> Optional[type]:
 
 def _forge_conv1d_forward(self, input: torch.Tensor) -> torch.Tensor:
     weight = self.weight
-    ref = _SLOTS.get(id(weight))
-    slot = ref() if ref is not None else None
-    if (slot is None or slot.param is not weight or not slot.is_live()
-            or not torch.is_grad_enabled() or not weight.requires_grad):
+    slot = _live_slot(weight)
+    if slot is None:
         return type(self).forward(self, input)  # Conv1D's own forward (checked in can_patch)
-    compute_dtype = autocast_dtype(input.device.type) if input.is_floating_point() else None
-    in_graph = torch.compiler.is_compiling() and _ops.ready()
-    if compute_dtype is None:
-        return FusedConv1DFunction.apply(input, weight, self.bias, slot, None, in_graph)
-    input = input.to(compute_dtype)
-    with torch.autocast(input.device.type, enabled=False):
-        return FusedConv1DFunction.apply(input, weight, self.bias, slot, compute_dtype, in_graph)
+    return _apply_fused(FusedConv1DFunction, input, weight, self.bias, slot)
 
 
 _FORGE_FORWARDS = (_forge_linear_forward, _forge_conv1d_forward)

@@ -200,17 +200,11 @@ def assert_contract(errors: Dict[str, float], device: str,
         assert errors["forge_vs_stock"] <= order_bound, errors
 
 
-class _ConcatOrderedLinearFunction(torch.autograd.Function):
+class _ConcatOrderedLinearFunction(OrderedLinearFunction):
     """Like OrderedLinearFunction, but the weight's dW continues one sum across backwards
     (weight._ordered_acc), token by token: the order of FORGE's fused step over the
     concatenated tokens of a step's micro-batches. The weight gets no .grad from autograd;
     move_ordered_grads() puts the sums there before the loop's clip / unscale / step."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):

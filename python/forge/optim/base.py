@@ -210,9 +210,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._wrapper_check = None
         if distributed.world_size() > 1:
             distributed.check_no_replicating_wrapper(model)
-            # A DDP / FSDP1 wrapper made after the optimizer: refused at the model's forward
-            # too (until the first step), before backward starts the wrapper's all-reduces
-            # that an error raised inside backward would leave in flight.
+            # A DDP / FSDP1 wrapper made after the optimizer: refused at the model's first
+            # training forward too, before backward starts the wrapper's all-reduces that an
+            # error raised inside backward would leave in flight.
             self._wrapper_check = model.register_forward_pre_hook(
                 _WrapperCheck(weakref.ref(self)))
         # Everything is checked: only now is the model touched.
@@ -664,7 +664,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
 
 class _WrapperCheck:
-    """The model's forward pre-hook on several ranks until the first step (see __init__)."""
+    """The model's forward pre-hook on several ranks (see __init__): checks once, at the first
+    forward that records a graph before the first step, then removes itself (a wrapper made
+    later still meets the first update's check)."""
 
     def __init__(self, opt_ref):
         self.opt_ref = opt_ref
@@ -673,12 +675,11 @@ class _WrapperCheck:
         opt = self.opt_ref()
         if opt is None or not torch.is_grad_enabled():
             return
-        if opt._step_id > 0:
-            if opt._wrapper_check is not None:
-                opt._wrapper_check.remove()
-                opt._wrapper_check = None
-            return
-        distributed.check_no_replicating_wrapper(module)
+        if opt._step_id == 0:
+            distributed.check_no_replicating_wrapper(module)  # (raises: the hook stays)
+        if opt._wrapper_check is not None:
+            opt._wrapper_check.remove()
+            opt._wrapper_check = None
 
 
 def _global_norm(grads) -> torch.Tensor:
