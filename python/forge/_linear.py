@@ -30,6 +30,7 @@ no graph break per Linear, and its fused Linears compute what eager ones do.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import types
 import weakref
@@ -78,10 +79,12 @@ def forge_dtype(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
 
 
 def as_rows(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, int]:
-    """t viewed as [T, n] rows with unit column stride: (tensor, leading dimension).
-    Strided views are kept (ld = row stride); anything else is made contiguous."""
-    if t.is_contiguous():  # NOTE: the common case, on every Linear: one view, no checks
-        return t.view(-1, n), n
+    """t as rows of n elements with unit column stride: (tensor, leading dimension).
+    A contiguous t comes back as it is, whatever its shape [..., n] (its rows are its
+    elements in order: rows_2d views it as [T, n] where a caller needs that); strided
+    views are kept as [T, n] (ld = row stride); anything else is made contiguous."""
+    if t.is_contiguous():  # NOTE: the common case, on every Linear: no view, no checks
+        return t, n
     t2 = t.reshape(-1, n)
     if n > 1 and t2.size(0) > 0 and t2.stride(1) != 1:
         t2 = t2.contiguous()
@@ -89,6 +92,19 @@ def as_rows(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, int]:
     if ld < n:  # broadcast (stride 0) or overlapping rows
         t2, ld = t2.contiguous(), n
     return t2, ld
+
+
+def rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """as_rows' tensor as [T, n] (a view; as it is when already 2-d)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.size(-1))
+
+
+def row_count(t: torch.Tensor) -> int:
+    """The number of rows T of as_rows' tensor (its leading dimensions' product)."""
+    if t.dim() == 2:
+        return t.size(0)
+    n = t.size(-1) if t.dim() else 1
+    return t.numel() // n if n else math.prod(t.shape[:-1])
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -190,6 +206,10 @@ class FusedLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+# Whether autocast is on for any device type (torch's own check; None where torch lacks it).
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def _live_slot(weight: torch.Tensor):
     """The optimizer slot that fuses `weight` in this forward, or None: no owner, inference,
     or the recompute-free first pass of a reentrant checkpoint (the layer's own forward runs)."""
@@ -204,7 +224,11 @@ def _live_slot(weight: torch.Tensor):
 def _apply_fused(function, input: torch.Tensor, weight, bias, slot) -> torch.Tensor:
     """function (FusedLinearFunction or FusedConv1DFunction) applied with autocast's dtype
     captured now and autocast off inside; in its graph form when torch.compile traces it."""
-    compute_dtype = autocast_dtype(input.device.type) if input.is_floating_point() else None
+    # NOTE: one C call answers "no autocast anywhere" (the common case) before the per-device
+    # query, which costs four times as much on every Linear.
+    compute_dtype = None
+    if (_any_autocast is None or _any_autocast()) and input.is_floating_point():
+        compute_dtype = autocast_dtype(input.device.type)
     in_graph = torch.compiler.is_compiling() and _ops.ready()
     if compute_dtype is None:
         return function.apply(input, weight, bias, slot, None, in_graph)

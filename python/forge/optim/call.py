@@ -263,7 +263,7 @@ class _CallMixin:
             dy2, dy_code = _linear.forge_dtype(dy2)
             args = self._kept_args(slot, "wgrad", device, param, hparams, outputs, step,
                                    scale, capturing)
-            args.tokens = x2.size(0)
+            args.tokens = _linear.row_count(x2)
             args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
             args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
             self._lib.wgrad_step(args)

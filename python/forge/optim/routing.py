@@ -200,8 +200,8 @@ def _param_grad_ready(ref) -> None:
 
 
 def _add_dw(acc: Optional[torch.Tensor], x2: torch.Tensor, dy2: torch.Tensor) -> torch.Tensor:
-    """acc += dYᵀ·X in fp32 ([rows, cols])."""
-    dw = dy2.float().t().matmul(x2.float())
+    """acc += dYᵀ·X in fp32 ([rows, cols]); x2, dy2 as _linear.as_rows gives them."""
+    dw = _linear.rows_2d(dy2).float().t().matmul(_linear.rows_2d(x2).float())
     return dw if acc is None else acc.add_(dw)
 
 
@@ -462,7 +462,7 @@ class _RoutingMixin:
         elif slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
         elif len(slot.pending) == 1 and slot.partial is None and outside is None \
-                and slot.pending[0][0].size(0) > 0:
+                and _linear.row_count(slot.pending[0][0]) > 0:
             x2, ldx, dy2, lddy, handle, index = slot.pending[0]
             # NOTE: X and dY are ready on the stream backward made them on: the step runs
             # there. Autograd normally runs this hook on that same stream; switching streams
@@ -519,6 +519,7 @@ class _RoutingMixin:
             held = p.grad  # (the fallback path has taken autograd's sum out already)
         if len(slot.pending) == 1 and slot.partial is None and outside is None:
             x2, _, dy2, *_ = slot.pending[0]
+            x2, dy2 = _linear.rows_2d(x2), _linear.rows_2d(dy2)
             if slot.dtensor:  # a shard's gradient: dense, as a DTensor of the weight's layout
                 dw = _add_dw(None, x2, dy2).to(p.dtype)
                 if held is None:
