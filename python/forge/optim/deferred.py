@@ -269,6 +269,31 @@ def _scale_float(scale) -> float:
     return float(scale.item()) if torch.is_tensor(scale) else float(scale)
 
 
+_LOW_PRECISION = {torch.bfloat16, torch.float16}
+# CUDA device index -> whether torch.mm takes out_dtype=fp32 for bf16 operands there (asked
+# once per device: older torch lacks it, and it has no CPU kernel)
+_FP32_OUT_MM: dict = {}
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def _has_fp32_out_mm(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    known = _FP32_OUT_MM.get(index)
+    if known is None:
+        probe = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
+        try:
+            known = _mm_fp32_out(probe, probe).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            known = False
+        _FP32_OUT_MM[index] = known
+    return known
+
+
 def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
     """‖Σ_k dY_kᵀ X_k‖², exactly up to rounding, without forming dW where the Gram identity
     is cheaper: ‖dYᵀX‖² = Σᵢⱼ (X Xᵀ)ᵢⱼ (dY dYᵀ)ᵢⱼ over the concatenated tokens."""
@@ -276,23 +301,30 @@ def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=device)
     if not parts:
         return total
-    # fp64 on the CPU (cheap, and the tests' reference precision); fp32 products on a GPU.
-    # NOTE: not TF32, though it would hold bf16 / fp16 values exactly: that means changing
-    # torch's global TF32 setting around the products, which torch >= 2.9 refuses to see mixed
-    # with its legacy setting (design.md §9).
-    work = torch.float64 if device.type == "cpu" else torch.float32
+    # fp64 on the CPU (cheap, and the tests' reference precision). On a GPU, bf16 / fp16
+    # factors go to the tensor cores as they are, with fp32 results (torch.mm's out_dtype):
+    # every product of two such values is exact in fp32, and fp32 accumulates them, the
+    # precision of fp32 operands without their copies and SIMT products. Other dtypes, or a
+    # torch without out_dtype, take fp32 operands.
+    # NOTE: not TF32 for the fp32 case: that means changing torch's global TF32 setting
+    # around the products, which torch >= 2.9 refuses to see mixed with its legacy setting
+    # (design.md §9).
+    dtypes = {t.dtype for part in parts for t in part}
+    low = len(dtypes) == 1 and dtypes <= _LOW_PRECISION and _has_fp32_out_mm(device)
+    work = torch.float64 if device.type == "cpu" else dtypes.pop() if low else torch.float32
+    mm = _mm_fp32_out if low else torch.mm
     xs, dys = [x.to(work) for x, _ in parts], [dy.to(work) for _, dy in parts]
     x = xs[0] if len(xs) == 1 else torch.cat(xs)
     dy = dys[0] if len(dys) == 1 else torch.cat(dys)
     tokens = x.size(0)
     if tokens * (rows + cols) <= rows * cols:
         for t0 in range(0, tokens, _GRAM_BLOCK):
-            gx = x[t0:t0 + _GRAM_BLOCK].matmul(x.t())      # [block, T]
-            gy = dy[t0:t0 + _GRAM_BLOCK].matmul(dy.t())    # [block, T]
+            gx = mm(x[t0:t0 + _GRAM_BLOCK], x.t())      # [block, T]
+            gy = mm(dy[t0:t0 + _GRAM_BLOCK], dy.t())    # [block, T]
             total += (gx.double() * gy.double()).sum()
     else:
         for r0 in range(0, rows, _DENSE_ROWS):
-            block = dy[:, r0:r0 + _DENSE_ROWS].t().matmul(x)  # [rows block, cols] of dW
+            block = mm(dy[:, r0:r0 + _DENSE_ROWS].t(), x)  # [rows block, cols] of dW
             total += block.double().square().sum()
     return total
 
