@@ -109,3 +109,12 @@ HEAD_CE_RTOL = 5e-6
 # accumulation over up to a few thousand terms per entry, ~1e-7 relative expected; ten times
 # that.
 FACTORED_NORM_RTOL = 1e-6
+
+# The same norm where torch.mm takes bf16 factors to the tensor cores with fp32 results: the
+# products stay exact, but the tensor cores add in fp32 truncating rather than rounding to
+# nearest (Fasi et al., "Numerical behavior of NVIDIA tensor cores", 2021): at most 2^-23
+# relative per addition, once per group of at least two products, so up to K · 2^-24 for an
+# entry of K terms, all leaning one way on the Gram matrices' diagonals (sums of squares).
+# The tests' largest K is 700: 4.2e-5. A formula that drops or doubles a block moves the
+# norm by a factor, far beyond it.
+FACTORED_NORM_TENSOR_CORE_RTOL = 4.2e-5
