@@ -686,18 +686,22 @@ def _global_norm(grads) -> torch.Tensor:
     """The global L2 norm of a step's gradients (FactoredGrad or dense), fp64, on the first
     gradient's device."""
     device = grads[0].device
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    squares = []
     for g in grads:
         if isinstance(g, FactoredGrad):
             sq = sum_sq_fp64(g.dense) if g.dense is not None else g.sum_sq()
             scale = g.scale
-            sq = sq * (scale.double() ** 2 if torch.is_tensor(scale) else float(scale) ** 2)
+            if torch.is_tensor(scale):
+                sq = sq * scale.double() ** 2
+            elif scale != 1:
+                sq = sq * float(scale) ** 2
         elif distributed.is_dtensor(g):  # a shard's sum: summed over the ranks once
             sq = g.double().square().sum().full_tensor()
         else:
             sq = sum_sq_fp64(g)
-        total += sq.to(device)
-    return total.sqrt()
+        squares.append(sq.to(device))
+    # NOTE: one stack and one sum, not an addition launched per gradient
+    return torch.stack(squares).sum().sqrt()
 
 
 def _host_scale(scale) -> float:

@@ -298,9 +298,8 @@ def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
     """‖Σ_k dY_kᵀ X_k‖², exactly up to rounding, without forming dW where the Gram identity
     is cheaper: ‖dYᵀX‖² = Σᵢⱼ (X Xᵀ)ᵢⱼ (dY dYᵀ)ᵢⱼ over the concatenated tokens."""
     rows, cols = shape
-    total = torch.zeros((), dtype=torch.float64, device=device)
     if not parts:
-        return total
+        return torch.zeros((), dtype=torch.float64, device=device)
     # fp64 on the CPU (cheap, and the tests' reference precision). On a GPU, bf16 / fp16
     # factors go to the tensor cores as they are, with fp32 results (torch.mm's out_dtype):
     # every product of two such values is exact in fp32, and fp32 accumulates them, the
@@ -317,16 +316,19 @@ def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
     x = xs[0] if len(xs) == 1 else torch.cat(xs)
     dy = dys[0] if len(dys) == 1 else torch.cat(dys)
     tokens = x.size(0)
+    # NOTE: a weight's sum in as few launches as its blocks allow (the host issues these for
+    # every weight of a clipped step): the products, one multiply, one reduction into fp64.
+    sums = []
     if tokens * (rows + cols) <= rows * cols:
         for t0 in range(0, tokens, _GRAM_BLOCK):
             gx = mm(x[t0:t0 + _GRAM_BLOCK], x.t())      # [block, T]
             gy = mm(dy[t0:t0 + _GRAM_BLOCK], dy.t())    # [block, T]
-            total += (gx.double() * gy.double()).sum()
+            sums.append(torch.sum(gx * gy, dtype=torch.float64))
     else:
         for r0 in range(0, rows, _DENSE_ROWS):
             block = mm(dy[:, r0:r0 + _DENSE_ROWS].t(), x)  # [rows block, cols] of dW
-            total += block.double().square().sum()
-    return total
+            sums.append(block.double().square().sum())
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
 
 class ConsumedGrad(torch.Tensor):
