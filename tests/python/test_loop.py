@@ -360,3 +360,64 @@ def test_norm_of_factors_on_cuda_against_fp64(tokens, dtype):
     tensor_cores = dtype == torch.bfloat16 and deferred._has_fp32_out_mm(device)
     rtol = FACTORED_NORM_TENSOR_CORE_RTOL if tensor_cores else FACTORED_NORM_RTOL
     assert abs(got - want) <= rtol * want, (got, want, tensor_cores)
+
+
+def _factored_grads(device, dtype, gen):
+    """FactoredGrads as a transformer block hands them over: q, k, v sharing one X, o with its
+    own, gate and up sharing one (the same shapes as q's), one of another shape alone, and
+    one whose tokens exceed a Gram block (taken alone)."""
+    from forge.optim.deferred import FactoredGrad, _GRAM_BLOCK
+
+    def grad(x, rows):
+        w = torch.zeros(rows, x.size(1), device=device, dtype=dtype)
+        g = FactoredGrad(w, f"w{rows}x{x.size(1)}")
+        g.add(x, torch.randn(x.size(0), rows, device=device, generator=gen).to(dtype))
+        return g
+
+    def tokens(n, cols):
+        return torch.randn(n, cols, device=device, generator=gen).to(dtype)
+
+    x_attn, x_o, x_mlp = tokens(40, 96), tokens(40, 96), tokens(40, 96)
+    long = tokens(_GRAM_BLOCK + 1, 2048)
+    return [grad(x_attn, 96), grad(x_attn, 96), grad(x_attn, 96), grad(x_o, 96),
+            grad(x_mlp, 96), grad(x_mlp, 96), grad(tokens(40, 64), 80), grad(long, 2048)]
+
+
+def _one_at_a_time(grads):
+    from forge.optim import deferred
+    return [deferred._factored_sum_sq(g.parts, g.shape, g.device).item() for g in grads]
+
+
+def test_batched_factored_norms_equal_one_at_a_time():
+    """fill_sum_sqs (the clipped step's batched Gram products, a shared X multiplied once)
+    gives every weight's ‖dW‖² as _factored_sum_sq does alone, in fp64 on the CPU (terms in
+    another order only), and leaves the weights it cannot batch to sum_sq()."""
+    from forge.optim import deferred
+    gen = torch.Generator().manual_seed(3)
+    grads = _factored_grads(torch.device("cpu"), torch.float32, gen)
+    deferred.fill_sum_sqs(grads)
+    assert all(g._sum_sq is not None for g in grads[:6])
+    assert grads[6]._sum_sq is None and grads[7]._sum_sq is None  # alone; past a Gram block
+    want = _one_at_a_time(grads)
+    got = [g.sum_sq().item() for g in grads]
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 1e-12 * w, (got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batched_factored_norms_on_cuda_against_fp64():
+    """The batched norms of bf16 factors on CUDA (tensor cores, fp32 results) against fp64."""
+    from forge.optim import deferred
+    from tolerances import FACTORED_NORM_RTOL, FACTORED_NORM_TENSOR_CORE_RTOL
+    device = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    grads = _factored_grads(device, torch.bfloat16, gen)
+    deferred.fill_sum_sqs(grads)
+    assert all(g._sum_sq is not None for g in grads[:6])
+    rtol = FACTORED_NORM_TENSOR_CORE_RTOL if deferred._has_fp32_out_mm(device) \
+        else FACTORED_NORM_RTOL
+    for g in grads:
+        (x, dy), = g.parts
+        want = (dy.double().t() @ x.double()).square().sum().item()
+        got = g.sum_sq().item()
+        assert abs(got - want) <= rtol * want, (g.param_name, got, want)

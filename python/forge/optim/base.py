@@ -27,7 +27,7 @@ from .call import _CallMixin, _as_float
 from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
 from . import distributed
-from .deferred import ConsumedGrad, FactoredGrad, sum_sq_fp64
+from .deferred import ConsumedGrad, FactoredGrad, fill_sum_sqs, sum_sq_fp64
 from . import summary as _summary
 from .states import MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin, check_storage_options
 
@@ -686,6 +686,7 @@ def _global_norm(grads) -> torch.Tensor:
     """The global L2 norm of a step's gradients (FactoredGrad or dense), fp64, on the first
     gradient's device."""
     device = grads[0].device
+    fill_sum_sqs(grads)  # (the factored ones batched where their shapes allow)
     squares = []
     for g in grads:
         if isinstance(g, FactoredGrad):

@@ -270,13 +270,17 @@ def _scale_float(scale) -> float:
 
 
 _LOW_PRECISION = {torch.bfloat16, torch.float16}
-# CUDA device index -> whether torch.mm takes out_dtype=fp32 for bf16 operands there (asked
-# once per device: older torch lacks it, and it has no CPU kernel)
+# CUDA device index -> whether torch.mm and torch.bmm take out_dtype=fp32 for bf16 operands
+# there (asked once per device: older torch lacks it, and it has no CPU kernel)
 _FP32_OUT_MM: dict = {}
 
 
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def _bmm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(a, b, out_dtype=torch.float32)
 
 
 def _has_fp32_out_mm(device: torch.device) -> bool:
@@ -287,11 +291,77 @@ def _has_fp32_out_mm(device: torch.device) -> bool:
     if known is None:
         probe = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
         try:
-            known = _mm_fp32_out(probe, probe).dtype == torch.float32
+            known = (_mm_fp32_out(probe, probe).dtype == torch.float32 and
+                     _bmm_fp32_out(probe[None], probe[None]).dtype == torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
             known = False
         _FP32_OUT_MM[index] = known
     return known
+
+
+# Bytes of stacked factors one batched Gram product takes at a time (fill_sum_sqs).
+_BATCH_BYTES = 1 << 28
+
+
+def _gram_work(dtype: torch.dtype, device: torch.device):
+    """(operand dtype, product) of a Gram product as _factored_sum_sq makes it, batched:
+    fp64 on the CPU, bf16 / fp16 operands with fp32 results on a GPU where torch has
+    bmm(out_dtype=fp32), else fp32."""
+    if device.type == "cpu":
+        return torch.float64, torch.bmm
+    if dtype in _LOW_PRECISION and _has_fp32_out_mm(device):
+        return dtype, _bmm_fp32_out
+    return torch.float32, torch.bmm
+
+
+def fill_sum_sqs(grads) -> None:
+    """Computes ‖dW‖² (FactoredGrad.sum_sq) of many FactoredGrads at once where it can: weights
+    whose factors have the same shapes and dtype, one Gram block each (T ≤ _GRAM_BLOCK, and
+    the Gram identity the cheaper way), get their X Xᵀ and dY dYᵀ as batched products, and an
+    X shared by several weights (a transformer's q, k and v projections; gate and up) is
+    multiplied once. The sums are _factored_sum_sq's, terms in another order; the rest is
+    left to each sum_sq().
+    NOTE: a clipped step asks for the norm of every weight: one weight at a time it was ~8
+    launches and their host time per weight, which the GPU waited for."""
+    groups = {}
+    for g in grads:
+        if not isinstance(g, FactoredGrad) or g._sum_sq is not None or g.dense is not None \
+                or not g.parts:
+            continue
+        x, dy = g.tokens()
+        rows, cols = g.shape
+        tokens = x.size(0)
+        if tokens > _GRAM_BLOCK or tokens * (rows + cols) > rows * cols or x.dtype != dy.dtype:
+            continue
+        groups.setdefault((x.device, x.dtype, tokens, rows, cols), []).append((g, x, dy))
+    for (device, dtype, tokens, rows, cols), members in groups.items():
+        if len(members) < 2:
+            continue
+        work, bmm = _gram_work(dtype, device)
+        per = tokens * (rows + cols) * torch.empty((), dtype=work).element_size()
+        step = max(1, _BATCH_BYTES // per)
+        for i in range(0, len(members), step):
+            _fill_group(members[i:i + step], work, bmm)
+
+
+def _fill_group(members, work, bmm) -> None:
+    """fill_sum_sqs for weights of one shape: [n] sums from one X and one dY Gram batch."""
+    xs, which, seen = [], [], {}
+    for _, x, _ in members:
+        key = (x.data_ptr(), x.stride(), x.shape)  # the same X handed to several weights
+        if key not in seen:
+            seen[key] = len(xs)
+            xs.append(x)
+        which.append(seen[key])
+    x = torch.stack(xs).to(work)                                   # [u, T, cols]
+    dy = torch.stack([d for _, _, d in members]).to(work)          # [n, T, rows]
+    gx = bmm(x, x.transpose(1, 2))                                 # [u, T, T]
+    gy = bmm(dy, dy.transpose(1, 2))                               # [n, T, T]
+    if len(xs) < len(members):
+        gx = gx[torch.tensor(which, device=gx.device)]             # [n, T, T]
+    sums = torch.sum(gx * gy, dim=(1, 2), dtype=torch.float64)     # [n]
+    for (g, _, _), sq in zip(members, sums.unbind()):
+        g._sum_sq = sq
 
 
 def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
