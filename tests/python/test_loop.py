@@ -421,3 +421,34 @@ def test_batched_factored_norms_on_cuda_against_fp64():
         want = (dy.double().t() @ x.double()).square().sum().item()
         got = g.sum_sq().item()
         assert abs(got - want) <= rtol * want, (g.param_name, got, want)
+
+
+def test_a_loops_first_norm_computes_the_steps_factored_norms_together():
+    """In a user's clip (torch's clip_grad_norm_ asks each gradient in turn), the first
+    FactoredGrad asked computes the norms of the step's same-shaped ones with it; each is the
+    norm of its dense dW; the step's list of them holds no gradient alive."""
+    import weakref
+    from forge.optim.deferred import FactoredGrad
+    from tolerances import FP32_ROUNDING_RTOL
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False),
+                                torch.nn.Linear(16, 16, bias=False),
+                                torch.nn.Linear(16, 8, bias=False))
+    opt = forge.optim.AdamW(model, lr=1e-3, mode="deferred", deferred_store="factors")
+    x = torch.randn(4, 16)
+    model(x).square().sum().backward()
+    grads = [m.weight.grad for m in model]
+    assert all(isinstance(g, FactoredGrad) for g in grads)
+    first = torch.linalg.vector_norm(grads[0]).item()
+    assert grads[1]._sum_sq is not None       # batched with the first (same shape)
+    assert grads[2]._sum_sq is None           # alone in its shape: when asked
+    for g in grads:
+        (xk, dyk), = g.parts
+        want = (dyk.double().t() @ xk.double()).square().sum().sqrt().item()
+        got = first if g is grads[0] else torch.linalg.vector_norm(g).item()
+        assert abs(got - want) <= FP32_ROUNDING_RTOL * want, (g.param_name, got, want)
+    refs = list(grads[0].cohort)
+    assert len(refs) == 3 and all(isinstance(r, weakref.ReferenceType) for r in refs)
+    del grads, g
+    opt.zero_grad(set_to_none=True)
+    assert all(r() is None for r in refs)  # freed by reference counts: no cycle holds them

@@ -439,6 +439,22 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
 
 
+def test_bench_loop_clip_modes_on_cpu(tmp_path):
+    """The modes of a loop that clips before each step (torch's clip_grad_norm_ over the
+    model's parameters): measured for torch and FORGE; FORGE's optimizer is the default one
+    (mode="auto"), which the clip keeps deferred."""
+    from forge.tools import bench
+    modes = ["torch-adamw-loopclip", "forge-bf16-loopclip"]
+    assert set(modes) <= set(bench.KNOWN_MODES)
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
+                       "--modes", *modes, "--out", str(tmp_path)]) == 0
+    json_file = next(f for f in os.listdir(tmp_path) if f.endswith(".json"))
+    with open(tmp_path / json_file) as f:
+        rows = json.load(f)["results"]
+    assert [r["mode"] for r in rows] == modes
+    assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
+
+
 def test_bench_rounds_alternate_the_order_and_merge(tmp_path, capsys):
     """--rounds 2: the modes of each (model, seq, ckpt) run in order, then in reverse; each mode
     gets one row, its step time the median of its rounds, both listed."""

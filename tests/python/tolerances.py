@@ -118,3 +118,7 @@ FACTORED_NORM_RTOL = 1e-6
 # The tests' largest K is 700: 4.2e-5. A formula that drops or doubles a block moves the
 # norm by a factor, far beyond it.
 FACTORED_NORM_TENSOR_CORE_RTOL = 4.2e-5
+
+# A value computed in fp64 and returned in fp32 (a FactoredGrad's norm, in the gradient's dtype):
+# one rounding to fp32, half an ulp, 2^-24 relative.
+FP32_ROUNDING_RTOL = 2.0 ** -24

@@ -218,6 +218,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         # Everything is checked: only now is the model touched.
         self._slots: Dict[int, _Slot] = {}
         self._step_id = 0                 # number of completed step() calls
+        self._cohort: list = []           # this step's FactoredGrads, weakly (routing.py)
+        self._cohort_step = -1
         self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._stats_outputs: Dict[torch.device, _lib.StepOutputs] = {}  # pointers into _stats
         self._last_stats: Optional[Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]]] = None

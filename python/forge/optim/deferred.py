@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -76,6 +77,9 @@ class FactoredGrad(torch.Tensor):
         self.dense: Optional[torch.Tensor] = None  # dW in fp32, once an operation needed it
         self._sum_sq: Optional[torch.Tensor] = None  # ‖Σ dY_kᵀ X_k‖² (fp64), unscaled
         self.touched = False                 # a training loop operated on it
+        # weak references to the FactoredGrads of the same optimizer step (this one among
+        # them): the first norm asked of one computes every one's, batched (fill_sum_sqs)
+        self.cohort: Optional[List["weakref.ReferenceType"]] = None
 
     def __repr__(self, *, tensor_contents=None):
         tokens = sum(x.size(0) for x, _ in self.parts)
@@ -130,7 +134,13 @@ class FactoredGrad(torch.Tensor):
             if self.dense is not None:
                 self._sum_sq = sum_sq_fp64(self.dense)
             else:
-                self._sum_sq = _factored_sum_sq(self.parts, self.shape, self.device)
+                # NOTE: a loop's clip_grad_norm_ or GradScaler asks every weight in turn: the
+                # first asks for all of them at once, as batched products
+                cohort = self.cohort
+                if cohort is not None and len(cohort) > 1:
+                    fill_sum_sqs([g for g in map(_deref, cohort) if g is not None])
+                if self._sum_sq is None:  # (not batchable: alone)
+                    self._sum_sq = _factored_sum_sq(self.parts, self.shape, self.device)
         return self._sum_sq
 
     def norm(self, ord: float) -> torch.Tensor:
@@ -263,6 +273,10 @@ def _common_dtype(tensors) -> torch.dtype:
 
 def _is_one(scale) -> bool:
     return not torch.is_tensor(scale) and scale == 1.0
+
+
+def _deref(ref):
+    return ref()
 
 
 def _scale_float(scale) -> float:

@@ -534,6 +534,8 @@ class _RoutingMixin:
                 if self._keep_factors(slot, factors):
                     if held is None:
                         held = FactoredGrad(p, slot.name)
+                        held.cohort = self._step_cohort()
+                        held.cohort.append(weakref.ref(held))
                     held.add(x2, dy2)
                     p.grad = held
                     return
@@ -544,6 +546,13 @@ class _RoutingMixin:
             held = held.scaled_dense()
         # (a dense gradient in W's dtype, as autograd would keep it)
         p.grad = dw.to(p.dtype) if held is None else held.add_(dw.to(held.dtype))
+
+    def _step_cohort(self) -> list:
+        """The weak references to this step's FactoredGrads (FactoredGrad.cohort), one list
+        per step."""
+        if self._cohort_step != self._step_id:
+            self._cohort, self._cohort_step = [], self._step_id
+        return self._cohort
 
     def _keep_factors(self, slot: _Slot, factor_elements: int) -> bool:
         """Whether a weight keeps its gradient as X and dY (FactoredGrad) rather than dense:

@@ -106,6 +106,11 @@ GRAPH_MODES = ["torch-adamw-graph", "forge-bf16-lean-graph", "forge-int8-lean-gr
 # keeps X and dY, or a dense gradient where smaller, until step()), deferred with exact
 # clipping (max_grad_norm=1.0), and accumulate_grad=True (a dense .grad per parameter).
 LOOP_MODES = ["forge-bf16-deferred", "forge-bf16-clip", "forge-bf16-accum"]
+# A user's loop that clips before each step (torch.nn.utils.clip_grad_norm_(model.parameters(),
+# 1.0); ClipInLoop): torch fused AdamW, and forge.optim.AdamW as built by default (mode="auto",
+# which the clip keeps deferred).
+LOOP_CLIP_SUFFIX = "-loopclip"
+LOOP_MODES += ["torch-adamw-loopclip", "forge-bf16-loopclip"]
 # FORGE with the head and its cross entropy fused (forge.loss.enable_fused_head): no logits.
 HEAD_MODES = ["forge-bf16-head", "forge-int8-head"]
 KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES
@@ -205,10 +210,35 @@ def model_loss(model, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- modes
 
+class ClipInLoop:
+    """An optimizer as a user's loop drives it with clipping: step() first calls
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), then the optimizer's step."""
+
+    def __init__(self, optimizer, model, max_norm: float):
+        self.optimizer, self.params, self.max_norm = optimizer, list(model.parameters()), max_norm
+
+    def step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
 def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
     """The optimizer object for a mode (None for torch-hooks, which lives in the hooks);
     graph: its steps will be captured as a CUDA graph (torch's AdamW then capturable)."""
     fused = device.type == "cuda"
+    if mode.endswith(LOOP_CLIP_SUFFIX):
+        if graph:
+            raise BenchError(f"{mode}: a loop that clips runs eagerly (no CUDA graph)")
+        base = "torch-adamw" if mode == "torch-adamw-loopclip" else None
+        if base is None:
+            import forge.optim
+            inner = forge.optim.AdamW(model, lr=LR, state_format="bf16")
+        else:
+            inner = make_optimizer(base, model, device, graph)
+        return ClipInLoop(inner, model, max_norm=1.0)
     if mode == "torch-adamw":
         return torch.optim.AdamW(model.parameters(), lr=LR, fused=fused, capturable=graph)
     if mode == "torch-hooks":
