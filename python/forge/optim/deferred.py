@@ -335,22 +335,23 @@ def fill_sum_sqs(grads) -> None:
     X shared by several weights (a transformer's q, k and v projections; gate and up) is
     multiplied once. The sums are _factored_sum_sq's, terms in another order; the rest is
     left to each sum_sq().
-    NOTE: a clipped step asks for the norm of every weight: one weight at a time it was ~8
-    launches and their host time per weight, which the GPU waited for."""
+    NOTE: a clipped step asks for the norm of every weight: one weight at a time costs ~8
+    launches and their host time per weight, which the GPU waits for."""
     groups = {}
     for g in grads:
         if not isinstance(g, FactoredGrad) or g._sum_sq is not None or g.dense is not None \
                 or not g.parts:
             continue
-        x, dy = g.tokens()
         rows, cols = g.shape
-        tokens = x.size(0)
-        if tokens > _GRAM_BLOCK or tokens * (rows + cols) > rows * cols or x.dtype != dy.dtype:
+        tokens = sum(x.size(0) for x, _ in g.parts)
+        dtypes = {t.dtype for part in g.parts for t in part}
+        if tokens > _GRAM_BLOCK or tokens * (rows + cols) > rows * cols or len(dtypes) != 1:
             continue
-        groups.setdefault((x.device, x.dtype, tokens, rows, cols), []).append((g, x, dy))
-    for (device, dtype, tokens, rows, cols), members in groups.items():
-        if len(members) < 2:
+        groups.setdefault((g.device, dtypes.pop(), tokens, rows, cols), []).append(g)
+    for (device, dtype, tokens, rows, cols), grads_of_shape in groups.items():
+        if len(grads_of_shape) < 2:
             continue
+        members = [(g, *g.tokens()) for g in grads_of_shape]  # (g, X [T, cols], dY [T, rows])
         work, bmm = _gram_work(dtype, device)
         per = tokens * (rows + cols) * torch.empty((), dtype=work).element_size()
         step = max(1, _BATCH_BYTES // per)
