@@ -136,6 +136,14 @@ def parity_rows(d: dict, base: dict) -> Iterable[dict]:
             mean = sum(abs(x - y) for x, y in zip(a, b)) / max(1, len(a))
             yield _row(base, f"{model} {n} steps", f"{name} vs {ref_name}",
                        "mean_abs_dloss_last_half", mean)
+    # the mixed-precision reference's spread over seeds, and each run's place in it
+    spread = d.get("amp_seed_spread") or {}
+    if "radius" in spread:
+        steps = min(len(losses) for losses in runs.values())
+        case = f"{model} {steps} steps, {len(spread['seeds'])} amp seeds"
+        yield _row(base, case, "amp seeds", "last_half_mean_loss_radius", spread["radius"])
+        for name, e in spread["runs"].items():
+            yield _row(base, case, name, "last_half_mean_loss_offset", e["offset"])
 
 
 def rows_of(path: str, commit: str) -> List[dict]:

@@ -19,7 +19,8 @@
 # skips pytest), SKIP_PARITY (0; 1 skips stage 3), PARITY_STEPS (1000),
 # PARITY_RESERVE_S (200: kept for the parity stage), PARITY_NOISE_RUNS (1: torch runs with
 # perturbed initial weights that measure the noise floor, ~50 s each on the H200),
-# BENCH_ARGS (extra forge-bench args).
+# PARITY_AMP_SEEDS (3: the mixed-precision reference over that many seeds, whose spread every
+# run is held to; the extra seeds run last), BENCH_ARGS (extra forge-bench args).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -90,7 +91,7 @@ parity_budget=$((TOTAL - $(elapsed) - 10))
 if ((parity_budget > 30)); then
   say "forge-bench --parity, ${PARITY_STEPS} steps (hard limit ${parity_budget}s)"
   timeout "$parity_budget" $PY -m forge.tools.bench --parity --parity-steps "$PARITY_STEPS" \
-    --parity-noise-runs "${PARITY_NOISE_RUNS:-1}" \
+    --parity-noise-runs "${PARITY_NOISE_RUNS:-1}" --parity-amp-seeds "${PARITY_AMP_SEEDS:-3}" \
     --out "$OUT" --parity-work-dir /tmp/forge-parity 2>&1 | tee -a "$LOG" |
     grep --line-buffered -E '^forge-train: (model|done|error)|^parity|^  (forge|torch|report)'
   say "parity finished (status ${PIPESTATUS[0]}; 124 = cut by the time limit)"

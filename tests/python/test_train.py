@@ -678,7 +678,8 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
     from forge.tools import bench
     assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "4",
                        "--parity-seq-len", "16", "--parity-batch-size", "2", "--device", "cpu",
-                       "--parity-noise-runs", "2", "--out", str(tmp_path / "out"),
+                       "--parity-noise-runs", "2", "--parity-amp-seeds", "3",
+                       "--out", str(tmp_path / "out"),
                        "--parity-work-dir", str(tmp_path / "runs")]) == 0
     report_file = next(f for f in os.listdir(tmp_path / "out") if f.endswith(".json"))
     with open(tmp_path / "out" / report_file) as f:
@@ -689,10 +690,21 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
     assert len(report["spread"]["torch_pairs"]) == 3  # reference and two noise runs
     assert set(report["spread"]["forge"]) == {"forge-bf16-sr", "forge-int8"}
     # run order: a call cut short keeps the bf16 comparison beside a noise floor
-    assert list(report["runs"]) == [bench.PARITY_REFERENCE, "forge-bf16-sr",
-                                    bench.PARITY_AMP_REFERENCE, noise[0], "forge-int8", noise[1]]
-    # every other run measured against the mixed-precision (fp32 weights, autocast) run
-    assert set(report["against_amp"]) == set(report["runs"]) - {bench.PARITY_AMP_REFERENCE}
+    amp = bench.amp_run_names(3)
+    assert amp == [bench.PARITY_AMP_REFERENCE, bench.PARITY_AMP_REFERENCE + "-seed1",
+                   bench.PARITY_AMP_REFERENCE + "-seed2"]
+    assert list(report["runs"]) == [bench.PARITY_REFERENCE, "forge-bf16-sr", amp[0],
+                                    noise[0], "forge-int8", noise[1], amp[1], amp[2]]
+    # every other run measured against the mixed-precision (fp32 weights, autocast) run ...
+    assert set(report["against_amp"]) == set(report["runs"]) - set(amp)
+    # ... and held to that reference's spread over its three seeds (other initial weights and
+    # batches: other curves)
+    spread = report["amp_seed_spread"]
+    assert set(spread["seeds"]) == set(amp)
+    assert len({tuple(report["runs"][n]["losses"]) for n in amp}) == 3
+    assert set(spread["runs"]) == set(report["runs"]) - set(amp)
+    for e in spread["runs"].values():
+        assert e["within"] == (abs(e["offset"]) <= spread["radius"])
     assert report["runs"][bench.PARITY_AMP_REFERENCE]["losses"] != \
         report["runs"][bench.PARITY_REFERENCE]["losses"]  # fp32 weights: another run
     for c in report["comparisons"].values():
@@ -705,6 +717,23 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
         c = report["comparisons"][name]
         assert c["noise_floor"] == floor
         assert c["within_noise_floor"] == (c["mean_abs_diff_last_half"] <= max(floor))
+
+
+def test_bench_amp_seed_spread_holds_runs_to_the_seeds_envelope():
+    """amp_seed_spread: the seeds' last-half mean losses 2.0, 2.2, 2.6 (center 2.2667,
+    radius 0.3333); a run at 2.5 is within, one at 1.9 is not; one seed alone defines no
+    spread."""
+    from forge.tools import bench
+    amp = bench.amp_run_names(3)
+    flat = lambda v: [9.0, 9.0, v, v]  # (the first half does not count)
+    curves = {amp[0]: flat(2.0), amp[1]: flat(2.2), amp[2]: flat(2.6),
+              "near": flat(2.5), "far": flat(1.9)}
+    spread = bench.amp_seed_spread(curves, amp)
+    assert abs(spread["center"] - 6.8 / 3) < 1e-12
+    assert abs(spread["radius"] - (2.6 - 6.8 / 3)) < 1e-12
+    assert spread["runs"]["near"]["within"] and not spread["runs"]["far"]["within"]
+    alone = bench.amp_seed_spread({amp[0]: flat(2.0), "near": flat(2.5)}, amp)
+    assert "radius" not in alone and alone["runs"] == {}
 
 
 def test_bench_parity_spread_compares_with_every_torch_run():
@@ -731,6 +760,9 @@ def test_bench_parity_rejects_negative_noise_runs(tmp_path, capsys):
     assert bench.main(["--parity", "--parity-model", "tiny", "--device", "cpu",
                        "--parity-noise-runs", "-1", "--out", str(tmp_path)]) == 2
     assert "--parity-noise-runs" in capsys.readouterr().err
+    assert bench.main(["--parity", "--parity-model", "tiny", "--device", "cpu",
+                       "--parity-amp-seeds", "0", "--out", str(tmp_path)]) == 2
+    assert "--parity-amp-seeds" in capsys.readouterr().err
 
 
 def test_bench_rejects_unknown_model(capsys):

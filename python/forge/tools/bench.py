@@ -744,6 +744,9 @@ PARITY_REFERENCE = "torch-adamw-fused"
 # average. Every run's distance to this one says which of the bf16 runs stays nearer the
 # mixed-precision update (measured: FORGE trains faster than torch bf16 over the first 50 steps).
 PARITY_AMP_REFERENCE = "torch-adamw-amp"
+# The spread of that reference over seeds (--parity-amp-seeds N: seeds 0 .. N-1, each its own
+# initial weights and batches): every other run is held to it (amp_seed_spread): its mean
+# loss over the last half lies within the seeds' spread of theirs around their center.
 # Noise runs give the scale of the noise: torch against itself with every initial weight
 # moved by about one bf16 rounding step (relative 2^-8 · N(0,1), rounded back to bf16), one
 # noise seed per run (--parity-noise-runs). Two bf16 runs whose roundings differ anywhere
@@ -757,6 +760,48 @@ NOISE_SEED = 12345
 SMOOTH_WINDOW = 50
 
 
+def amp_run_names(count: int) -> List[str]:
+    """torch-adamw-amp (seed 0), torch-adamw-amp-seed1, ... (count runs in all)."""
+    return [PARITY_AMP_REFERENCE] + [f"{PARITY_AMP_REFERENCE}-seed{k}" for k in range(1, count)]
+
+
+def amp_seed_spread(curves: Dict[str, List[float]], amp_runs: List[str]) -> dict:
+    """The mixed-precision reference's spread over seeds, and every other run against it:
+    each run's mean loss over the last half of its steps; the seeds' center (the mean of
+    theirs) and radius (the largest distance of one of theirs from the center); a run is
+    `within` when its own lies no farther from the center than the radius. Defined from two
+    seeds on; the report says how many there were."""
+    def last_half_mean(losses: List[float]) -> float:
+        half = losses[len(losses) // 2:] or losses
+        return sum(half) / len(half)
+
+    seeds = {n: last_half_mean(curves[n]) for n in amp_runs if n in curves}
+    result = {"seeds": seeds, "runs": {}}
+    if len(seeds) < 2:
+        return result
+    center = sum(seeds.values()) / len(seeds)
+    radius = max(abs(m - center) for m in seeds.values())
+    result.update(center=center, radius=radius)
+    for name, losses in curves.items():
+        if name in seeds:
+            continue
+        m = last_half_mean(losses)
+        result["runs"][name] = {"last_half_mean": m, "offset": m - center,
+                                "within": abs(m - center) <= radius}
+    return result
+
+
+def amp_spread_lines(spread: Optional[dict]) -> List[str]:
+    if not spread or "radius" not in spread:
+        return []
+    lines = [f"{PARITY_AMP_REFERENCE} over {len(spread['seeds'])} seeds: last-half mean loss "
+             f"{spread['center']:.5f} ± {spread['radius']:.5f} nats"]
+    for name, e in spread["runs"].items():
+        lines.append(f"{name}: {e['last_half_mean']:.5f} ({e['offset']:+.5f}): "
+                     f"{'within' if e['within'] else 'OUTSIDE'} the seeds' spread")
+    return lines
+
+
 def noise_run_names(count: int) -> List[str]:
     """torch-adamw-fused-perturbed, torch-adamw-fused-perturbed-2, ..."""
     return [NOISE_RUN if i == 0 else f"{NOISE_RUN}-{i + 1}" for i in range(count)]
@@ -766,7 +811,10 @@ def parity_report(args, info: dict) -> int:
     from forge.tools import train as forge_train
     if args.parity_noise_runs < 0:
         raise BenchError(f"--parity-noise-runs: must be >= 0, got {args.parity_noise_runs}")
+    if args.parity_amp_seeds < 1:
+        raise BenchError(f"--parity-amp-seeds: must be >= 1, got {args.parity_amp_seeds}")
     noise_runs = noise_run_names(args.parity_noise_runs)
+    amp_runs = amp_run_names(args.parity_amp_seeds)
     # NOTE: the mixed-precision reference and the first noise run go before the int8 run: the
     # bf16 comparison (the tighter limit) is only meaningful beside them, and a cut-short call
     # keeps all three.
@@ -776,6 +824,9 @@ def parity_report(args, info: dict) -> int:
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[:1]})
     runs["forge-int8"] = ["--bf16", "--state-format", "int8", "--stochastic-rounding"]
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[1:]})
+    # (common's "--seed 0" comes first: argparse keeps the last)
+    runs.update({name: ["--amp", "--baseline", "torch", "--seed", str(k)]
+                 for k, name in enumerate(amp_runs) if k > 0})
     common = ["--model", args.parity_model, "--steps", str(args.parity_steps),
               "--seq-len", str(args.parity_seq_len), "--batch-size", str(args.parity_batch_size),
               "--lr", str(args.parity_lr), "--betas", "0.9", "0.95", "--weight-decay", "0.1",
@@ -822,13 +873,14 @@ def parity_report(args, info: dict) -> int:
                 c["noise_floor"] = floor
                 c["within_noise_floor"] = c["mean_abs_diff_last_half"] <= max(floor)
         report["spread"] = parity_spread(
-            {k: v for k, v in curves.items() if k != PARITY_AMP_REFERENCE},
+            {k: v for k, v in curves.items() if k not in amp_runs},
             [PARITY_REFERENCE] + noise_runs)
         amp = curves.get(PARITY_AMP_REFERENCE)
         if amp is not None:
             report["against_amp"] = {name: compare_curves(amp, curve, None)
                                      for name, curve in curves.items()
-                                     if name != PARITY_AMP_REFERENCE}
+                                     if name not in amp_runs}
+        report["amp_seed_spread"] = amp_seed_spread(curves, amp_runs)
         with open(stem + ".json", "w") as f:  # after every run: a cut-short job keeps it
             json.dump(report, f, indent=1)
         _plot_parity(curves, stem + ".png", info, args)
@@ -841,6 +893,8 @@ def parity_report(args, info: dict) -> int:
     for name, c in report.get("against_amp", {}).items():
         print(f"  {name} vs {PARITY_AMP_REFERENCE} (fp32 weights and states, bf16 autocast): "
               f"{parity_line(c)}")
+    for line in amp_spread_lines(report.get("amp_seed_spread")):
+        print(f"  {line}")
     print(f"  report: {stem}.json, {stem}.png", flush=True)
     return 0
 
@@ -1039,6 +1093,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--parity-batch-size", type=int, default=8)
     g.add_argument("--parity-lr", type=float, default=6e-4)
     g.add_argument("--parity-data", nargs="+", help="text files/dirs (default: built-in corpus)")
+    g.add_argument("--parity-amp-seeds", type=int, default=3, metavar="N",
+                   help="the mixed-precision reference over seeds 0 .. N-1 (after every other "
+                        "run): every run's last-half mean loss is held to their spread")
     g.add_argument("--parity-noise-runs", type=int, default=1,
                    help="torch runs with perturbed initial weights (one noise seed each) that "
                         "measure the run-to-run noise floor (default 1)")
