@@ -317,15 +317,21 @@ def _has_fp32_out_mm(device: torch.device) -> bool:
 _BATCH_BYTES = 1 << 28
 
 
-def _gram_work(dtype: torch.dtype, device: torch.device):
-    """(operand dtype, product) of a Gram product as _factored_sum_sq makes it, batched:
-    fp64 on the CPU, bf16 / fp16 operands with fp32 results on a GPU where torch has
-    bmm(out_dtype=fp32), else fp32."""
+def _gram_work(dtype: Optional[torch.dtype], device: torch.device, batched: bool):
+    """(operand dtype, product) of the norm's products for factors of `dtype` (None: mixed):
+    fp64 on the CPU (cheap, and the tests' reference precision); on a GPU, bf16 / fp16 factors
+    go to the tensor cores as they are, with fp32 results (torch.mm / torch.bmm out_dtype):
+    every product of two such values is exact in fp32, and fp32 accumulates them, the
+    precision of fp32 operands without their copies and SIMT products; other dtypes, or a
+    torch without out_dtype, take fp32 operands.
+    NOTE: not TF32 for the fp32 case: that means changing torch's global TF32 setting around
+    the products, which torch >= 2.9 refuses to see mixed with its legacy setting (design.md
+    §9)."""
     if device.type == "cpu":
-        return torch.float64, torch.bmm
+        return torch.float64, torch.bmm if batched else torch.mm
     if dtype in _LOW_PRECISION and _has_fp32_out_mm(device):
-        return dtype, _bmm_fp32_out
-    return torch.float32, torch.bmm
+        return dtype, _bmm_fp32_out if batched else _mm_fp32_out
+    return torch.float32, torch.bmm if batched else torch.mm
 
 
 def fill_sum_sqs(grads) -> None:
@@ -352,7 +358,7 @@ def fill_sum_sqs(grads) -> None:
         if len(grads_of_shape) < 2:
             continue
         members = [(g, *g.tokens()) for g in grads_of_shape]  # (g, X [T, cols], dY [T, rows])
-        work, bmm = _gram_work(dtype, device)
+        work, bmm = _gram_work(dtype, device, batched=True)
         per = tokens * (rows + cols) * torch.empty((), dtype=work).element_size()
         step = max(1, _BATCH_BYTES // per)
         for i in range(0, len(members), step):
@@ -385,18 +391,8 @@ def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
     rows, cols = shape
     if not parts:
         return torch.zeros((), dtype=torch.float64, device=device)
-    # fp64 on the CPU (cheap, and the tests' reference precision). On a GPU, bf16 / fp16
-    # factors go to the tensor cores as they are, with fp32 results (torch.mm's out_dtype):
-    # every product of two such values is exact in fp32, and fp32 accumulates them, the
-    # precision of fp32 operands without their copies and SIMT products. Other dtypes, or a
-    # torch without out_dtype, take fp32 operands.
-    # NOTE: not TF32 for the fp32 case: that means changing torch's global TF32 setting
-    # around the products, which torch >= 2.9 refuses to see mixed with its legacy setting
-    # (design.md §9).
     dtypes = {t.dtype for part in parts for t in part}
-    low = len(dtypes) == 1 and dtypes <= _LOW_PRECISION and _has_fp32_out_mm(device)
-    work = torch.float64 if device.type == "cpu" else dtypes.pop() if low else torch.float32
-    mm = _mm_fp32_out if low else torch.mm
+    work, mm = _gram_work(dtypes.pop() if len(dtypes) == 1 else None, device, batched=False)
     xs, dys = [x.to(work) for x, _ in parts], [dy.to(work) for _, dy in parts]
     x = xs[0] if len(xs) == 1 else torch.cat(xs)
     dy = dys[0] if len(dys) == 1 else torch.cat(dys)

@@ -232,12 +232,11 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
     if mode.endswith(LOOP_CLIP_SUFFIX):
         if graph:
             raise BenchError(f"{mode}: a loop that clips runs eagerly (no CUDA graph)")
-        base = "torch-adamw" if mode == "torch-adamw-loopclip" else None
-        if base is None:
+        if mode == "torch-adamw-loopclip":
+            inner = make_optimizer("torch-adamw", model, device)
+        else:
             import forge.optim
             inner = forge.optim.AdamW(model, lr=LR, state_format="bf16")
-        else:
-            inner = make_optimizer(base, model, device, graph)
         return ClipInLoop(inner, model, max_norm=1.0)
     if mode == "torch-adamw":
         return torch.optim.AdamW(model.parameters(), lr=LR, fused=fused, capturable=graph)
