@@ -38,7 +38,7 @@ extern "C" {
 #define FORGE_API __attribute__((visibility("default")))
 #endif
 
-#define FORGE_ABI_VERSION 3
+#define FORGE_ABI_VERSION 4
 /* Elements of a row that share one int8 absmax. */
 #define FORGE_INT8_BLOCK 64
 /* Most optimizer states any rule keeps per parameter element. */
@@ -317,6 +317,14 @@ FORGE_API forge_status forge_run_scalars_fill(const forge_hparams* hparams, void
 
 FORGE_API forge_status forge_wgrad_step(const forge_wgrad_args* args);
 FORGE_API forge_status forge_elementwise_step(const forge_elementwise_args* args);
+/* Many element-wise steps in one call: args[0 .. count), each what forge_elementwise_step takes.
+ * Every entry is checked, and no entry's buffers may share bytes with another entry's where
+ * either writes (the step's outputs, shared by design, aside), before any runs: a refusal names
+ * the entry ("args[i]: ...") and writes nothing. The entries then run in order, each on its own
+ * device and stream, as that many forge_elementwise_step calls would; a device failure stops
+ * the batch at the entry it names. count = 0 does nothing. */
+FORGE_API forge_status forge_elementwise_step_batch(const forge_elementwise_args* const* args,
+                                                    int64_t count);
 
 #ifdef __cplusplus
 }

@@ -19,9 +19,9 @@ import ctypes
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 INT8_BLOCK = 64
 MAX_STATES = 3
 # Bytes of a run-scalars buffer (Hparams.run_scalars, Library.run_scalars_fill): what a
@@ -233,6 +233,7 @@ class Library:
             "forge_run_scalars_fill": ([P(Hparams), _c_void_p, _c_int64], _c_int32),
             "forge_wgrad_step": ([P(WgradArgs)], _c_int32),
             "forge_elementwise_step": ([P(ElementwiseArgs)], _c_int32),
+            "forge_elementwise_step_batch": ([P(ctypes.c_void_p), ctypes.c_int64], _c_int32),
         }
         for name, (argtypes, restype) in sigs.items():
             try:
@@ -390,6 +391,13 @@ class Library:
         status = self._lib.forge_elementwise_step(args)
         if status:
             self.check(status, "forge_elementwise_step")
+
+    def elementwise_step_batch(self, calls: Sequence[ElementwiseArgs]) -> None:
+        """forge_elementwise_step_batch over `calls` (kept alive by the caller)."""
+        table = (ctypes.c_void_p * len(calls))(*map(ctypes.addressof, calls))
+        status = self._lib.forge_elementwise_step_batch(table, len(calls))
+        if status:
+            self.check(status, "forge_elementwise_step_batch")
 
 
 _loaded: Optional[Library] = None

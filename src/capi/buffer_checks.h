@@ -36,12 +36,15 @@ class BufferSet {
   // Refuses the first overlap of two registered buffers of which one is written, naming both.
   forge_status check_overlaps() const;
 
- private:
   struct Range {
     const char* name;
-    uintptr_t begin, end;  // [begin, end)
+    uintptr_t begin, end;  // [begin, end); an end of 0 is the top of memory
     bool written;
   };
+  int count() const { return count_; }
+  const Range& range(int i) const { return ranges_[i]; }
+
+ private:
   static constexpr int kMax = 16;
   Range ranges_[kMax];
   int count_ = 0;

@@ -3,12 +3,14 @@
 // No math here. Nothing is written unless every check passes, and no C++ exception
 // leaves an entry point (guarded: bad_alloc is FORGE_ERR_OUT_OF_MEMORY, anything else
 // FORGE_ERR_INTERNAL).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <new>
+#include <vector>
 
 #include "backend.h"
 #include "capi/buffer_checks.h"
@@ -227,7 +229,10 @@ forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
   return add_step_extras(set, a->outputs, a->hparams);
 }
 
-forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k) {
+// `operands` (optional) receives the parameter's and the gradient's buffers, without the
+// step's outputs and run scalars (which the entries of a batch share).
+forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k,
+                               BufferSet* operands = nullptr) {
   if (forge_status s = check_step_common(a, "forge_elementwise_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
   if (!a->grad) return fail(kBad, "grad: NULL");
@@ -238,7 +243,48 @@ forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k) 
   if (forge_status s = set.add("grad", a->grad, a->param.rows * a->param.cols * gb, gb,
                                gb == 4 ? "fp32" : "16-bit", false))
     return s;
+  if (operands) *operands = set;
   return add_step_extras(set, a->outputs, a->hparams);
+}
+
+// A refusal of entry i of a batch: its message, prefixed with "args[i]: ".
+forge_status fail_entry(forge_status code, int64_t i) {
+  char message[1024];
+  std::snprintf(message, sizeof(message), "%s", last_error());
+  return fail(code, "args[%lld]: %s", static_cast<long long>(i), message);
+}
+
+// No two entries of a batch share bytes where either writes. Within an entry this was checked
+// (check_elementwise), so after sorting every entry's ranges by start, a range overlaps an
+// earlier one of another entry exactly when it starts below the largest end so far among the
+// earlier ranges it conflicts with (written ones for a read range, all for a written one).
+forge_status check_batch_overlaps(const std::vector<BufferSet>& operands) {
+  struct Owned {
+    BufferSet::Range range;
+    int64_t entry;
+  };
+  std::vector<Owned> all;
+  for (size_t e = 0; e < operands.size(); ++e)
+    for (int i = 0; i < operands[e].count(); ++i)
+      all.push_back({operands[e].range(i), static_cast<int64_t>(e)});
+  std::sort(all.begin(), all.end(),
+            [](const Owned& a, const Owned& b) { return a.range.begin < b.range.begin; });
+  // (an end of 0, the top of memory, counts as the largest address)
+  auto end_of = [](const BufferSet::Range& r) { return r.end ? r.end : UINTPTR_MAX; };
+  const Owned* last_any = nullptr;      // the earlier range reaching farthest
+  const Owned* last_written = nullptr;  // the same among written ranges
+  for (const Owned& o : all) {
+    const Owned* other = o.range.written ? last_any : last_written;
+    if (other && end_of(other->range) > o.range.begin)
+      return fail(kBad, "args[%lld].%s overlaps args[%lld].%s (%s)", static_cast<long long>(o.entry),
+                  o.range.name, static_cast<long long>(other->entry), other->range.name,
+                  o.range.written && other->range.written ? "both are written"
+                                                          : "one is written while the other is read");
+    if (!last_any || end_of(o.range) > end_of(last_any->range)) last_any = &o;
+    if (o.range.written && (!last_written || end_of(o.range) > end_of(last_written->range)))
+      last_written = &o;
+  }
+  return FORGE_OK;
 }
 
 // Shared checks of the state entry points; returns the state's signedness. `buffer` is the
@@ -503,6 +549,25 @@ forge_status forge_elementwise_step(const forge_elementwise_args* args) {
     RuleScalars k;
     if (forge_status s = check_elementwise(args, &k)) return s;
     return FORGE_DISPATCH(args->device, elementwise_step(*args, k));
+  });
+}
+
+forge_status forge_elementwise_step_batch(const forge_elementwise_args* const* args,
+                                          int64_t count) {
+  clear_error();
+  return guarded("forge_elementwise_step_batch", [&]() -> forge_status {
+    if (count < 0) return fail(kBad, "count: must be >= 0, got %lld", static_cast<long long>(count));
+    if (count == 0) return FORGE_OK;
+    if (!args) return fail(kBad, "args: NULL with count %lld", static_cast<long long>(count));
+    std::vector<RuleScalars> k(static_cast<size_t>(count));
+    std::vector<BufferSet> operands(static_cast<size_t>(count));
+    for (int64_t i = 0; i < count; ++i)
+      if (forge_status s = check_elementwise(args[i], &k[i], &operands[i])) return fail_entry(s, i);
+    if (forge_status s = check_batch_overlaps(operands)) return s;
+    for (int64_t i = 0; i < count; ++i)
+      if (forge_status s = FORGE_DISPATCH(args[i]->device, elementwise_step(*args[i], k[i])))
+        return fail_entry(s, i);
+    return FORGE_OK;
   });
 }
 

@@ -63,7 +63,7 @@ def test_hparams_layout_matches_the_header():
     header = open(HEADER).read()
     assert f"#define FORGE_ABI_VERSION {_lib.ABI_VERSION}\n" in header
     assert f"#define FORGE_RUN_SCALARS_BYTES {_lib.RUN_SCALARS_BYTES}\n" in header
-    assert _lib.ABI_VERSION == 3 and forge.library()._lib.forge_abi_version() == 3
+    assert _lib.ABI_VERSION == 4 and forge.library()._lib.forge_abi_version() == 4
 
 
 class HostParam:
@@ -248,6 +248,8 @@ def test_capture_bookkeeping(monkeypatch):
         launched.append((args.hparams.run_scalars, args.hparams.step))
     monkeypatch.setattr(_lib.Library, "wgrad_step", record)
     monkeypatch.setattr(_lib.Library, "elementwise_step", record)
+    monkeypatch.setattr(_lib.Library, "elementwise_step_batch",
+                        lambda self, calls: [record(self, args) for args in calls])
     monkeypatch.setattr(forge.optim.capture, "_RunScalars", HostRunScalars)
     stats_before = opt._last_stats
     opt.begin_graph_capture()

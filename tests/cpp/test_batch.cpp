@@ -1,0 +1,176 @@
+// test_batch.cpp — forge_elementwise_step_batch: the same bits as one forge_elementwise_step
+// per entry, in order; a bad entry (or two entries sharing written bytes) is refused by name
+// before anything is written.
+#include <memory>
+
+#include "test_util.h"
+
+namespace forge_test {
+namespace {
+
+struct Entry {
+  std::unique_ptr<HostParam> param;
+  std::vector<float> grad;
+  forge_hparams hp;
+};
+
+// Parameters of odd shapes and every weight / state format, with random weights, states and
+// gradients (the gradient of a 1-element parameter and of a 4097-wide row included).
+std::vector<Entry> random_entries(Rng& rng) {
+  struct Shape {
+    int64_t rows, cols;
+    forge_weight_format wf;
+    forge_state_format sf;
+  };
+  const Shape shapes[] = {
+      {1, 1, FORGE_WEIGHT_FP32, FORGE_STATE_FP32},
+      {1, 17, FORGE_WEIGHT_BF16, FORGE_STATE_BF16},
+      {3, 129, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC},
+      {2, 4097, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64},
+      {5, 64, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32},
+  };
+  std::vector<Entry> entries;
+  int index = 0;
+  for (const Shape& s : shapes) {
+    Entry e;
+    forge_hparams_default(index % 2 ? FORGE_RULE_ADAMW : FORGE_RULE_LION, &e.hp);
+    e.hp.step = 3 + index;
+    e.hp.seed = 11 * index + 1;
+    e.param = std::make_unique<HostParam>(s.rows, s.cols, s.wf, s.sf, e.hp);
+    e.param->randomize(rng, e.hp);
+    e.grad.resize(s.rows * s.cols);
+    for (float& g : e.grad) g = rng.normal(0.1f);
+    entries.push_back(std::move(e));
+    ++index;
+  }
+  return entries;
+}
+
+std::vector<forge_elementwise_args> args_of(const std::vector<Entry>& entries, double* sq,
+                                            int64_t* count) {
+  std::vector<forge_elementwise_args> args;
+  for (const Entry& e : entries) {
+    args.push_back(elementwise_args(*e.param, e.hp, e.grad));
+    args.back().outputs = {sq, count};  // shared by every entry, as forge.optim passes them
+  }
+  return args;
+}
+
+std::vector<const forge_elementwise_args*> pointers(const std::vector<forge_elementwise_args>& a) {
+  std::vector<const forge_elementwise_args*> p;
+  for (const forge_elementwise_args& x : a) p.push_back(&x);
+  return p;
+}
+
+TEST(ElementwiseBatch, MatchesOneCallPerEntryBitForBit) {
+  Rng rng(fresh_seed());
+  std::vector<Entry> batched = random_entries(rng);
+  std::vector<Entry> single;
+  for (const Entry& e : batched)
+    single.push_back({std::make_unique<HostParam>(*e.param), e.grad, e.hp});
+  single[1].grad[3] = batched[1].grad[3] = NAN;  // a skipped element counts in both
+  double sq_batch = 0.0, sq_single = 0.0;
+  int64_t nf_batch = 0, nf_single = 0;
+  const std::vector<forge_elementwise_args> b = args_of(batched, &sq_batch, &nf_batch);
+  const std::vector<const forge_elementwise_args*> bp = pointers(b);
+  ASSERT_EQ(forge_elementwise_step_batch(bp.data(), static_cast<int64_t>(bp.size())), FORGE_OK)
+      << forge_last_error();
+  for (const forge_elementwise_args& a : args_of(single, &sq_single, &nf_single))
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+  for (size_t i = 0; i < batched.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(batched[i].param->snapshot(), single[i].param->snapshot());
+  }
+  EXPECT_EQ(sq_batch, sq_single);
+  EXPECT_GT(sq_batch, 0.0);
+  EXPECT_EQ(nf_batch, 1);
+  EXPECT_EQ(nf_single, 1);
+}
+
+TEST(ElementwiseBatch, ABadEntryIsNamedAndNothingIsWritten) {
+  Rng rng(fresh_seed());
+  std::vector<Entry> entries = random_entries(rng);
+  double sq = 2.5;
+  int64_t nf = 4;
+  std::vector<forge_elementwise_args> args = args_of(entries, &sq, &nf);
+  std::vector<std::vector<uint8_t>> before;
+  for (const Entry& e : entries) before.push_back(e.param->snapshot());
+  auto unchanged = [&]() {
+    for (size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(entries[i].param->snapshot(), before[i]);
+    EXPECT_EQ(sq, 2.5);
+    EXPECT_EQ(nf, 4);
+  };
+  std::vector<const forge_elementwise_args*> p = pointers(args);
+  const int64_t n = static_cast<int64_t>(p.size());
+
+  // the last entry bad: the earlier ones must not have run
+  args[4].hparams.lr = -1.0;
+  EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(forge_last_error()).rfind("args[4]: ", 0), 0u) << forge_last_error();
+  EXPECT_NE(std::string(forge_last_error()).find("lr"), std::string::npos) << forge_last_error();
+  unchanged();
+  args[4] = args_of(entries, &sq, &nf)[4];
+
+  args[2].grad = nullptr;
+  EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(forge_last_error()), "args[2]: grad: NULL");
+  unchanged();
+  args[2] = args_of(entries, &sq, &nf)[2];
+
+  p[1] = nullptr;
+  EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(forge_last_error()).rfind("args[1]: args: NULL", 0), 0u) << forge_last_error();
+  unchanged();
+  p = pointers(args);
+
+  EXPECT_EQ(forge_elementwise_step_batch(p.data(), -1), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("count"), std::string::npos);
+  EXPECT_EQ(forge_elementwise_step_batch(nullptr, 2), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("args: NULL"), std::string::npos);
+  EXPECT_EQ(forge_elementwise_step_batch(nullptr, 0), FORGE_OK);
+  EXPECT_EQ(forge_elementwise_step_batch(p.data(), 0), FORGE_OK);
+  unchanged();
+}
+
+TEST(ElementwiseBatch, EntriesThatShareWrittenBytesAreRefused) {
+  Rng rng(fresh_seed());
+  std::vector<Entry> entries = random_entries(rng);
+  double sq = 0.0;
+  int64_t nf = 0;
+  std::vector<forge_elementwise_args> args = args_of(entries, &sq, &nf);
+  std::vector<std::vector<uint8_t>> before;
+  for (const Entry& e : entries) before.push_back(e.param->snapshot());
+  std::vector<const forge_elementwise_args*> p = pointers(args);
+  const int64_t n = static_cast<int64_t>(p.size());
+  auto expect_refused = [&](const char* first, const char* second) {
+    EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_ERR_INVALID_ARGUMENT);
+    const std::string message = forge_last_error();
+    EXPECT_NE(message.find(first), std::string::npos) << message;
+    EXPECT_NE(message.find(second), std::string::npos) << message;
+    for (size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(entries[i].param->snapshot(), before[i]);
+    EXPECT_EQ(sq, 0.0);
+  };
+
+  // the same parameter twice (entry 1's shape and formats, so each entry alone is valid)
+  args.push_back(args[1]);
+  p = pointers(args);
+  EXPECT_EQ(forge_elementwise_step_batch(p.data(), n + 1), FORGE_ERR_INVALID_ARGUMENT);
+  const std::string twice = forge_last_error();  // (the first shared buffer in address order)
+  EXPECT_EQ(twice.rfind("args[5].param.", 0), 0u) << twice;
+  EXPECT_NE(twice.find("overlaps args[1].param."), std::string::npos) << twice;
+  EXPECT_NE(twice.find("both are written"), std::string::npos) << twice;
+  args.pop_back();
+  p = pointers(args);
+
+  // one entry reads (its gradient) what another writes (its fp32 weight, as bytes)
+  args[0].grad = entries[4].param->p.master;
+  expect_refused("args[0].grad", "args[4].param.master");
+  args[0] = args_of(entries, &sq, &nf)[0];
+
+  // one entry's state inside another's
+  args[3].param.state_absmax[1] = reinterpret_cast<float*>(entries[2].param->state[0].data());
+  expect_refused("param.state_absmax[1]", "param.state[0]");
+}
+
+}  // namespace
+}  // namespace forge_test
