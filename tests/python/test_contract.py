@@ -6,6 +6,9 @@ transformer (embedding, attention, MLP, RMSNorm, untied head). Bounds: tolerance
 import pytest
 import torch
 
+import forge.optim
+import forge.optim.routing as routing
+
 from conftest import DEVICES
 from reference import assert_contract, trajectories
 from tiny_models import TinyTransformer
@@ -91,3 +94,22 @@ def test_param_groups_no_decay_split():
     assert decay["weight_decay"] == 0.1 and keep["weight_decay"] == 0.0
     assert {names[id(p)] for p in keep["params"]} >= {"blocks.0.attn.q.bias", "norm.weight"}
     assert "blocks.0.attn.q.weight" in {names[id(p)] for p in decay["params"]}
+
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["batched", "hook"])
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[9], CONFIGS[12]], ids=config_id)
+def test_both_elementwise_paths_match_torch_optim(config, path, device, monkeypatch,
+                                                  record_difference):
+    """The tiny transformer's element-wise parameters (embedding, norms, biases) batched into
+    one library call at step() (the default for parameters this small), or each applied by
+    its own hook inside backward (what parameters above BATCHED_MAX_ELEMENTS take)."""
+    if path == "hook":
+        monkeypatch.setattr(routing, "BATCHED_MAX_ELEMENTS", 0)
+    name, kwargs = config
+    opt = getattr(forge.optim, name)(TinyTransformer(), **kwargs)
+    assert {s.mode for s in opt._slots.values()} == {"fused", path}
+    errors = trajectories(TinyTransformer, name, kwargs, device, steps=STEPS)
+    record_difference(f"{name} vs torch, element-wise by {path}", errors["forge_vs_ordered"])
+    assert_contract(errors, device)

@@ -239,7 +239,7 @@ def test_functional_linear_and_own_forward_take_the_elementwise_path(device,
     opt = forge.optim.AdamW(model)
     modes = {s.name: s.mode for s in opt._slots.values()}
     assert modes["inp.weight"] == modes["head.weight"] == "fused"
-    assert modes["functional.weight"] == modes["halved.weight"] == "hook"
+    assert modes["functional.weight"] == modes["halved.weight"] == "batched"  # (small)
     text = opt.summary()
     assert "F.linear" in text and "functional.weight" in text
     assert "HalvedLinear replaces Linear.forward" in text and "halved.weight" in text
@@ -270,9 +270,9 @@ def test_multihead_attention_weights_take_the_elementwise_path(device, record_di
     opt = forge.optim.AdamW(model)
     modes = {s.name: (s.mode, s.reason) for s in opt._slots.values()}
     assert modes["inp.weight"][0] == modes["head.weight"][0] == "fused"
-    assert modes["attn.in_proj_weight"][0] == "hook" and "F.linear" in modes[
+    assert modes["attn.in_proj_weight"][0] == "batched" and "F.linear" in modes[
         "attn.in_proj_weight"][1]
-    assert modes["attn.out_proj.weight"][0] == "hook" and "MultiheadAttention's out_proj" in \
+    assert modes["attn.out_proj.weight"][0] == "batched" and "MultiheadAttention's out_proj" in \
         modes["attn.out_proj.weight"][1]
     # (SGD: the key bias's gradient is rounding noise, its true value 0; Adam would turn
     # that noise into full-size steps and the comparison into one of noise)
@@ -446,7 +446,7 @@ def test_bitsandbytes_int8_base_is_left_alone(device, record_difference):
     assert frozen["base.weight"].dtype == torch.int8
     opt = forge.optim.AdamW(model, lr=1e-2)
     assert {s.name: s.mode for s in opt._slots.values()} == {
-        "a.weight": "fused", "b.weight": "fused", "head.weight": "fused", "head.bias": "hook"}
+        "a.weight": "fused", "b.weight": "fused", "head.weight": "fused", "head.bias": "batched"}
     regression_loss(model, 0, device).backward()
     opt.step()
     assert torch.equal(model.base.weight, frozen["base.weight"])

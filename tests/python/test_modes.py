@@ -14,6 +14,7 @@ import torch
 
 import forge
 import forge.optim
+from forge import _lib
 from conftest import DEVICES, requires_cuda
 from reference import assert_contract, trajectories
 from tiny_models import TinyTransformer, lm_loss
@@ -306,3 +307,55 @@ def test_in_place_changes_of_tensor_and_list_values_apply():
         runs.append(model)
     for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters()):
         assert torch.equal(a, b), f"{name}: an in-place hyper-parameter change was missed"
+
+
+def test_small_elementwise_parameters_take_one_library_call_per_step(monkeypatch):
+    """The batched path: no hook; step() hands every small gradient to
+    forge_elementwise_step_batch at once, and nothing to forge_elementwise_step."""
+    calls = []
+    real = _lib.Library.elementwise_step_batch
+
+    def counted(self, args):
+        calls.append(len(args))
+        real(self, args)
+    monkeypatch.setattr(_lib.Library, "elementwise_step_batch", counted)
+    monkeypatch.setattr(_lib.Library, "elementwise_step",
+                        lambda self, args: pytest.fail("an element-wise update of its own"))
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, mode="immediate")
+    small = [s for s in opt._slots.values() if s.mode == "batched"]
+    assert small and all(s.mode in ("fused", "batched") for s in opt._slots.values())
+    for step in range(2):
+        lm_loss(model, step).backward()
+        assert all(s.param.grad is not None for s in small)  # waiting for step()
+        before = [s.param.detach().clone() for s in small]
+        opt.step()
+        assert calls == [len(small)] * (step + 1)
+        assert all(not torch.equal(b, s.param) for b, s in zip(before, small))
+        assert all(s.param.grad is None for s in small)
+        assert all(opt.state[s.param]["step"] == step + 1 for s in small)
+        opt.zero_grad()
+
+
+def test_refused_batched_step_keeps_every_small_gradient():
+    """A deferred step refused at its check (a state tensor replaced by one of the wrong dtype)
+    changes no small parameter and leaves their gradients in .grad, for a corrected retry."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, mode="deferred")
+    lm_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    small = [s for s in opt._slots.values() if s.mode == "batched"]
+    victim = small[-1]
+    good = opt.state[victim.param]["exp_avg"]
+    opt.state[victim.param]["exp_avg"] = good.double()
+    lm_loss(model, 1).backward()
+    before = [s.param.detach().clone() for s in small]
+    grads = [s.param.grad for s in small]
+    with pytest.raises(RuntimeError, match=f"'{victim.name}': state 'exp_avg'"):
+        opt.step()
+    assert all(torch.equal(b, s.param) for b, s in zip(before, small))
+    assert all(s.param.grad is g for s, g in zip(small, grads))
+    opt.state[victim.param]["exp_avg"] = good
+    opt.step()
+    assert all(not torch.equal(b, s.param) for b, s in zip(before, small))

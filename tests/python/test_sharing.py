@@ -107,8 +107,9 @@ def checkpoint_skips_accumulate_prehooks() -> bool:
 @pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
 def test_linear_weights_never_get_grad(checkpoint, device):
     """The fused path really runs (also under checkpointing): in immediate mode no Linear
-    weight ever holds a gradient, and every other gradient is freed inside backward (each
-    .grad left is a ConsumedGrad, which holds no memory)."""
+    weight ever holds a gradient, every other gradient is freed inside backward (each .grad
+    left is a ConsumedGrad, which holds no memory) but for the small ones of the batched path,
+    which wait in .grad for step()."""
     import forge
     from tiny_models import lm_loss
     model = TinyTransformer(checkpoint=checkpoint).to(device)
@@ -126,7 +127,12 @@ def test_linear_weights_never_get_grad(checkpoint, device):
     # else: this torch skips W's AccumulateGrad pre-hook under non-reentrant checkpoint, and
     # FORGE's post-hook fallback (forge/optim/routing.py, _on_weight_grad_done) sees a transient zero
     # .grad per weight, freed at once: the assertion below still holds.
-    assert all(isinstance(p.grad, forge.optim.ConsumedGrad) for p in model.parameters()), \
-        "every gradient is applied and freed in backward"
+    for name, p in model.named_parameters():
+        if opt._slots[id(p)].mode == "batched":
+            assert p.grad is not None and not isinstance(p.grad, forge.optim.ConsumedGrad), name
+            assert p.numel() <= forge.optim.routing.BATCHED_MAX_ELEMENTS, name
+        else:
+            assert isinstance(p.grad, forge.optim.ConsumedGrad), f"{name}: applied in backward"
+    assert any(s.mode == "batched" for s in opt._slots.values())
     opt.step()
     assert all(p.grad is None for p in model.parameters())

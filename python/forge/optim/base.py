@@ -326,6 +326,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 "forge.graphs.CUDAGraphStep given this optimizer: every replay would repeat this "
                 "step's step number, lr and rounding seed; capture it with "
                 "forge.graphs.CUDAGraphStep(fn, optimizers=[..., this optimizer])", stacklevel=2)
+        if not self._deferring and self._checked_step != self._step_id:
+            self._check_step()  # (a refusal first: before the warning below, or any update)
         missed = [s.name for s in self._slots.values() if s.pending or s.partial is not None]
         if missed:
             warnings.warn(
@@ -355,6 +357,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         return loss
 
     def _step_immediate(self) -> None:
+        batch = []  # (slot, grad, scale) of the plain gradients: one library call
         for slot in self._slots.values():
             p = slot.param
             grad = p.grad
@@ -371,8 +374,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             if grad.is_sparse:
                 raise RuntimeError(f"forge: parameter '{slot.name}' has a sparse gradient, "
                                    "which FORGE does not support")
-            self._update(slot, grad=distributed.grad_as_param(grad, p))
-            p.grad = None
+            if slot.dtensor:
+                self._update(slot, grad=distributed.grad_as_param(grad, p))
+                p.grad = None
+            else:
+                batch.append((slot, grad, None))
+        self._update_batch(batch)
+        for slot, _, _ in batch:  # (only once applied: a refused batch keeps them)
+            slot.param.grad = None
 
     def _step_deferred(self) -> None:
         held = [(slot, slot.param.grad) for slot in self._slots.values()
@@ -394,6 +403,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             # torch's clip_grad_norm_: max_norm / (total + 1e-6), at most 1, in fp32
             clip = torch.clamp(self.max_grad_norm / (total.float() + 1e-6), max=1.0)
             clip = float(clip)  # NOTE: one host synchronization per step
+        batch = []  # (slot, grad, scale) of the plain gradients: one library call
         for slot, grad in held:
             if isinstance(grad, FactoredGrad):
                 scale = clip * _host_scale(grad.scale)
@@ -405,8 +415,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                                  scale=scale)
                 else:  # zeroed (zero_grad(set_to_none=False)): torch steps on zeros
                     self._update(slot, grad=torch.zeros_like(slot.param), scale=1.0)
-            else:
+            elif slot.dtensor:
                 self._update(slot, grad=distributed.grad_as_param(grad, slot.param), scale=clip)
+            else:
+                batch.append((slot, grad, clip))
+                continue
+            slot.param.grad = None
+        self._update_batch(batch)
+        for slot, _, _ in batch:
             slot.param.grad = None
 
     def _reduce_stats(self) -> None:

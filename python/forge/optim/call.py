@@ -229,32 +229,9 @@ class _CallMixin:
         call with last=True."""
         if self._checked_step != self._step_id:
             self._check_step()
-        p = slot.param
-        group = self._group_of(slot)
-        st = self.state.get(p)
-        capturing = self._capturing
-        if not st:
-            if capturing:  # the states' initialization would be replayed with every step
-                raise RuntimeError(f"forge: parameter '{slot.name}' has no optimizer state yet: "
-                                   "run at least one step eagerly before capturing one "
-                                   "(CUDAGraphStep's warmup)")
-            st = self._allocate_state(slot, group, init=True)
-        elif slot.signature is None:
-            slot.signature = self._signature(slot, group)
-        hparams, layout_key = self._group_hparams(group)  # shared: copied into args below
-        if slot.signature[0] != layout_key:
-            raise RuntimeError(f"forge: parameter '{slot.name}': its group's settings changed "
-                               "the update rule or its states (e.g. momentum 0 <-> > 0, centered) "
-                               "after the states were created")
-        step = st["step"] + 1
-        param = slot.struct if slot.struct_step == self._step_id else \
-            self._param_struct(slot, st)
+        st, step, param, device, outputs, hparams, capturing = self._call_parts(slot, stream)
         if rows is not None:
             param = _row_block(param, rows)
-        device = self._device_struct(slot.local() if slot.dtensor else p, stream)
-        # NOTE: == p.device (checked), no new object; a replica other ranks also count adds
-        # nothing to this rank's statistics
-        outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
         if x is not None:
             # NOTE: no torch.no_grad() here (host time on every Linear): forge_dtype's only
             # tensor op, a cast, works on a detached tensor.
@@ -268,24 +245,84 @@ class _CallMixin:
             args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
             self._lib.wgrad_step(args)
         else:
-            # NOTE: no torch.no_grad() here either: .grad tensors do not require grad (but for
-            # a create_graph=True backward's, detached), so the casts below record nothing.
-            if grad.requires_grad:
-                grad = grad.detach()
-            if grad.device != p.device:
-                grad = grad.to(p.device)
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
-            grad, code = _linear.forge_dtype(grad)
+            grad, code = _as_operand(grad, slot.param)
             args = self._kept_args(slot, "elementwise", device, param, hparams, outputs, step,
                                    scale, capturing)
             args.grad, args.grad_dtype = grad.data_ptr(), code
             self._lib.elementwise_step(args)
-        if not last:
+        if last:
+            self._count_update(slot, st, step, capturing)
+
+    def _update_batch(self, items) -> None:
+        """Element-wise steps of several parameters in one libforge call
+        (forge_elementwise_step_batch), each with the bits _update(slot, grad=grad,
+        scale=scale) gives it; items: [(slot, grad, scale)]. Every call is prepared, and so
+        checked, before the library runs any."""
+        if not items:
             return
+        if self._checked_step != self._step_id:
+            self._check_step()
+        calls, operands, counts = [], [], []
+        for slot, grad, scale in items:
+            st, step, param, device, outputs, hparams, capturing = self._call_parts(slot, None)
+            grad, code = _as_operand(grad, slot.param)
+            args = self._kept_args(slot, "elementwise", device, param, hparams, outputs, step,
+                                   scale, capturing)
+            args.grad, args.grad_dtype = grad.data_ptr(), code
+            calls.append(args)
+            operands.append(grad)  # (alive until the call returns)
+            counts.append((slot, st, step, capturing))
+        self._lib.elementwise_step_batch(calls)
+        for slot, st, step, capturing in counts:
+            self._count_update(slot, st, step, capturing)
+
+    def _call_parts(self, slot, stream):
+        """What every update of slot's parameter passes: (its state dict, this update's
+        1-based step, forge_param, forge_device on `stream`, statistics outputs, group
+        hyper-parameters (shared: copied into the args), whether a capture is running)."""
+        p = slot.param
+        group = self._group_of(slot)
+        st = self.state.get(p)
+        capturing = self._capturing
+        if not st:
+            if capturing:  # the states' initialization would be replayed with every step
+                raise RuntimeError(f"forge: parameter '{slot.name}' has no optimizer state yet: "
+                                   "run at least one step eagerly before capturing one "
+                                   "(CUDAGraphStep's warmup)")
+            st = self._allocate_state(slot, group, init=True)
+        elif slot.signature is None:
+            slot.signature = self._signature(slot, group)
+        hparams, layout_key = self._group_hparams(group)  # shared: copied into args later
+        if slot.signature[0] != layout_key:
+            raise RuntimeError(f"forge: parameter '{slot.name}': its group's settings changed "
+                               "the update rule or its states (e.g. momentum 0 <-> > 0, centered) "
+                               "after the states were created")
+        param = slot.struct if slot.struct_step == self._step_id else \
+            self._param_struct(slot, st)
+        device = self._device_struct(slot.local() if slot.dtensor else p, stream)
+        # NOTE: == p.device (checked), no new object; a replica other ranks also count adds
+        # nothing to this rank's statistics
+        outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
+        return st, st["step"] + 1, param, device, outputs, hparams, capturing
+
+    def _count_update(self, slot, st, step: int, capturing: bool) -> None:
         if not capturing:  # a captured update runs at each replay: prepare_graph_replay counts it
             st["step"] = step
         slot.updated_at = self._step_id
+
+
+def _as_operand(grad: torch.Tensor, p: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """A gradient as libforge reads it: detached, on p's device, contiguous, in a dtype it
+    takes; and that dtype's code (forge_dtype)."""
+    # NOTE: no torch.no_grad() here either: .grad tensors do not require grad (but for
+    # a create_graph=True backward's, detached), so the casts below record nothing.
+    if grad.requires_grad:
+        grad = grad.detach()
+    if grad.device != p.device:
+        grad = grad.to(p.device)
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+    return _linear.forge_dtype(grad)
 
 
 _WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2, "bf16_master": 2}

@@ -45,8 +45,8 @@ def tally(opt) -> Dict[str, object]:
     """The figures of the summary: per path {reason: [(name, bytes)]}, frozen parameters of
     the model outside the param groups, and state bytes by format."""
     paths: Dict[str, "OrderedDict[str, List[Tuple[str, int]]]"] = {
-        "fused": OrderedDict(), "hook": OrderedDict(), "deferred": OrderedDict(),
-        "frozen": OrderedDict()}
+        "fused": OrderedDict(), "hook": OrderedDict(), "batched": OrderedDict(),
+        "deferred": OrderedDict(), "frozen": OrderedDict()}
     states: Dict[str, List[int]] = {}  # format -> [parameters, bytes]
     for slot in sorted(opt._slots.values(), key=lambda s: s.index):
         nbytes = _nbytes(slot.local())
@@ -93,6 +93,8 @@ def describe(opt, verbose: bool = False) -> str:
     titles = {
         "fused": "fused into the weight-gradient GEMM (no gradient is ever allocated)",
         "hook": "element-wise: autograd forms the gradient, a hook applies and frees it",
+        "batched": "element-wise, small: the gradient waits in .grad, opt.step() applies all "
+                   "of them in one call",
         "deferred": "deferred: the gradient waits in .grad for opt.step()",
         "frozen": "frozen (requires_grad=False) in the param groups: never stepped"}
     for path, title in titles.items():
@@ -133,6 +135,8 @@ def one_line(opt) -> str:
     frozen = count("frozen") + sum(1 for *_, f in t["outside"] if f)
     state_text = ", ".join(f"{fmt} {_bytes(b)}" for fmt, (_, b) in sorted(states.items()) if b)
     return (f"forge: {opt._torch_name}: {count('fused')} weights fused "
-            f"({_bytes(fused)} of gradients never allocated), {count('hook')} element-wise, "
+            f"({_bytes(fused)} of gradients never allocated), "
+            f"{count('hook') + count('batched')} element-wise ({count('batched')} small: "
+            "applied together in step()), "
             f"{count('deferred')} deferred to step(), {frozen} frozen; states "
             f"{state_text or 'none'}; opt.summary() says which and why")
