@@ -62,6 +62,25 @@ std::vector<const forge_elementwise_args*> pointers(const std::vector<forge_elem
   return p;
 }
 
+// Random entries, their args (sharing one pair of statistics outputs) and their bytes before.
+struct Batch {
+  std::vector<Entry> entries;
+  double sq;
+  int64_t nf;
+  std::vector<forge_elementwise_args> args;
+  std::vector<std::vector<uint8_t>> before;
+  Batch(Rng& rng, double sq0, int64_t nf0) : entries(random_entries(rng)), sq(sq0), nf(nf0) {
+    args = args_of(entries, &sq, &nf);
+    for (const Entry& e : entries) before.push_back(e.param->snapshot());
+  }
+  forge_elementwise_args fresh(size_t i) { return args_of(entries, &sq, &nf)[i]; }
+  void expect_unchanged(double sq0, int64_t nf0) const {
+    for (size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(entries[i].param->snapshot(), before[i]);
+    EXPECT_EQ(sq, sq0);
+    EXPECT_EQ(nf, nf0);
+  }
+};
+
 TEST(ElementwiseBatch, MatchesOneCallPerEntryBitForBit) {
   Rng rng(fresh_seed());
   std::vector<Entry> batched = random_entries(rng);
@@ -89,17 +108,8 @@ TEST(ElementwiseBatch, MatchesOneCallPerEntryBitForBit) {
 
 TEST(ElementwiseBatch, ABadEntryIsNamedAndNothingIsWritten) {
   Rng rng(fresh_seed());
-  std::vector<Entry> entries = random_entries(rng);
-  double sq = 2.5;
-  int64_t nf = 4;
-  std::vector<forge_elementwise_args> args = args_of(entries, &sq, &nf);
-  std::vector<std::vector<uint8_t>> before;
-  for (const Entry& e : entries) before.push_back(e.param->snapshot());
-  auto unchanged = [&]() {
-    for (size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(entries[i].param->snapshot(), before[i]);
-    EXPECT_EQ(sq, 2.5);
-    EXPECT_EQ(nf, 4);
-  };
+  Batch b(rng, 2.5, 4);
+  std::vector<forge_elementwise_args>& args = b.args;
   std::vector<const forge_elementwise_args*> p = pointers(args);
   const int64_t n = static_cast<int64_t>(p.size());
 
@@ -108,19 +118,19 @@ TEST(ElementwiseBatch, ABadEntryIsNamedAndNothingIsWritten) {
   EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(forge_last_error()).rfind("args[4]: ", 0), 0u) << forge_last_error();
   EXPECT_NE(std::string(forge_last_error()).find("lr"), std::string::npos) << forge_last_error();
-  unchanged();
-  args[4] = args_of(entries, &sq, &nf)[4];
+  b.expect_unchanged(2.5, 4);
+  args[4] = b.fresh(4);
 
   args[2].grad = nullptr;
   EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(forge_last_error()), "args[2]: grad: NULL");
-  unchanged();
-  args[2] = args_of(entries, &sq, &nf)[2];
+  b.expect_unchanged(2.5, 4);
+  args[2] = b.fresh(2);
 
   p[1] = nullptr;
   EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(forge_last_error()).rfind("args[1]: args: NULL", 0), 0u) << forge_last_error();
-  unchanged();
+  b.expect_unchanged(2.5, 4);
   p = pointers(args);
 
   EXPECT_EQ(forge_elementwise_step_batch(p.data(), -1), FORGE_ERR_INVALID_ARGUMENT);
@@ -129,17 +139,14 @@ TEST(ElementwiseBatch, ABadEntryIsNamedAndNothingIsWritten) {
   EXPECT_NE(std::string(forge_last_error()).find("args: NULL"), std::string::npos);
   EXPECT_EQ(forge_elementwise_step_batch(nullptr, 0), FORGE_OK);
   EXPECT_EQ(forge_elementwise_step_batch(p.data(), 0), FORGE_OK);
-  unchanged();
+  b.expect_unchanged(2.5, 4);
 }
 
 TEST(ElementwiseBatch, EntriesThatShareWrittenBytesAreRefused) {
   Rng rng(fresh_seed());
-  std::vector<Entry> entries = random_entries(rng);
-  double sq = 0.0;
-  int64_t nf = 0;
-  std::vector<forge_elementwise_args> args = args_of(entries, &sq, &nf);
-  std::vector<std::vector<uint8_t>> before;
-  for (const Entry& e : entries) before.push_back(e.param->snapshot());
+  Batch b(rng, 0.0, 0);
+  std::vector<forge_elementwise_args>& args = b.args;
+  const std::vector<Entry>& entries = b.entries;
   std::vector<const forge_elementwise_args*> p = pointers(args);
   const int64_t n = static_cast<int64_t>(p.size());
   auto expect_refused = [&](const char* first, const char* second) {
@@ -147,8 +154,7 @@ TEST(ElementwiseBatch, EntriesThatShareWrittenBytesAreRefused) {
     const std::string message = forge_last_error();
     EXPECT_NE(message.find(first), std::string::npos) << message;
     EXPECT_NE(message.find(second), std::string::npos) << message;
-    for (size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(entries[i].param->snapshot(), before[i]);
-    EXPECT_EQ(sq, 0.0);
+    b.expect_unchanged(0.0, 0);
   };
 
   // the same parameter twice (entry 1's shape and formats, so each entry alone is valid)
@@ -159,13 +165,14 @@ TEST(ElementwiseBatch, EntriesThatShareWrittenBytesAreRefused) {
   EXPECT_EQ(twice.rfind("args[5].param.", 0), 0u) << twice;
   EXPECT_NE(twice.find("overlaps args[1].param."), std::string::npos) << twice;
   EXPECT_NE(twice.find("both are written"), std::string::npos) << twice;
+  b.expect_unchanged(0.0, 0);
   args.pop_back();
   p = pointers(args);
 
-  // one entry reads (its gradient) what another writes (its fp32 weight, as bytes)
+  // one entry reads (its gradient) what another writes (its fp32 master weight)
   args[0].grad = entries[4].param->p.master;
   expect_refused("args[0].grad", "args[4].param.master");
-  args[0] = args_of(entries, &sq, &nf)[0];
+  args[0] = b.fresh(0);
 
   // one entry's state inside another's
   args[3].param.state_absmax[1] = reinterpret_cast<float*>(entries[2].param->state[0].data());
