@@ -12,12 +12,16 @@ TMA kernel, whose call also encodes two tensor maps (fp32 takes the SIMT kernel)
 parameter (what a norm's weight costs: forge.optim's post-accumulate-grad hook and
 forge_elementwise_step per parameter, against torch's one multi-tensor step); its figure is
 µs per parameter per step.
+--hook-path (with --layer scale) puts those parameters on forge.optim's hook path (each applied
+inside backward by its own hook, as parameters above forge.optim.routing.BATCHED_MAX_ELEMENTS
+are) instead of the batched path (one library call at step()) that parameters this small take.
 --compile runs both stacks' models under torch.compile (default mode, Inductor; the optimizers
 as they are): the stack is one graph, and FORGE's backward calls its custom operators per
 Linear (forge/_ops.py); the first warm-up step compiles.
 
     python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100]
-                                  [--layer linear|scale] [--steps 200] [--compile] [--profile N]
+                                  [--layer linear|scale] [--hook-path] [--steps 200] [--compile]
+                                  [--profile N]
 --profile N: then N more steps of each optimizer under cProfile (the top functions).
 
 Prints microseconds per Linear per step (median over the steps after 20 warm-ups); --json PATH
@@ -93,6 +97,8 @@ def main() -> int:
     p.add_argument("--profile", type=int, default=0, metavar="N")
     p.add_argument("--layer", choices=("linear", "scale"), default="linear",
                    help="linear: 16x16 nn.Linear; scale: x * w, w of 1024 elements (see above)")
+    p.add_argument("--hook-path", action="store_true",
+                   help="--layer scale: the parameters on the hook path (see the file header)")
     p.add_argument("--compile", action="store_true",
                    help="both models under torch.compile (see the file header)")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
@@ -116,6 +122,10 @@ def main() -> int:
 
     if args.rounds < 1:
         p.error(f"--rounds: must be >= 1, got {args.rounds}")
+    if args.hook_path:
+        if args.layer != "scale":
+            p.error("--hook-path: for --layer scale (a Linear's weight is fused)")
+        forge.optim.routing.BATCHED_MAX_ELEMENTS = 0
     torch_model = stack()
     torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-6, foreach=True)
     forge_model = stack()
@@ -134,7 +144,8 @@ def main() -> int:
     if args.profile:
         profile_steps(*runs["torch"], x, args.profile, "torch AdamW(foreach)")
         profile_steps(*runs["forge"], x, args.profile, "forge.optim.AdamW")
-    compiled = ", torch.compile" if args.compile else ""
+    compiled = (", hook path" if args.hook_path else "") + \
+        (", torch.compile" if args.compile else "")
     what = ("Linear", f"{args.layers} Linears of 16x16") if args.layer == "linear" else \
         ("parameter", f"{args.layers} element-wise parameters of 1024")
     print(f"host cost per {what[0]} per step ({what[1]}, {args.dtype}, {device}"

@@ -544,11 +544,14 @@ def test_host_overhead_bench_runs():
     """bench/host_overhead.py (a benchmark, not timed here) runs and prints both figures."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
                           "host_overhead.py")
-    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "3",
-                           "--steps", "2"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    line = proc.stdout.strip().splitlines()[-1]
-    assert "torch AdamW(foreach)" in line and "forge.optim.AdamW" in line, line
+    for extra in ([], ["--layer", "scale", "--hook-path"]):
+        proc = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "3",
+                               "--steps", "2", *extra], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        line = proc.stdout.strip().splitlines()[-1]
+        assert "torch AdamW(foreach)" in line and "forge.optim.AdamW" in line, line
+        assert ("hook path" in line) == bool(extra), line
 
 
 def _cpu_step_script():
