@@ -309,7 +309,7 @@ std::vector<Corruption> corruptions() {
     return false;
   };
   std::vector<Corruption> c = {
-      {"abi_version", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.abi_version = pick(r, {0, 2, 4, -1}); e = "args.abi_version"; return true; }},
+      {"abi_version", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.abi_version = pick(r, {0, FORGE_ABI_VERSION - 1, FORGE_ABI_VERSION + 1, -1}); e = "args.abi_version"; return true; }},
       {"device.kind", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.device.kind = pick(r, {-1, 2, 1000, INT32_MIN}); e = "device.kind"; return true; }},
       {"num_threads", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.device.num_threads = pick(r, {-1, FORGE_MAX_CPU_THREADS + 1, INT32_MAX}); e = "device.num_threads"; return true; }},
       {"tokens", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.tokens = pick(r, {0, -1, INT32_MIN}); e = "tokens"; return true; }},
@@ -339,7 +339,7 @@ std::vector<Corruption> corruptions() {
          e = "param.master"; return true; }},
       {"tile_rows", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.tile_rows = pick(r, {-1, FORGE_MAX_TILE + 1, INT32_MAX}); e = "tile_rows"; return true; }},
       {"tile_cols", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.tile_cols = s.int8() ? pick(r, {32, 96, -64}) : pick(r, {-1, FORGE_MAX_TILE + 1}); e = "tile_cols"; return true; }},
-      {"hp.abi", kWgrad, hp_field("abi_version", [](forge_hparams& h) { h.abi_version = 2; })},
+      {"hp.abi", kWgrad, hp_field("abi_version", [](forge_hparams& h) { h.abi_version = FORGE_ABI_VERSION - 1; })},
       {"hp.rule", kWgrad, hp_field("rule", [](forge_hparams& h) { h.rule = FORGE_RULE_COUNT; })},
       {"hp.step", kWgrad, hp_field("step", [](forge_hparams& h) { h.step = 0; })},
       {"hp.lr_nan", kWgrad, hp_field("lr", [](forge_hparams& h) { h.lr = NAN; })},
@@ -517,11 +517,20 @@ TEST(FuzzCapi, InvalidCallsAreRefusedAndChangeNothing) {
     EXPECT_EQ(s.snapshot(), before) << "a refused call wrote something";
     if (bad.entry == kFill)
       EXPECT_EQ(std::vector<uint8_t>(s.run.bytes, s.run.bytes + sizeof(s.run.bytes)), run_before);
+    if (bad.entry == kElementwise) {  // the same refusal through the batch entry point
+      const forge_elementwise_args* one[] = {&s.elementwise};
+      EXPECT_NE(forge_elementwise_step_batch(one, 1), FORGE_OK);
+      const std::string batched = forge_last_error();
+      EXPECT_EQ(batched.rfind("args[0]: ", 0), 0u) << batched;
+      EXPECT_NE(batched.find(expect), std::string::npos) << "message: " << batched;
+      EXPECT_EQ(s.snapshot(), before) << "a refused batch wrote something";
+    }
     if (::testing::Test::HasFailure()) return;
   }
   // NULL args, for each entry point that takes a struct pointer
   EXPECT_EQ(forge_wgrad_step(nullptr), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(forge_elementwise_step(nullptr), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(forge_elementwise_step_batch(nullptr, 1), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(forge_run_scalars_fill(nullptr, nullptr, 0), FORGE_ERR_INVALID_ARGUMENT);
   if (count >= static_cast<int64_t>(4 * all.size()))
     for (size_t k = 0; k < all.size(); ++k) EXPECT_GT(used[k], 0) << all[k].what << " never drawn";
