@@ -1,7 +1,8 @@
 """call.py — one update of one parameter: the libforge call, built from its param group.
 
 _update builds forge_wgrad_args (from the X and dY a fused Linear's backward left) or
-forge_elementwise_args (from a gradient tensor) and calls libforge. Every update reads its
+forge_elementwise_args (from a gradient tensor) and calls libforge; _update_batch does the
+latter for many parameters in one call (the batched path, routing.py). Every update reads its
 hyper-parameters from the param group at the time it runs (so LR schedulers apply), uses
 the parameter's own 1-based step count (torch's state['step']), and seeds stochastic
 rounding with seed + the parameter's index. This is the host's hot path (once per parameter
