@@ -378,7 +378,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 self._update(slot, grad=distributed.grad_as_param(grad, p))
                 p.grad = None
             else:
-                batch.append((slot, grad, None))
+                batch.append((slot, distributed.grad_as_param(grad, p), None))
         self._update_batch(batch)
         for slot, _, _ in batch:  # (only once applied: a refused batch keeps them)
             slot.param.grad = None
@@ -418,7 +418,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             elif slot.dtensor:
                 self._update(slot, grad=distributed.grad_as_param(grad, slot.param), scale=clip)
             else:
-                batch.append((slot, grad, clip))
+                batch.append((slot, distributed.grad_as_param(grad, slot.param), clip))
                 continue
             slot.param.grad = None
         self._update_batch(batch)

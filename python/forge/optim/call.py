@@ -246,10 +246,8 @@ class _CallMixin:
             args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
             self._lib.wgrad_step(args)
         else:
-            grad, code = _as_operand(grad, slot.param)
-            args = self._kept_args(slot, "elementwise", device, param, hparams, outputs, step,
-                                   scale, capturing)
-            args.grad, args.grad_dtype = grad.data_ptr(), code
+            args, grad = self._elementwise_args(slot, grad, scale, st, step, param, device,
+                                                outputs, hparams, capturing)
             self._lib.elementwise_step(args)
         if last:
             self._count_update(slot, st, step, capturing)
@@ -266,10 +264,8 @@ class _CallMixin:
         calls, operands, counts = [], [], []
         for slot, grad, scale in items:
             st, step, param, device, outputs, hparams, capturing = self._call_parts(slot, None)
-            grad, code = _as_operand(grad, slot.param)
-            args = self._kept_args(slot, "elementwise", device, param, hparams, outputs, step,
-                                   scale, capturing)
-            args.grad, args.grad_dtype = grad.data_ptr(), code
+            args, grad = self._elementwise_args(slot, grad, scale, st, step, param, device,
+                                                outputs, hparams, capturing)
             calls.append(args)
             operands.append(grad)  # (alive until the call returns)
             counts.append((slot, st, step, capturing))
@@ -305,6 +301,16 @@ class _CallMixin:
         # nothing to this rank's statistics
         outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
         return st, st["step"] + 1, param, device, outputs, hparams, capturing
+
+    def _elementwise_args(self, slot, grad, scale, st, step, param, device, outputs, hparams,
+                          capturing):
+        """slot's kept forge_elementwise_args for `grad` (the parts _call_parts gives), and
+        the gradient as the library reads it (alive until the call returns)."""
+        grad, code = _as_operand(grad, slot.param)
+        args = self._kept_args(slot, "elementwise", device, param, hparams, outputs, step,
+                               scale, capturing)
+        args.grad, args.grad_dtype = grad.data_ptr(), code
+        return args, grad
 
     def _count_update(self, slot, st, step: int, capturing: bool) -> None:
         if not capturing:  # a captured update runs at each replay: prepare_graph_replay counts it
