@@ -267,8 +267,10 @@ forge_status check_batch_overlaps(const std::vector<BufferSet>& operands) {
   for (size_t e = 0; e < operands.size(); ++e)
     for (int i = 0; i < operands[e].count(); ++i)
       all.push_back({operands[e].range(i), static_cast<int64_t>(e)});
-  std::sort(all.begin(), all.end(),
-            [](const Owned& a, const Owned& b) { return a.range.begin < b.range.begin; });
+  // (ties by entry, so the later of two entries with the same start is the one reported)
+  std::sort(all.begin(), all.end(), [](const Owned& a, const Owned& b) {
+    return a.range.begin != b.range.begin ? a.range.begin < b.range.begin : a.entry < b.entry;
+  });
   // (an end of 0, the top of memory, counts as the largest address)
   auto end_of = [](const BufferSet::Range& r) { return r.end ? r.end : UINTPTR_MAX; };
   const Owned* last_any = nullptr;      // the earlier range reaching farthest
