@@ -38,8 +38,8 @@ extern "C" {
 #define FORGE_API __attribute__((visibility("default")))
 #endif
 
-#define FORGE_ABI_VERSION 4
-/* Elements of a row that share one int8 absmax. */
+#define FORGE_ABI_VERSION 5
+/* Elements of a row that share one absmax (int8 and fp8 states). */
 #define FORGE_INT8_BLOCK 64
 /* Most optimizer states any rule keeps per parameter element. */
 #define FORGE_MAX_STATES 3
@@ -85,10 +85,14 @@ typedef enum {
   FORGE_STATE_FP32 = 0,
   FORGE_STATE_BF16 = 1,             /* round to nearest even */
   FORGE_STATE_BF16_STOCHASTIC = 2,
-  FORGE_STATE_INT8_BLOCK64 = 3      /* dynamic map code per element + fp32 absmax per 64
+  FORGE_STATE_INT8_BLOCK64 = 3,     /* dynamic map code per element + fp32 absmax per 64
                                        consecutive elements of a row */
+  FORGE_STATE_FP8_BLOCK64 = 4       /* fp8 per element (signed states e4m3, unsigned e5m2),
+                                       scaled by an fp32 absmax per 64 consecutive elements of
+                                       a row. CPU backend only in this version: a CUDA call
+                                       refuses it (FORGE_ERR_UNSUPPORTED) */
 } forge_state_format;
-#define FORGE_STATE_FORMAT_COUNT 4
+#define FORGE_STATE_FORMAT_COUNT 5
 
 typedef enum { FORGE_DEVICE_CPU = 0, FORGE_DEVICE_CUDA = 1 } forge_device_kind;
 
@@ -162,18 +166,18 @@ typedef struct {
   float* master;                      /* [rows, cols] fp32, FORGE_WEIGHT_BF16_MASTER only */
   int32_t state_format;               /* a forge_state_format value */
   void* state[FORGE_MAX_STATES];      /* [rows, cols] each; float / bf16 / uint8 codes */
-  float* state_absmax[FORGE_MAX_STATES]; /* [rows, ceil(cols / 64)] each, int8 only */
+  float* state_absmax[FORGE_MAX_STATES]; /* [rows, ceil(cols / 64)] each, int8 / fp8 only */
   /* Shards (tensor parallel: a block of rows or of columns; FSDP: rows): this param is the
    * block [rows, cols] at (row_offset, col_offset) of a full [*, full_cols] parameter. Its
    * element (r, c) then draws the stochastic-rounding bits of its index in the full parameter,
    * (row_offset + r) · full_cols + col_offset + c, so a step gives the same bits however the
    * parameter is sharded. 0, 0, 0: not a shard (the index is r · cols + c). Checked: offsets
    * >= 0; full_cols 0 only with both offsets 0, else full_cols >= col_offset + cols and every
-   * index below 2^61; int8 states need shards of whole blocks of 64 columns (col_offset % 64
-   * == 0, and col_offset + cols a multiple of 64 or full_cols). The buffers are the shard's
-   * own: [rows, cols] contiguous, absmax [rows, ceil(cols / 64)]. On CUDA a stochastically
-   * rounded shard whose col_offset or full_cols is not a multiple of 4 takes a slower path
-   * (no vector accesses); the bits are the same. */
+   * index below 2^61; int8 and fp8 states need shards of whole blocks of 64 columns
+   * (col_offset % 64 == 0, and col_offset + cols a multiple of 64 or full_cols). The buffers
+   * are the shard's own: [rows, cols] contiguous, absmax [rows, ceil(cols / 64)]. On CUDA a
+   * stochastically rounded shard whose col_offset or full_cols is not a multiple of 4 takes a
+   * slower path (no vector accesses); the bits are the same. */
   int64_t row_offset, col_offset, full_cols;
 } forge_param;
 
@@ -190,11 +194,12 @@ typedef struct {
  * finite gradient of 1e20 whose g² overflows, an lr·update beyond fp32), is skipped: its
  * weight, master and states stay as they were, it is counted in nonfinite_count and left
  * out of grad_sq_sum. Every format, every backend, fused or element-wise.
- * int8 states share an absmax per block of 64: a block without skipped elements takes the
- * largest magnitude of its new values as absmax; a block holding one takes max(its old
- * absmax, the largest magnitude of its updated elements' new values), and its skipped
- * elements keep their code bytes unchanged while that absmax is unchanged, or are re-encoded
- * from their decoded values against the new absmax when it grew. */
+ * int8 and fp8 states share an absmax per block of 64: a block without skipped elements
+ * takes the largest magnitude of its new values as absmax (fp8: 0 below 2^-100); a block
+ * holding one takes max(its old absmax, the largest magnitude of its updated elements' new
+ * values), and its skipped elements keep their code bytes unchanged while that absmax is
+ * unchanged, or are re-encoded from their decoded values against the new absmax when it
+ * grew. */
 
 /* The fused step of a linear layer: for each tile of W, dW = Σ_t dY[t]ᵀ X[t] in
  * fp32, then the rule is applied in place. X: [tokens, cols] (ld = ldx),
@@ -209,8 +214,8 @@ typedef struct {
   forge_param param;
   forge_hparams hparams;
   forge_step_outputs outputs;
-  int32_t tile_rows, tile_cols; /* CPU tile shape, 0 = 128, at most FORGE_MAX_TILE each; int8
-                                   states need tile_cols % 64 == 0 */
+  int32_t tile_rows, tile_cols; /* CPU tile shape, 0 = 128, at most FORGE_MAX_TILE each;
+                                   int8 / fp8 states need tile_cols % 64 == 0 */
 } forge_wgrad_args;
 
 /* The same rules on a gradient that already exists ([rows, cols], contiguous). */
@@ -226,9 +231,9 @@ typedef struct {
 /* What a rule keeps for a parameter, in the given state format. */
 typedef struct {
   int32_t num_states;                      /* 0..3; state[0..num_states) are used */
-  int32_t is_signed[FORGE_MAX_STATES];     /* 1: first-moment-like (signed int8 map) */
+  int32_t is_signed[FORGE_MAX_STATES];     /* 1: first-moment-like (signed int8 map, e4m3 fp8) */
   int64_t state_bytes[FORGE_MAX_STATES];   /* bytes of each state buffer */
-  int64_t absmax_count[FORGE_MAX_STATES];  /* floats of each absmax buffer (int8 only, else 0) */
+  int64_t absmax_count[FORGE_MAX_STATES];  /* floats of each absmax buffer (int8 / fp8, else 0) */
   const char* names[FORGE_MAX_STATES];     /* torch.optim's state keys: "exp_avg", ... */
 } forge_state_layout;
 
@@ -243,7 +248,7 @@ typedef enum {
   FORGE_ENUM_RULE = 2,          /* "SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion",
                                    "RMSprop", "Adagrad" */
   FORGE_ENUM_WEIGHT_FORMAT = 3, /* "fp32", "bf16", "bf16_sr", "bf16_master" */
-  FORGE_ENUM_STATE_FORMAT = 4,  /* "fp32", "bf16", "bf16_sr", "int8" */
+  FORGE_ENUM_STATE_FORMAT = 4,  /* "fp32", "bf16", "bf16_sr", "int8", "fp8" */
   FORGE_ENUM_DEVICE_KIND = 5    /* "cpu", "cuda" */
 } forge_enum;
 #define FORGE_ENUM_COUNT 6
@@ -264,7 +269,7 @@ typedef struct {
                                                      not kept takes no slot: later ones move up */
   int32_t num_fields;
   int32_t max_states;                             /* states of its largest configuration */
-  int32_t state_signed[FORGE_MAX_STATES];         /* 1: signed (first-moment-like) int8 map */
+  int32_t state_signed[FORGE_MAX_STATES];         /* 1: signed (first moment): int8 map, e4m3 */
 } forge_rule_info;
 
 FORGE_API int32_t forge_abi_version(void);
@@ -298,8 +303,8 @@ FORGE_API forge_status forge_state_init(const forge_param* param, const forge_hp
                                         forge_device device);
 /* Converts state `index` of `param` to / from fp32 [rows, cols] (for
  * checkpoints and inspection); hparams says which rule owns the states (int8
- * first moments use the signed map). from_fp32 rounds to nearest (bf16) or
- * quantizes per block (int8) exactly as a step stores it, and refuses, naming the first
+ * first moments use the signed map, fp8 ones e4m3). from_fp32 rounds to nearest (bf16) or
+ * quantizes per block (int8, fp8) exactly as a step stores it, and refuses, naming the first
  * offending index of `in` and writing nothing, what no step stores: a value that is not
  * storable (see "Skipped elements"), or a negative value for an unsigned (second-moment)
  * state. */

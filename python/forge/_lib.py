@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 INT8_BLOCK = 64
 MAX_STATES = 3
 # Bytes of a run-scalars buffer (Hparams.run_scalars, Library.run_scalars_fill): what a
@@ -49,6 +49,7 @@ _ENUM_ATTRIBUTES = {
     "STATE_FP32": (ENUM_STATE_FORMAT, "fp32"), "STATE_BF16": (ENUM_STATE_FORMAT, "bf16"),
     "STATE_BF16_STOCHASTIC": (ENUM_STATE_FORMAT, "bf16_sr"),
     "STATE_INT8_BLOCK64": (ENUM_STATE_FORMAT, "int8"),
+    "STATE_FP8_BLOCK64": (ENUM_STATE_FORMAT, "fp8"),
     "DEVICE_CPU": (ENUM_DEVICE_KIND, "cpu"), "DEVICE_CUDA": (ENUM_DEVICE_KIND, "cuda"),
 }
 

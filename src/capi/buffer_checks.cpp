@@ -9,7 +9,7 @@ namespace forge {
 int dtype_bytes(int32_t dtype) { return dtype == FORGE_DTYPE_FP32 ? 4 : 2; }
 int weight_bytes(int32_t weight_format) { return weight_format == FORGE_WEIGHT_FP32 ? 4 : 2; }
 int state_element_bytes(int32_t state_format) {
-  return state_format == FORGE_STATE_FP32 ? 4 : state_format == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
+  return state_format == FORGE_STATE_FP32 ? 4 : is_block_format(state_format) ? 1 : 2;
 }
 
 forge_status BufferSet::add(const char* name, const void* p, int64_t bytes, int align,
@@ -52,7 +52,10 @@ forge_status BufferSet::check_overlaps() const {
 namespace {
 
 const char* state_format_name(int32_t f) {
-  return f == FORGE_STATE_FP32 ? "fp32 state" : f == FORGE_STATE_INT8_BLOCK64 ? "int8 codes" : "bf16 state";
+  return f == FORGE_STATE_FP32           ? "fp32 state"
+         : f == FORGE_STATE_INT8_BLOCK64 ? "int8 codes"
+         : f == FORGE_STATE_FP8_BLOCK64  ? "fp8 codes"
+                                         : "bf16 state";
 }
 
 }  // namespace
@@ -68,7 +71,7 @@ forge_status add_state_buffers(BufferSet& set, const forge_param& p, int index, 
   if (forge_status s = set.add(kStateNames[index], p.state[index], n * elem, elem,
                                state_format_name(p.state_format), written))
     return s;
-  if (p.state_format != FORGE_STATE_INT8_BLOCK64) return FORGE_OK;
+  if (!is_block_format(p.state_format)) return FORGE_OK;
   const int64_t blocks = p.rows * ((p.cols + FORGE_INT8_BLOCK - 1) / FORGE_INT8_BLOCK);
   return set.add(kAbsmaxNames[index], p.state_absmax[index], blocks * 4, 4, "fp32 absmax",
                  written);

@@ -25,6 +25,12 @@ int dtype_bytes(int32_t dtype);               // 4 or 2
 int weight_bytes(int32_t weight_format);      // 4 or 2
 int state_element_bytes(int32_t state_format);  // 4, 2 or 1
 
+// int8 and fp8 states: a code byte per element and an fp32 absmax per block of
+// FORGE_INT8_BLOCK columns of a row.
+inline bool is_block_format(int32_t state_format) {
+  return state_format == FORGE_STATE_INT8_BLOCK64 || state_format == FORGE_STATE_FP8_BLOCK64;
+}
+
 class BufferSet {
  public:
   // Registers `bytes` (> 0) at `p`; `name` must outlive the set (a literal). Refuses

@@ -2,8 +2,9 @@
 // conversions between those formats and the fp32 the rules compute in.
 //
 // Every function here is __host__ __device__ and uses only IEEE-exact
-// operations (bit manipulation, ldexpf, +, *, comparisons), so the CPU and CUDA
-// backends produce the same bits for the same inputs.
+// operations (bit manipulation, ldexpf, rintf, +, *, /, comparisons; nvcc's default
+// -prec-div=true makes / the IEEE division), so the CPU and CUDA backends produce the
+// same bits for the same inputs.
 #pragma once
 
 #include <math.h>
@@ -265,6 +266,91 @@ FORGE_HD uint8_t int8_encode(float x, float absmax, bool is_signed) {
   }
   if (x <= 0.0f) return 0;
   return static_cast<uint8_t>(int8_nearest_level(a, kInt8UnsignedTop));
+}
+
+// ---- fp8 block-64 states: e4m3 (signed states) and e5m2 (unsigned) -----------------------
+//
+// A block of 64 consecutive elements of a row stores one fp32 absmax (its largest magnitude,
+// as int8 blocks do) and one fp8 byte per element; element = fp8 value · (absmax / top), top
+// the format's largest finite value, so the absmax itself is stored as top and the block's
+// values follow its absmax as it grows or decays (a moment whose block moves together keeps
+// its codes, as int8's).
+//  - signed states (first moments): e4m3 (1-4-3, bias 7, no infinities, 0x7F NaN), top 448:
+//    relative error ≤ 2^-4, values down to 2^-9 / 448 of the absmax (about 2^-17.8);
+//  - unsigned states (second moments): e5m2 (1-5-2, bias 15), top 57344: relative error
+//    ≤ 2^-3, values down to 2^-16 / 57344 (about 2^-31.8) of the absmax.
+// Encoding is x · (top / absmax) (fp32), rounded to nearest, ties to even, saturating at top:
+// what sm_89+'s cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 computes. The two block factors are one
+// IEEE division each, so the CPU and CUDA backends store the same bits.
+// A block whose largest magnitude is below kFp8MinAbsmax (7.9e-31) stores zeros (absmax 0), so
+// top / absmax stays finite: flushed as values below a block's smallest step are (AdamW's √v
+// is then below 1e-15, against eps).
+
+constexpr float kFp8MinAbsmax = 0x1p-100f;
+
+struct Fp8Format {
+  int man;            // mantissa bits
+  int bias;           // exponent bias
+  uint32_t max_code;  // magnitude bits of the largest finite value
+  float top;          // the largest finite value
+};
+
+// e4m3 for signed states, e5m2 for unsigned (built here, not read from a host constant, so
+// device code can call it).
+FORGE_HD Fp8Format fp8_format(bool is_signed) {
+  return is_signed ? Fp8Format{3, 7, 0x7Eu, 448.0f} : Fp8Format{2, 15, 0x7Bu, 57344.0f};
+}
+
+// q (finite) to fp8 bits: round to nearest, ties to even, saturating at the largest finite
+// value; the sign is kept (-0 and negative values that round to zero give 0x80).
+FORGE_HD uint8_t fp8_nearest(float q, bool is_signed) {
+  const Fp8Format f = fp8_format(is_signed);
+  const uint32_t sign = (float_bits(q) >> 24) & 0x80u;
+  const float a = fabsf(q);
+  const int emin = 1 - f.bias;  // the smallest normal exponent; below it the grid is uniform
+  int e = static_cast<int>((float_bits(a) >> 23) & 0xFFu) - 127;  // (fp32 subnormals: -127)
+  if (e < emin) e = emin;
+  // The grid's step in a's binade is 2^(e - man): a scaled by a power of two (exact), then
+  // rounded to an integer number of steps, ties to even.
+  const float steps = rintf(ldexpf(a, f.man - e));  // in [0, 2^(man + 1)]
+  // (2^(man + 1) steps is the next binade's first value: the sum carries into the exponent
+  // field; in the subnormal binade the exponent field is 0 and the steps are the mantissa)
+  const int64_t code = (static_cast<int64_t>(e + f.bias) << f.man) +
+                       static_cast<int64_t>(steps) - (int64_t(1) << f.man);
+  const uint32_t mag = code > static_cast<int64_t>(f.max_code) ? f.max_code
+                                                               : static_cast<uint32_t>(code);
+  return static_cast<uint8_t>(sign | mag);
+}
+
+// The value of fp8 bits, unscaled (NaN / infinity for those codes, which no step stores).
+FORGE_HD float fp8_value(uint8_t code, bool is_signed) {
+  const Fp8Format f = fp8_format(is_signed);
+  const uint32_t mag = code & 0x7Fu;
+  const uint32_t field = mag >> f.man, mant = mag & ((1u << f.man) - 1u);
+  float v;
+  if (is_signed && mag == 0x7Fu) {
+    v = bits_float(0x7FC00000u);
+  } else if (!is_signed && field == 31u) {
+    v = mant ? bits_float(0x7FC00000u) : bits_float(0x7F800000u);
+  } else if (field == 0) {
+    v = ldexpf(static_cast<float>(mant), 1 - f.bias - f.man);
+  } else {
+    v = ldexpf(static_cast<float>((1u << f.man) + mant), static_cast<int>(field) - f.bias - f.man);
+  }
+  return (code & 0x80u) ? -v : v;
+}
+
+// The absmax a block stores for its largest magnitude (0 below kFp8MinAbsmax).
+FORGE_HD float fp8_block_absmax(float largest) { return largest >= kFp8MinAbsmax ? largest : 0.0f; }
+
+// x (|x| <= absmax, absmax as fp8_block_absmax gives it) as the fp8 bits of its block.
+FORGE_HD uint8_t fp8_encode(float x, float absmax, bool is_signed) {
+  if (!(absmax >= kFp8MinAbsmax)) return 0;
+  return fp8_nearest(x * (fp8_format(is_signed).top / absmax), is_signed);
+}
+
+FORGE_HD float fp8_decode(uint8_t code, float absmax, bool is_signed) {
+  return fp8_value(code, is_signed) * (absmax / fp8_format(is_signed).top);
 }
 
 }  // namespace forge

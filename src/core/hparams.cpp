@@ -171,6 +171,7 @@ forge_status state_layout(const forge_hparams& hp, int format, int64_t rows, int
       case FORGE_STATE_BF16:
       case FORGE_STATE_BF16_STOCHASTIC: layout.state_bytes[i] = 2 * n; break;
       case FORGE_STATE_INT8_BLOCK64:
+      case FORGE_STATE_FP8_BLOCK64:
         layout.state_bytes[i] = n;
         layout.absmax_count[i] = blocks;
         break;

@@ -43,7 +43,7 @@ int64_t absmax_index(const forge_param& p, int64_t row, int64_t col0) {
   return row * blocks_per_row + col0 / FORGE_INT8_BLOCK;
 }
 
-// Reads n fp32 values of state `i` starting at (row, col0). For int8, [col0, col0 + n)
+// Reads n fp32 values of state `i` starting at (row, col0). For int8 and fp8, [col0, col0 + n)
 // is one whole block.
 void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
                 float* out) {
@@ -64,12 +64,19 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
       for (int e = 0; e < n; ++e) out[e] = int8_decode(s[e], is_signed) * absmax;
       break;
     }
+    case FORGE_STATE_FP8_BLOCK64: {
+      const uint8_t* s = static_cast<const uint8_t*>(p.state[i]) + base;
+      const float absmax = p.state_absmax[i][absmax_index(p, row, col0)];
+      for (int e = 0; e < n; ++e) out[e] = fp8_decode(s[e], absmax, is_signed);
+      break;
+    }
   }
 }
 
 // Writes n fp32 values to state `i`. Elements with keep[e] set (skipped by the step) are
-// left as they are. For int8, where a block shares one scale: a block with no skipped
-// element takes the largest magnitude of its values as its absmax; one holding a skipped
+// left as they are. For int8 and fp8, where a block shares one scale: a block with no skipped
+// element takes the largest magnitude of its values as its absmax (fp8: 0 below
+// kFp8MinAbsmax, formats.h); one holding a skipped
 // element takes max(its old absmax, the updated elements' largest magnitude), and its skipped
 // elements keep their code bytes while that absmax stays, or are re-encoded from their
 // decoded values (in[e], loaded against the old absmax) when it grew. `draw` (nullable: n
@@ -96,7 +103,8 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
       }
       break;
     }
-    case FORGE_STATE_INT8_BLOCK64: {
+    case FORGE_STATE_INT8_BLOCK64:
+    case FORGE_STATE_FP8_BLOCK64: {
       uint8_t* s = static_cast<uint8_t*>(p.state[i]) + base;
       float& block_absmax = p.state_absmax[i][absmax_index(p, row, col0)];
       bool any_kept = false;
@@ -105,10 +113,13 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
       float absmax = any_kept ? old_absmax : 0.0f;
       for (int e = 0; e < n; ++e)
         if (!(keep && keep[e])) absmax = std::max(absmax, std::fabs(in[e]));
+      const bool fp8 = p.state_format == FORGE_STATE_FP8_BLOCK64;
+      if (fp8) absmax = fp8_block_absmax(absmax);
       const bool grew = float_bits(absmax) != float_bits(old_absmax);
       block_absmax = absmax;
       for (int e = 0; e < n; ++e)
-        if (!(keep && keep[e]) || grew) s[e] = int8_encode(in[e], absmax, is_signed);
+        if (!(keep && keep[e]) || grew)
+          s[e] = fp8 ? fp8_encode(in[e], absmax, is_signed) : int8_encode(in[e], absmax, is_signed);
       break;
     }
   }

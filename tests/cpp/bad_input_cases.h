@@ -41,7 +41,7 @@ inline std::vector<BadCase> wgrad_cases() {
       {"dy_dtype", [](forge_wgrad_args& a) { a.dy_dtype = static_cast<forge_dtype>(-1); }, bad, "dy_dtype"},
       {"rule", [](forge_wgrad_args& a) { a.hparams.rule = static_cast<forge_rule>(8); }, bad, "hparams.rule"},
       {"weight_format", [](forge_wgrad_args& a) { a.param.weight_format = static_cast<forge_weight_format>(4); }, bad, "param.weight_format"},
-      {"state_format", [](forge_wgrad_args& a) { a.param.state_format = static_cast<forge_state_format>(4); }, bad, "param.state_format"},
+      {"state_format", [](forge_wgrad_args& a) { a.param.state_format = static_cast<forge_state_format>(FORGE_STATE_FORMAT_COUNT); }, bad, "param.state_format"},
       {"master_missing", [](forge_wgrad_args& a) { a.param.weight_format = FORGE_WEIGHT_BF16_MASTER; }, bad, "param.master"},
       {"hparams_abi", [](forge_wgrad_args& a) { a.hparams.abi_version = 0; }, bad, "hparams.abi_version"},
       {"lr_negative", [](forge_wgrad_args& a) { a.hparams.lr = -1e-3; }, bad, "hparams.lr"},

@@ -1,5 +1,5 @@
 // block_copy.h — what the shard tests (CPU and GPU) cut a parameter's buffers with: the bytes
-// of one state element, and a block copied between two row-major leading dimensions.
+// of one state element (and which formats keep an absmax per block), and a block copied between two row-major leading dimensions.
 #pragma once
 
 #include <cstdint>
@@ -9,8 +9,13 @@
 
 namespace forge_test {
 
+// int8 and fp8 states: a byte per element and an fp32 absmax per block of 64 columns.
+inline bool block_states(int state_format) {
+  return state_format == FORGE_STATE_INT8_BLOCK64 || state_format == FORGE_STATE_FP8_BLOCK64;
+}
+
 inline int state_element_bytes(int state_format) {
-  return state_format == FORGE_STATE_FP32 ? 4 : state_format == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
+  return state_format == FORGE_STATE_FP32 ? 4 : block_states(state_format) ? 1 : 2;
 }
 
 // Rows × cols elements of `elem` bytes from a [*, from_ld] array to a [*, to_ld] one.

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "block_copy.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -134,12 +135,12 @@ ValidCall random_call(Rng& rng) {
   c.lddy = c.rows + (rng.integer(0, 1) ? rng.integer(0, 5) : 0);
   c.tile_rows = rng.integer(0, 1) ? 0 : rng.integer(1, 70);
   c.tile_cols = rng.integer(0, 1) ? 0
-                : c.state_format == FORGE_STATE_INT8_BLOCK64 ? 64 * rng.integer(1, 3)
+                : block_states(c.state_format) ? 64 * rng.integer(1, 3)
                                                              : rng.integer(1, 200);
   c.threads = rng.integer(0, 3);
   c.use_run = rng.integer(0, 3) == 0;
   // A third of the calls update a shard: rows of a taller parameter, or columns of a wider one
-  // (int8: starting on a block of 64, and ending on one or at the row's end).
+  // (int8 / fp8: starting on a block of 64, and ending on one or at the row's end).
   c.row_offset = c.col_offset = c.full_cols = 0;
   const int shard = rng.integer(0, 5);
   if (shard == 1) {
@@ -147,10 +148,10 @@ ValidCall random_call(Rng& rng) {
     c.full_cols = c.cols;
   } else if (shard == 2) {
     c.row_offset = rng.integer(0, 3) ? 0 : rng.integer(1, 50);
-    const bool int8 = c.state_format == FORGE_STATE_INT8_BLOCK64;
-    c.col_offset = int8 ? 64 * rng.integer(0, 3) : rng.integer(0, 200);
+    const bool blocks = block_states(c.state_format);
+    c.col_offset = blocks ? 64 * rng.integer(0, 3) : rng.integer(0, 200);
     const int64_t end = c.col_offset + c.cols;
-    c.full_cols = int8 && end % 64 != 0 ? end : end + (rng.integer(0, 1) ? 0 : 64 * rng.integer(1, 3));
+    c.full_cols = blocks && end % 64 != 0 ? end : end + (rng.integer(0, 1) ? 0 : 64 * rng.integer(1, 3));
   }
   return c;
 }
@@ -263,7 +264,7 @@ struct Scene {
     return all;
   }
   int num_states() const { return param.num_states; }
-  bool int8() const { return param.p.state_format == FORGE_STATE_INT8_BLOCK64; }
+  bool has_blocks() const { return block_states(param.p.state_format); }  // int8 / fp8
 };
 
 enum Entry { kWgrad, kElementwise, kStateInit, kToFp32, kFromFp32, kLayout, kFill };
@@ -325,21 +326,21 @@ std::vector<Corruption> corruptions() {
       {"cols", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.param.cols = pick(r, {0, -64}); e = "param.cols"; return true; }},
       {"rows_cols_overflow", kWgrad, [](S& s, Rng&, std::string& e) { s.wgrad.param.rows = int64_t(1) << 31; s.wgrad.param.cols = int64_t(1) << 31; e = "param.rows"; return true; }},
       {"weight_format", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.param.weight_format = pick(r, {4, -1, 99}); e = "param.weight_format"; return true; }},
-      {"state_format", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.param.state_format = pick(r, {4, -1, 1 << 20}); e = "param.state_format"; return true; }},
+      {"state_format", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.param.state_format = pick(r, {FORGE_STATE_FORMAT_COUNT, -1, 1 << 20}); e = "param.state_format"; return true; }},
       {"weight_null", kWgrad, [](S& s, Rng&, std::string& e) { s.wgrad.param.weight = nullptr; e = "param.weight"; return true; }},
       {"state_null", kWgrad, [](S& s, Rng& r, std::string& e) {
          if (s.num_states() == 0) return false;
          const int i = r.integer(0, s.num_states() - 1);
          s.wgrad.param.state[i] = nullptr; e = "param.state[" + std::to_string(i) + "]"; return true; }},
       {"absmax_null", kWgrad, [](S& s, Rng&, std::string& e) {
-         if (s.num_states() == 0 || !s.int8()) return false;
+         if (s.num_states() == 0 || !s.has_blocks()) return false;
          s.wgrad.param.state_absmax[0] = nullptr; e = "param.state_absmax[0]"; return true; }},
       {"master", kWgrad, [](S& s, Rng&, std::string& e) {
          if (s.wgrad.param.weight_format == FORGE_WEIGHT_BF16_MASTER) s.wgrad.param.master = nullptr;
          else s.wgrad.param.master = reinterpret_cast<float*>(s.fp32.data());
          e = "param.master"; return true; }},
       {"tile_rows", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.tile_rows = pick(r, {-1, FORGE_MAX_TILE + 1, INT32_MAX}); e = "tile_rows"; return true; }},
-      {"tile_cols", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.tile_cols = s.int8() ? pick(r, {32, 96, -64}) : pick(r, {-1, FORGE_MAX_TILE + 1}); e = "tile_cols"; return true; }},
+      {"tile_cols", kWgrad, [](S& s, Rng& r, std::string& e) { s.wgrad.tile_cols = s.has_blocks() ? pick(r, {32, 96, -64}) : pick(r, {-1, FORGE_MAX_TILE + 1}); e = "tile_cols"; return true; }},
       {"hp.abi", kWgrad, hp_field("abi_version", [](forge_hparams& h) { h.abi_version = FORGE_ABI_VERSION - 1; })},
       {"hp.rule", kWgrad, hp_field("rule", [](forge_hparams& h) { h.rule = FORGE_RULE_COUNT; })},
       {"hp.step", kWgrad, hp_field("step", [](forge_hparams& h) { h.step = 0; })},
@@ -379,7 +380,7 @@ std::vector<Corruption> corruptions() {
          if (s.num_states() == 0) return false;
          s.wgrad.param.weight = s.wgrad.param.state[0]; e = "param.state[0]"; return true; }},
       {"overlap_absmax", kWgrad, [](S& s, Rng&, std::string& e) {
-         if (s.num_states() < 2 || !s.int8()) return false;
+         if (s.num_states() < 2 || !s.has_blocks()) return false;
          s.wgrad.param.state_absmax[1] = s.wgrad.param.state_absmax[0]; e = "param.state_absmax[1]"; return true; }},
       {"overlap_x_written", kWgrad, [](S& s, Rng&, std::string& e) { s.wgrad.x = s.wgrad.param.weight; e = "x"; return true; }},
       {"overlap_dy_written", kWgrad, [](S& s, Rng&, std::string& e) {
@@ -392,7 +393,7 @@ std::vector<Corruption> corruptions() {
       {"misaligned_weight", kWgrad, [](S& s, Rng&, std::string& e) {
          s.wgrad.param.weight = bytes_of(s.wgrad.param.weight) + 1; e = "param.weight"; return true; }},
       {"misaligned_absmax", kWgrad, [](S& s, Rng&, std::string& e) {
-         if (s.num_states() == 0 || !s.int8()) return false;
+         if (s.num_states() == 0 || !s.has_blocks()) return false;
          s.wgrad.param.state_absmax[0] = reinterpret_cast<float*>(bytes_of(s.wgrad.param.state_absmax[0]) + 2); e = "param.state_absmax[0]"; return true; }},
       {"misaligned_output", kWgrad, [](S& s, Rng&, std::string& e) {
          s.wgrad.outputs.grad_sq_sum = reinterpret_cast<double*>(s.fp32.data() + 1); e = "outputs.grad_sq_sum"; return true; }},
@@ -429,11 +430,11 @@ std::vector<Corruption> corruptions() {
       {"shard_indices_overflow", kWgrad, [](S& s, Rng&, std::string& e) {
          s.wgrad.param.row_offset = int64_t(1) << 61; s.wgrad.param.full_cols = s.wgrad.param.cols; e = "param.row_offset"; return true; }},
       {"shard_int8_col_offset", kWgrad, [](S& s, Rng& r, std::string& e) {
-         if (!s.int8()) return false;
+         if (!s.has_blocks()) return false;
          s.wgrad.param.col_offset = 64 * r.integer(0, 2) + r.integer(1, 63);
          s.wgrad.param.full_cols = s.wgrad.param.col_offset + s.wgrad.param.cols; e = "param.col_offset"; return true; }},
       {"shard_int8_end", kWgrad, [](S& s, Rng&, std::string& e) {
-         if (!s.int8() || s.wgrad.param.cols % 64 == 0) return false;
+         if (!s.has_blocks() || s.wgrad.param.cols % 64 == 0) return false;
          s.wgrad.param.full_cols = s.wgrad.param.cols + 1; e = "param.col_offset + param.cols"; return true; }},
       {"shard_elementwise", kElementwise, [](S& s, Rng&, std::string& e) {
          s.elementwise.param.full_cols = -5; e = "param.full_cols"; return true; }},

@@ -288,7 +288,7 @@ TEST(Abi, EnumNamesRoundTrip) {
       {"fp32", "bf16", "fp16"},
       {"SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad"},
       {"fp32", "bf16", "bf16_sr", "bf16_master"},
-      {"fp32", "bf16", "bf16_sr", "int8"},
+      {"fp32", "bf16", "bf16_sr", "int8", "fp8"},
       {"cpu", "cuda"}};
   ASSERT_EQ(documented.size(), static_cast<size_t>(FORGE_ENUM_COUNT));
   for (int32_t kind = 0; kind < FORGE_ENUM_COUNT; ++kind) {
@@ -316,7 +316,7 @@ TEST(Abi, EnumNamesRoundTrip) {
   EXPECT_EQ(FORGE_STATE_INT8_BLOCK64, [] { int32_t v = -1; forge_enum_value(FORGE_ENUM_STATE_FORMAT, "int8", &v); return v; }());
   EXPECT_EQ(FORGE_WEIGHT_BF16_STOCHASTIC, [] { int32_t v = -1; forge_enum_value(FORGE_ENUM_WEIGHT_FORMAT, "bf16_sr", &v); return v; }());
   int32_t v = 77;
-  EXPECT_EQ(forge_enum_value(FORGE_ENUM_STATE_FORMAT, "fp8", &v), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(forge_enum_value(FORGE_ENUM_STATE_FORMAT, "fp4", &v), FORGE_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(forge_last_error()).find("\"int8\""), std::string::npos) << forge_last_error();
   EXPECT_EQ(v, 77);
   EXPECT_EQ(forge_enum_value(FORGE_ENUM_RULE, nullptr, &v), FORGE_ERR_INVALID_ARGUMENT);

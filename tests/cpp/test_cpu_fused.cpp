@@ -454,10 +454,14 @@ TEST(FusedNonFinite, OverflowingUpdateIsSkippedAndCounted) {
             EXPECT_EQ(after.w[j], before.w[j]);
             if (!after.master.empty()) EXPECT_EQ(after.master[j], before.master[j]);
             for (int i = 0; i < p.num_states; ++i) {
-              // int8: a block with a skipped element keeps its absmax unless the others grow
-              // it; the skipped element's value then stays or is re-encoded (one rounding).
+              // int8 / fp8: a block with a skipped element keeps its absmax unless the others
+              // grow it; the skipped element's value then stays or is re-encoded (one rounding).
               if (sf == FORGE_STATE_INT8_BLOCK64)
                 EXPECT_NEAR(after.s[i][j], before.s[i][j], kInt8MapRel * std::fabs(before.s[i][j]) + 1e-30)
+                    << "state " << i;
+              else if (sf == FORGE_STATE_FP8_BLOCK64)  // (AdamW: exp_avg e4m3, exp_avg_sq e5m2)
+                EXPECT_NEAR(after.s[i][j], before.s[i][j],
+                            (i == 0 ? kFp8E4m3Rel : kFp8E5m2Rel) * std::fabs(before.s[i][j]) + 1e-30)
                     << "state " << i;
               else
                 EXPECT_EQ(after.s[i][j], before.s[i][j]) << "state " << i;

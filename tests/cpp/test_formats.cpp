@@ -1,7 +1,8 @@
 // test_formats.cpp — storage formats: bf16 nearest and stochastic rounding, fp16
-// input decoding, the int8 dynamic map and its block-64 round trip, an AdamW run with
-// int8 states that tracks the fp32-state run on least squares, how a block holding a
-// skipped element keeps its absmax and codes, and what forge_state_from_fp32 refuses.
+// input decoding, the int8 dynamic map, the fp8 encodings (e4m3, e5m2) against a
+// brute-force nearest value, the int8 and fp8 block-64 round trips, AdamW runs with int8 and
+// fp8 states that track the fp32-state run on least squares, how a block holding a skipped
+// element keeps its absmax and codes, and what forge_state_from_fp32 refuses.
 #include <algorithm>
 
 #include "core/formats.h"
@@ -187,6 +188,162 @@ TEST(Int8Map, EachSixteenthHoldsAtMostOneThreshold) {
   for (int s = 0; s < 16; ++s) EXPECT_LE(per_sixteenth[s], 1) << "sixteenth " << s;
 }
 
+// ---- fp8 ----------------------------------------------------------------------------------
+
+// The OCP 8-bit floating-point values (what sm_89+'s cvt instructions produce): e4m3 (bias 7,
+// no infinities, S.1111.111 NaN) for signed states, e5m2 (bias 15, IEEE-like) for unsigned.
+TEST(Fp8Format, StandardValues) {
+  struct Known { bool is_signed; uint8_t code; float value; };
+  for (const Known& k : {Known{true, 0x00, 0.0f}, Known{true, 0x01, 0x1p-9f}, Known{true, 0x07, 7 * 0x1p-9f},
+                         Known{true, 0x08, 0x1p-6f}, Known{true, 0x38, 1.0f}, Known{true, 0x39, 1.125f},
+                         Known{true, 0x7E, 448.0f}, Known{true, 0xB8, -1.0f}, Known{true, 0xFE, -448.0f},
+                         Known{false, 0x00, 0.0f}, Known{false, 0x01, 0x1p-16f}, Known{false, 0x04, 0x1p-14f},
+                         Known{false, 0x3C, 1.0f}, Known{false, 0x3D, 1.25f}, Known{false, 0x7B, 57344.0f}}) {
+    SCOPED_TRACE(::testing::Message() << (k.is_signed ? "e4m3 " : "e5m2 ") << int(k.code));
+    EXPECT_EQ(float_bits(fp8_value(k.code, k.is_signed)), float_bits(k.value));
+  }
+  EXPECT_TRUE(std::isnan(fp8_value(0x7F, true)));
+  EXPECT_TRUE(std::isnan(fp8_value(0xFF, true)));
+  EXPECT_EQ(fp8_value(0x7C, false), INFINITY);
+  EXPECT_TRUE(std::isnan(fp8_value(0x7D, false)));
+  EXPECT_EQ(float_bits(fp8_value(0x80, true)), float_bits(-0.0f));
+}
+
+// fp8_nearest against the definition: the finite code whose value is nearest, ties to the one
+// with an even mantissa, magnitudes above the largest finite value saturating to it, the sign
+// kept (so -0 and negative values that round to zero give 0x80).
+TEST(Fp8Format, NearestIsTheClosestValueTiesToEvenSaturating) {
+  for (bool is_signed : {true, false}) {
+    SCOPED_TRACE(is_signed ? "e4m3" : "e5m2");
+    const uint32_t max_code = fp8_format(is_signed).max_code;
+    std::vector<float> values;  // the non-negative finite values, by code
+    for (uint32_t c = 0; c <= max_code; ++c) values.push_back(fp8_value(static_cast<uint8_t>(c), is_signed));
+    for (size_t c = 1; c < values.size(); ++c) ASSERT_LT(values[c - 1], values[c]) << c;
+    auto reference = [&](float q) -> uint8_t {
+      const uint8_t sign = std::signbit(q) ? 0x80 : 0x00;
+      const double a = std::fabs(static_cast<double>(q));
+      if (a >= values.back()) return static_cast<uint8_t>(sign | max_code);
+      const size_t hi = std::upper_bound(values.begin(), values.end(), static_cast<float>(a)) - values.begin();
+      const size_t lo = hi - 1;  // values[lo] <= a < values[hi]
+      const double below = a - values[lo], above = values[hi] - a;
+      const size_t pick = below < above ? lo : above < below ? hi : (lo % 2 == 0 ? lo : hi);
+      return static_cast<uint8_t>(sign | pick);
+    };
+    int64_t checked = 0;
+    auto expect_same = [&](float q) {
+      ++checked;
+      const uint8_t got = fp8_nearest(q, is_signed), want = reference(q);
+      if (got != want) {
+        ADD_FAILURE() << "q = " << q << " (bits " << std::hex << float_bits(q) << "): got " << int(got)
+                      << ", want " << int(want);
+        return false;
+      }
+      return true;
+    };
+    // around every value and every midpoint, both signs, and far beyond the largest
+    for (size_t c = 0; c < values.size(); ++c) {
+      const float v = values[c];
+      const float mid = c + 1 < values.size() ? 0.5f * (v + values[c + 1]) : 2.0f * v;
+      for (float center : {v, mid})
+        for (int k = -300; k <= 300; ++k) {
+          const int64_t u = static_cast<int64_t>(float_bits(center)) + k;
+          if (u < 0) continue;
+          const float q = bits_float(static_cast<uint32_t>(u));
+          if (!expect_same(q) || !expect_same(-q)) return;
+        }
+    }
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+    Rng rng(seed);
+    for (int i = 0; i < 1000000; ++i) {  // every finite magnitude up to 2^20, fp32 subnormals too
+      const float q = bits_float(static_cast<uint32_t>(rng.gen() % 0x49800000u));
+      if (!expect_same(i & 1 ? -q : q)) return;
+    }
+    for (float q : {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-38f, 3.4e38f, -3.4e38f})
+      if (!expect_same(q)) return;
+    EXPECT_GT(checked, int64_t(1000000));
+  }
+}
+
+TEST(Fp8Format, EveryFiniteCodeRoundTrips) {
+  for (bool is_signed : {true, false})
+    for (int c = 0; c < 256; ++c) {
+      const float v = fp8_value(static_cast<uint8_t>(c), is_signed);
+      if (!std::isfinite(v)) continue;
+      EXPECT_EQ(fp8_nearest(v, is_signed), c) << (is_signed ? "e4m3 " : "e5m2 ") << c;
+    }
+}
+
+// The block's factor maps its absmax to the largest finite value (never beyond: nothing
+// saturates but the absmax itself, by fp32 rounding), and back to the absmax within fp32
+// rounding; a block below kFp8MinAbsmax is all zero.
+TEST(Fp8Format, BlockFactorMapsTheAbsmaxToTheLargestValue) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  for (bool is_signed : {true, false}) {
+    const Fp8Format f = fp8_format(is_signed);
+    for (int i = 0; i < 100000; ++i) {
+      // any finite absmax from kFp8MinAbsmax on
+      const float absmax = bits_float(float_bits(kFp8MinAbsmax) +
+                                      static_cast<uint32_t>(rng.gen() % (0x7F7FFFFFu - float_bits(kFp8MinAbsmax))));
+      const uint8_t code = fp8_encode(absmax, absmax, is_signed);
+      ASSERT_EQ(code, f.max_code) << absmax;
+      ASSERT_EQ(fp8_encode(-absmax, absmax, is_signed), 0x80 | f.max_code) << absmax;
+      ASSERT_NEAR(fp8_decode(code, absmax, is_signed), absmax, absmax * kFp8FactorRoundings) << absmax;
+    }
+    EXPECT_EQ(fp8_block_absmax(0x1p-101f), 0.0f);
+    EXPECT_EQ(fp8_block_absmax(kFp8MinAbsmax), kFp8MinAbsmax);
+    for (float absmax : {0.0f, 0x1p-101f}) {
+      EXPECT_EQ(fp8_encode(0x1p-102f, absmax, is_signed), 0);
+      EXPECT_EQ(fp8_decode(0, absmax, is_signed), 0.0f);
+    }
+  }
+}
+
+// forge_state_from_fp32 then forge_state_to_fp32 on fp8 states: each value comes back within
+// the format's rounding (relative), or within half the block's smallest step (absolute).
+TEST(Fp8States, BlockRoundTripErrorBound) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  const int64_t rows = 5, cols = 200;  // 4 blocks a row, the last one partial
+  HostParam p(rows, cols, FORGE_WEIGHT_FP32, FORGE_STATE_FP8_BLOCK64, hp);
+  std::vector<float> m(rows * cols), v(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    m[i] = rng.normal(1.0f) * std::pow(10.0f, rng.uniform(-6.0f, 0.0f));  // 6 decades
+    v[i] = m[i] * m[i];
+  }
+  forge_device cpu{};
+  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 0, m.data(), cpu), FORGE_OK) << forge_last_error();
+  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 1, v.data(), cpu), FORGE_OK) << forge_last_error();
+  const std::vector<float> m2 = p.state_fp32(0, hp), v2 = p.state_fp32(1, hp);
+  const float* absmax_m = reinterpret_cast<const float*>(p.absmax[0].data());
+  const float* absmax_v = reinterpret_cast<const float*>(p.absmax[1].data());
+  int64_t zero_m = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = r * cols + c, b = r * 4 + c / 64;
+      // half the smallest subnormal of the block: 2^-10 (e4m3) and 2^-17 (e5m2), × absmax / top
+      const double floor_m = 0x1p-10 * absmax_m[b] / 448.0 * (1 + kFp8FactorRoundings);
+      const double floor_v = 0x1p-17 * absmax_v[b] / 57344.0 * (1 + kFp8FactorRoundings);
+      EXPECT_LE(std::fabs(m2[i] - m[i]), std::max(kFp8E4m3Rel * std::fabs(m[i]), floor_m)) << i;
+      EXPECT_LE(std::fabs(v2[i] - v[i]), std::max(kFp8E5m2Rel * v[i], floor_v)) << i;
+      EXPECT_GE(v2[i], 0.0f);
+      EXPECT_TRUE(m2[i] == 0 || (m2[i] > 0) == (m[i] > 0)) << "sign flipped at " << i;
+      // zero exactly where the value is within half the smallest step (up to the roundings)
+      if (m2[i] == 0) EXPECT_LE(std::fabs(m[i]), floor_m) << i;
+      if (std::fabs(m[i]) < floor_m * (1 - 2 * kFp8FactorRoundings)) EXPECT_EQ(m2[i], 0.0f) << i;
+      zero_m += m2[i] == 0;
+    }
+  EXPECT_GT(zero_m, 0) << "the values span 6 decades: some are below e4m3's 2^-17.8 of a block";
+  float largest = 0;
+  for (int c = 0; c < 64; ++c) largest = std::max(largest, std::fabs(m[c]));
+  EXPECT_EQ(absmax_m[0], largest);  // the absmax is the block's largest magnitude, unrounded
+}
+
 TEST(Int8Map, BlockRoundTripErrorBound) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
@@ -245,7 +402,8 @@ double lsq_run_step(HostParam& p, const forge_hparams& hp, const Matrix& x, cons
   return loss;
 }
 
-TEST(Int8States, AdamWTracksFp32OnLeastSquares) {
+// AdamW with `sf` (int8 or fp8) states against fp32 states from the same start.
+void expect_adamw_tracks_fp32(forge_state_format sf) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
   Rng rng(seed);
@@ -259,7 +417,7 @@ TEST(Int8States, AdamWTracksFp32OnLeastSquares) {
   for (float& w : w_star) w = rng.normal(0.3f);
   HostParam fp32(out, in, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
   fp32.randomize(rng, hp);
-  HostParam int8(out, in, FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64, hp);
+  HostParam int8(out, in, FORGE_WEIGHT_FP32, sf, hp);  // (int8 or fp8)
   for (int64_t i = 0; i < fp32.size(); ++i) int8.set_w(i, fp32.w(i));
   forge_device cpu{};
   ASSERT_EQ(forge_state_init(&int8.p, &hp, cpu), FORGE_OK);
@@ -277,6 +435,9 @@ TEST(Int8States, AdamWTracksFp32OnLeastSquares) {
   EXPECT_LE(loss32, first / kLsqMinReduction);
   EXPECT_LE(loss8, first / kLsqMinReduction);
 }
+
+TEST(Int8States, AdamWTracksFp32OnLeastSquares) { expect_adamw_tracks_fp32(FORGE_STATE_INT8_BLOCK64); }
+TEST(Fp8States, AdamWTracksFp32OnLeastSquares) { expect_adamw_tracks_fp32(FORGE_STATE_FP8_BLOCK64); }
 
 }  // namespace
 }  // namespace forge_test
@@ -299,14 +460,24 @@ float absmax_at(const HostParam& p, int state, int64_t block) {
 // others' gradients are 0 for ten steps (their moments only decay: the absmax stays) and then
 // large (it grows). Before, a skipped element was re-encoded against each step's new absmax,
 // and drifted.
-TEST(Int8States, SkippedElementKeepsItsCodeUnlessTheAbsmaxGrows) {
+// A block's element as its value (code, absmax) and back, for int8 or fp8 states.
+float block_decode(forge_state_format sf, uint8_t code, float absmax, bool is_signed) {
+  return sf == FORGE_STATE_FP8_BLOCK64 ? fp8_decode(code, absmax, is_signed)
+                                       : int8_decode(code, is_signed) * absmax;
+}
+uint8_t block_encode(forge_state_format sf, float x, float absmax, bool is_signed) {
+  return sf == FORGE_STATE_FP8_BLOCK64 ? fp8_encode(x, absmax, is_signed)
+                                       : int8_encode(x, absmax, is_signed);
+}
+
+void expect_skipped_element_keeps_its_code(forge_state_format sf) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
   Rng rng(seed);
   forge_hparams hp;
   forge_hparams_default(FORGE_RULE_ADAMW, &hp);
   const int64_t cols = 100;  // a whole block and a partial one
-  HostParam p(1, cols, FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64, hp);
+  HostParam p(1, cols, FORGE_WEIGHT_FP32, sf, hp);
   p.randomize(rng, hp);
   std::vector<float> grad(cols);
   for (int64_t step = 1; step <= 3; ++step) {  // moments of every size
@@ -341,19 +512,33 @@ TEST(Int8States, SkippedElementKeepsItsCodeUnlessTheAbsmaxGrows) {
           EXPECT_EQ(new_code, old_code);
         } else {
           ++grew;
-          EXPECT_EQ(new_code, int8_encode(int8_decode(old_code, is_signed) * old_max, new_max, is_signed));
+          EXPECT_EQ(new_code, block_encode(sf, block_decode(sf, old_code, old_max, is_signed), new_max,
+                                           is_signed));
         }
         // The updated elements' magnitudes never exceed the absmax, and one of them reaches
         // it whenever it grew.
         float largest = 0;
         for (int64_t c = block * 64; c < std::min<int64_t>(cols, block * 64 + 64); ++c)
-          if (c != e) largest = std::max(largest, std::fabs(int8_decode(p.state[s][c], is_signed) * new_max));
-        EXPECT_LE(largest, new_max);
-        if (new_max != old_max) EXPECT_EQ(largest, new_max);
+          if (c != e) largest = std::max(largest, std::fabs(block_decode(sf, p.state[s][c], new_max, is_signed)));
+        if (sf == FORGE_STATE_INT8_BLOCK64) {
+          EXPECT_LE(largest, new_max);
+          if (new_max != old_max) EXPECT_EQ(largest, new_max);
+        } else {  // fp8 stores the largest magnitude rounded, as any other value
+          const double rel = is_signed ? kFp8E4m3Rel : kFp8E5m2Rel;
+          EXPECT_LE(largest, new_max * (1 + rel));
+          if (new_max != old_max) EXPECT_GE(largest, new_max * (1 - rel));
+        }
       }
   }
   EXPECT_GT(stayed, 0);
   EXPECT_GT(grew, 0);
+}
+
+TEST(Int8States, SkippedElementKeepsItsCodeUnlessTheAbsmaxGrows) {
+  expect_skipped_element_keeps_its_code(FORGE_STATE_INT8_BLOCK64);
+}
+TEST(Fp8States, SkippedElementKeepsItsCodeUnlessTheAbsmaxGrows) {
+  expect_skipped_element_keeps_its_code(FORGE_STATE_FP8_BLOCK64);
 }
 
 // forge_state_from_fp32 stores nothing it would never compute: a value that is not finite

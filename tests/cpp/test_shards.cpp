@@ -55,7 +55,7 @@ struct Shard {
     const int sb = state_element_bytes(full.p.state_format);
     for (int i = 0; i < full.num_states; ++i) {
       move(full.state[i], p.state[i], fc, b.cols, b.r0, b.c0, b.rows, b.cols, sb);
-      if (full.p.state_format == FORGE_STATE_INT8_BLOCK64) {
+      if (block_states(full.p.state_format)) {
         const int64_t full_blocks = (fc + 63) / 64, shard_blocks = (b.cols + 63) / 64;
         move(full.absmax[i], p.absmax[i], full_blocks, shard_blocks, b.r0, b.c0 / 64, b.rows,
              shard_blocks, 4);
@@ -65,12 +65,12 @@ struct Shard {
 };
 
 // Row shards and column shards of a [rows, cols] parameter: three of each, uneven; column
-// shards of whole 64-column blocks for int8 states (the last one ends the row), anywhere
+// shards of whole 64-column blocks for int8 and fp8 states (the last one ends the row), anywhere
 // otherwise (SR groups of 4 straddling shard borders).
 std::vector<std::vector<Block>> shardings(int64_t rows, int64_t cols, int sf) {
   std::vector<Block> by_rows = {{0, 2, 0, cols}, {2, rows - 3, 0, cols}, {rows - 1, 1, 0, cols}};
   std::vector<Block> by_cols;
-  if (sf == FORGE_STATE_INT8_BLOCK64) {
+  if (block_states(sf)) {
     by_cols = {{0, rows, 0, 64}, {0, rows, 64, 128}, {0, rows, 192, cols - 192}};
   } else {
     by_cols = {{0, rows, 0, 37}, {0, rows, 37, 118}, {0, rows, 155, cols - 155}};
@@ -122,7 +122,7 @@ TEST_P(ShardsVsFull, FusedAndElementwiseGiveTheFullParametersBits) {
             forge_wgrad_args a = wgrad_args(shard.p, hp, x, dy);
             a.x = x.bytes.data() + b.c0 * dtype_size(x.dtype);
             a.dy = dy.bytes.data() + b.r0 * dtype_size(dy.dtype);
-            if (sf == FORGE_STATE_INT8_BLOCK64) a.tile_cols = 64;  // a tile border in the shard
+            if (block_states(sf)) a.tile_cols = 64;  // a tile border in the shard
             a.device.num_threads = 1;
             ASSERT_EQ(forge_wgrad_step(&a), FORGE_OK) << forge_last_error();
           } else {
@@ -210,6 +210,8 @@ TEST(Shards, BadOffsetsAreRefusedByName) {
       {"row_offset_huge", FORGE_STATE_FP32, INT64_MAX, 0, 70, "param.row_offset"},
       {"int8_col_offset_inside_a_block", FORGE_STATE_INT8_BLOCK64, 0, 32, 200, "param.col_offset"},
       {"int8_shard_ends_inside_a_block", FORGE_STATE_INT8_BLOCK64, 0, 64, 256, "param.col_offset + param.cols"},
+      {"fp8_col_offset_inside_a_block", FORGE_STATE_FP8_BLOCK64, 0, 32, 200, "param.col_offset"},
+      {"fp8_shard_ends_inside_a_block", FORGE_STATE_FP8_BLOCK64, 0, 64, 256, "param.col_offset + param.cols"},
   };
   const forge_device cpu{};
   for (const Bad& c : cases) {
@@ -247,11 +249,12 @@ TEST(Shards, BadOffsetsAreRefusedByName) {
     EXPECT_EQ(count, 7);
     for (float v : values) EXPECT_EQ(v, 0.25f);
   }
-  // The valid placements next to them: a row shard, an int8 column shard of whole blocks, one
-  // that ends the row inside a block, and a shard of the whole parameter.
+  // The valid placements next to them: a row shard, an int8 / fp8 column shard of whole blocks,
+  // one that ends the row inside a block, and a shard of the whole parameter.
   const struct { int sf; int64_t ro, co, fc; } good[] = {
       {FORGE_STATE_INT8_BLOCK64, 5, 0, 70}, {FORGE_STATE_INT8_BLOCK64, 0, 128, 198},
-      {FORGE_STATE_INT8_BLOCK64, 2, 64, 134}, {FORGE_STATE_BF16, 1000, 3, 80}};
+      {FORGE_STATE_INT8_BLOCK64, 2, 64, 134}, {FORGE_STATE_FP8_BLOCK64, 0, 128, 198},
+      {FORGE_STATE_FP8_BLOCK64, 2, 64, 134}, {FORGE_STATE_BF16, 1000, 3, 80}};
   for (const auto& g : good) {
     HostParam p(9, 70, FORGE_WEIGHT_BF16_STOCHASTIC, static_cast<forge_state_format>(g.sf), hp);
     Rng rng(4);

@@ -20,6 +20,16 @@ constexpr double kSrMeanSigmas = 6.0;
 // level (× absmax).
 constexpr double kInt8MapRel = 0.0453;
 
+// fp8 states: round to nearest errs by at most half a step of the binade, 2^-(mantissa bits
+// + 1) of the value: 2^-4 for e4m3 (signed states), 2^-3 for e5m2 (unsigned); the block's
+// two factors (top / absmax, absmax / top) and the products x · factor and value · factor add
+// four fp32 roundings, (1 + 2^-3)(1 + 2^-24)^4 − 1 < 2^-3 + 5 · 2^-24. Below the smallest
+// normal value the step is uniform: the error is then at most half the smallest subnormal
+// (× absmax / top), with the same roundings.
+constexpr double kFp8E4m3Rel = 0x1p-4 + 5 * 0x1p-24;
+constexpr double kFp8E5m2Rel = 0x1p-3 + 5 * 0x1p-24;
+constexpr double kFp8FactorRoundings = 5 * 0x1p-24;
+
 // AdamW with int8 states vs fp32 states on a least-squares problem: both must
 // cut the loss by kLsqMinReduction, and the int8 loss must stay within a factor
 // kLsqInt8LossRatio of the fp32 loss at every checkpoint. 4.5% noise on m and v

@@ -3,7 +3,8 @@
 - Runs from a source checkout without installing: if `forge` is not importable, python/
   is put on sys.path (libforge is then found through FORGE_LIBRARY or build*/).
 - DEVICES: "cpu" always; "cuda" only where torch sees a GPU and libforge has its CUDA
-  backend (skipped otherwise, so the CPU CI runs the same files).
+  backend (skipped otherwise, so the CPU CI runs the same files). format_devices: the
+  same for (state format, device) pairs, the CPU-only formats (fp8) on the CPU only.
 - Measured weight differences are collected and printed at the end of the run.
 - OMP_WAIT_POLICY=PASSIVE (unless set): torch and libforge share torch's OpenMP runtime,
   whose threads spin after every parallel region; on a 2-core CI machine with anything
@@ -39,6 +40,19 @@ def cuda_usable() -> bool:
 _CUDA_REASON = "needs a CUDA GPU and libforge built with CUDA"
 requires_cuda = pytest.mark.skipif(not cuda_usable(), reason=_CUDA_REASON)
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+# State formats the CUDA backend refuses (test_lowp.py checks the refusal).
+CPU_ONLY_STATE_FORMATS = ("fp8",)
+
+
+def format_devices(formats):
+    """(state_format, device) parameters: every format on every device of DEVICES, but the
+    CPU-only formats on the CPU only."""
+    out = []
+    for fmt in formats:
+        out.append((fmt, "cpu"))
+        if fmt not in CPU_ONLY_STATE_FORMATS:
+            out.append(pytest.param(fmt, "cuda", marks=requires_cuda))
+    return out
 
 
 def pytest_configure(config):

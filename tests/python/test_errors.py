@@ -32,7 +32,7 @@ BAD = [
     ("AdamW", dict(weight_decay=-0.1), ValueError, "weight_decay"),
     ("AdamW", dict(amsgrad=True), ValueError, "amsgrad"),
     ("AdamW", dict(differentiable=True), ValueError, "differentiable"),
-    ("AdamW", dict(state_format="fp8"), ValueError, "state_format"),
+    ("AdamW", dict(state_format="fp4"), ValueError, "state_format"),
     ("AdamW", dict(stochastic_rounding="yes"), TypeError, "stochastic_rounding"),
     ("AdamW", dict(seed=-1), ValueError, "seed"),
     ("AdamW", dict(lr="fast"), TypeError, "lr"),
@@ -195,11 +195,12 @@ def test_names_come_from_the_library():
     assert lib.weight_format_code("bf16_sr") == forge._lib.WEIGHT_BF16_STOCHASTIC
     assert lib.weight_format_code("bf16_master") == forge._lib.WEIGHT_BF16_MASTER
     assert lib.state_format_code("int8") == forge._lib.STATE_INT8_BLOCK64
+    assert lib.state_format_code("fp8") == forge._lib.STATE_FP8_BLOCK64
     assert lib.dtype_code("fp16") == forge._lib.DTYPE_FP16
     assert lib.device_kind_code("cuda") == forge._lib.DEVICE_CUDA
-    with pytest.raises(ValueError, match=r'"fp8" is no state format \(known: "fp32", "bf16", '
-                                         r'"bf16_sr", "int8"\)'):
-        lib.state_format_code("fp8")
+    with pytest.raises(ValueError, match=r'"fp4" is no state format \(known: "fp32", "bf16", '
+                                         r'"bf16_sr", "int8", "fp8"\)'):
+        lib.state_format_code("fp4")
     info = lib.rule_info(lib.rule_code("RMSprop"))
     assert [s["name"] for s in info["states"]] == ["square_avg", "grad_avg", "momentum_buffer"]
     assert [s["condition"] for s in info["states"]] == [None, "centered", "momentum"]

@@ -63,7 +63,7 @@ def test_hparams_layout_matches_the_header():
     header = open(HEADER).read()
     assert f"#define FORGE_ABI_VERSION {_lib.ABI_VERSION}\n" in header
     assert f"#define FORGE_RUN_SCALARS_BYTES {_lib.RUN_SCALARS_BYTES}\n" in header
-    assert _lib.ABI_VERSION == 4 and forge.library()._lib.forge_abi_version() == 4
+    assert _lib.ABI_VERSION == 5 and forge.library()._lib.forge_abi_version() == 5
 
 
 class HostParam:

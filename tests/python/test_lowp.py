@@ -1,20 +1,21 @@
-"""test_lowp.py — low-precision storage: bf16 / int8 optimizer states, bf16 weights (with
-stochastic rounding, or an fp32 master copy), measured on the update against fp32
+"""test_lowp.py — low-precision storage: bf16 / int8 / fp8 optimizer states, bf16 weights
+(with stochastic rounding, or an fp32 master copy), measured on the update against fp32
 torch.optim.AdamW (metric and bounds: tolerances.py). CPU runs the CPU backend's formats;
-the same tests on CUDA check the GPU backend's."""
+the same tests on CUDA check the GPU backend's, and that it refuses fp8 states (CPU only for
+now) before any weight changes."""
 import copy
 
 import pytest
 import torch
 
 import forge
-from conftest import DEVICES
+from conftest import DEVICES, format_devices, requires_cuda
 from tiny_models import TinyTransformer, lm_loss
 from tolerances import (AUTOCAST_UPDATE_RTOL, BF16_MASTER_UPDATE_RTOL,
                         BF16_VS_TORCH_BF16_FACTOR, LOWP_STEPS, STATE_FORMAT_UPDATE_RTOL)
 
 HP = dict(lr=1e-2, weight_decay=0.1)
-# forge only: int8 states on every parameter (the tiny model's tensors are below
+# forge only: int8 / fp8 states on every parameter (the tiny model's tensors are below
 # min_8bit_size's default of 4096 elements, which would keep most of them fp32)
 EVERY_INT8 = dict(min_8bit_size=0)
 
@@ -47,8 +48,7 @@ def fp32_reference(device):
     return start, ref
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+@pytest.mark.parametrize("state_format,device", format_devices(["bf16", "int8", "fp8"]))
 def test_low_precision_states_fp32_model(state_format, device, record_difference):
     start, ref = fp32_reference(device)
     model = copy.deepcopy(start)
@@ -58,12 +58,11 @@ def test_low_precision_states_fp32_model(state_format, device, record_difference
     record_difference(f"fp32 model, {state_format} states (update)", err)
     assert err <= STATE_FORMAT_UPDATE_RTOL[state_format]
     p = model.blocks[0].up.weight
-    dtype = {"bf16": torch.bfloat16, "int8": torch.uint8}[state_format]
+    dtype = {"bf16": torch.bfloat16, "int8": torch.uint8, "fp8": torch.uint8}[state_format]
     assert opt.state[p]["exp_avg"].dtype == dtype and opt.state[p]["exp_avg_sq"].dtype == dtype
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_format,device", format_devices(["fp32", "bf16", "int8", "fp8"]))
 def test_bf16_model_with_master_weights(state_format, device, record_difference):
     start, ref = fp32_reference(device)
     model = copy.deepcopy(start).to(torch.bfloat16)
@@ -78,8 +77,7 @@ def test_bf16_model_with_master_weights(state_format, device, record_difference)
     assert err <= BF16_MASTER_UPDATE_RTOL[state_format]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_format,device", format_devices(["fp32", "bf16", "int8", "fp8"]))
 def test_bf16_model_stochastic_rounding(state_format, device, record_difference):
     start, ref = fp32_reference(device)
     torch_bf16 = copy.deepcopy(start).to(torch.bfloat16)
@@ -125,3 +123,17 @@ def test_stochastic_rounding_is_seeded():
     a, b, c = run(1), run(1), run(2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, z) for x, z in zip(a, c))
+
+
+@requires_cuda
+def test_fp8_states_are_refused_on_cuda_before_any_weight_changes():
+    """fp8 states run on the CPU backend only: a CUDA model's first step is refused, naming
+    the state format, and no weight has changed."""
+    torch.manual_seed(0)
+    model = TinyTransformer().to("cuda")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = forge.optim.AdamW(model, state_format="fp8", **HP, **EVERY_INT8)
+    with pytest.raises(RuntimeError, match="state_format"):
+        lm_loss(model, 0, "cuda").backward()
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

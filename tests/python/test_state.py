@@ -12,12 +12,17 @@ import pytest
 import torch
 
 import forge
-from conftest import DEVICES
+from conftest import CPU_ONLY_STATE_FORMATS, DEVICES, format_devices, requires_cuda
 from tiny_models import TinyTransformer, lm_loss
 from tolerances import GRAD_NORM_RTOL, STATE_STORE_RTOL
 
 FORMATS = [("float32", "fp32", False), ("float32", "bf16", False), ("float32", "int8", False),
-           ("bfloat16", "bf16", False), ("bfloat16", "int8", True), ("bfloat16", "fp32", True)]
+           ("bfloat16", "bf16", False), ("bfloat16", "int8", True), ("bfloat16", "fp32", True),
+           ("float32", "fp8", False), ("bfloat16", "fp8", True)]
+# (dtype, state_format, master, device): fp8 on the CPU only (conftest.format_devices)
+FORMATS_DEVICES = [(*f, "cpu") for f in FORMATS] + [
+    pytest.param(*f, "cuda", marks=requires_cuda) for f in FORMATS
+    if f[1] not in CPU_ONLY_STATE_FORMATS]
 
 
 def train(model, opt, steps, start, device):
@@ -27,8 +32,7 @@ def train(model, opt, steps, start, device):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,state_format,master", FORMATS)
+@pytest.mark.parametrize("dtype,state_format,master,device", FORMATS_DEVICES)
 def test_resume_is_bit_exact(dtype, state_format, master, device, deterministic):
     dtype = getattr(torch, dtype)
     # (min_8bit_size=0: int8 on every parameter of the tiny model, not only the large ones)
@@ -61,7 +65,7 @@ def test_resume_is_bit_exact(dtype, state_format, master, device, deterministic)
                 assert value == other, key
 
 
-@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8", "fp8"])
 def test_state_dict_round_trip(state_format):
     model = TinyTransformer()
     opt = forge.optim.RMSprop(model, lr=1e-3, centered=True, momentum=0.9,
@@ -72,10 +76,12 @@ def test_state_dict_round_trip(state_format):
     expected = {"fp32": {"square_avg", "grad_avg", "momentum_buffer"},
                 "bf16": {"square_avg", "grad_avg", "momentum_buffer"},
                 "int8": {"square_avg", "grad_avg", "momentum_buffer", "square_avg_absmax",
-                         "grad_avg_absmax", "momentum_buffer_absmax"}}[state_format]
+                         "grad_avg_absmax", "momentum_buffer_absmax"}}
+    expected["fp8"] = expected["int8"]
+    expected = expected[state_format]
     assert set(opt.state[p]) == expected | {"step"}
     assert opt.state[p]["step"] == 2
-    if state_format == "int8":
+    if state_format in ("int8", "fp8"):
         assert opt.state[p]["square_avg"].dtype == torch.uint8
         assert opt.state[p]["square_avg_absmax"].shape == (p.shape[0], -(-p.shape[1] // 64))
 
@@ -124,10 +130,13 @@ def _same_states(a, b):
             for k in a[i]) for i in a)
 
 
-@pytest.mark.parametrize("state_format", ["fp32", "int8"])
-@pytest.mark.parametrize("corrupt", ["step None", "step pair", "step -5", "step 1.5",
-                                     "exp_avg_sq NaN", "exp_avg_sq negative", "absmax Inf",
-                                     "step_id -1"])
+_CORRUPTIONS = ["step None", "step pair", "step -5", "step 1.5", "exp_avg_sq NaN",
+                "exp_avg_sq negative", "absmax Inf", "step_id -1"]
+
+
+@pytest.mark.parametrize("state_format,corrupt",
+                         [(f, c) for f in ("fp32", "int8", "fp8") for c in _CORRUPTIONS] +
+                         [("fp8", "code NaN"), ("fp8", "code negative")])
 def test_load_is_all_or_nothing(state_format, corrupt):
     """A state dict with one bad value, in the last parameter's state: refused with a message
     naming it, and the optimizer keeps every state it had (nothing was cleared or loaded)."""
@@ -141,9 +150,16 @@ def test_load_is_all_or_nothing(state_format, corrupt):
         last["step"] = {"None": None, "pair": torch.tensor([1, 2]), "-5": -5, "1.5": 1.5}[how]
     elif what == "step_id":
         saved["forge"]["step_id"] = -1
+    elif what == "code":
+        # fp8 codes no step stores: e4m3's NaN in a first moment, a negative e5m2 second
+        # moment (int8 codes are any byte: nothing to corrupt there)
+        if how == "NaN":
+            last["exp_avg"].view(-1)[0] = 0x7F
+        else:
+            last["exp_avg_sq"].view(-1)[0] = 0x81
     else:
-        # (int8: the codes are any byte; the absmax is what can hold a bad value)
-        key = "exp_avg_sq_absmax" if state_format == "int8" else "exp_avg_sq"
+        # (int8 / fp8: the absmax is what can hold a bad float)
+        key = "exp_avg_sq_absmax" if state_format in ("int8", "fp8") else "exp_avg_sq"
         t = last[key]
         t.view(-1)[0] = {"NaN": float("nan"), "negative": -1.0, "Inf": float("inf")}[how]
     before = _states_snapshot(opt)
@@ -232,8 +248,7 @@ def test_nonfinite_gradients_are_counted_and_skipped():
     assert torch.equal(w0[:, 1], before[0][:, 1]), "skipped elements are left as they were"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("state_format,device", format_devices(["fp32", "bf16", "int8", "fp8"]))
 def test_state_fp32_decodes_states(state_format, device):
     """state_fp32() decodes through libforge; against an fp32-state run of the same step
     (bounds: STATE_STORE_RTOL)."""
@@ -251,7 +266,8 @@ def test_state_fp32_decodes_states(state_format, device):
     for key in got:
         assert torch.equal(want[key], ref_opt.state[q][key])
         err = ((got[key] - want[key]).abs().max() / want[key].abs().max()).item()
-        assert err <= STATE_STORE_RTOL[state_format], (key, err)
+        rtol = STATE_STORE_RTOL[state_format]
+        assert err <= (rtol[key] if isinstance(rtol, dict) else rtol), (key, err)
 
 
 # ----------------------------------------------------------------- state format per parameter
@@ -352,7 +368,7 @@ def test_bad_group_storage_options_are_refused():
         forge.optim.AdamW(model, min_8bit_size=True)
     opt = forge.optim.AdamW(model)
     with pytest.raises(ValueError, match=r"param group 1: state_format"):
-        opt.add_param_group({"params": [], "state_format": "fp8"})
+        opt.add_param_group({"params": [], "state_format": "fp4"})
     assert len(opt.param_groups) == 1
 
 

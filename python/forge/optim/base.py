@@ -29,9 +29,19 @@ from .routing import _RoutingMixin, _Slot, _owner_of
 from . import distributed
 from .deferred import ConsumedGrad, FactoredGrad, fill_sum_sqs, sum_sq_fp64
 from . import summary as _summary
-from .states import MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin, check_storage_options
+from .states import BLOCK_FORMATS, MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin, check_storage_options
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _bad_fp8_codes(codes: torch.Tensor, unsigned: bool) -> bool:
+    """Whether fp8 state codes (uint8) hold what no step stores: e4m3's NaN (S.1111.111) for a
+    signed state; for an unsigned one (e5m2) an infinity or NaN (exponent 11111) or a negative
+    value (-0, 0x80, is stored)."""
+    c = codes.to(torch.int16)
+    if not unsigned:
+        return bool(((c & 0x7F) == 0x7F).any())
+    return bool((((c & 0x7C) == 0x7C) | ((c > 0x80))).any())
 MODES = ("auto", "immediate", "deferred")
 DEFERRED_STORES = ("auto", "factors", "grad")
 _log = logging.getLogger("forge")
@@ -83,9 +93,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
       params               param groups (dicts, as torch.optim takes) over the model's
                            parameters; default: every parameter with requires_grad, one group.
                            See param_groups_no_decay().
-      state_format         "fp32" | "bf16" | "int8" (block-64 dynamic map + fp32 absmax);
-                           a param group may carry its own "state_format" (states.py).
-      min_8bit_size        with "int8", a parameter of fewer elements keeps fp32 states
+      state_format         "fp32" | "bf16" | "int8" (block-64 dynamic map + fp32 absmax) |
+                           "fp8" (e4m3 / e5m2 scaled per block of 64; CPU backend only for
+                           now); a param group may carry its own "state_format" (states.py).
+      min_8bit_size        with "int8" / "fp8", a parameter of fewer elements keeps fp32 states
                            (bitsandbytes' name and default, 4096); a group may carry its own.
       master_weights       bf16 parameters keep an fp32 master copy (state "master"); the
                            bf16 weight is its nearest rounding. No effect on fp32 parameters.
@@ -497,7 +508,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's layout ('state' by parameter index, 'param_groups') holding the raw
-        state buffers (fp32, bf16, or int8 codes + fp32 absmax, and the fp32 master), each
+        state buffers (fp32, bf16, or int8 / fp8 codes + fp32 absmax, and the fp32 master), each
         parameter's 'step', and a 'forge' entry with the storage options."""
         sd = super().state_dict()
         # format_version 2 added state_formats: {parameter index: format} of every
@@ -581,12 +592,12 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
     def _check_loaded_values(self, slot, group, saved_state, fmt: str) -> None:
         """Values a step could never have stored are refused: NaN/Inf anywhere (states,
-        int8 absmax, master weights), a negative second moment or int8 absmax."""
+        int8 / fp8 absmax, master weights, fp8 codes), a negative second moment or absmax."""
         layout = self._layout(slot, group, fmt)
         for i in range(layout.num_states):
             name = layout.names[i].decode()
             unsigned = not layout.is_signed[i]
-            if fmt == "int8":
+            if fmt in BLOCK_FORMATS:
                 checks = [(name + "_absmax", True)]
             else:
                 checks = [(name, unsigned)]
@@ -598,6 +609,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 if non_negative and bool((t < 0).any()):
                     raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{key}' "
                                      "holds negative values (it can only be >= 0)")
+            if fmt == "fp8" and _bad_fp8_codes(saved_state[name], unsigned):
+                raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{name}' "
+                                 "holds fp8 codes no step stores (NaN, infinity"
+                                 f"{', or negative' if unsigned else ''})")
         if "master" in saved_state and not bool(torch.isfinite(saved_state["master"]).all()):
             raise ValueError(f"load_state_dict: parameter '{slot.name}': state 'master' holds "
                              "NaN or Inf")

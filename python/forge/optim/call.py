@@ -333,7 +333,7 @@ def _as_operand(grad: torch.Tensor, p: torch.Tensor) -> Tuple[torch.Tensor, int]
 
 
 _WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2, "bf16_master": 2}
-_STATE_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2, "int8": 1}
+_STATE_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2, "int8": 1, "fp8": 1}
 
 
 def _row_block(param: _lib.Param, rows: Tuple[int, int]) -> _lib.Param:

@@ -103,8 +103,8 @@ def geometry(param: torch.Tensor, name: str) -> Geometry:
 
 
 def check_int8_blocks(geo: Geometry, name: str) -> None:
-    """int8 states share one absmax per 64 elements of a row: a column shard must start on a
-    block, and end on one unless it ends the row."""
+    """int8 and fp8 states share one absmax per 64 elements of a row: a column shard must
+    start on a block, and end on one unless it ends the row."""
     if not geo.full_cols or geo.cols == geo.full_cols:
         return
     end = geo.col_offset + geo.cols
@@ -112,12 +112,12 @@ def check_int8_blocks(geo: Geometry, name: str) -> None:
         raise ValueError(
             f"parameter '{name}': its shard holds columns {geo.col_offset}..{end - 1} of "
             f"{geo.full_cols}, which do not start and end on blocks of {INT8_BLOCK} (int8 "
-            "states keep one absmax per 64 elements of a row); use another state_format for it "
+            "and fp8 states keep one absmax per 64 elements of a row); use another state_format for it "
             "or a sharding whose column shards are multiples of 64")
 
 
 def absmax_placements(param) -> Sequence:
-    """The placements of an int8 absmax tensor ([rows, ceil(cols / 64)]) of a DTensor
+    """The placements of an int8 / fp8 absmax tensor ([rows, ceil(cols / 64)]) of a DTensor
     parameter: a 1-D parameter's Shard(0) is the absmax's Shard(1)."""
     if param.dim() > 1:
         return param.placements

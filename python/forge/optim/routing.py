@@ -79,7 +79,7 @@ class _Slot:
         self.mode = mode            # "fused" | "hook" | "batched" | "deferred"
         self.kind = None            # fused: the layer, "Linear" or "Conv1D"
         self.reason = ""            # why this path, in words (opt.summary())
-        self.state_format = None    # "fp32" | "bf16" | "int8", fixed when its states are made
+        self.state_format = None    # states.STATE_FORMATS, fixed when its states are made
         self.storage_asked = None   # its group's (state_format, min_8bit_size) then
         self.dtype = param.dtype
         self.device = param.device

@@ -1,13 +1,14 @@
 """states.py — how a forge optimizer stores its states: formats, tensors, the forge_param struct.
 
-The state format ("fp32", "bf16", "int8") is per parameter: its param group's
-"state_format" (default: the constructor's state_format), where "int8" gives a parameter
-of fewer than the group's "min_8bit_size" elements (default 4096, bitsandbytes' name and
-value) fp32 states. It is fixed when the parameter's states are made (slot.state_format); a
+The state format ("fp32", "bf16", "int8", "fp8") is per parameter: its param group's
+"state_format" (default: the constructor's state_format), where an 8-bit format ("int8",
+"fp8") gives a parameter of fewer than the group's "min_8bit_size" elements (default 4096,
+bitsandbytes' name and value) fp32 states. "fp8" runs on the CPU backend only for now (a CUDA
+parameter's first step is refused, naming it). It is fixed when the parameter's states are made (slot.state_format); a
 group changed afterwards is refused at the next step. With master_weights /
 stochastic_rounding it decides the storage codes passed to libforge; the states of a
 parameter are plain tensors in optimizer.state[param] under torch.optim's names (exp_avg,
-exp_avg_sq, ...; int8 adds <name>_absmax, master weights "master"), so state_dict() holds
+exp_avg_sq, ...; int8 and fp8 add <name>_absmax, master weights "master"), so state_dict() holds
 the raw buffers, and its 'forge' entry each parameter's format.
 """
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 from .. import _lib
 from . import distributed
 
-STATE_FORMATS = ("fp32", "bf16", "int8")
+STATE_FORMATS = ("fp32", "bf16", "int8", "fp8")
+# Formats of a code byte per element and an fp32 absmax per block of 64 columns of a row.
+BLOCK_FORMATS = ("int8", "fp8")
 _UPDATABLE = (torch.float32, torch.bfloat16)  # parameter dtypes FORGE updates
-MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 states under "int8"
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 states under 8 bits
 # The keys a param group may carry to choose its storage (defaults: the constructor's).
 STORAGE_KEYS = ("state_format", "min_8bit_size")
 
@@ -43,7 +46,7 @@ class _StatesMixin:
     @torch.no_grad()
     def state_fp32(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The optimizer states of `param` decoded to fp32 tensors of its shape (bf16
-        widened, int8 codes × absmax through forge_state_to_fp32), for inspection."""
+        widened, int8 / fp8 codes decoded through forge_state_to_fp32), for inspection."""
         slot = self._slots.get(id(param))
         if slot is None or slot.param is not param:
             raise ValueError("state_fp32: not a parameter of this optimizer")
@@ -72,10 +75,11 @@ class _StatesMixin:
         return _lib.WEIGHT_BF16_STOCHASTIC if self.stochastic_rounding else _lib.WEIGHT_BF16
 
     def _requested_format(self, slot, group: Dict[str, Any]) -> str:
-        """The state format slot's group asks for: its "state_format", with "int8" meaning
-        fp32 below "min_8bit_size" elements (of the whole parameter, on every rank alike)."""
+        """The state format slot's group asks for: its "state_format", with "int8" / "fp8"
+        meaning fp32 below "min_8bit_size" elements (of the whole parameter, on every rank
+        alike)."""
         fmt = group.get("state_format", self.state_format)
-        if fmt == "int8" and slot.param.numel() < group.get("min_8bit_size",
+        if fmt in BLOCK_FORMATS and slot.param.numel() < group.get("min_8bit_size",
                                                             self.min_8bit_size):
             return "fp32"
         return fmt
@@ -116,10 +120,10 @@ class _StatesMixin:
         if was is None or was == fmt:
             return fmt
         hint = ""
-        if was == "int8" and group.get("state_format") == "int8":
+        if was in BLOCK_FORMATS and group.get("state_format") == was:
             hint = (f" (it has {slot.param.numel()} elements, fewer than min_8bit_size="
                     f"{group.get('min_8bit_size')}; a checkpoint made before min_8bit_size "
-                    "existed holds int8 states for every parameter: load it with "
+                    f"existed holds {was} states for every parameter: load it with "
                     "min_8bit_size=0)")
         raise ValueError(f"load_state_dict: parameter '{slot.name}': saved with "
                          f"state_format={was!r}, this optimizer keeps {fmt!r} states for it"
@@ -159,6 +163,8 @@ class _StatesMixin:
             return _lib.STATE_FP32
         if fmt == "int8":
             return _lib.STATE_INT8_BLOCK64
+        if fmt == "fp8":
+            return _lib.STATE_FP8_BLOCK64
         return _lib.STATE_BF16_STOCHASTIC if stochastic_rounding else _lib.STATE_BF16
 
     def _layout(self, slot, group: Dict[str, Any], fmt: Optional[str] = None
@@ -188,7 +194,7 @@ class _StatesMixin:
                 spec[name] = (torch.float32, shape)
             elif fmt == "bf16":
                 spec[name] = (torch.bfloat16, shape)
-            else:
+            else:  # int8 / fp8
                 spec[name] = (torch.uint8, shape)
                 spec[name + "_absmax"] = (torch.float32, (rows, -(-cols // _lib.INT8_BLOCK)))
         if self._weight_format(slot) == _lib.WEIGHT_BF16_MASTER:
@@ -209,7 +215,7 @@ class _StatesMixin:
     def _allocate_state(self, slot, group: Dict[str, Any], init: bool) -> Dict[str, Any]:
         p = slot.param
         fmt = self._requested_format(slot, group)
-        if slot.dtensor and fmt == "int8":
+        if slot.dtensor and fmt in BLOCK_FORMATS:
             distributed.check_int8_blocks(slot.geometry, slot.name)
         self._fix_state_format(slot, group)
         st = self.state[p]
@@ -279,7 +285,7 @@ class _StatesMixin:
         fp.state_format = self._state_format_code(slot.state_format, self.stochastic_rounding)
         for i, name in enumerate(slot.signature[1]):
             fp.state[i] = local(st[name]).data_ptr()
-            if slot.state_format == "int8":
+            if slot.state_format in BLOCK_FORMATS:
                 fp.state_absmax[i] = _lib.float_ptr(local(st[name + "_absmax"]).data_ptr())
         geo = slot.geometry
         if geo.full_cols and hasattr(fp, "row_offset"):  # a shard: its elements' full indices

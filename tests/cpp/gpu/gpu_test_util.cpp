@@ -14,6 +14,9 @@
 
 namespace fgt {
 
+using forge_test::block_states;
+using forge_test::state_element_bytes;
+
 bool gpu_available() {
   static const bool available = [] {
     int n = 0;
@@ -118,7 +121,7 @@ forge_param HostParam::view() {
   p.state_format = state_format;
   for (int i = 0; i < layout.num_states; ++i) {
     p.state[i] = state[i].data();
-    p.state_absmax[i] = state_format == FORGE_STATE_INT8_BLOCK64 ? absmax[i].data() : nullptr;
+    p.state_absmax[i] = block_states(state_format) ? absmax[i].data() : nullptr;
   }
   p.row_offset = row_offset;
   p.col_offset = col_offset;
@@ -129,7 +132,6 @@ forge_param HostParam::view() {
 namespace {
 
 using forge_test::copy_block;
-using forge_test::state_element_bytes;
 
 // Moves the shard's block between `full` and `shard` (to_shard: full -> shard).
 void move_shard(HostParam& full, HostParam& shard, bool to_shard) {
@@ -147,7 +149,7 @@ void move_shard(HostParam& full, HostParam& shard, bool to_shard) {
   for (int i = 0; i < full.layout.num_states; ++i) {
     move(full.state[i], shard.state[i], full.cols, cols, c0, cols,
          state_element_bytes(full.state_format));
-    if (full.state_format == FORGE_STATE_INT8_BLOCK64) {
+    if (block_states(full.state_format)) {
       const int64_t full_blocks = (full.cols + 63) / 64, blocks = (cols + 63) / 64;
       auto* f = reinterpret_cast<uint8_t*>(full.absmax[i].data());
       auto* s = reinterpret_cast<uint8_t*>(shard.absmax[i].data());
@@ -172,7 +174,7 @@ HostParam take_shard(const HostParam& full, int64_t r0, int64_t rows, int64_t c0
   for (int i = 0; i < full.layout.num_states; ++i) {
     h.layout.state_bytes[i] = rows * cols * state_element_bytes(full.state_format);
     h.state[i].resize(static_cast<size_t>(h.layout.state_bytes[i]));
-    if (full.state_format == FORGE_STATE_INT8_BLOCK64) {
+    if (block_states(full.state_format)) {
       h.layout.absmax_count[i] = rows * ((cols + 63) / 64);
       h.absmax[i].resize(static_cast<size_t>(h.layout.absmax_count[i]));
     }
@@ -247,7 +249,7 @@ void DeviceParam::upload(const HostParam& h) {
   if (h.weight_format == FORGE_WEIGHT_BF16_MASTER) put(master, h.master.data(), h.master.size());
   for (int i = 0; i < h.layout.num_states; ++i) {
     put(state[i], h.state[i].data(), h.state[i].size());
-    if (h.state_format == FORGE_STATE_INT8_BLOCK64)
+    if (block_states(h.state_format))
       put(absmax[i], h.absmax[i].data(), h.absmax[i].size() * sizeof(float));
   }
 }
@@ -264,7 +266,7 @@ forge_param DeviceParam::view(const HostParam& shape) const {
   for (int i = 0; i < shape.layout.num_states; ++i) {
     p.state[i] = state[i].data();
     p.state_absmax[i] =
-        shape.state_format == FORGE_STATE_INT8_BLOCK64 ? static_cast<float*>(absmax[i].data())
+        block_states(shape.state_format) ? static_cast<float*>(absmax[i].data())
                                                        : nullptr;
   }
   p.row_offset = shape.row_offset;
@@ -279,7 +281,7 @@ HostParam DeviceParam::download(const HostParam& shape) const {
   if (shape.weight_format == FORGE_WEIGHT_BF16_MASTER) master.download(h.master.data(), h.master.size());
   for (int i = 0; i < shape.layout.num_states; ++i) {
     state[i].download(h.state[i].data(), h.state[i].size());
-    if (shape.state_format == FORGE_STATE_INT8_BLOCK64)
+    if (block_states(shape.state_format))
       absmax[i].download(h.absmax[i].data(), h.absmax[i].size() * sizeof(float));
   }
   return h;
@@ -300,7 +302,7 @@ HostParam DeviceParam::download(const HostParam& shape) const {
 namespace {
 
 int state_elem_bytes(forge_state_format f) {
-  return f == FORGE_STATE_FP32 ? 4 : f == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
+  return state_element_bytes(f);
 }
 
 // First differing element of two equally sized byte vectors, elements of `elem` bytes.
@@ -356,7 +358,7 @@ std::vector<uint8_t> float_bytes(const std::vector<float>& v) {
   for (int i = 0; i < expected.layout.num_states; ++i) {
     buffers.push_back({"state" + std::to_string(i), &expected.state[i], &actual.state[i],
                        state_elem_bytes(expected.state_format)});
-    if (expected.state_format == FORGE_STATE_INT8_BLOCK64) {
+    if (block_states(expected.state_format)) {
       absmax_bytes.push_back(float_bytes(expected.absmax[i]));
       absmax_bytes.push_back(float_bytes(actual.absmax[i]));
     }
@@ -411,7 +413,7 @@ std::vector<float> decoded(const HostParam& p, const std::string& buffer, const 
   if (expected.weight_format == FORGE_WEIGHT_BF16_MASTER) buffers.push_back({"master", 0});
   for (int i = 0; i < expected.layout.num_states; ++i) {
     const int kind = expected.state_format == FORGE_STATE_FP32           ? 0
-                     : expected.state_format == FORGE_STATE_INT8_BLOCK64 ? 2
+                     : block_states(expected.state_format)                ? 2
                                                                          : 1;
     buffers.push_back({"state" + std::to_string(i), kind});
   }
@@ -669,6 +671,7 @@ const char* state_format_name(forge_state_format f) {
     case FORGE_STATE_FP32: return "Sfp32";
     case FORGE_STATE_BF16: return "Sbf16";
     case FORGE_STATE_BF16_STOCHASTIC: return "Sbf16sr";
+    case FORGE_STATE_FP8_BLOCK64: return "Sfp8";
     default: return "Sint8";
   }
 }
