@@ -14,11 +14,12 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from conftest import requires_cuda
+from conftest import DEVICES, requires_cuda
 from forge.tools import train as forge_train
 
 SMALL = ["--seq-len", "32", "--batch-size", "4", "--no-plot"]
@@ -669,6 +670,38 @@ def test_step_profile_categories():
     assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
     assert category("void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>") \
         == "other"
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward spends its time in Python, like a fused Linear's hooks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _busy_python(0.02)
+        return g
+
+
+def _busy_python(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_profile_sees_the_backward(device):
+    """forge-bench --profile's cProfile step: Python run by backward is in it (on a GPU autograd
+    runs backward on a thread of its own, which cProfile before Python 3.12 does not follow)."""
+    from forge.tools.step_profile import host_profile
+    x = torch.ones(4, device=device, requires_grad=True)
+
+    def step():
+        _SlowBackward.apply(x).sum().backward()
+    names = [row["name"] for row in host_profile(step, torch.device(device))["top"]]
+    assert any("_busy_python" in n for n in names), names
 
 
 def test_bench_rejects_negative_profile_steps(capsys):

@@ -9,7 +9,8 @@ operators' self CPU time. The host's CUDA runtime calls (launches, synchronizati
 allocations) are summed the same way. Then the step's phases (forward, backward, optimizer)
 are timed on both sides, host clock and GPU events, for the same steps: a phase whose GPU
 time equals its host time kept the GPU waiting on the host. Last, one more step runs under
-cProfile: the host's time by Python function (cProfile's own overhead inflates it).
+cProfile: the host's time by Python function (cProfile's own overhead inflates it), with the
+backward on the calling thread so that cProfile sees it on every Python version.
 """
 from __future__ import annotations
 
@@ -145,12 +146,15 @@ def _timed_phases(phases, steps: int, cuda: bool, host: Dict[str, List[float]],
 
 def host_profile(step: Callable[[], object], device: torch.device) -> dict:
     """One step under cProfile: the host's milliseconds and the TOP_HOST_FUNCTIONS functions
-    by own time (ms per step)."""
+    by own time (ms per step). Its backward runs on the calling thread: on a GPU autograd
+    otherwise runs it on a worker thread of its own, which cProfile before Python 3.12 (one
+    thread's profiler) does not see, so FORGE's backward hooks would be missing."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
-    step()
+    with torch.autograd.set_multithreading_enabled(False):
+        step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     prof.disable()
