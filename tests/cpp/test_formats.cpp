@@ -301,83 +301,86 @@ TEST(Fp8Format, BlockFactorMapsTheAbsmaxToTheLargestValue) {
   }
 }
 
-// forge_state_from_fp32 then forge_state_to_fp32 on fp8 states: each value comes back within
-// the format's rounding (relative), or within half the block's smallest step (absolute).
+// first moments m spanning 6 decades, as moments do, and second moments v = m², through
+// forge_state_from_fp32 and back (forge_state_to_fp32) in `sf` (int8 or fp8): [5, 200], 4
+// blocks a row, the last one partial.
+struct BlockRoundTrip {
+  static constexpr int64_t kRows = 5, kCols = 200;
+  std::vector<float> m, v, m2, v2, absmax_m, absmax_v;
+};
+
+BlockRoundTrip block_round_trip(forge_state_format sf, Rng& rng) {
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  const int64_t n = BlockRoundTrip::kRows * BlockRoundTrip::kCols;
+  HostParam p(BlockRoundTrip::kRows, BlockRoundTrip::kCols, FORGE_WEIGHT_FP32, sf, hp);
+  BlockRoundTrip r;
+  r.m.resize(n);
+  r.v.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    r.m[i] = rng.normal(1.0f) * std::pow(10.0f, rng.uniform(-6.0f, 0.0f));
+    r.v[i] = r.m[i] * r.m[i];
+  }
+  forge_device cpu{};
+  EXPECT_EQ(forge_state_from_fp32(&p.p, &hp, 0, r.m.data(), cpu), FORGE_OK) << forge_last_error();
+  EXPECT_EQ(forge_state_from_fp32(&p.p, &hp, 1, r.v.data(), cpu), FORGE_OK) << forge_last_error();
+  r.m2 = p.state_fp32(0, hp);
+  r.v2 = p.state_fp32(1, hp);
+  const float* am = reinterpret_cast<const float*>(p.absmax[0].data());
+  const float* av = reinterpret_cast<const float*>(p.absmax[1].data());
+  r.absmax_m.assign(am, am + BlockRoundTrip::kRows * 4);
+  r.absmax_v.assign(av, av + BlockRoundTrip::kRows * 4);
+  return r;
+}
+
+// Each fp8 value comes back within the format's rounding (relative), or within half the
+// block's smallest step (absolute), and is zero exactly below that.
 TEST(Fp8States, BlockRoundTripErrorBound) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
   Rng rng(seed);
-  forge_hparams hp;
-  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
-  const int64_t rows = 5, cols = 200;  // 4 blocks a row, the last one partial
-  HostParam p(rows, cols, FORGE_WEIGHT_FP32, FORGE_STATE_FP8_BLOCK64, hp);
-  std::vector<float> m(rows * cols), v(rows * cols);
-  for (int64_t i = 0; i < rows * cols; ++i) {
-    m[i] = rng.normal(1.0f) * std::pow(10.0f, rng.uniform(-6.0f, 0.0f));  // 6 decades
-    v[i] = m[i] * m[i];
-  }
-  forge_device cpu{};
-  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 0, m.data(), cpu), FORGE_OK) << forge_last_error();
-  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 1, v.data(), cpu), FORGE_OK) << forge_last_error();
-  const std::vector<float> m2 = p.state_fp32(0, hp), v2 = p.state_fp32(1, hp);
-  const float* absmax_m = reinterpret_cast<const float*>(p.absmax[0].data());
-  const float* absmax_v = reinterpret_cast<const float*>(p.absmax[1].data());
+  const BlockRoundTrip r = block_round_trip(FORGE_STATE_FP8_BLOCK64, rng);
   int64_t zero_m = 0;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t i = r * cols + c, b = r * 4 + c / 64;
+  for (int64_t row = 0; row < r.kRows; ++row)
+    for (int64_t c = 0; c < r.kCols; ++c) {
+      const int64_t i = row * r.kCols + c, b = row * 4 + c / 64;
       // half the smallest subnormal of the block: 2^-10 (e4m3) and 2^-17 (e5m2), × absmax / top
-      const double floor_m = 0x1p-10 * absmax_m[b] / 448.0 * (1 + kFp8FactorRoundings);
-      const double floor_v = 0x1p-17 * absmax_v[b] / 57344.0 * (1 + kFp8FactorRoundings);
-      EXPECT_LE(std::fabs(m2[i] - m[i]), std::max(kFp8E4m3Rel * std::fabs(m[i]), floor_m)) << i;
-      EXPECT_LE(std::fabs(v2[i] - v[i]), std::max(kFp8E5m2Rel * v[i], floor_v)) << i;
-      EXPECT_GE(v2[i], 0.0f);
-      EXPECT_TRUE(m2[i] == 0 || (m2[i] > 0) == (m[i] > 0)) << "sign flipped at " << i;
+      const double floor_m = 0x1p-10 * r.absmax_m[b] / 448.0 * (1 + kFp8FactorRoundings);
+      const double floor_v = 0x1p-17 * r.absmax_v[b] / 57344.0 * (1 + kFp8FactorRoundings);
+      EXPECT_LE(std::fabs(r.m2[i] - r.m[i]), std::max(kFp8E4m3Rel * std::fabs(r.m[i]), floor_m)) << i;
+      EXPECT_LE(std::fabs(r.v2[i] - r.v[i]), std::max(kFp8E5m2Rel * r.v[i], floor_v)) << i;
+      EXPECT_GE(r.v2[i], 0.0f);
+      EXPECT_TRUE(r.m2[i] == 0 || (r.m2[i] > 0) == (r.m[i] > 0)) << "sign flipped at " << i;
       // zero exactly where the value is within half the smallest step (up to the roundings)
-      if (m2[i] == 0) EXPECT_LE(std::fabs(m[i]), floor_m) << i;
-      if (std::fabs(m[i]) < floor_m * (1 - 2 * kFp8FactorRoundings)) EXPECT_EQ(m2[i], 0.0f) << i;
-      zero_m += m2[i] == 0;
+      if (r.m2[i] == 0) EXPECT_LE(std::fabs(r.m[i]), floor_m) << i;
+      if (std::fabs(r.m[i]) < floor_m * (1 - 2 * kFp8FactorRoundings)) EXPECT_EQ(r.m2[i], 0.0f) << i;
+      zero_m += r.m2[i] == 0;
     }
   EXPECT_GT(zero_m, 0) << "the values span 6 decades: some are below e4m3's 2^-17.8 of a block";
   float largest = 0;
-  for (int c = 0; c < 64; ++c) largest = std::max(largest, std::fabs(m[c]));
-  EXPECT_EQ(absmax_m[0], largest);  // the absmax is the block's largest magnitude, unrounded
+  for (int c = 0; c < 64; ++c) largest = std::max(largest, std::fabs(r.m[c]));
+  EXPECT_EQ(r.absmax_m[0], largest);  // the absmax is the block's largest magnitude, unrounded
 }
 
 TEST(Int8Map, BlockRoundTripErrorBound) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
   Rng rng(seed);
-  forge_hparams hp;
-  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
-  const int64_t rows = 5, cols = 200;  // 4 blocks a row, the last one partial
-  HostParam p(rows, cols, FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64, hp);
-  std::vector<float> m(rows * cols), v(rows * cols);
-  for (int64_t i = 0; i < rows * cols; ++i) {
-    // values spanning 6 decades, as moments do
-    m[i] = rng.normal(1.0f) * std::pow(10.0f, rng.uniform(-6.0f, 0.0f));
-    v[i] = m[i] * m[i];
-  }
-  forge_device cpu{};
-  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 0, m.data(), cpu), FORGE_OK) << forge_last_error();
-  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 1, v.data(), cpu), FORGE_OK) << forge_last_error();
-  const std::vector<float> m2 = p.state_fp32(0, hp), v2 = p.state_fp32(1, hp);
-  const float* absmax_m = reinterpret_cast<const float*>(p.absmax[0].data());
-  const float* absmax_v = reinterpret_cast<const float*>(p.absmax[1].data());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t i = r * cols + c, b = r * 4 + c / 64;
-      const double floor_m = int8_level_value(1, kInt8SignedTop) * absmax_m[b];
-      const double floor_v = int8_level_value(1, kInt8UnsignedTop) * absmax_v[b];
-      EXPECT_LE(std::fabs(m2[i] - m[i]), std::max(kInt8MapRel * std::fabs(m[i]), floor_m)) << i;
-      EXPECT_LE(std::fabs(v2[i] - v[i]), std::max(kInt8MapRel * v[i], floor_v)) << i;
-      EXPECT_GE(v2[i], 0.0f);
-      EXPECT_TRUE(m2[i] == 0 || (m2[i] > 0) == (m[i] > 0)) << "sign flipped at " << i;
+  const BlockRoundTrip r = block_round_trip(FORGE_STATE_INT8_BLOCK64, rng);
+  for (int64_t row = 0; row < r.kRows; ++row)
+    for (int64_t c = 0; c < r.kCols; ++c) {
+      const int64_t i = row * r.kCols + c, b = row * 4 + c / 64;
+      const double floor_m = int8_level_value(1, kInt8SignedTop) * r.absmax_m[b];
+      const double floor_v = int8_level_value(1, kInt8UnsignedTop) * r.absmax_v[b];
+      EXPECT_LE(std::fabs(r.m2[i] - r.m[i]), std::max(kInt8MapRel * std::fabs(r.m[i]), floor_m)) << i;
+      EXPECT_LE(std::fabs(r.v2[i] - r.v[i]), std::max(kInt8MapRel * r.v[i], floor_v)) << i;
+      EXPECT_GE(r.v2[i], 0.0f);
+      EXPECT_TRUE(r.m2[i] == 0 || (r.m2[i] > 0) == (r.m[i] > 0)) << "sign flipped at " << i;
     }
   // Each block's absmax is its largest magnitude, so that element is exact.
   float largest = 0;
-  for (int c = 0; c < 64; ++c) largest = std::max(largest, std::fabs(m[c]));
-  EXPECT_EQ(absmax_m[0], largest);
+  for (int c = 0; c < 64; ++c) largest = std::max(largest, std::fabs(r.m[c]));
+  EXPECT_EQ(r.absmax_m[0], largest);
 }
 
 // Least squares: W [out, in] fits Y* = X W*ᵀ; loss = ½/T ‖X Wᵀ − Y*‖²,
