@@ -290,7 +290,21 @@ def _constant_lr_run(steps, out):
             "--out", out] + SMALL
 
 
-def test_ctrl_c_finishes_the_step_and_saves_it(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def sigint_handled():
+    """SIGINT as an interactive Python process has it (KeyboardInterrupt), whatever the suite
+    was started with (a background job starts with it ignored); restored afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _sigint_as_python_sets_it():
+    """preexec_fn of a child: SIGINT at its default, so the child's Python handles it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_finishes_the_step_and_saves_it(tmp_path, monkeypatch, capsys, sigint_handled):
     """SIGINT during step 3 of a run without --save-every: step 3 completes, its checkpoint
     is written (atomically: no temporary file is left), the message names the step, and the
     resumed run is bit-identical to one never interrupted."""
@@ -317,7 +331,8 @@ def test_ctrl_c_finishes_the_step_and_saves_it(tmp_path, monkeypatch, capsys):
     assert metrics(parts)["losses"] == metrics(whole)["losses"]
 
 
-def test_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch, capsys):
+def test_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch, capsys,
+                                                          sigint_handled):
     real_loss, calls = forge_train.lm_loss, []
 
     def two_sigints_in_step_2(model, tokens):
@@ -343,7 +358,7 @@ def test_ctrl_c_in_a_terminal_leaves_a_resumable_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "forge.tools.train", "--log-every", "1"]
                             + [str(a) for a in _constant_lr_run(100000, out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env())
+                            env=child_env(), preexec_fn=_sigint_as_python_sets_it)
     try:
         for line in proc.stdout:
             if re.match(r"step\s+3/", line):
@@ -358,6 +373,26 @@ def test_ctrl_c_in_a_terminal_leaves_a_resumable_checkpoint(tmp_path):
     state = forge_train.load_checkpoint(str(out / "checkpoint.pt"))
     assert state["step"] == int(held[1]) >= 3
     assert len(state["losses"]) == state["step"]
+
+
+def test_ignored_sigint_stays_ignored(tmp_path, monkeypatch):
+    """A run started with SIGINT ignored (nohup, a script's background job) keeps ignoring it:
+    the run goes on to its last step, and the disposition is left as it was."""
+    real_loss, calls = forge_train.lm_loss, []
+
+    def sigint_in_step_2(model, tokens):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return real_loss(model, tokens)
+    monkeypatch.setattr(forge_train, "lm_loss", sigint_in_step_2)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert run(["--steps", 4, "--out", tmp_path / "run"] + SMALL) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(calls) == 4
 
 
 def test_resume_dir_writes_there_unless_out_says_otherwise(tmp_path, monkeypatch, capsys):

@@ -683,14 +683,16 @@ class InterruptGuard:
     checkpoint of it and stops. A FORGE step updates weights inside backward, so a step cut
     in the middle leaves no consistent state to save. A second Ctrl-C stops at once (a
     KeyboardInterrupt, no new checkpoint). Only in the main thread, where Python delivers
-    signals; elsewhere Ctrl-C keeps its default."""
+    signals; elsewhere Ctrl-C keeps its default. A SIGINT the process was started ignoring (a
+    job run with nohup or in the background of a script) stays ignored."""
 
     def __init__(self):
         self.requested = False
         self._previous = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         return self
 
