@@ -137,6 +137,7 @@ RULE_CASES = [  # (id, rule, weight dtype, weight format, state format)
     ("adamw-bf16-sr", _lib.RULE_ADAMW, torch.bfloat16, _lib.WEIGHT_BF16_STOCHASTIC,
      _lib.STATE_BF16_STOCHASTIC),
     ("adamw-int8", _lib.RULE_ADAMW, torch.float32, _lib.WEIGHT_FP32, _lib.STATE_INT8_BLOCK64),
+    ("adamw-fp8", _lib.RULE_ADAMW, torch.float32, _lib.WEIGHT_FP32, _lib.STATE_FP8_BLOCK64),
 ]
 
 

@@ -54,6 +54,7 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.parametrize("dtype,state_format", [(torch.float32, "fp32"),
                                                 (torch.float32, "int8"),
+                                                (torch.float32, "fp8"),
                                                 (torch.bfloat16, "bf16")])
 def test_row_blocks_equal_the_whole_update(dtype, state_format):
     """The head's update, block by block on rows of W (what the fused loss runs), is the

@@ -15,7 +15,7 @@ import torch
 import forge
 import forge.optim
 from forge import _lib
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, format_devices, requires_cuda
 from reference import assert_contract, trajectories
 from tiny_models import TinyTransformer, lm_loss
 
@@ -178,8 +178,7 @@ def test_fused_path_holds_across_steps(device, monkeypatch):
             opt.zero_grad()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_format", ["fp32", "int8"])
+@pytest.mark.parametrize("state_format,device", format_devices(["fp32", "int8", "fp8"]))
 def test_replaced_state_tensor_is_the_one_updated(device, state_format):
     """forge_param is cached per parameter while the data pointers stay; a state tensor
     replaced by hand must be the one the next step reads and writes, not the old one."""
@@ -188,7 +187,7 @@ def test_replaced_state_tensor_is_the_one_updated(device, state_format):
     for replace in (False, True):
         model = _tiny_from(initial, device)
         opt = forge.optim.AdamW(model, lr=1e-2, state_format=state_format, seed=3,
-                                min_8bit_size=0)  # (int8 on every parameter)
+                                min_8bit_size=0)  # (int8 / fp8 on every parameter)
         for step in range(2):
             lm_loss(model, step, device).backward()
             opt.step()
