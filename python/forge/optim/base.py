@@ -213,6 +213,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                                       min_8bit_size=min_8bit_size))  # validates each group
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(model, all_params, names)
+        self._check_cpu_only_formats(names)
 
         # A model spread over ranks (DTensor parameters: tensor parallel, FSDP2): the step's
         # statistics are summed over the ranks.
@@ -694,6 +695,19 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError(f"parameter '{name}': already driven by "
                                  f"{'this' if owner is self else 'another'} forge optimizer"
                                  f"{'' if owner is self else '; call its .detach() first'}")
+
+    def _check_cpu_only_formats(self, names: Dict[int, List[str]]) -> None:
+        """fp8 states run on the CPU backend only: a CUDA parameter its group would give them
+        is refused now, naming it (else libforge refuses its first step)."""
+        for g in self.param_groups:
+            if g.get("state_format") != "fp8":
+                continue
+            for p in g["params"]:
+                if p.device.type == "cuda" and p.requires_grad \
+                        and p.numel() >= g.get("min_8bit_size", self.min_8bit_size):
+                    raise ValueError(f"parameter '{names[id(p)][0]}': state_format='fp8' runs on "
+                                     f"the CPU backend only for now, and this parameter is on "
+                                     f"{p.device}; use 'int8' or 'bf16' states there")
 
 
 class _WrapperCheck:
