@@ -32,6 +32,9 @@ from . import summary as _summary
 from .states import BLOCK_FORMATS, MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin, check_storage_options
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+MODES = ("auto", "immediate", "deferred")
+DEFERRED_STORES = ("auto", "factors", "grad")
+_log = logging.getLogger("forge")
 
 
 def _bad_fp8_codes(codes: torch.Tensor, unsigned: bool) -> bool:
@@ -41,10 +44,7 @@ def _bad_fp8_codes(codes: torch.Tensor, unsigned: bool) -> bool:
     c = codes.to(torch.int16)
     if not unsigned:
         return bool(((c & 0x7F) == 0x7F).any())
-    return bool((((c & 0x7C) == 0x7C) | ((c > 0x80))).any())
-MODES = ("auto", "immediate", "deferred")
-DEFERRED_STORES = ("auto", "factors", "grad")
-_log = logging.getLogger("forge")
+    return bool((((c & 0x7C) == 0x7C) | (c > 0x80)).any())
 
 
 def param_groups_no_decay(model: nn.Module, weight_decay: float,

@@ -112,8 +112,8 @@ def check_int8_blocks(geo: Geometry, name: str) -> None:
         raise ValueError(
             f"parameter '{name}': its shard holds columns {geo.col_offset}..{end - 1} of "
             f"{geo.full_cols}, which do not start and end on blocks of {INT8_BLOCK} (int8 "
-            "and fp8 states keep one absmax per 64 elements of a row); use another state_format for it "
-            "or a sharding whose column shards are multiples of 64")
+            "and fp8 states keep one absmax per 64 elements of a row); use another state_format "
+            "for it or a sharding whose column shards are multiples of 64")
 
 
 def absmax_placements(param) -> Sequence:
