@@ -122,7 +122,7 @@ def loss_of(model, step: int, rows: slice = slice(None)):
 
 
 def tp_plan(sp: bool):
-    from torch.distributed.tensor import Replicate, Shard
+    from forge.optim.distributed import Replicate, Shard  # (torch 2.4 keeps them elsewhere)
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel)
     seq = Shard(1) if sp else Replicate()

@@ -28,6 +28,13 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import dist_worker  # noqa: E402
 
+# These runs are CPU process groups (gloo). torch 2.4's DTensor does not run them: its FSDP2
+# makes CUDA streams at the first forward, and its row-parallel embedding asserts
+# (embedding_ops, mask_buffer) in the tensor-parallel forward: both in torch's own code.
+pytestmark = pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
+    reason="torch 2.4's DTensor does not run these CPU process groups")
+
 STEPS = 3
 
 

@@ -45,6 +45,10 @@ def _dtensor_module():
 
 _DT = _dtensor_module()
 DTensor = getattr(_DT, "DTensor", None)
+# The placements, from wherever this torch keeps them (forge.tools.parallel and the tests build
+# tensor-parallel plans with them).
+Replicate = getattr(_DT, "Replicate", None)
+Shard = getattr(_DT, "Shard", None)
 
 
 def is_dtensor(t) -> bool:
@@ -81,7 +85,10 @@ def geometry(param: torch.Tensor, name: str) -> Geometry:
     rows = param.numel() // cols if cols else 0
     if not is_dtensor(param):
         return Geometry(rows, cols)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
     local_shape, offset = compute_local_shape_and_global_offset(
         shape, param.device_mesh, param.placements)
     if len(shape) <= 1:

@@ -111,7 +111,7 @@ def apply(model: nn.Module, par: Parallel, sequence_parallel: Optional[bool] = N
                             "tables from the sequence its layers see; use "
                             "--no-sequence-parallel")
     if par.tp > 1:
-        from torch.distributed.tensor import Replicate, Shard
+        from forge.optim.distributed import Replicate, Shard  # (torch 2.4 keeps them elsewhere)
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        SequenceParallel, parallelize_module)
         seq = Shard(1) if sequence_parallel else Replicate()
