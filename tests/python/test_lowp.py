@@ -129,8 +129,15 @@ def test_stochastic_rounding_is_seeded():
 def test_fp8_states_are_refused_on_cuda():
     """fp8 states run on the CPU backend only: an optimizer that would keep them for a CUDA
     parameter is refused at construction, naming it; a group that gives them only to
-    parameters below min_8bit_size (fp32 states) is fine."""
+    parameters below min_8bit_size (fp32 states) is fine; a group switched to fp8 before any
+    state exists is refused at the next step, before any weight changes."""
     model = TinyTransformer().to("cuda")
     with pytest.raises(ValueError, match=r"parameter '.*': state_format='fp8' runs on the CPU"):
         forge.optim.AdamW(model, state_format="fp8", **HP, **EVERY_INT8)
-    forge.optim.AdamW(model, state_format="fp8", min_8bit_size=10 ** 9, **HP)
+    opt = forge.optim.AdamW(model, state_format="fp8", min_8bit_size=10 ** 9, **HP)
+    opt.param_groups[0]["min_8bit_size"] = 0
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"state_format='fp8' runs on the CPU"):
+        lm_loss(model, 0, "cuda").backward()
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

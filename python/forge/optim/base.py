@@ -29,7 +29,8 @@ from .routing import _RoutingMixin, _Slot, _owner_of
 from . import distributed
 from .deferred import ConsumedGrad, FactoredGrad, fill_sum_sqs, sum_sq_fp64
 from . import summary as _summary
-from .states import BLOCK_FORMATS, MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin, check_storage_options
+from .states import (BLOCK_FORMATS, MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin,
+                     check_backend_format, check_storage_options, requested_format)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MODES = ("auto", "immediate", "deferred")
@@ -213,7 +214,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                                       min_8bit_size=min_8bit_size))  # validates each group
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(model, all_params, names)
-        self._check_cpu_only_formats(names)
+        self._check_backend_formats(self.param_groups, names)
 
         # A model spread over ranks (DTensor parameters: tensor parallel, FSDP2): the step's
         # statistics are summed over the ranks.
@@ -502,6 +503,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                     raise RuntimeError("forge: the model of this optimizer no longer exists")
                 names = _parameter_names(model)
                 self._check_params(model, group["params"], names)
+                self._check_backend_formats([group], names)
                 self._attach(model, group["params"], names)
         except Exception:
             self.param_groups.pop()
@@ -696,18 +698,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                                  f"{'this' if owner is self else 'another'} forge optimizer"
                                  f"{'' if owner is self else '; call its .detach() first'}")
 
-    def _check_cpu_only_formats(self, names: Dict[int, List[str]]) -> None:
-        """fp8 states run on the CPU backend only: a CUDA parameter its group would give them
-        is refused now, naming it (else libforge refuses its first step)."""
-        for g in self.param_groups:
-            if g.get("state_format") != "fp8":
-                continue
+    def _check_backend_formats(self, groups, names: Dict[int, List[str]]) -> None:
+        """A state format a parameter's device cannot run (fp8 on CUDA) is refused now, naming
+        the parameter; _check_step checks the same for a group changed later."""
+        for g in groups:
             for p in g["params"]:
-                if p.device.type == "cuda" and p.requires_grad \
-                        and p.numel() >= g.get("min_8bit_size", self.min_8bit_size):
-                    raise ValueError(f"parameter '{names[id(p)][0]}': state_format='fp8' runs on "
-                                     f"the CPU backend only for now, and this parameter is on "
-                                     f"{p.device}; use 'int8' or 'bf16' states there")
+                if p.requires_grad:
+                    check_backend_format(names[id(p)][0], p, requested_format(
+                        g, p.numel(), self.state_format, self.min_8bit_size))
 
 
 class _WrapperCheck:

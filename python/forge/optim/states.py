@@ -4,7 +4,8 @@ The state format ("fp32", "bf16", "int8", "fp8") is per parameter: its param gro
 "state_format" (default: the constructor's state_format), where an 8-bit format ("int8",
 "fp8") gives a parameter of fewer than the group's "min_8bit_size" elements (default 4096,
 bitsandbytes' name and value) fp32 states. "fp8" runs on the CPU backend only for now (an
-optimizer that would keep fp8 states for a CUDA parameter is refused at construction). It is
+optimizer that would keep fp8 states for a CUDA parameter is refused: at construction, by
+add_param_group, or before the first update of a step after a group changed). It is
 fixed when the parameter's states are made (slot.state_format); a group changed afterwards
 is refused at the next step. With master_weights / stochastic_rounding it decides the storage
 codes passed to libforge; the states of a parameter are plain tensors in
@@ -24,6 +25,8 @@ from . import distributed
 STATE_FORMATS = ("fp32", "bf16", "int8", "fp8")
 # Formats of a code byte per element and an fp32 absmax per block of 64 columns of a row.
 BLOCK_FORMATS = ("int8", "fp8")
+# Formats the CUDA backend does not take yet.
+CPU_ONLY_FORMATS = ("fp8",)
 _UPDATABLE = (torch.float32, torch.bfloat16)  # parameter dtypes FORGE updates
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 states under 8 bits
 # The keys a param group may carry to choose its storage (defaults: the constructor's).
@@ -39,6 +42,24 @@ def check_storage_options(state_format, min_8bit_size, where: str = "") -> None:
     if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) \
             or min_8bit_size < 0:
         raise ValueError(f"{where}min_8bit_size: must be an int >= 0, got {min_8bit_size!r}")
+
+
+def requested_format(group: Dict[str, Any], numel: int, default_format: str,
+                     default_min_8bit_size: int) -> str:
+    """The state format a parameter of `numel` elements in `group` gets: the group's
+    "state_format", with "int8" / "fp8" meaning fp32 below "min_8bit_size" elements."""
+    fmt = group.get("state_format", default_format)
+    if fmt in BLOCK_FORMATS and numel < group.get("min_8bit_size", default_min_8bit_size):
+        return "fp32"
+    return fmt
+
+
+def check_backend_format(name: str, param: torch.Tensor, fmt: str) -> None:
+    """A state format the parameter's device cannot run is refused, naming the parameter."""
+    if fmt in CPU_ONLY_FORMATS and param.device.type == "cuda":
+        raise ValueError(f"parameter '{name}': state_format={fmt!r} runs on the CPU backend "
+                         f"only for now, and this parameter is on {param.device}; use 'int8' "
+                         "or 'bf16' states there")
 
 
 class _StatesMixin:
@@ -79,11 +100,8 @@ class _StatesMixin:
         """The state format slot's group asks for: its "state_format", with "int8" / "fp8"
         meaning fp32 below "min_8bit_size" elements (of the whole parameter, on every rank
         alike)."""
-        fmt = group.get("state_format", self.state_format)
-        if fmt in BLOCK_FORMATS and slot.param.numel() < group.get("min_8bit_size",
-                                                                   self.min_8bit_size):
-            return "fp32"
-        return fmt
+        return requested_format(group, slot.param.numel(), self.state_format,
+                                self.min_8bit_size)
 
     def _format_of(self, slot, group: Dict[str, Any]) -> str:
         """slot's state format: fixed once its states exist, else what its group asks for."""
