@@ -34,23 +34,43 @@ forge_wgrad_args step_args(const DeviceBuffer& x, const DeviceBuffer& dy, int64_
   return a;
 }
 
+forge_hparams adamw() {
+  forge_hparams hp{};
+  EXPECT_EQ(FORGE_OK, forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  return hp;
+}
+
+// What the single-call tests below step: a [32, 64] bf16 AdamW parameter with `sf` states
+// (make_param's values, `seed`) uploaded to the GPU, and bf16 X and dY of 16 tokens.
+struct SmallStep {
+  static constexpr int64_t rows = 32, cols = 64, tokens = 16;
+  forge_hparams hp = adamw();
+  HostParam host;
+  DeviceParam gpu;
+  DeviceBuffer x{tokens * cols * 2}, dy{tokens * rows * 2};
+  SmallStep(forge_state_format sf, uint64_t seed)
+      : host(make_param(rows, cols, FORGE_WEIGHT_BF16, sf, hp, seed)) {
+    gpu.upload(host);
+    x.fill(0x3F);
+    dy.fill(0x3F);
+  }
+  forge_wgrad_args args(forge_device device) const {
+    return step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, device);
+  }
+};
+
 TEST(GpuErrors, BadDeviceIndexIsAnErrorNotAnAbort) {
   FORGE_REQUIRE_GPU();
-  forge_hparams hp{};
-  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
-  const int64_t rows = 32, cols = 64, tokens = 16;
-  HostParam host = make_param(rows, cols, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, hp, 1);
-  DeviceParam gpu;
-  gpu.upload(host);
-  DeviceBuffer x(tokens * cols * 2), dy(tokens * rows * 2);
-  x.fill(0x3F);
-  dy.fill(0x3F);
+  SmallStep s(FORGE_STATE_BF16, 1);
+  const forge_hparams& hp = s.hp;
+  const HostParam& host = s.host;
+  const DeviceParam& gpu = s.gpu;
   int count = 0;
   CUDA_OK(cudaGetDeviceCount(&count));
 
   forge_device bad = gpu_device();
   bad.index = count + 7;
-  forge_wgrad_args a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, bad);
+  forge_wgrad_args a = s.args(bad);
   EXPECT_EQ(FORGE_ERR_DEVICE, forge_wgrad_step(&a));
   EXPECT_NE(std::string(forge_last_error()).find("cudaSetDevice"), std::string::npos)
       << forge_last_error();
@@ -70,54 +90,40 @@ TEST(GpuErrors, BadDeviceIndexIsAnErrorNotAnAbort) {
 
 TEST(GpuErrors, InvalidArgumentsOnACudaDeviceWriteNothing) {
   FORGE_REQUIRE_GPU();
-  forge_hparams hp{};
-  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
-  const int64_t rows = 32, cols = 64, tokens = 16;
-  HostParam host = make_param(rows, cols, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, hp, 2);
-  DeviceParam gpu;
-  gpu.upload(host);
-  DeviceBuffer x(tokens * cols * 2), dy(tokens * rows * 2);
-  x.fill(0x3F);
-  dy.fill(0x3F);
-  forge_wgrad_args a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, gpu_device());
+  SmallStep s(FORGE_STATE_INT8_BLOCK64, 2);
+  forge_wgrad_args a = s.args(gpu_device());
   a.x = nullptr;
   EXPECT_EQ(FORGE_ERR_INVALID_ARGUMENT, forge_wgrad_step(&a));
-  a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, gpu_device());
-  a.ldx = cols - 1;
+  a = s.args(gpu_device());
+  a.ldx = s.cols - 1;
   EXPECT_EQ(FORGE_ERR_INVALID_ARGUMENT, forge_wgrad_step(&a));
-  a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, gpu_device());
+  a = s.args(gpu_device());
   a.param.state_absmax[1] = nullptr;
   EXPECT_EQ(FORGE_ERR_INVALID_ARGUMENT, forge_wgrad_step(&a));
-  a = step_args(x, dy, tokens, rows, cols, gpu.view(host), hp, gpu_device());
+  a = s.args(gpu_device());
   a.device.index = -1;
   EXPECT_EQ(FORGE_ERR_INVALID_ARGUMENT, forge_wgrad_step(&a));
   CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_TRUE(same_bits(host, gpu.download(host)));
-  EXPECT_TRUE(gpu.guards_intact());
+  EXPECT_TRUE(same_bits(s.host, s.gpu.download(s.host)));
+  EXPECT_TRUE(s.gpu.guards_intact());
 }
 
 // fp8 states run on the CPU backend only: every CUDA entry point refuses them as unsupported,
 // naming param.state_format, and writes nothing.
 TEST(GpuErrors, Fp8StatesAreRefusedOnACudaDevice) {
   FORGE_REQUIRE_GPU();
-  forge_hparams hp{};
-  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
-  const int64_t rows = 32, cols = 64, tokens = 16;
-  HostParam host = make_param(rows, cols, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, hp, 3);
-  DeviceParam gpu;
-  gpu.upload(host);
-  DeviceBuffer x(tokens * cols * 2), dy(tokens * rows * 2), grad(rows * cols * 2), fp32(rows * cols * 4);
-  x.fill(0x3F);
-  dy.fill(0x3F);
+  SmallStep s(FORGE_STATE_FP8_BLOCK64, 3);
+  const forge_hparams& hp = s.hp;
+  DeviceBuffer grad(s.rows * s.cols * 2), fp32(s.rows * s.cols * 4);
   grad.fill(0x3F);
   fp32.fill(0);
-  const forge_param view = gpu.view(host);
+  const forge_param view = s.gpu.view(s.host);
   auto expect_refused = [](forge_status s) {
     EXPECT_EQ(FORGE_ERR_UNSUPPORTED, s);
     EXPECT_NE(std::string(forge_last_error()).find("param.state_format"), std::string::npos)
         << forge_last_error();
   };
-  forge_wgrad_args a = step_args(x, dy, tokens, rows, cols, view, hp, gpu_device());
+  forge_wgrad_args a = s.args(gpu_device());
   expect_refused(forge_wgrad_step(&a));
   forge_elementwise_args e{};
   e.abi_version = FORGE_ABI_VERSION;
@@ -133,8 +139,8 @@ TEST(GpuErrors, Fp8StatesAreRefusedOnACudaDevice) {
   expect_refused(forge_state_to_fp32(&view, &hp, 0, static_cast<float*>(fp32.data()), gpu_device()));
   expect_refused(forge_state_from_fp32(&view, &hp, 0, static_cast<const float*>(fp32.data()), gpu_device()));
   CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_TRUE(same_bits(host, gpu.download(host)));
-  EXPECT_TRUE(gpu.guards_intact());
+  EXPECT_TRUE(same_bits(s.host, s.gpu.download(s.host)));
+  EXPECT_TRUE(s.gpu.guards_intact());
 }
 
 // The CPU suite's invalid fused calls (tests/cpp/bad_input_cases.h) on a CUDA device: the same
