@@ -1,14 +1,15 @@
 // wgrad_bench.cu — the fused weight-gradient + optimizer step against the unfused way, on
 // the linear layers of Llama-3.1-8B (out × in = 4096×4096, 1024×4096, 14336×4096,
 // 4096×14336) at T ∈ {512, 2048, 4096} tokens, bf16 inputs and bf16 W:
-//  (a) forge_wgrad_step, AdamW, with bf16 states, int8 states, and fp32 master + fp32 states;
+//  (a) forge_wgrad_step, AdamW, with bf16 states, int8 states, fp8 states, and fp32 master +
+//      fp32 states;
 //  (b) cuBLAS dW = dYᵀX alone (bf16 in; fp32 out, and bf16 out);
 //  (c) cuBLAS (bf16 out) + a separate vectorized AdamW pass over bf16 W, m, v — the
 //      unfused step (what torch does with bf16 grads and a fused AdamW).
 // Also: (a) with stochastic rounding of the bf16 weight and states (forge.optim.AdamW's
 // default), and (a-bf16) at T = 32 (the GEMM all but gone: what the epilogue alone costs),
 // to say where the time goes. FORGE_DEBUG_WGMMA=0 times the portable sm80 kernels on Hopper.
-// Last, forge_elementwise_step (AdamW, bf16 SR and int8 states) on the embedding's shape
+// Last, forge_elementwise_step (AdamW, bf16 SR, int8 and fp8 states) on the embedding's shape
 // [128256, 4096] against the unfused AdamW pass of (c).
 //
 // --profile launches a few kernels for Nsight Compute instead (see main()); --host-cost times
@@ -245,17 +246,19 @@ std::vector<int64_t> g_tokens = {512, 2048, 4096};
 constexpr int kLayers = 32;
 
 enum Variant { kFusedBf16, kFusedInt8, kFusedMaster, kCublasF32, kCublasBf16, kUnfused, kFusedSr, kFusedInt8Sr,
-               kVariants };
+               kFusedFp8, kFusedFp8Sr, kVariants };
 const char* kVariantNames[] = {"fused_adamw_bf16_states", "fused_adamw_int8_states", "fused_adamw_fp32_master",
                                "cublas_dw_fp32_out", "cublas_dw_bf16_out", "unfused_cublas_plus_adamw_bf16",
                                "fused_adamw_bf16_sr_weight_bf16_sr_states",
-                               "fused_adamw_bf16_sr_weight_int8_states"};
+                               "fused_adamw_bf16_sr_weight_int8_states", "fused_adamw_fp8_states",
+                               "fused_adamw_bf16_sr_weight_fp8_states"};
 
 // Minimum bytes each variant moves per parameter element, and its input bytes.
 double param_bytes(int v) {
   switch (v) {
     case kFusedBf16: case kFusedSr: return 12;       // W, m, v bf16: read + write
-    case kFusedInt8: case kFusedInt8Sr: return 4 + 4 + 2 * 2 * 4.0 / 64;  // W bf16 r+w, 2 codes r+w, 2 absmax r+w
+    case kFusedInt8: case kFusedInt8Sr: case kFusedFp8: case kFusedFp8Sr:
+      return 4 + 4 + 2 * 2 * 4.0 / 64;  // W bf16 r+w, 2 codes r+w, 2 absmax r+w
     case kFusedMaster: return 2 + 8 + 16;                    // W bf16 write, master r+w, m, v fp32 r+w
     case kCublasF32: return 4;
     case kCublasBf16: return 2;
@@ -311,14 +314,14 @@ forge_param adamw_param(int64_t rows, int64_t cols, forge_weight_format wf, void
   return p;
 }
 
-// p's weight with int8 AdamW states instead: codes m8, v8 and their absmax am8, av8, set from
-// random fp32 values (m in ±1e-3, v in (0, 1e-6]) through the library's encoder; seeds
-// `seed`, `seed + 1`.
-forge_param with_int8_adamw_states(forge_param p, const DevMem& m8, const DevMem& v8,
-                                   const DevMem& am8, const DevMem& av8, uint64_t seed,
-                                   const forge_hparams& hp) {
+// p's weight with block AdamW states instead (int8 or fp8: sf): codes m8, v8 and their absmax
+// am8, av8, set from random fp32 values (m in ±1e-3, v in (0, 1e-6]) through the library's
+// encoder; seeds `seed`, `seed + 1`.
+forge_param with_block_adamw_states(forge_param p, forge_state_format sf, const DevMem& m8,
+                                    const DevMem& v8, const DevMem& am8, const DevMem& av8,
+                                    uint64_t seed, const forge_hparams& hp) {
   const int64_t n = p.rows * p.cols;
-  p.state_format = FORGE_STATE_INT8_BLOCK64;
+  p.state_format = sf;
   p.state[0] = m8.p;
   p.state[1] = v8.p;
   p.state_absmax[0] = am8.as<float>();
@@ -729,7 +732,8 @@ int main(int argc, char** argv) {
     // forge.optim.AdamW's two defaults: bf16 SR weight with bf16 SR states, and with int8.
     const forge_param p = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
                                       FORGE_STATE_BF16_STOCHASTIC, m.p, v.p);
-    const forge_param p8 = with_int8_adamw_states(p, m8, v8, am8, av8, 9, adamw);
+    const forge_param p8 =
+        with_block_adamw_states(p, FORGE_STATE_INT8_BLOCK64, m8, v8, am8, av8, 9, adamw);
     // Launch order (what gpu_check.sh profile's ncu counts): the fused step at T = 32 (the
     // update alone) with bf16 SR states, then int8; the same at T = 512; the element-wise
     // step with bf16 SR states, then int8; the unfused AdamW pass; bf16 nearest (below).
@@ -781,6 +785,7 @@ int main(int argc, char** argv) {
     fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
     // Parameters in each format (bf16 W shared by the bf16-state and int8 variants).
     DevMem w(n * 2), m16(n * 2), v16(n * 2), m8(n), v8(n), am8((n / 64 + s.out) * 4), av8((n / 64 + s.out) * 4),
+        mf8(n), vf8(n), amf8((n / 64 + s.out) * 4), avf8((n / 64 + s.out) * 4),
         w2(n * 2), master(n * 4), m32(n * 4), v32(n * 4), dw(n * 4), grad16(n * 2), zero(n * 4);
     fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
     fill_bf16<<<grid_for(n), 256>>>(w2.as<uint16_t>(), n, 3, 0.02f);
@@ -794,7 +799,10 @@ int main(int argc, char** argv) {
     const forge_param p16 =
         adamw_param(s.out, s.in, FORGE_WEIGHT_BF16, w.p, FORGE_STATE_BF16, m16.p, v16.p);
     // the bf16 states' value ranges
-    const forge_param p8 = with_int8_adamw_states(p16, m8, v8, am8, av8, 9, adamw);
+    const forge_param p8 =
+        with_block_adamw_states(p16, FORGE_STATE_INT8_BLOCK64, m8, v8, am8, av8, 9, adamw);
+    const forge_param pf8 =
+        with_block_adamw_states(p16, FORGE_STATE_FP8_BLOCK64, mf8, vf8, amf8, avf8, 9, adamw);
     forge_param pm = p16, pz{};
     pz.rows = s.out;
     pz.cols = s.in;
@@ -811,6 +819,9 @@ int main(int argc, char** argv) {
     // ... and with int8 states (forge-bench's forge-int8 mode).
     forge_param p8sr = p8;
     p8sr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
+    // ... and with fp8 states.
+    forge_param pf8sr = pf8;
+    pf8sr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
     pz.weight_format = FORGE_WEIGHT_FP32;
     pz.weight = zero.p;
     pz.state_format = FORGE_STATE_FP32;
@@ -869,6 +880,8 @@ int main(int argc, char** argv) {
       variants[kFusedMaster] = [&] { fused(pm, tokens); };
       variants[kFusedSr] = [&] { fused(psr, tokens); };
       variants[kFusedInt8Sr] = [&] { fused(p8sr, tokens); };
+      variants[kFusedFp8] = [&] { fused(pf8, tokens); };
+      variants[kFusedFp8Sr] = [&] { fused(pf8sr, tokens); };
       variants[kCublasF32] = [&] { run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, tokens, s); };
       variants[kCublasBf16] = [&] { run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s); };
       variants[kUnfused] = [&] {
@@ -878,9 +891,10 @@ int main(int argc, char** argv) {
       const std::vector<double> ms = timer.medians_ms(iters, variants);
       std::copy(ms.begin(), ms.end(), r.ms);
       results.push_back(r);
-      std::printf("%-18s T=%-5lld fused bf16 %.3f ms | int8 %.3f | master %.3f | bf16 sr %.3f | cuBLAS f32 %.3f bf16 %.3f | unfused %.3f | speedup %.2fx\n",
-                  s.name, static_cast<long long>(tokens), r.ms[kFusedBf16], r.ms[kFusedInt8], r.ms[kFusedMaster],
-                  r.ms[kFusedSr], r.ms[kCublasF32], r.ms[kCublasBf16], r.ms[kUnfused],
+      std::printf("%-18s T=%-5lld fused bf16 %.3f ms | int8 %.3f | fp8 %.3f | master %.3f | bf16 sr %.3f | sr int8 %.3f | sr fp8 %.3f | cuBLAS f32 %.3f bf16 %.3f | unfused %.3f | speedup %.2fx\n",
+                  s.name, static_cast<long long>(tokens), r.ms[kFusedBf16], r.ms[kFusedInt8], r.ms[kFusedFp8],
+                  r.ms[kFusedMaster], r.ms[kFusedSr], r.ms[kFusedInt8Sr], r.ms[kFusedFp8Sr], r.ms[kCublasF32],
+                  r.ms[kCublasBf16], r.ms[kUnfused],
                   r.ms[kUnfused] / r.ms[kFusedBf16]);
       std::fflush(stdout);
     }
@@ -912,8 +926,8 @@ int main(int argc, char** argv) {
         " warm-ups, L2 flushed before each call, the variants of a row interleaved call by call; bf16 inputs, bf16 W, AdamW\n";
   md += "- TFLOP/s = 2·out·in·T / t; GB/s = (T·(out + in)·2 B + bytes per parameter × out·in) / t\n";
   md += "- epilogue-only = the fused step at T = 32 (GEMM negligible): AdamW bf16 states / SGD, no states\n\n";
-  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | fused bf16 SR W + int8 states ms (the same, int8) | epilogue-only ms AdamW / SGD | dW check |\n";
-  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | fused bf16 SR W + int8 states ms (the same, int8) | fused bf16 SR W + fp8 states ms | epilogue-only ms AdamW / SGD | dW check |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   std::string json = "{\n  \"date\": \"" + std::string(date) + "\",\n  \"gpu\": \"" + prop.name +
                      "\",\n  \"sms\": " + std::to_string(g_sms) + ",\n  \"command\": \"" + command +
                      "\",\n  \"iters\": " + std::to_string(iters) + ",\n  \"results\": [\n";
@@ -926,11 +940,12 @@ int main(int argc, char** argv) {
     auto gbs = [&](int v) { return (in_bytes + param_bytes(v) * n) / (r.ms[v] * 1e-3) / 1e9; };
     md += "| " + std::string(r.shape->name) + " " + std::to_string(r.shape->out) + "×" + std::to_string(r.shape->in) +
           " | " + std::to_string(r.tokens) + " | " + fmt("%.3f", r.ms[kFusedBf16]) + " (" + fmt("%.0f", tf(r.ms[kFusedBf16])) +
-          ", " + fmt("%.0f", gbs(kFusedBf16)) + ") | " + fmt("%.3f", r.ms[kFusedInt8]) + " | " + fmt("%.3f", r.ms[kFusedMaster]) +
+          ", " + fmt("%.0f", gbs(kFusedBf16)) + ") | " + fmt("%.3f", r.ms[kFusedInt8]) + " | " +
+          fmt("%.3f", r.ms[kFusedFp8]) + " | " + fmt("%.3f", r.ms[kFusedMaster]) +
           " | " + fmt("%.3f", r.ms[kCublasF32]) + " (" + fmt("%.0f", tf(r.ms[kCublasF32])) + ") | " +
           fmt("%.3f", r.ms[kCublasBf16]) + " | " + fmt("%.3f", r.ms[kUnfused]) + " | **" +
           fmt("%.2f", r.ms[kUnfused] / r.ms[kFusedBf16]) + "×** | " + fmt("%.3f", r.ms[kFusedSr]) + " | " +
-          fmt("%.3f", r.ms[kFusedInt8Sr]) + " | " +
+          fmt("%.3f", r.ms[kFusedInt8Sr]) + " | " + fmt("%.3f", r.ms[kFusedFp8Sr]) + " | " +
           fmt("%.3f", r.epilogue_ms) + " / " + fmt("%.3f", r.epilogue_sgd_ms) + " | " +
           fmt("%.1e", r.dw_rel_error) + " |\n";
     for (int v = 0; v < kVariants; ++v) {
@@ -951,8 +966,8 @@ int main(int argc, char** argv) {
 
   // Whole-model estimate: the 224 linear layers of Llama-3.1-8B (32 decoder layers).
   md += "\n## Llama-3.1-8B, all 224 linear layers (sum of the per-layer medians × occurrences)\n\n";
-  md += "| T | fused bf16 ms | fused int8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms | fused bf16 SR W + int8 states ms |\n";
-  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  md += "| T | fused bf16 ms | fused int8 ms | fused fp8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms | fused bf16 SR W + int8 states ms | fused bf16 SR W + fp8 states ms |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   bool first_t = true;
   for (int64_t tokens : g_tokens) {
     double tot[kVariants] = {};
@@ -964,15 +979,17 @@ int main(int argc, char** argv) {
       }
     if (found != 4) continue;
     md += "| " + std::to_string(tokens) + " | " + fmt("%.1f", tot[kFusedBf16]) + " | " + fmt("%.1f", tot[kFusedInt8]) +
-          " | " + fmt("%.1f", tot[kFusedMaster]) + " | " + fmt("%.1f", tot[kCublasF32]) + " | " +
+          " | " + fmt("%.1f", tot[kFusedFp8]) + " | " + fmt("%.1f", tot[kFusedMaster]) + " | " + fmt("%.1f", tot[kCublasF32]) + " | " +
           fmt("%.1f", tot[kUnfused]) + " | " + fmt("%.2f", tot[kUnfused] / tot[kFusedBf16]) + "× | " +
-          fmt("%.1f", tot[kFusedSr]) + " | " + fmt("%.1f", tot[kFusedInt8Sr]) + " |\n";
+          fmt("%.1f", tot[kFusedSr]) + " | " + fmt("%.1f", tot[kFusedInt8Sr]) + " | " +
+          fmt("%.1f", tot[kFusedFp8Sr]) + " |\n";
     json += std::string(first_t ? "" : ",") + "\n    \"" + std::to_string(tokens) + "\": {\"fused_bf16\": " +
             fmt("%.3f", tot[kFusedBf16]) + ", \"fused_int8\": " + fmt("%.3f", tot[kFusedInt8]) +
             ", \"fused_master\": " + fmt("%.3f", tot[kFusedMaster]) + ", \"cublas_fp32_out\": " +
             fmt("%.3f", tot[kCublasF32]) + ", \"unfused\": " + fmt("%.3f", tot[kUnfused]) +
             ", \"fused_sr\": " + fmt("%.3f", tot[kFusedSr]) + ", \"fused_sr_int8\": " +
-            fmt("%.3f", tot[kFusedInt8Sr]) + "}";
+            fmt("%.3f", tot[kFusedInt8Sr]) + ", \"fused_fp8\": " + fmt("%.3f", tot[kFusedFp8]) +
+            ", \"fused_sr_fp8\": " + fmt("%.3f", tot[kFusedFp8Sr]) + "}";
     first_t = false;
   }
   json += "\n  }";
@@ -982,14 +999,18 @@ int main(int argc, char** argv) {
   // against the same unfused AdamW pass (c) runs.
   {
     const int64_t rows = 128256, cols = 4096, n = rows * cols;
-    DevMem g(n * 2), w(n * 2), m16(n * 2), v16(n * 2), m8(n), v8(n), am8(n / 64 * 4), av8(n / 64 * 4);
+    DevMem g(n * 2), w(n * 2), m16(n * 2), v16(n * 2), m8(n), v8(n), am8(n / 64 * 4), av8(n / 64 * 4),
+        mf8(n), vf8(n), amf8(n / 64 * 4), avf8(n / 64 * 4);
     fill_bf16<<<grid_for(n), 256>>>(g.as<uint16_t>(), n, 11, 1e-2f);
     fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 12, 0.02f);
     fill_bf16<<<grid_for(n), 256>>>(m16.as<uint16_t>(), n, 13, 1e-3f);
     fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 14, 1e-6f, true);
     const forge_param psr = adamw_param(rows, cols, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
                                         FORGE_STATE_BF16_STOCHASTIC, m16.p, v16.p);
-    const forge_param p8 = with_int8_adamw_states(psr, m8, v8, am8, av8, 15, adamw);
+    const forge_param p8 =
+        with_block_adamw_states(psr, FORGE_STATE_INT8_BLOCK64, m8, v8, am8, av8, 15, adamw);
+    const forge_param pf8 =
+        with_block_adamw_states(psr, FORGE_STATE_FP8_BLOCK64, mf8, vf8, amf8, avf8, 15, adamw);
     forge_hparams hp = adamw;
     auto step = [&](const forge_param& p) {
       const forge_elementwise_args a = elementwise_args(g.p, p, hp);
@@ -1001,10 +1022,11 @@ int main(int argc, char** argv) {
     const std::vector<double> ms = timer.medians_ms(iters, {
         [&] { step(psr); },
         [&] { step(p8); },
+        [&] { step(pf8); },
         [&] {
           adamw_bf16<<<grid_for(n / 8), 256>>>(g.as<uint4>(), w.as<uint4>(), m16.as<uint4>(), v16.as<uint4>(), n / 8, as);
         }});
-    const double sr_ms = ms[0], int8_ms = ms[1], ref_ms = ms[2];
+    const double sr_ms = ms[0], int8_ms = ms[1], fp8_ms = ms[2], ref_ms = ms[3];
     // Bytes per element: the bf16 gradient read, then W + states read and written.
     const double sr_bytes = 2 + 12, int8_bytes = 2 + 4 + 4 + 2 * 2 * 4.0 / 64, ref_bytes = 2 + 12;
     auto gbs = [&](double bytes, double ms) { return bytes * double(n) / (ms * 1e-3) / 1e9; };
@@ -1012,11 +1034,13 @@ int main(int argc, char** argv) {
     md += "| variant | ms | GB/s |\n| --- | --- | --- |\n";
     md += "| bf16 SR W + bf16 SR states (forge.optim default) | " + fmt("%.3f", sr_ms) + " | " + fmt("%.0f", gbs(sr_bytes, sr_ms)) + " |\n";
     md += "| bf16 SR W + int8 states | " + fmt("%.3f", int8_ms) + " | " + fmt("%.0f", gbs(int8_bytes, int8_ms)) + " |\n";
+    md += "| bf16 SR W + fp8 states | " + fmt("%.3f", fp8_ms) + " | " + fmt("%.0f", gbs(int8_bytes, fp8_ms)) + " |\n";
     md += "| unfused AdamW pass of (c), bf16 W, m, v | " + fmt("%.3f", ref_ms) + " | " + fmt("%.0f", gbs(ref_bytes, ref_ms)) + " |\n";
     json += ",\n  \"elementwise_embedding_ms\": {\"bf16_sr\": " + fmt("%.4f", sr_ms) + ", \"int8\": " +
-            fmt("%.4f", int8_ms) + ", \"unfused_adamw_pass\": " + fmt("%.4f", ref_ms) + "}";
-    std::printf("element-wise step [128256, 4096]: bf16 SR %.3f ms (%.0f GB/s) | int8 %.3f ms (%.0f GB/s) | unfused AdamW pass %.3f ms (%.0f GB/s)\n",
-                sr_ms, gbs(sr_bytes, sr_ms), int8_ms, gbs(int8_bytes, int8_ms), ref_ms, gbs(ref_bytes, ref_ms));
+            fmt("%.4f", int8_ms) + ", \"fp8\": " + fmt("%.4f", fp8_ms) + ", \"unfused_adamw_pass\": " + fmt("%.4f", ref_ms) + "}";
+    std::printf("element-wise step [128256, 4096]: bf16 SR %.3f ms (%.0f GB/s) | int8 %.3f ms (%.0f GB/s) | fp8 %.3f ms (%.0f GB/s) | unfused AdamW pass %.3f ms (%.0f GB/s)\n",
+                sr_ms, gbs(sr_bytes, sr_ms), int8_ms, gbs(int8_bytes, int8_ms), fp8_ms, gbs(int8_bytes, fp8_ms),
+                ref_ms, gbs(ref_bytes, ref_ms));
   }
   json += "\n}\n";
 

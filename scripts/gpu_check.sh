@@ -332,7 +332,7 @@ if ((build_rc == 0)); then
   t0=$(elapsed)
   log "ctest -L gpu, sm80 path (FORGE_DEBUG_WGMMA=0)"
   FORGE_DEBUG_WGMMA=0 OMP_NUM_THREADS=2 timeout "$(limit 120 110)" ctest --test-dir "$BUILD" -L gpu -j 8 \
-    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradSplitK|ManyWaves|WgradStorable|WgradInt8Skipped|WgradShards' \
+    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradSplitK|ManyWaves|WgradStorable|WgradBlockSkipped|WgradShards' \
     --output-on-failure --timeout 300 >"$OUT/ctest_gpu_sm80.log" 2>&1
   row "ctest -L gpu (sm80 path, Wgrad bit-exact subset)" "$(ctest_result "$OUT/ctest_gpu_sm80.log")" \
     "$(($(elapsed) - t0)) s"
@@ -345,7 +345,7 @@ if ((build_rc == 0)); then
   log "ctest -L gpu, persistent kernel (FORGE_DEBUG_PERSISTENT=1, 3 CTAs)"
   FORGE_DEBUG_PERSISTENT=1 FORGE_DEBUG_PERSISTENT_CTAS=3 OMP_NUM_THREADS=2 \
     timeout "$(limit 120 100)" ctest --test-dir "$BUILD" -L gpu -j 8 \
-    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradRandom|ManyWaves|WgradRunScalars|CudaGraph|WgradStorable|WgradInt8Skipped|WgradShards' \
+    -R 'WgradExact|WgradNonFinite|WgradOddShapes|WgradInputs|WgradRandom|ManyWaves|WgradRunScalars|CudaGraph|WgradStorable|WgradBlockSkipped|WgradShards' \
     --output-on-failure --timeout 120 >"$OUT/ctest_gpu_persistent.log" 2>&1
   row "ctest -L gpu (persistent kernel, Wgrad subset)" \
     "$(ctest_result "$OUT/ctest_gpu_persistent.log")" "$(($(elapsed) - t0)) s"
@@ -395,7 +395,7 @@ if ((build_rc == 0)); then
   # shards. Racecheck (shared memory) on the kernels that use it. (BadDeviceIndex is left
   # out of memcheck: its cudaSetDevice error is the point of the test, and memcheck reports
   # every failing API call.)
-  MEMCHECK_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/RMSpropCenteredMomentum_Wbf16master_Sbf16sr:*WgradExact*/SGDNesterov_Wfp32_Sfp32:*WgradInputs*:*WgradOddShapes*/out17_in129_T17:*WgradOddShapes*/out1_in1000_T1:*WgradOddShapes*/out129_in17_T4097:*WgradSplitK.SmallLayer*:*WgradNonFinite*/Wbf16sr_Sint8:*ElementwiseExact*/AdamW_Wbf16sr_Sint8:*ElementwiseExact*/Lion_Wfp32_Sbf16:*StateOps*:*GpuErrors*:*WgradStorable*:*WgradInt8Skipped*:*ElementwiseStorable*:*ElementwiseInt8Skipped*:*StateFromFp32*:*CudaGraph.Mismatched*:*WgradShards*/AdamW_Wbf16sr_Sint8:*WgradShards*/AdamW_Wbf16sr_Sbf16sr_unaligned:*ElementwiseShards*/AdamW_Wbf16sr_Sint8:-*BadDeviceIndex*'
+  MEMCHECK_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/RMSpropCenteredMomentum_Wbf16master_Sbf16sr:*WgradExact*/SGDNesterov_Wfp32_Sfp32:*WgradInputs*:*WgradOddShapes*/out17_in129_T17:*WgradOddShapes*/out1_in1000_T1:*WgradOddShapes*/out129_in17_T4097:*WgradSplitK.SmallLayer*:*WgradNonFinite*/Wbf16sr_Sint8:*WgradExact*/AdamW_Wbf16sr_Sfp8:*ElementwiseExact*/AdamW_Wbf16sr_Sint8:*ElementwiseExact*/AdamW_Wbf16sr_Sfp8:*ElementwiseExact*/Lion_Wfp32_Sbf16:*StateOps*:*GpuErrors*:*WgradStorable*:*WgradBlockSkipped*:*ElementwiseStorable*:*ElementwiseBlockSkipped*:*StateFromFp32*:*CudaGraph.Mismatched*:*WgradShards*/AdamW_Wbf16sr_Sint8:*WgradShards*/AdamW_Wbf16sr_Sbf16sr_unaligned:*ElementwiseShards*/AdamW_Wbf16sr_Sint8:-*BadDeviceIndex*'
   RACECHECK_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradSplitK.SmallLayer*:*WgradInputs*/bf16_strided_unaligned:*WgradInputs*/fp32:*ElementwiseExact*/AdamW_Wfp32_Sint8'
   : >"$OUT/sanitizer.log"
   SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
@@ -421,7 +421,7 @@ if ((build_rc == 0)); then
   # The persistent kernel (forced, 3 CTAs: several tiles per CTA), a specialized and a generic
   # configuration, odd shapes, non-finite gradients, int8 blocks holding skipped elements,
   # refused run scalars.
-  PERSISTENT_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/RMSpropCenteredMomentum_Wbf16master_Sbf16sr:*WgradOddShapes*/out129_in17_T4097:*WgradNonFinite*/Wbf16sr_Sint8:*WgradInt8Skipped*:*CudaGraph.Mismatched*'
+  PERSISTENT_FILTER='*WgradExact*/AdamW_Wbf16_Sint8:*WgradExact*/RMSpropCenteredMomentum_Wbf16master_Sbf16sr:*WgradOddShapes*/out129_in17_T4097:*WgradNonFinite*/Wbf16sr_Sint8:*WgradBlockSkipped*:*CudaGraph.Mismatched*'
   sanitize "persistent kernel" memcheck "$PERSISTENT_FILTER" 90 40 FORGE_DEBUG_PERSISTENT=1 \
     FORGE_DEBUG_PERSISTENT_CTAS=3
   sanitize "persistent kernel" racecheck "$PERSISTENT_FILTER" 90 20 FORGE_DEBUG_PERSISTENT=1 \

@@ -89,8 +89,7 @@ typedef enum {
                                        consecutive elements of a row */
   FORGE_STATE_FP8_BLOCK64 = 4       /* fp8 per element (signed states e4m3, unsigned e5m2),
                                        scaled by an fp32 absmax per 64 consecutive elements of
-                                       a row. CPU backend only in this version: a CUDA call
-                                       refuses it (FORGE_ERR_UNSUPPORTED) */
+                                       a row */
 } forge_state_format;
 #define FORGE_STATE_FORMAT_COUNT 5
 

@@ -131,14 +131,6 @@ forge_status check_state(const forge_param& p, int i) {
   return FORGE_OK;
 }
 
-// What the device's backend cannot run of a valid parameter.
-forge_status check_backend_format(const forge_param& p, const forge_device& d) {
-  if (d.kind == FORGE_DEVICE_CUDA && p.state_format == FORGE_STATE_FP8_BLOCK64)
-    return fail(FORGE_ERR_UNSUPPORTED, "param.state_format: fp8 states run on the CPU backend "
-                "only in this version (the CUDA kernels do not take them yet)");
-  return FORGE_OK;
-}
-
 // Everything a step reads or writes of the parameter.
 forge_status check_param(const forge_param& p, const RuleScalars& k) {
   if (forge_status s = check_param_shape(p)) return s;
@@ -207,7 +199,6 @@ forge_status add_step_extras(BufferSet& set, const forge_step_outputs& out,
 forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
   if (forge_status s = check_step_common(a, "forge_wgrad_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
-  if (forge_status s = check_backend_format(a->param, a->device)) return s;
   if (a->tokens <= 0) return fail(kBad, "tokens: must be > 0, got %lld", static_cast<long long>(a->tokens));
   if (!a->x) return fail(kBad, "x: NULL");
   if (!a->dy) return fail(kBad, "dy: NULL");
@@ -245,7 +236,6 @@ forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k,
                                BufferSet* operands = nullptr) {
   if (forge_status s = check_step_common(a, "forge_elementwise_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
-  if (forge_status s = check_backend_format(a->param, a->device)) return s;
   if (!a->grad) return fail(kBad, "grad: NULL");
   if (forge_status s = check_dtype(a->grad_dtype, "grad_dtype")) return s;
   BufferSet set;
@@ -309,7 +299,6 @@ forge_status check_state_access(const forge_param* p, const forge_hparams* hp, i
   if (forge_status s = check_hparams(hp)) return s;
   if (forge_status s = check_device(device)) return s;
   if (forge_status s = check_param_shape(*p)) return s;
-  if (forge_status s = check_backend_format(*p, device)) return s;
   forge_state_layout layout{};
   if (forge_status s = state_layout(*hp, p->state_format, p->rows, p->cols, &layout)) return s;
   if (index < 0 || index >= layout.num_states)
@@ -492,7 +481,6 @@ forge_status forge_state_init(const forge_param* param, const forge_hparams* hpa
     if (forge_status s = check_hparams(hparams)) return s;
     if (forge_status s = check_device(device)) return s;
     if (forge_status s = check_param_shape(*param)) return s;
-    if (forge_status s = check_backend_format(*param, device)) return s;
     forge_state_layout layout{};
     if (forge_status s = state_layout(*hparams, param->state_format, param->rows, param->cols, &layout))
       return s;

@@ -301,12 +301,16 @@ FORGE_HD Fp8Format fp8_format(bool is_signed) {
   return is_signed ? Fp8Format{3, 7, 0x7Eu, 448.0f} : Fp8Format{2, 15, 0x7Bu, 57344.0f};
 }
 
-// q (finite) to fp8 bits: round to nearest, ties to even, saturating at the largest finite
-// value; the sign is kept (-0 and negative values that round to zero give 0x80).
+// q to fp8 bits: round to nearest, ties to even, saturating at the largest finite value
+// (infinities too); the sign is kept (-0 and negative values that round to zero give 0x80).
+// A NaN gives 0x7F (a NaN in both formats, whatever q's sign and payload): no step stores one,
+// but a skipped element decoded from a NaN code is re-encoded when its block's absmax grows
+// (store_state), and the CUDA backend's conversion of a NaN it computed gives this byte too.
 FORGE_HD uint8_t fp8_nearest(float q, bool is_signed) {
   const Fp8Format f = fp8_format(is_signed);
   const uint32_t sign = (float_bits(q) >> 24) & 0x80u;
   const float a = fabsf(q);
+  if (!(a <= 0x1.fffffep127f)) return static_cast<uint8_t>(a == INFINITY ? sign | f.max_code : 0x7Fu);
   const int emin = 1 - f.bias;  // the smallest normal exponent; below it the grid is uniform
   int e = static_cast<int>((float_bits(a) >> 23) & 0xFFu) - 127;  // (fp32 subnormals: -127)
   if (e < emin) e = emin;

@@ -364,7 +364,7 @@ ParamView make_param_view(const forge_param& p, int num_states) {
   for (int i = 0; i < FORGE_MAX_STATES; ++i) {
     if (i < num_states) {
       v.state[i] = p.state[i];
-      v.absmax[i] = p.state_format == FORGE_STATE_INT8_BLOCK64 ? p.state_absmax[i] : nullptr;
+      v.absmax[i] = is_block_format(p.state_format) ? p.state_absmax[i] : nullptr;
       vec = vec && aligned16(p.state[i]);
     }
   }

@@ -130,6 +130,9 @@ constexpr PersistentWindow kPersistentWindows[] = {
     {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 2048, kNoMaxTokens},
     {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 1024, 4095},
     {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 4096, kNoMaxTokens},
+    // fp8: int8's windows (the same bytes; not measured apart)
+    {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 2048, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 4096, kNoMaxTokens},
 };
 constexpr bool persistent_pays(int64_t tokens, int64_t tiles, int num_sms, int weight_format,
                                int state_format, bool spec_kernel) {

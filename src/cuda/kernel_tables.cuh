@@ -48,16 +48,21 @@ struct Sm90Kernel {
 #define FORGE_SPEC_LIST(X)                                                                       \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16")                   \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8")           \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, "adamw, bf16, fp8")             \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_FP32, "adamw, bf16, fp32")                   \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC,                  \
     "adamw, bf16 sr, bf16 sr")                                                                   \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,                     \
     "adamw, bf16 sr, int8")                                                                      \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64,                      \
+    "adamw, bf16 sr, fp8")                                                                       \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP32, "adamw, bf16 sr, fp32")     \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_BF16_STOCHASTIC,                      \
     "adamw, bf16 + master, bf16 sr")                                                             \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64,                         \
     "adamw, bf16 + master, int8")                                                                \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP8_BLOCK64,                          \
+    "adamw, bf16 + master, fp8")                                                                 \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32, "adamw, bf16 + master, fp32")   \
   X(FORGE_RULE_LION, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC,                   \
     "lion, bf16 sr, bf16 sr")                                                                    \
@@ -101,7 +106,10 @@ const Sm90Kernel kSm90SpecRunKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_RUN_KERNEL)
     "adamw, bf16 sr, bf16 sr")                                                                   \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8")           \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,                     \
-    "adamw, bf16 sr, int8")
+    "adamw, bf16 sr, int8")                                                                      \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, "adamw, bf16, fp8")             \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64,                      \
+    "adamw, bf16 sr, fp8")
 
 // The persistent, warp-specialized Hopper kernels (sm90_wgrad.cuh; chosen by persistent_pays,
 // or forced with FORGE_DEBUG_PERSISTENT): the generic ones (below) and the hot configurations,

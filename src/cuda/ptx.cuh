@@ -1,6 +1,7 @@
 // ptx.cuh — every inline-PTX wrapper of the CUDA kernels, one line of comment each: the sm80
 // main loop (cp.async, ldmatrix, mma.sync), the Hopper kernels (mbarrier, TMA, wgmma,
-// setmaxnreg; sm_90a device pass only) and the update (exact-arithmetic building blocks).
+// setmaxnreg; sm_90a device pass only) and the update (exact-arithmetic building blocks, the
+// fp8 conversions of sm_89 and later).
 // The kernel headers hold no asm of their own.
 #pragma once
 
@@ -110,6 +111,45 @@ __device__ __forceinline__ uint32_t cvt_rn_bf16x2(float hi, float lo) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
   return packed;
 }
+
+// ---- sm_89 and later: the fp8 conversions ------------------------------------------------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FORGE_FP8_CVT 1
+
+// hi and lo as fp8 bytes (e4m3 when kE4m3, else e5m2), rounded to nearest even and saturated
+// at the largest finite value, packed: lo in bits 0-7, hi in 8-15.
+template <bool kE4m3>
+__device__ __forceinline__ uint32_t cvt_rn_satfinite_fp8x2(float hi, float lo) {
+  uint16_t packed;
+  if constexpr (kE4m3) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
+  }
+  return packed;
+}
+
+// Two fp8 bytes (bits 0-7 and 8-15 of `two`) as two f16 values (exact: every e4m3 and e5m2
+// value is an f16), packed as their bytes were.
+template <bool kE4m3>
+__device__ __forceinline__ uint32_t cvt_f16x2_fp8x2(uint32_t two) {
+  uint32_t packed;
+  const uint16_t in = static_cast<uint16_t>(two);
+  if constexpr (kE4m3) {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(packed) : "h"(in));
+  } else {
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(packed) : "h"(in));
+  }
+  return packed;
+}
+
+// An f16 (its bits) as fp32 (exact).
+__device__ __forceinline__ float cvt_f32_f16(uint32_t h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<uint16_t>(h)));
+  return f;
+}
+#endif
 
 // Named barrier kBarrier for kThreads threads (whole warps).
 template <int kBarrier, int kThreads>

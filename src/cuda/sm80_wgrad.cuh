@@ -202,9 +202,9 @@ __device__ __forceinline__ void prefetch_update_operands(const WgradParams& a, i
     case FORGE_WEIGHT_BF16_MASTER: prefetch_row_l2(p.master, 4, idx, count); break;
     default: prefetch_row_l2(p.weight, 2, idx, count);
   }
-  const int state_bytes = p.state_format == FORGE_STATE_FP32           ? 4
-                          : p.state_format == FORGE_STATE_INT8_BLOCK64 ? 1
-                                                                       : 2;
+  const int state_bytes = p.state_format == FORGE_STATE_FP32 ? 4
+                          : is_block_format(p.state_format)  ? 1
+                                                             : 2;
 #pragma unroll
   for (int i = 0; i < FORGE_MAX_STATES; ++i)
     if (i < a.k.num_states) prefetch_row_l2(p.state[i], state_bytes, idx, count);
@@ -391,10 +391,10 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
         next = own.raw;
       }
       // NOTE: unrolled by 2 so that `cur = next` is a register renaming, not 12 moves per
-      // pass (bf16 states: ~3 fewer instructions per element in the SASS). Not with int8
-      // states, whose pass is ~4x longer: 2 copies of it would not sit in the instruction
-      // cache as well.
-      constexpr int kPassUnroll = Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
+      // pass (bf16 states: ~3 fewer instructions per element in the SASS). Not with block
+      // states, whose pass is longer (int8's ~4x): 2 copies of it would not sit in the
+      // instruction cache as well.
+      constexpr int kPassUnroll = is_block_format(Spec::kStateFormat) ? 1 : 2;
       // NOTE: with stochastic rounding, the SR indices' row term (ParamView::sr_index) is
       // stepped per pass like idx0: the update sees a view whose sr_base holds the pass's row
       // term and whose sr_row_extra is 0, so a quad's SR index is its offset plus one add, not

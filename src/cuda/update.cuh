@@ -14,14 +14,16 @@
 // element's index in the full parameter (ParamView::sr_index; row * cols + col unless the
 // parameter is a shard), and the same skipping (forge.h, "Skipped elements"): an element whose
 // gradient is not finite or whose new weight, master or a state would not be storable keeps
-// its weight, master and fp32/bf16 states and is counted; an int8 block holding one takes
-// max(its old absmax, the updated elements' magnitudes), and the skipped element keeps its
-// code byte while that absmax is unchanged, or is re-encoded from its decoded value when it
-// grew (int8_kept_block_absmax). A step never stores a NaN it computed (an element whose
-// results hold one is skipped), so no NaN payload can differ between the CPU and the GPU.
+// its weight, master and fp32/bf16 states and is counted; an int8 or fp8 block holding one
+// takes max(its old absmax, the updated elements' magnitudes), and the skipped element keeps
+// its code byte while that absmax is unchanged, or is re-encoded from its decoded value when it
+// grew (kept_block_absmax). A step never stores a NaN it computed (an element whose results
+// hold one is skipped), so no NaN payload can differ between the CPU and the GPU.
+// int8 and fp8 states share the block layout (a code byte per element, an fp32 absmax per 64
+// columns of a row): "block states" below means either.
 //
 // Compile-time specialization (UpdateSpec): the hot configurations (AdamW, Lion, SGD on bf16
-// weights with bf16 / int8 / fp32 states) get their rule, weight format, state format, state
+// weights with bf16 / int8 / fp8 / fp32 states) get their rule, weight format, state format, state
 // count and int8 signedness as template constants, so every run-time switch of the generic
 // path folds away; GenericSpec (all kAny) is the run-time path every other configuration
 // takes. Both call the same forge::apply_rule and formats.h functions: only the dispatch
@@ -46,6 +48,11 @@ constexpr int kGroupLanes = FORGE_INT8_BLOCK / kQuad;  // lanes per int8 block: 
 static_assert(kGroupLanes == 16, "a half-warp owns one int8 block");
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// int8 and fp8 states: a code byte per element, an fp32 absmax per 64-column block of a row.
+__host__ __device__ constexpr bool is_block_format(int state_format) {
+  return state_format == FORGE_STATE_INT8_BLOCK64 || state_format == FORGE_STATE_FP8_BLOCK64;
+}
 
 // ---- compile-time specialization ------------------------------------------------------------
 
@@ -134,13 +141,13 @@ struct QuadDraws {
 // and every buffer 16-byte aligned).
 struct ParamView {
   int64_t rows, cols;      // [rows, cols] row-major, contiguous
-  int64_t blocks_per_row;  // ceil(cols / 64): row stride of the int8 absmax arrays
+  int64_t blocks_per_row;  // ceil(cols / 64): row stride of the int8 / fp8 absmax arrays
   int32_t weight_format, state_format;
   int32_t vec4;
   void* weight;            // [rows, cols] fp32 or bf16
   float* master;           // [rows, cols] fp32 (FORGE_WEIGHT_BF16_MASTER only)
   void* state[FORGE_MAX_STATES];     // [rows, cols] fp32 / bf16 / uint8 codes
-  float* absmax[FORGE_MAX_STATES];   // [rows, blocks_per_row] (int8 only)
+  float* absmax[FORGE_MAX_STATES];   // [rows, blocks_per_row] (int8 and fp8 only)
   // Stochastic rounding's element index (rng.h) of element (row, col), at offset
   // idx = row * cols + col: idx + sr_base + row * sr_row_extra. A shard's
   // (row_offset + row) * full_cols + col_offset + col (forge_param); 0 and 0 otherwise.
@@ -264,21 +271,20 @@ __device__ __forceinline__ bool group_any(bool v) {
   return ((ballot >> (threadIdx.x & 16u)) & 0xFFFFu) != 0u;
 }
 
-// An int8 block's new absmax when it may hold skipped elements (forge.h, "Skipped elements";
+// A block's new absmax when it may hold skipped elements (forge.h, "Skipped elements";
 // cpu_backend.cpp, store_state): `v` this lane's quad of the block's new values (n in range;
 // a skipped element's is its decoded old value), bit e of `keep` set where element e was
 // skipped. A block without a skipped element takes the largest magnitude of its values, as
-// store_int8_states' usual path does. A block holding one takes max(its old absmax, the updated
-// elements' largest magnitude), folded as the CPU folds it (the old absmax kept on ties and
-// when nothing was updated, a NaN one kept), and `code_keep` receives the elements whose code
-// bytes stay: the skipped ones while that absmax is the old one bit for bit, none when it grew
-// (they are then re-encoded from their decoded values). `old_absmax`: the block's absmax slot,
-// read by the lane that writes it (lane16 == 0) before it does. Every lane of the warp must
-// call it.
-__device__ __forceinline__ float int8_kept_block_absmax(const float* old_absmax, int n,
-                                                        unsigned keep, int lane16,
-                                                        const float (&v)[kQuad],
-                                                        unsigned& code_keep) {
+// store_block_states' usual path does. A block holding one takes max(its old absmax, the
+// updated elements' largest magnitude), folded as the CPU folds it (the old absmax kept on ties
+// and when nothing was updated, a NaN one kept), fp8's then through fp8_block_absmax, and
+// `code_keep` receives the elements whose code bytes stay: the skipped ones while that absmax
+// is the old one bit for bit, none when it changed (they are then re-encoded from their
+// decoded values). `old_absmax`: the block's absmax slot, read by the lane that writes it
+// (lane16 == 0) before it does. Every lane of the warp must call it.
+__device__ __forceinline__ float kept_block_absmax(const float* old_absmax, int n, unsigned keep,
+                                                   int lane16, bool fp8, const float (&v)[kQuad],
+                                                   unsigned& code_keep) {
   const bool kept = group_any(keep != 0u);
   float old = 0.0f;
   if (kept && lane16 == 0) old = *old_absmax;
@@ -288,7 +294,8 @@ __device__ __forceinline__ float int8_kept_block_absmax(const float* old_absmax,
     if (e < n && !((keep >> e) & 1u)) m = fmaxf(m, fabsf(v[e]));
   m = group_max(m);
   old = __shfl_sync(0xFFFFFFFFu, old, static_cast<int>(threadIdx.x & 16u));
-  const float amax = kept ? (old < m ? m : old) : m;
+  float amax = kept ? (old < m ? m : old) : m;
+  if (fp8) amax = fp8_block_absmax(amax);
   code_keep = kept && float_bits(amax) == float_bits(old) ? keep : 0u;
   return amax;
 }
@@ -562,6 +569,95 @@ __device__ __forceinline__ bool int8_quad_ratios(float absmax, const float (&v)[
   return fast_div_operand(absmax);
 }
 
+// ---- fp8 block states, bit for bit --------------------------------------------------------------
+//
+// formats.h's fp8 encoding: element = fp8 value · (absmax / top), stored as
+// fp8_nearest(x · (top / absmax)). On sm_89 and later the conversions are the hardware's:
+// cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 is fp8_nearest by definition (nearest even, saturating;
+// it is given |q| and the sign is put back, so -0 and negative values that round to zero give
+// 0x80 as formats.h's do), and cvt.rn.f16x2.{e4m3x2,e5m2x2} decodes exactly (every fp8 value
+// is an f16). Other passes (sm_80) call formats.h's functions. A decoded NaN code, which no
+// step stores, comes back as a NaN with another payload; an element holding one is skipped.
+// tests/cpp/gpu/test_gpu_fp8.cu checks every code and ranges of floats against formats.h on
+// the device.
+
+// A block's decode factor absmax / top (kDecode) or encode factor top / absmax, the IEEE
+// quotient, branch-free: FastMath's division is exact for a dividend and a divisor in
+// [2^-62, 2^62), and absmax is scaled there by a power of two, so the quotient is the scaled
+// IEEE one, and scaling it back is exact as long as it stays normal and finite: for absmax in
+// [kFp8MinAbsmax, FLT_MAX] both quotients lie in [2^-120, 2^116] (top: 448 or 57344). A
+// decode also takes absmax = +0 (the sequence gives +0). `ok` is cleared for any other absmax
+// (a value no step stores: below kFp8MinAbsmax, -0, infinite, NaN); the caller then divides the
+// IEEE way. An encode with absmax = +0 stores zeros (fp8_quad_codes) whatever the factor.
+template <bool kDecode>
+__device__ __forceinline__ float fp8_block_factor(float absmax, float top, bool& ok) {
+  // scale (a power of two, exact) brings absmax into [2^-62, 2^62); unscale = 1 / scale
+  const bool tiny = absmax < 0x1p-22f, huge = absmax >= 0x1p62f;
+  const float scale = tiny ? 0x1p64f : huge ? 0x1p-66f : 1.0f;
+  const float unscale = tiny ? 0x1p-64f : huge ? 0x1p66f : 1.0f;
+  const float scaled = absmax * scale;
+  ok = ok & (((absmax >= kFp8MinAbsmax) & (absmax <= 0x1.fffffep127f)) |
+             (__float_as_uint(absmax) == 0u));
+  if constexpr (kDecode) {
+    return FastMath::div_unchecked(scaled, top) * unscale;
+  } else {
+    return FastMath::div_unchecked(top, scaled) * scale;
+  }
+}
+
+// formats.h's fp8_decode of a quad's packed codes (byte e: element e) given the block's decode
+// factor absmax / top.
+__device__ __forceinline__ void fp8_quad_values(uint32_t codes, bool is_signed, float factor,
+                                                float (&v)[kQuad]) {
+#if defined(FORGE_FP8_CVT)
+  const uint32_t lo = is_signed ? cvt_f16x2_fp8x2<true>(codes) : cvt_f16x2_fp8x2<false>(codes);
+  const uint32_t hi =
+      is_signed ? cvt_f16x2_fp8x2<true>(codes >> 16) : cvt_f16x2_fp8x2<false>(codes >> 16);
+  v[0] = cvt_f32_f16(lo & 0xFFFFu) * factor;
+  v[1] = cvt_f32_f16(lo >> 16) * factor;
+  v[2] = cvt_f32_f16(hi & 0xFFFFu) * factor;
+  v[3] = cvt_f32_f16(hi >> 16) * factor;
+#else
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e)
+    v[e] = fp8_value(static_cast<uint8_t>(codes >> (8 * e)), is_signed) * factor;
+#endif
+}
+
+// formats.h's fp8_encode of a quad given its block's encode factor top / absmax, packed (byte
+// e: element e); `nonzero` = absmax >= kFp8MinAbsmax (otherwise every code is 0).
+// NOTE: one conversion instruction per two elements, and the four signs put back with two
+// byte permutes: the encode costs a few instructions per element (int8's level search ~12).
+__device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], float factor,
+                                                   bool nonzero, bool is_signed) {
+  float q[kQuad];
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e) q[e] = v[e] * factor;
+#if defined(FORGE_FP8_CVT)
+  const uint32_t lo = is_signed ? cvt_rn_satfinite_fp8x2<true>(fabsf(q[1]), fabsf(q[0]))
+                                : cvt_rn_satfinite_fp8x2<false>(fabsf(q[1]), fabsf(q[0]));
+  const uint32_t hi = is_signed ? cvt_rn_satfinite_fp8x2<true>(fabsf(q[3]), fabsf(q[2]))
+                                : cvt_rn_satfinite_fp8x2<false>(fabsf(q[3]), fabsf(q[2]));
+  // byte e of `signs`: the top byte of q[e]'s bits, whose bit 7 is its sign
+  const uint32_t signs01 = __byte_perm(__float_as_uint(q[0]), __float_as_uint(q[1]), 0x0073u);
+  const uint32_t signs23 = __byte_perm(__float_as_uint(q[2]), __float_as_uint(q[3]), 0x0073u);
+  const uint32_t signs = __byte_perm(signs01, signs23, 0x5410u) & 0x80808080u;
+  const uint32_t codes = (lo | (hi << 16)) | signs;
+#else
+  uint32_t codes = 0;
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e)
+    codes |= static_cast<uint32_t>(fp8_nearest(q[e], is_signed)) << (8 * e);
+#endif
+  return nonzero ? codes : 0u;
+}
+
+// The 4 bytes of packed codes.
+__device__ __forceinline__ void unpack_codes(uint32_t codes, uint8_t (&c)[kQuad]) {
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e) c[e] = static_cast<uint8_t>(codes >> (8 * e));
+}
+
 // ---- state i of a quad, in fp32 ----------------------------------------------------------
 
 // kStateFormat: the state format as a compile-time constant, or kAny (p.state_format).
@@ -577,6 +673,17 @@ __device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool 
     case FORGE_STATE_BF16_STOCHASTIC:
       load_quad_bf16(static_cast<const uint16_t*>(p.state[i]), idx, n, vec, v);
       break;
+    case FORGE_STATE_FP8_BLOCK64: {
+      uint8_t c[kQuad];
+      load_quad_codes(static_cast<const uint8_t*>(p.state[i]), idx, n, vec, c);
+      const float absmax =
+          n > 0 ? p.absmax[i][row * p.blocks_per_row + col / FORGE_INT8_BLOCK] : 0.0f;
+      uint32_t codes = 0;
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e) codes |= static_cast<uint32_t>(c[e]) << (8 * e);
+      fp8_quad_values(codes, is_signed, absmax / fp8_format(is_signed).top, v);
+      break;
+    }
     default: {  // FORGE_STATE_INT8_BLOCK64
       uint8_t c[kQuad];
       load_quad_codes(static_cast<const uint8_t*>(p.state[i]), idx, n, vec, c);
@@ -590,8 +697,8 @@ __device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool 
 
 // Stores state i of a quad. `stochastic` selects stochastic rounding with stream 1 + i of
 // `draw` (QuadDraws) for FORGE_STATE_BF16_STOCHASTIC (a step passes true and its draws;
-// state conversions pass false = nearest, as the CPU does). For int8 every lane of the warp
-// must call this (absmax shuffle).
+// state conversions pass false = nearest, as the CPU does). For block states every lane of the
+// warp must call this (absmax shuffle).
 // kNonNan: every value is known not to be NaN (the fast epilogue path), so bf16 nearest
 // rounding may use the hardware conversion and stochastic rounding skips its NaN test.
 template <int kStateFormat = kAny, bool kNonNan = false>
@@ -627,27 +734,34 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
       store_quad_u16(static_cast<uint16_t*>(p.state[i]), idx, n, vec, keep, h);
       break;
     }
-    default: {  // FORGE_STATE_INT8_BLOCK64: the block's absmax, then every code of the block
+    default: {  // int8 / fp8: the block's absmax, then every code of the block
+      const bool fp8 = format == FORGE_STATE_FP8_BLOCK64;
       float* const absmax_slot = &p.absmax[i][row * p.blocks_per_row + col / FORGE_INT8_BLOCK];
       float amax = 0.0f;
       unsigned code_keep = 0u;
       if (__any_sync(0xFFFFFFFFu, keep != 0u)) {  // uniform: a skipped element in the warp
-        amax = int8_kept_block_absmax(absmax_slot, n, keep, lane16, v, code_keep);
+        amax = kept_block_absmax(absmax_slot, n, keep, lane16, fp8, v, code_keep);
       } else {
 #pragma unroll
         for (int e = 0; e < kQuad; ++e)
           if (e < n) amax = fmaxf(amax, fabsf(v[e]));
         amax = group_max(amax);
+        if (fp8) amax = fp8_block_absmax(amax);
       }
       if (n > 0) {
-        float ratio[kQuad];
-        if (!int8_quad_ratios(amax, v, ratio)) {
-#pragma unroll
-          for (int e = 0; e < kQuad; ++e) ratio[e] = fabsf(v[e]) / amax;
-        }
         uint8_t c[kQuad];
+        if (fp8) {
+          const float factor = fp8_format(is_signed).top / amax;
+          unpack_codes(fp8_quad_codes(v, factor, amax >= kFp8MinAbsmax, is_signed), c);
+        } else {
+          float ratio[kQuad];
+          if (!int8_quad_ratios(amax, v, ratio)) {
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e) c[e] = int8_encode_ratio(v[e], ratio[e], amax, is_signed);
+            for (int e = 0; e < kQuad; ++e) ratio[e] = fabsf(v[e]) / amax;
+          }
+#pragma unroll
+          for (int e = 0; e < kQuad; ++e) c[e] = int8_encode_ratio(v[e], ratio[e], amax, is_signed);
+        }
         store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx, n, vec, code_keep, c);
         // lane 0 of the group holds the block's first column, so it is in range whenever
         // any column of the block is
@@ -802,28 +916,31 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
 }
 #undef FORGE_RULE_BRANCH
 
-// ---- int8 states of a batch of quads, in one straight run -------------------------------------
+// ---- block states of a batch of quads, in one straight run ---------------------------------
 //
-// store_state_quad's int8 case for every state and quad of a batch at once (specialized Specs,
-// where the state count and signedness are compile-time): every block's absmax, then every
-// ratio |x| / absmax (int8_quad_ratios, with one IEEE fallback for the whole batch), every
-// code, and the stores. The same codes and absmax as store_state_quad.
+// store_state_quad's int8 / fp8 case (kSF) for every state and quad of a batch at once
+// (specialized Specs, where the state count and signedness are compile-time): every block's
+// absmax, then int8's ratios |x| / absmax (int8_quad_ratios) or fp8's encode factors
+// (fp8_block_factor), with one IEEE fallback for the whole batch, every code, and the stores.
+// The same codes and absmax as store_state_quad.
 // NOTE: one quad and state at a time, each encode was a branch region of its own (the n > 0
 // store, the ratio fallback), so its dependent chain (4 shuffles, the reciprocal, the
 // division, the level search, ~300 cycles) ran alone; in one region the 2·kQ chains
 // interleave.
-// keep[q]: the skipped elements of quad q; a block holding one takes int8_kept_block_absmax's
+// keep[q]: the skipped elements of quad q; a block holding one takes kept_block_absmax's
 // absmax and code mask.
 // NOTE: one warp-uniform branch for "a skipped element in the warp's blocks" around the absmax
 // alone: without one, the warp's blocks run exactly the usual instructions but for the vote
 // and the masked stores' test; the encoder after it is shared by both outcomes.
-template <int kQ, int kNumStates, int kRule>
-__device__ __forceinline__ void store_int8_states(const ParamView& p, const int64_t (&row)[kQ],
-                                                  const int64_t (&col)[kQ],
-                                                  const int64_t (&idx)[kQ], const int (&n)[kQ],
-                                                  const bool (&vec)[kQ],
-                                                  const unsigned (&keep)[kQ], int lane16,
-                                                  const float (&s)[FORGE_MAX_STATES][kQ][kQuad]) {
+template <int kQ, int kNumStates, int kRule, int kSF>
+__device__ __forceinline__ void store_block_states(const ParamView& p, const int64_t (&row)[kQ],
+                                                   const int64_t (&col)[kQ],
+                                                   const int64_t (&idx)[kQ], const int (&n)[kQ],
+                                                   const bool (&vec)[kQ],
+                                                   const unsigned (&keep)[kQ], int lane16,
+                                                   const float (&s)[FORGE_MAX_STATES][kQ][kQuad]) {
+  static_assert(is_block_format(kSF), "int8 or fp8 states");
+  constexpr bool kFp8 = kSF == FORGE_STATE_FP8_BLOCK64;
   float amax[kNumStates][kQ];
   unsigned code_keep[kNumStates][kQ];
   unsigned any_keep = 0u;
@@ -834,9 +951,9 @@ __device__ __forceinline__ void store_int8_states(const ParamView& p, const int6
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
-        amax[i][q] = int8_kept_block_absmax(
+        amax[i][q] = kept_block_absmax(
             &p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK], n[q], keep[q],
-            lane16, s[i][q], code_keep[i][q]);
+            lane16, kFp8, s[i][q], code_keep[i][q]);
   } else {
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
@@ -852,7 +969,43 @@ __device__ __forceinline__ void store_int8_states(const ParamView& p, const int6
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-      for (int q = 0; q < kQ; ++q) amax[i][q] = group_max(amax[i][q]);
+      for (int q = 0; q < kQ; ++q) {
+        amax[i][q] = group_max(amax[i][q]);
+        if constexpr (kFp8) amax[i][q] = fp8_block_absmax(amax[i][q]);
+      }
+  }
+  if constexpr (kFp8) {
+    float factor[kNumStates][kQ];
+    bool fast = true;
+#pragma unroll
+    for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q)
+        factor[i][q] = fp8_block_factor<false>(amax[i][q], fp8_format(spec_state_signed(kRule, i)).top,
+                                               fast);
+    if (!fast) {
+#pragma unroll
+      for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+        for (int q = 0; q < kQ; ++q)
+          factor[i][q] = fp8_format(spec_state_signed(kRule, i)).top / amax[i][q];
+    }
+#pragma unroll
+    for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) {
+        uint8_t c[kQuad];
+        unpack_codes(fp8_quad_codes(s[i][q], factor[i][q], amax[i][q] >= kFp8MinAbsmax,
+                                    spec_state_signed(kRule, i)),
+                     c);
+        if (n[q] > 0) {
+          store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q],
+                           code_keep[i][q], c);
+          if (lane16 == 0)
+            p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK] = amax[i][q];
+        }
+      }
+    return;
   }
   float ratio[kNumStates][kQ][kQuad];
   bool fast = true;
@@ -892,7 +1045,7 @@ __device__ __forceinline__ void store_int8_states(const ParamView& p, const int6
 
 // Stores the updated weight and states of kQ quads (update_quads' arguments; keep[q]: the
 // skipped elements). kNonNan: the values were checked finite (the FastMath path).
-// weight_nonnan: only the weights were (int8 states, whose one store path serves both
+// weight_nonnan: only the weights were (block states, whose one store path serves both
 // outcomes: update_loaded); the weight store then takes the fast conversions too.
 // kAligned: as update_loaded's.
 template <int kQ, class Spec, bool kNonNan, bool kAligned = false>
@@ -911,9 +1064,9 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   // Folds to a constant for a specialized Spec.
   const bool stochastic = weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
                           (num_states > 0 && state_format == FORGE_STATE_BF16_STOCHASTIC);
-  if constexpr (kSF == FORGE_STATE_INT8_BLOCK64 && Spec::kNumStates > 0)
-    store_int8_states<kQ, Spec::kNumStates, Spec::kRule>(p, row, col, idx, n, vec, keep, lane16,
-                                                         s);
+  if constexpr (is_block_format(kSF) && Spec::kNumStates > 0)
+    store_block_states<kQ, Spec::kNumStates, Spec::kRule, kSF>(p, row, col, idx, n, vec, keep,
+                                                               lane16, s);
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
     const QuadDraws draw(k.sr_key, p.sr_index(row[q], idx[q]), kAligned || vec[q], stochastic);
@@ -921,7 +1074,7 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
     for (int i = 0; i < FORGE_MAX_STATES; ++i) {
       const bool is_signed =
           Spec::kGeneric ? k.state_signed[i] != 0 : spec_state_signed(Spec::kRule, i);
-      if (i < num_states && kSF != FORGE_STATE_INT8_BLOCK64)  // int8: stored above
+      if (i < num_states && !is_block_format(kSF))  // block states: stored above
         store_state_quad<kSF, kNonNan>(p, i, is_signed, row[q], col[q], idx[q], n[q], vec[q],
                                        keep[q], lane16, true, draw, s[i][q]);
     }
@@ -974,14 +1127,14 @@ struct RawQuads {
   static constexpr int kNS = Spec::kNumStates > 0 ? Spec::kNumStates : 1;
   static constexpr bool kWeight32 = kWF == FORGE_WEIGHT_FP32 || kWF == FORGE_WEIGHT_BF16_MASTER;
   static constexpr int kStateWords =
-      kSF == FORGE_STATE_FP32 ? 4 : kSF == FORGE_STATE_INT8_BLOCK64 ? 1 : 2;
-  static constexpr int kAbsmaxWords = kSF == FORGE_STATE_INT8_BLOCK64 ? 1 : 0;
+      kSF == FORGE_STATE_FP32 ? 4 : is_block_format(kSF) ? 1 : 2;
+  static constexpr int kAbsmaxWords = is_block_format(kSF) ? 1 : 0;
   // Registers one batch holds while in flight.
   static constexpr int kWords =
       kQ * ((kWeight32 ? 4 : 2) + Spec::kNumStates * (kStateWords + kAbsmaxWords));
   uint32_t w[kQ][kWeight32 ? 4 : 2];  // fp32 words or bf16 pairs
-  uint32_t s[kNS][kQ][kStateWords];   // fp32 words, bf16 pairs or 4 int8 codes
-  float absmax[kNS][kQ];              // int8 only
+  uint32_t s[kNS][kQ][kStateWords];   // fp32 words, bf16 pairs or 4 int8 / fp8 codes
+  float absmax[kNS][kQ];              // int8 / fp8 only
 
   __device__ __forceinline__ void load(const ParamView& p, const int64_t (&row)[kQ],
                                        const int64_t (&col)[kQ], const int64_t (&idx)[kQ]) {
@@ -992,8 +1145,7 @@ struct RawQuads {
             kWF == FORGE_WEIGHT_FP32 ? static_cast<const float*>(p.weight) : p.master;
         const uint4 v = *reinterpret_cast<const uint4*>(base + idx[q]);
         w[q][0] = v.x; w[q][1] = v.y; w[q][2] = v.z; w[q][3] = v.w;
-      } else if constexpr (kSF == FORGE_STATE_INT8_BLOCK64 &&
-                           kWF == FORGE_WEIGHT_BF16_STOCHASTIC) {
+      } else if constexpr (is_block_format(kSF) && kWF == FORGE_WEIGHT_BF16_STOCHASTIC) {
         // NOTE: a stochastically rounded weight next to int8 states is read cache-streaming
         // (evict first). Llama totals of that step, 63.0 -> 61.1 / 102.6 -> 101.3 / 150.1 ->
         // 147.6 ms at T = 512 / 2048 / 4096. Not with a nearest weight (int8 states: 55.6 ->
@@ -1012,7 +1164,7 @@ struct RawQuads {
           const float* base = static_cast<const float*>(p.state[i]);
           const uint4 v = *reinterpret_cast<const uint4*>(base + idx[q]);
           s[i][q][0] = v.x; s[i][q][1] = v.y; s[i][q][2] = v.z; s[i][q][3] = v.w;
-        } else if constexpr (kSF == FORGE_STATE_INT8_BLOCK64) {
+        } else if constexpr (is_block_format(kSF)) {
           const uint8_t* base = static_cast<const uint8_t*>(p.state[i]);
           s[i][q][0] = *reinterpret_cast<const uint32_t*>(base + idx[q]);
           absmax[i][q] = p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK];
@@ -1028,6 +1180,24 @@ struct RawQuads {
   // The same fp32 values load_quad_* / load_state_quad produce.
   __device__ __forceinline__ void unpack(float (&wf)[kQ][kQuad],
                                          float (&sf)[FORGE_MAX_STATES][kQ][kQuad]) const {
+    // fp8: every block's decode factor first, with one IEEE fallback for the batch
+    float factor[kNS][kQ] = {};
+    if constexpr (kSF == FORGE_STATE_FP8_BLOCK64) {
+      bool fast = true;
+#pragma unroll
+      for (int i = 0; i < Spec::kNumStates; ++i)
+#pragma unroll
+        for (int q = 0; q < kQ; ++q)
+          factor[i][q] = fp8_block_factor<true>(
+              absmax[i][q], fp8_format(spec_state_signed(Spec::kRule, i)).top, fast);
+      if (!fast) {
+#pragma unroll
+        for (int i = 0; i < Spec::kNumStates; ++i)
+#pragma unroll
+          for (int q = 0; q < kQ; ++q)
+            factor[i][q] = absmax[i][q] / fp8_format(spec_state_signed(Spec::kRule, i)).top;
+      }
+    }
 #pragma unroll
     for (int q = 0; q < kQ; ++q) {
 #pragma unroll
@@ -1039,7 +1209,14 @@ struct RawQuads {
         }
       }
 #pragma unroll
-      for (int i = 0; i < FORGE_MAX_STATES; ++i)
+      for (int i = 0; i < FORGE_MAX_STATES; ++i) {
+        if constexpr (kSF == FORGE_STATE_FP8_BLOCK64) {
+          if (i < Spec::kNumStates) {
+            fp8_quad_values(s[i][q][0], spec_state_signed(Spec::kRule, i), factor[i][q],
+                            sf[i][q]);
+            continue;
+          }
+        }
 #pragma unroll
         for (int e = 0; e < kQuad; ++e) {
           if (i >= Spec::kNumStates) {
@@ -1054,6 +1231,7 @@ struct RawQuads {
             sf[i][q][e] = bf16_to_float(static_cast<uint16_t>(s[i][q][e / 2] >> (16 * (e % 2))));
           }
         }
+      }
     }
   }
 };
@@ -1104,11 +1282,11 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
             totals.grad_sq_sum += gd * gd;
           }
     }
-    // NOTE: int8 states: one store path for both outcomes, so the encoder's code is there
+    // NOTE: block states: one store path for both outcomes, so the encoder's code is there
     // once (a duplicated copy doubled the hot loop; the measurement that found it 2.9x slower
     // had NaN weights, so that cause was not isolated).
     // Other formats: a dedicated store path with no skip masks and hardware bf16 rounding.
-    if constexpr (Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64) {
+    if constexpr (is_block_format(Spec::kStateFormat)) {
       if (fast) {
 #pragma unroll
         for (int q = 0; q < kQ; ++q) {

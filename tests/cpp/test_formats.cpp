@@ -259,9 +259,12 @@ TEST(Fp8Format, NearestIsTheClosestValueTiesToEvenSaturating) {
       const float q = bits_float(static_cast<uint32_t>(rng.gen() % 0x49800000u));
       if (!expect_same(i & 1 ? -q : q)) return;
     }
-    for (float q : {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-38f, 3.4e38f, -3.4e38f})
+    for (float q : {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-38f, 3.4e38f, -3.4e38f, INFINITY, -INFINITY})
       if (!expect_same(q)) return;
     EXPECT_GT(checked, int64_t(1000000));
+    // a NaN, whatever its sign and payload, gives 0x7F (a NaN in both formats)
+    for (uint32_t nan : {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0xFFFFFFFFu})
+      EXPECT_EQ(fp8_nearest(bits_float(nan), is_signed), 0x7F) << std::hex << nan;
   }
 }
 

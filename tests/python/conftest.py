@@ -40,18 +40,14 @@ def cuda_usable() -> bool:
 _CUDA_REASON = "needs a CUDA GPU and libforge built with CUDA"
 requires_cuda = pytest.mark.skipif(not cuda_usable(), reason=_CUDA_REASON)
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
-# State formats the CUDA backend refuses (test_lowp.py checks the refusal).
-CPU_ONLY_STATE_FORMATS = ("fp8",)
 
 
 def format_devices(formats):
-    """(state_format, device) parameters: every format on every device of DEVICES, but the
-    CPU-only formats on the CPU only."""
+    """(state_format, device) parameters: every format on every device of DEVICES."""
     out = []
     for fmt in formats:
         out.append((fmt, "cpu"))
-        if fmt not in CPU_ONLY_STATE_FORMATS:
-            out.append(pytest.param(fmt, "cuda", marks=requires_cuda))
+        out.append(pytest.param(fmt, "cuda", marks=requires_cuda))
     return out
 
 

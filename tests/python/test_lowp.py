@@ -1,15 +1,14 @@
 """test_lowp.py — low-precision storage: bf16 / int8 / fp8 optimizer states, bf16 weights
 (with stochastic rounding, or an fp32 master copy), measured on the update against fp32
 torch.optim.AdamW (metric and bounds: tolerances.py). CPU runs the CPU backend's formats;
-the same tests on CUDA check the GPU backend's, and that it refuses fp8 states (CPU only for
-now) before any weight changes."""
+the same tests on CUDA check the GPU backend's."""
 import copy
 
 import pytest
 import torch
 
 import forge
-from conftest import DEVICES, format_devices, requires_cuda
+from conftest import DEVICES, format_devices
 from tiny_models import TinyTransformer, lm_loss
 from tolerances import (AUTOCAST_UPDATE_RTOL, BF16_MASTER_UPDATE_RTOL,
                         BF16_VS_TORCH_BF16_FACTOR, LOWP_STEPS, STATE_FORMAT_UPDATE_RTOL)
@@ -123,21 +122,3 @@ def test_stochastic_rounding_is_seeded():
     a, b, c = run(1), run(1), run(2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, z) for x, z in zip(a, c))
-
-
-@requires_cuda
-def test_fp8_states_are_refused_on_cuda():
-    """fp8 states run on the CPU backend only: an optimizer that would keep them for a CUDA
-    parameter is refused at construction, naming it; a group that gives them only to
-    parameters below min_8bit_size (fp32 states) is fine; a group switched to fp8 before any
-    state exists is refused at the next step, before any weight changes."""
-    model = TinyTransformer().to("cuda")
-    with pytest.raises(ValueError, match=r"parameter '.*': state_format='fp8' runs on the CPU"):
-        forge.optim.AdamW(model, state_format="fp8", **HP, **EVERY_INT8)
-    opt = forge.optim.AdamW(model, state_format="fp8", min_8bit_size=10 ** 9, **HP)
-    opt.param_groups[0]["min_8bit_size"] = 0
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"state_format='fp8' runs on the CPU"):
-        lm_loss(model, 0, "cuda").backward()
-        opt.step()
-    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -12,17 +12,16 @@ import pytest
 import torch
 
 import forge
-from conftest import CPU_ONLY_STATE_FORMATS, DEVICES, format_devices, requires_cuda
+from conftest import DEVICES, format_devices, requires_cuda
 from tiny_models import TinyTransformer, lm_loss
 from tolerances import GRAD_NORM_RTOL, STATE_STORE_RTOL
 
 FORMATS = [("float32", "fp32", False), ("float32", "bf16", False), ("float32", "int8", False),
            ("bfloat16", "bf16", False), ("bfloat16", "int8", True), ("bfloat16", "fp32", True),
            ("float32", "fp8", False), ("bfloat16", "fp8", True)]
-# (dtype, state_format, master, device): fp8 on the CPU only (conftest.format_devices)
+# (dtype, state_format, master, device)
 FORMATS_DEVICES = [(*f, "cpu") for f in FORMATS] + [
-    pytest.param(*f, "cuda", marks=requires_cuda) for f in FORMATS
-    if f[1] not in CPU_ONLY_STATE_FORMATS]
+    pytest.param(*f, "cuda", marks=requires_cuda) for f in FORMATS]
 
 
 def train(model, opt, steps, start, device):

@@ -757,15 +757,16 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
         report = json.load(f)
     noise = bench.noise_run_names(2)
     assert noise == [bench.NOISE_RUN, bench.NOISE_RUN + "-2"]
-    assert set(report["comparisons"]) == {"forge-bf16-sr", "forge-int8", *noise}
+    assert set(report["comparisons"]) == {"forge-bf16-sr", "forge-int8", "forge-fp8", *noise}
     assert len(report["spread"]["torch_pairs"]) == 3  # reference and two noise runs
-    assert set(report["spread"]["forge"]) == {"forge-bf16-sr", "forge-int8"}
+    assert set(report["spread"]["forge"]) == {"forge-bf16-sr", "forge-int8", "forge-fp8"}
     # run order: a call cut short keeps the bf16 comparison beside a noise floor
     amp = bench.amp_run_names(3)
     assert amp == [bench.PARITY_AMP_REFERENCE, bench.PARITY_AMP_REFERENCE + "-seed1",
                    bench.PARITY_AMP_REFERENCE + "-seed2"]
     assert list(report["runs"]) == [bench.PARITY_REFERENCE, "forge-bf16-sr", amp[0],
-                                    noise[0], "forge-int8", noise[1], amp[1], amp[2]]
+                                    noise[0], "forge-int8", "forge-fp8", noise[1], amp[1],
+                                    amp[2]]
     # every other run measured against the mixed-precision (fp32 weights, autocast) run ...
     assert set(report["against_amp"]) == set(report["runs"]) - set(amp)
     # ... and held to that reference's spread over its three seeds (other initial weights and
@@ -784,7 +785,7 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
     runs = report["runs"]
     assert runs[noise[0]]["losses"] != runs[noise[1]]["losses"]
     floor = [report["comparisons"][n]["mean_abs_diff_last_half"] for n in noise]
-    for name in ("forge-bf16-sr", "forge-int8"):
+    for name in ("forge-bf16-sr", "forge-int8", "forge-fp8"):
         c = report["comparisons"][name]
         assert c["noise_floor"] == floor
         assert c["within_noise_floor"] == (c["mean_abs_diff_last_half"] <= max(floor))

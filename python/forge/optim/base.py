@@ -30,7 +30,7 @@ from . import distributed
 from .deferred import ConsumedGrad, FactoredGrad, fill_sum_sqs, sum_sq_fp64
 from . import summary as _summary
 from .states import (BLOCK_FORMATS, MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin,
-                     check_backend_format, check_storage_options, requested_format)
+                     check_storage_options)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MODES = ("auto", "immediate", "deferred")
@@ -95,8 +95,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                            parameters; default: every parameter with requires_grad, one group.
                            See param_groups_no_decay().
       state_format         "fp32" | "bf16" | "int8" (block-64 dynamic map + fp32 absmax) |
-                           "fp8" (e4m3 / e5m2 scaled per block of 64; CPU backend only for
-                           now); a param group may carry its own "state_format" (states.py).
+                           "fp8" (e4m3 / e5m2 scaled per block of 64 by an fp32 absmax); a
+                           param group may carry its own "state_format" (states.py).
       min_8bit_size        with "int8" / "fp8", a parameter of fewer elements keeps fp32 states
                            (bitsandbytes' name and default, 4096); a group may carry its own.
       master_weights       bf16 parameters keep an fp32 master copy (state "master"); the
@@ -214,7 +214,6 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                                       min_8bit_size=min_8bit_size))  # validates each group
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(model, all_params, names)
-        self._check_backend_formats(self.param_groups, names)
 
         # A model spread over ranks (DTensor parameters: tensor parallel, FSDP2): the step's
         # statistics are summed over the ranks.
@@ -503,7 +502,6 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                     raise RuntimeError("forge: the model of this optimizer no longer exists")
                 names = _parameter_names(model)
                 self._check_params(model, group["params"], names)
-                self._check_backend_formats([group], names)
                 self._attach(model, group["params"], names)
         except Exception:
             self.param_groups.pop()
@@ -697,15 +695,6 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError(f"parameter '{name}': already driven by "
                                  f"{'this' if owner is self else 'another'} forge optimizer"
                                  f"{'' if owner is self else '; call its .detach() first'}")
-
-    def _check_backend_formats(self, groups, names: Dict[int, List[str]]) -> None:
-        """A state format a parameter's device cannot run (fp8 on CUDA) is refused now, naming
-        the parameter; _check_step checks the same for a group changed later."""
-        for g in groups:
-            for p in g["params"]:
-                if p.requires_grad:
-                    check_backend_format(names[id(p)][0], p, requested_format(
-                        g, p.numel(), self.state_format, self.min_8bit_size))
 
 
 class _WrapperCheck:

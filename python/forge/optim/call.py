@@ -17,7 +17,7 @@ import torch
 
 from .. import _lib
 from .. import _linear
-from . import distributed, states
+from . import distributed
 
 _NO_OUTPUTS = _lib.StepOutputs()  # (NULL pointers: no statistics)
 
@@ -179,9 +179,7 @@ class _CallMixin:
                 self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32,
                                        1, 1)
             st = self.state.get(p)
-            if not st:  # (its format is fixed once its states exist: _check_storage)
-                states.check_backend_format(slot.name, p, self._requested_format(slot, group))
-            else:
+            if st:
                 step = st.get("step")
                 if type(step) is not int or step < 0:
                     raise RuntimeError(f"forge: parameter '{slot.name}': state 'step' must be an "

@@ -3,10 +3,7 @@
 The state format ("fp32", "bf16", "int8", "fp8") is per parameter: its param group's
 "state_format" (default: the constructor's state_format), where an 8-bit format ("int8",
 "fp8") gives a parameter of fewer than the group's "min_8bit_size" elements (default 4096,
-bitsandbytes' name and value) fp32 states. "fp8" runs on the CPU backend only for now (an
-optimizer that would keep fp8 states for a CUDA parameter is refused: at construction, by
-add_param_group, or before the first update of a step after a group changed). It is
-fixed when the parameter's states are made (slot.state_format); a group changed afterwards
+bitsandbytes' name and value) fp32 states. It is fixed when the parameter's states are made (slot.state_format); a group changed afterwards
 is refused at the next step. With master_weights / stochastic_rounding it decides the storage
 codes passed to libforge; the states of a parameter are plain tensors in
 optimizer.state[param] under torch.optim's names (exp_avg, exp_avg_sq, ...; int8 and fp8 add
@@ -25,8 +22,6 @@ from . import distributed
 STATE_FORMATS = ("fp32", "bf16", "int8", "fp8")
 # Formats of a code byte per element and an fp32 absmax per block of 64 columns of a row.
 BLOCK_FORMATS = ("int8", "fp8")
-# Formats the CUDA backend does not take yet.
-CPU_ONLY_FORMATS = ("fp8",)
 _UPDATABLE = (torch.float32, torch.bfloat16)  # parameter dtypes FORGE updates
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 states under 8 bits
 # The keys a param group may carry to choose its storage (defaults: the constructor's).
@@ -52,14 +47,6 @@ def requested_format(group: Dict[str, Any], numel: int, default_format: str,
     if fmt in BLOCK_FORMATS and numel < group.get("min_8bit_size", default_min_8bit_size):
         return "fp32"
     return fmt
-
-
-def check_backend_format(name: str, param: torch.Tensor, fmt: str) -> None:
-    """A state format the parameter's device cannot run is refused, naming the parameter."""
-    if fmt in CPU_ONLY_FORMATS and param.device.type == "cuda":
-        raise ValueError(f"parameter '{name}': state_format={fmt!r} runs on the CPU backend "
-                         f"only for now, and this parameter is on {param.device}; use 'int8' "
-                         "or 'bf16' states there")
 
 
 class _StatesMixin:

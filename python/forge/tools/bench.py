@@ -20,7 +20,8 @@ Modes, batch 1, one step = forward + backward + optimizer:
   torch-adamw        torch.optim.AdamW(fused=True): the gradient pool, then one fused pass
   torch-hooks        optimizer in backward: one torch AdamW per parameter, stepped in a
                      post-accumulate-grad hook (each gradient freed as soon as it is used)
-  forge-bf16 / forge-int8 / forge-fp32-master   forge.optim.AdamW with those states
+  forge-bf16 / forge-int8 / forge-fp8 / forge-fp32-master   forge.optim.AdamW with those
+                     states
 Peak = torch.cuda.max_memory_allocated() (reset after the model is built, so weights count),
 time = median of 8 steps after 2 warm-ups, timed with CUDA events. Out-of-memory is a result.
 --cuda-graph: each step runs through forge.graphs.CUDAGraphStep (the warm-ups eager, one
@@ -92,16 +93,18 @@ MODEL_CONFIGS: Dict[str, dict] = {
 }
 DEFAULT_MODELS = ["llama-3.1-8b", "qwen3-14b", "qwen3-0.6b"]
 DEFAULT_SEQS = [512, 2048, 4096]
-MODES = ["torch-adamw", "torch-hooks", "forge-bf16", "forge-int8", "forge-fp32-master"]
+MODES = ["torch-adamw", "torch-hooks", "forge-bf16", "forge-int8", "forge-fp8",
+         "forge-fp32-master"]
 ALL = MODES
 # Modes run only when named in --modes: FORGE with forge.lean's memory-lean activations
 # (RMSNorm and the SwiGLU product recomputed in backward; bit-identical gradients in bf16)
 # and its chunked cross entropy (model_loss).
-LEAN_MODES = ["forge-bf16-lean", "forge-int8-lean"]
+LEAN_MODES = ["forge-bf16-lean", "forge-int8-lean", "forge-fp8-lean"]
 # A mode's steps as CUDA graph replays (forge.graphs.CUDAGraphStep, as --cuda-graph does for
 # every mode): seq 512 is bound by the host's Python when eager, and these measure the GPU.
 GRAPH_SUFFIX = "-graph"
-GRAPH_MODES = ["torch-adamw-graph", "forge-bf16-lean-graph", "forge-int8-lean-graph"]
+GRAPH_MODES = ["torch-adamw-graph", "forge-bf16-lean-graph", "forge-int8-lean-graph",
+               "forge-fp8-lean-graph"]
 # forge.optim's modes around the step (the others run mode="immediate"): deferred (each Linear
 # keeps X and dY, or a dense gradient where smaller, until step()), deferred with exact
 # clipping (max_grad_norm=1.0), and accumulate_grad=True (a dense .grad per parameter).
@@ -112,7 +115,7 @@ LOOP_MODES = ["forge-bf16-deferred", "forge-bf16-clip", "forge-bf16-accum"]
 LOOP_CLIP_SUFFIX = "-loopclip"
 LOOP_MODES += ["torch-adamw-loopclip", "forge-bf16-loopclip"]
 # FORGE with the head and its cross entropy fused (forge.loss.enable_fused_head): no logits.
-HEAD_MODES = ["forge-bf16-head", "forge-int8-head"]
+HEAD_MODES = ["forge-bf16-head", "forge-int8-head", "forge-fp8-head"]
 KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES
 # The cases of ../shared/ANCHORS.md and of TARGETS below, most important first:
 # (model, seq, activation checkpointing, modes). torch-adamw leads each group: its number
@@ -250,6 +253,8 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         return forge.optim.AdamW(model, lr=LR, state_format="bf16", **immediate)
     if mode == "forge-int8":
         return forge.optim.AdamW(model, lr=LR, state_format="int8", **immediate)
+    if mode == "forge-fp8":
+        return forge.optim.AdamW(model, lr=LR, state_format="fp8", **immediate)
     if mode == "forge-fp32-master":
         return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True,
                                  **immediate)
@@ -732,12 +737,12 @@ def write_results(out_dir: str, info: dict, rows: List[dict]) -> Dict[str, str]:
 
 # ----------------------------------------------------------------------------- parity
 
-# The GPU convergence-parity report: FORGE (bf16 weights: stochastic rounding; bf16 and int8
-# states) on the ~100M model, held to the spread of a mixed-precision reference over seeds
+# The GPU convergence-parity report: FORGE (bf16 weights: stochastic rounding; bf16, int8 and
+# fp8 states) on the ~100M model, held to the spread of a mixed-precision reference over seeds
 # (PARITY_AMP_REFERENCE, amp_seed_spread: the criterion), and measured per step against
 # torch.optim.AdamW(fused=True) on bf16 weights with the same seed and batches (mean |Δloss|
 # over the last half; information, with the noise floor below as its scale).
-PARITY_RUNS = ("forge-bf16-sr", "forge-int8")
+PARITY_RUNS = ("forge-bf16-sr", "forge-int8", "forge-fp8")
 PARITY_REFERENCE = "torch-adamw-fused"
 # The reference: torch's AdamW on fp32 weights and states with the model computing in bf16
 # under autocast (mixed precision), the update bf16 storage approximates. torch's AdamW on bf16
@@ -823,6 +828,7 @@ def parity_report(args, info: dict) -> int:
             PARITY_AMP_REFERENCE: ["--amp", "--baseline", "torch"]}
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[:1]})
     runs["forge-int8"] = ["--bf16", "--state-format", "int8", "--stochastic-rounding"]
+    runs["forge-fp8"] = ["--bf16", "--state-format", "fp8", "--stochastic-rounding"]
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[1:]})
     # (common's "--seed 0" comes first: argparse keeps the last)
     runs.update({name: ["--amp", "--baseline", "torch", "--seed", str(k)]

@@ -385,6 +385,13 @@ std::vector<uint8_t> float_bytes(const std::vector<float>& v) {
   return ::testing::AssertionSuccess();
 }
 
+uint8_t reencoded(forge_state_format sf, uint8_t old_code, float old_absmax, float new_absmax,
+                  bool is_signed) {
+  if (sf == FORGE_STATE_FP8_BLOCK64)
+    return forge::fp8_encode(forge::fp8_decode(old_code, old_absmax, is_signed), new_absmax, is_signed);
+  return forge::int8_encode(forge::int8_decode(old_code, is_signed) * old_absmax, new_absmax, is_signed);
+}
+
 std::vector<float> decoded(const HostParam& p, const std::string& buffer, const forge_hparams& hp) {
   const int64_t n = p.rows * p.cols;
   std::vector<float> out(n);

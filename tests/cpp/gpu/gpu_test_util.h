@@ -24,7 +24,8 @@ constexpr forge_weight_format kWeightFormats[] = {FORGE_WEIGHT_FP32, FORGE_WEIGH
                                                   FORGE_WEIGHT_BF16_MASTER};
 constexpr forge_state_format kStateFormats[] = {FORGE_STATE_FP32, FORGE_STATE_BF16,
                                                 FORGE_STATE_BF16_STOCHASTIC,
-                                                FORGE_STATE_INT8_BLOCK64};
+                                                FORGE_STATE_INT8_BLOCK64,
+                                                FORGE_STATE_FP8_BLOCK64};
 
 // True when a CUDA device is present. GPU tests skip themselves otherwise (the CPU-only CI
 // machine builds and lists them, never runs them); scripts/gpu_check.sh fails on skips.
@@ -106,6 +107,11 @@ struct DeviceParam {
 
 // Decoded fp32 values of one buffer ("weight", "master", "state0".."state2").
 std::vector<float> decoded(const HostParam& p, const std::string& buffer, const forge_hparams& hp);
+
+// The code a skipped element of an int8 / fp8 block (sf) gets when its block's absmax changes
+// from old_absmax to new_absmax: its old code decoded, then encoded again (formats.h).
+uint8_t reencoded(forge_state_format sf, uint8_t old_code, float old_absmax, float new_absmax,
+                  bool is_signed);
 
 // Comparison within the per-format bands of gpu_tolerances.h.
 ::testing::AssertionResult close_enough(const HostParam& expected, const HostParam& actual,

@@ -128,6 +128,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(LargeParam{3, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64},
                       LargeParam{3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC},
                       LargeParam{3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
+                      LargeParam{3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64},
                       LargeParam{3, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32},
                       LargeParam{2, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC}),
     [](const ::testing::TestParamInfo<LargeParam>& info) {
@@ -147,6 +148,7 @@ TEST(ElementwiseZeros, FreshStatesAndZeroRowsMatchCpu) {
        {std::pair<forge_weight_format, forge_state_format>{FORGE_WEIGHT_BF16_STOCHASTIC,
                                                            FORGE_STATE_BF16_STOCHASTIC},
         {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
+        {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64},
         {FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32}}) {
     SCOPED_TRACE(std::string(weight_format_name(wf)) + " " + state_format_name(sf));
     forge_hparams hp = rule_cases()[3].hp;  // AdamW
@@ -330,14 +332,16 @@ TEST(ElementwiseStorable, UnstorableUpdatesAreSkippedLikeTheCpu) {
 // one for 3 steps, then 0 for 8 (their moments only decay: each block keeps its absmax and the
 // skipped element its code), then a large one for 3 (the absmax grows: the skipped element is
 // re-encoded from its decoded value).
-TEST(ElementwiseInt8Skipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
+TEST(ElementwiseBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
   FORGE_REQUIRE_GPU();
   // 4 × 128: the specialized kernels' flat loop; 5 × 100: their row loop and a partial block.
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 128}, {5, 100}})
+    for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
     for (forge_weight_format wf : kWeightFormats) {
-      SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + " " + weight_format_name(wf));
+      SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + " " + weight_format_name(wf) +
+                   " " + state_format_name(sf));
       forge_hparams hp = rule_cases()[3].hp;  // AdamW
-      HostParam cpu = make_param(rows, cols, wf, FORGE_STATE_INT8_BLOCK64, hp, 33);
+      HostParam cpu = make_param(rows, cols, wf, sf, hp, 33);
       DeviceParam gpu;
       gpu.upload(cpu);
       std::mt19937_64 rng(34);
@@ -363,9 +367,7 @@ TEST(ElementwiseInt8Skipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
                 EXPECT_EQ(new_code, old_code) << "step " << step << " row " << r << " col " << c;
               } else {
                 ++grew;
-                EXPECT_EQ(new_code, forge::int8_encode(forge::int8_decode(old_code, s == 0) *
-                                                           before.absmax[s][b],
-                                                       cpu.absmax[s][b], s == 0));
+                EXPECT_EQ(new_code, reencoded(sf, old_code, before.absmax[s][b], cpu.absmax[s][b], s == 0));
               }
             }
       }

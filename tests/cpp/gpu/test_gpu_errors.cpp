@@ -108,41 +108,6 @@ TEST(GpuErrors, InvalidArgumentsOnACudaDeviceWriteNothing) {
   EXPECT_TRUE(s.gpu.guards_intact());
 }
 
-// fp8 states run on the CPU backend only: every CUDA entry point refuses them as unsupported,
-// naming param.state_format, and writes nothing.
-TEST(GpuErrors, Fp8StatesAreRefusedOnACudaDevice) {
-  FORGE_REQUIRE_GPU();
-  SmallStep s(FORGE_STATE_FP8_BLOCK64, 3);
-  const forge_hparams& hp = s.hp;
-  DeviceBuffer grad(s.rows * s.cols * 2), fp32(s.rows * s.cols * 4);
-  grad.fill(0x3F);
-  fp32.fill(0);
-  const forge_param view = s.gpu.view(s.host);
-  auto expect_refused = [](forge_status s) {
-    EXPECT_EQ(FORGE_ERR_UNSUPPORTED, s);
-    EXPECT_NE(std::string(forge_last_error()).find("param.state_format"), std::string::npos)
-        << forge_last_error();
-  };
-  forge_wgrad_args a = s.args(gpu_device());
-  expect_refused(forge_wgrad_step(&a));
-  forge_elementwise_args e{};
-  e.abi_version = FORGE_ABI_VERSION;
-  e.device = gpu_device();
-  e.grad = grad.data();
-  e.grad_dtype = FORGE_DTYPE_BF16;
-  e.param = view;
-  e.hparams = hp;
-  expect_refused(forge_elementwise_step(&e));
-  const forge_elementwise_args* batch[1] = {&e};
-  expect_refused(forge_elementwise_step_batch(batch, 1));
-  expect_refused(forge_state_init(&view, &hp, gpu_device()));
-  expect_refused(forge_state_to_fp32(&view, &hp, 0, static_cast<float*>(fp32.data()), gpu_device()));
-  expect_refused(forge_state_from_fp32(&view, &hp, 0, static_cast<const float*>(fp32.data()), gpu_device()));
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_TRUE(same_bits(s.host, s.gpu.download(s.host)));
-  EXPECT_TRUE(s.gpu.guards_intact());
-}
-
 // The CPU suite's invalid fused calls (tests/cpp/bad_input_cases.h) on a CUDA device: the same
 // status and message, and nothing written: the parameter, the outputs (set beforehand to values
 // a step would never leave there) and every guard band unchanged.

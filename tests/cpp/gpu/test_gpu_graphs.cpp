@@ -96,7 +96,8 @@ std::vector<RunParam> run_params() {
     for (forge_weight_format wf :
          {FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_WEIGHT_BF16_MASTER})
       for (forge_state_format sf :
-           {FORGE_STATE_BF16, FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64})
+           {FORGE_STATE_BF16, FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,
+            FORGE_STATE_FP8_BLOCK64})
         v.emplace_back(i, wf, sf);
   }
   return v;
@@ -119,7 +120,8 @@ TEST(ElementwiseRunScalars, MatchesCpuBitForBit) {
     forge_hparams hp = rule_cases()[i].hp;
     // 37 × 320: the flat, pipelined loop of the specialized kernels; 5 × 129: the other.
     for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{37, 320}, {5, 129}})
-      for (forge_state_format sf : {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64}) {
+      for (forge_state_format sf :
+           {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64}) {
         SCOPED_TRACE(std::string(rule_cases()[i].name) + ", " + std::to_string(rows) + " x " +
                      std::to_string(cols) + ", " + state_format_name(sf));
         HostParam cpu = make_param(rows, cols, FORGE_WEIGHT_BF16_STOCHASTIC, sf, hp, 40 + i);
@@ -155,7 +157,8 @@ TEST(CudaGraph, ReplaysWithRefilledScalarsMatchEagerSteps) {
   hp.weight_decay = 0.1;
   hp.seed = 1234;
   for (const Shape& s : {Shape{256, 384, 96}, Shape{96, 160, 1100}})
-    for (forge_state_format sf : {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64}) {
+    for (forge_state_format sf :
+         {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64}) {
       SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.cols) + ", " +
                    state_format_name(sf));
       cudaStream_t stream = nullptr;
@@ -227,6 +230,7 @@ TEST(CudaGraph, MismatchedRunScalarsWriteNothingAndAreCounted) {
       {{256, 384, 96}, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC},
       {{256, 384, 96}, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64},
       {{96, 160, 1100}, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
+      {{256, 384, 96}, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64},
       {{129, 200, 67}, FORGE_WEIGHT_FP32, FORGE_STATE_FP32}};
   forge_hparams hp{};
   FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));

@@ -23,14 +23,14 @@ struct Block {
   int64_t r0, rows, c0, cols;
 };
 
-// Row shards and column shards of a [rows, cols] parameter, three each, uneven. int8: column
-// shards of whole 64-column blocks (the last ends the row); `aligned`: columns start on multiples
+// Row shards and column shards of a [rows, cols] parameter, three each, uneven. int8 / fp8:
+// column shards of whole 64-column blocks (the last ends the row); `aligned`: columns start on multiples
 // of 8 (vector quads, and 16-byte aligned X for TMA), else anywhere.
 std::vector<std::vector<Block>> shardings(int64_t rows, int64_t cols, forge_state_format sf,
                                           bool aligned) {
   std::vector<std::vector<Block>> v;
   v.push_back({{0, 72, 0, cols}, {72, rows - 80, 0, cols}, {rows - 8, 8, 0, cols}});
-  if (sf == FORGE_STATE_INT8_BLOCK64) {
+  if (sf == FORGE_STATE_INT8_BLOCK64 || sf == FORGE_STATE_FP8_BLOCK64) {
     v.push_back({{0, rows, 0, 128}, {0, rows, 128, 192}, {0, rows, 320, cols - 320}});
   } else if (aligned) {
     v.push_back({{0, rows, 0, 136}, {0, rows, 136, 176}, {0, rows, 312, cols - 312}});
@@ -62,12 +62,14 @@ const ShardCase kCases[] = {
     {"AdamW_Wbf16sr_Sbf16sr", 3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, true},
     {"AdamW_Wbf16sr_Sbf16sr_unaligned", 3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, false},
     {"AdamW_Wbf16sr_Sint8", 3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, true},
+    {"AdamW_Wbf16sr_Sfp8", 3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, true},
     {"AdamW_Wbf16master_Sbf16sr", 3, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_BF16_STOCHASTIC, true},
     {"AdamW_Wbf16_Sbf16", 3, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, true},
     {"Lion_Wbf16sr_Sbf16sr_unaligned", 8, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, false},
     {"SGD_Wbf16sr", 0, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP32, true},
     {"RMSpropCenteredMomentum_Wfp32_Sbf16sr", 12, FORGE_WEIGHT_FP32, FORGE_STATE_BF16_STOCHASTIC, true},
     {"NAdam_Wbf16sr_Sint8", 6, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, true},
+    {"NAdam_Wbf16sr_Sfp8", 6, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, true},
     {"Adagrad_Wbf16sr_Sbf16sr_unaligned", 13, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, false},
 };
 

@@ -103,9 +103,11 @@ TEST_P(WgradOddShapes, MatchesCpuBitForBit) {
   forge_hparams adamw{};
   FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &adamw));
   adamw.seed = 99;
-  // The most intricate storage (stochastic bf16 W, int8 states) and the plainest.
+  // The most intricate storage (stochastic bf16 W, int8 or fp8 states) and the plainest.
   expect_bit_exact_run(s, adamw, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 2,
                        FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 0, 0, 0, 0, 7);
+  expect_bit_exact_run(s, adamw, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 2,
+                       FORGE_DTYPE_BF16, FORGE_DTYPE_BF16, 0, 0, 0, 0, 9);
   expect_bit_exact_run(s, adamw, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, 2, FORGE_DTYPE_BF16,
                        FORGE_DTYPE_BF16, 0, 0, 0, 0, 8);
 }
@@ -311,6 +313,7 @@ TEST(WgradStorable, HugeFiniteGradientIsSkippedLikeTheCpu) {
                                      {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
                                      {FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64},
                                      {FORGE_WEIGHT_FP32, FORGE_STATE_INT8_BLOCK64},
+                                     {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64},
                                      {FORGE_WEIGHT_BF16, FORGE_STATE_BF16}};
   for (const Shape& s : {Shape{129, 200, 67}, Shape{256, 256, 64}})
     for (const FormatPair& f : kFormats) {
@@ -369,19 +372,21 @@ TEST(WgradStorable, WeightPushedAboveTheLargestBf16IsSkippedLikeTheCpu) {
     }
 }
 
-// The int8 rule for a block holding a skipped element, bit for bit like the CPU: columns 5 and
+// The block-state rule (int8, fp8) for a block holding a skipped element, bit for bit like the
+// CPU: columns 5 and
 // 70 of dW are NaN every step (X's columns hold a NaN); the rest of dW is ordinary for 3 steps,
 // then 0 for 8 (the moments only decay: every block keeps its absmax, the skipped elements their
 // codes), then large for 3 (the absmax grows: the skipped elements are re-encoded from their
 // decoded values). A layer of whole tiles (the pipelined loop) and one with edges.
-TEST(WgradInt8Skipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
+TEST(WgradBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
   FORGE_REQUIRE_GPU();
   forge_hparams hp{};
   FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
   for (const Shape& s : {Shape{128, 256, 64}, Shape{100, 200, 40}})
+    for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
     for (forge_weight_format wf : kWeightFormats) {
-      SCOPED_TRACE(shape_string(s) + " " + weight_format_name(wf));
-      HostParam cpu = make_param(s.rows, s.cols, wf, FORGE_STATE_INT8_BLOCK64, hp, 94);
+      SCOPED_TRACE(shape_string(s) + " " + weight_format_name(wf) + " " + state_format_name(sf));
+      HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 94);
       DeviceParam gpu;
       gpu.upload(cpu);
       forge_hparams h = hp;
@@ -414,8 +419,7 @@ TEST(WgradInt8Skipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
                 EXPECT_EQ(code, old_code) << "step " << step << ", row " << r << ", col " << c;
               } else {
                 ++grew;
-                EXPECT_EQ(code, forge::int8_encode(forge::int8_decode(old_code, i == 0) * before.absmax[i][b],
-                                                   cpu.absmax[i][b], i == 0));
+                EXPECT_EQ(code, reencoded(sf, old_code, before.absmax[i][b], cpu.absmax[i][b], i == 0));
               }
             }
       }
@@ -534,6 +538,8 @@ TEST(WgradManyTiles, MatchesCpuBitForBit) {
                                      {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC},
                                      {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64},
                                      {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64},
+                                     {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64},
+                                     {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64},
                                      {FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32}};
   forge_hparams adamw{};
   FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &adamw));
