@@ -757,6 +757,18 @@ int main(int argc, char** argv) {
       forge_wgrad_args a = fused_args(x.p, dy.p, tokens, s, p16, adamw);
       CHECK_FORGE(forge_wgrad_step(&a));
     }
+    // Then fp8 states: a nearest bf16 weight at T = 32 and 512, the SR weight at 512 (10th to
+    // 12th launches).
+    DevMem mf8(n), vf8(n), amf8(n / 64 * 4), avf8(n / 64 * 4);
+    const forge_param pf8 =
+        with_block_adamw_states(p16, FORGE_STATE_FP8_BLOCK64, mf8, vf8, amf8, avf8, 9, adamw);
+    forge_param pf8sr = pf8;
+    pf8sr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
+    for (const auto& [q, tokens] : {std::pair<const forge_param*, int64_t>{&pf8, 32}, {&pf8, 512},
+                                    {&pf8sr, 512}}) {
+      forge_wgrad_args a = fused_args(x.p, dy.p, tokens, s, *q, adamw);
+      CHECK_FORGE(forge_wgrad_step(&a));
+    }
     CHECK_CUDA(cudaDeviceSynchronize());
     std::printf("profile launches done\n");
     return 0;

@@ -15,8 +15,8 @@
 # prints the medians (see below).
 # `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
 # Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 32 and 512, bf16 SR and
-# int8 states, and bf16 nearest), the element-wise step and the unfused AdamW pass, writing
-# $OUT/ncu.txt.
+# int8 states, bf16 nearest, and fp8 states), the element-wise step and the unfused AdamW
+# pass, writing $OUT/ncu.txt.
 # Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
 # (default 500). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
 # benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_TESTS=0 skips the tests
@@ -99,7 +99,7 @@ if [ "${1:-}" = profile ]; then
   # 512 with bf16 SR and int8 states, the element-wise step with both, the unfused AdamW pass,
   # and the fused step with nearest-rounded bf16 W and states at T = 32 and 512.
   timeout "${FORGE_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name regex:'wgrad|adamw|elementwise' \
-    --launch-skip 0 --launch-count 9 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --launch-skip 0 --launch-count 12 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section ComputeWorkloadAnalysis --section InstructionStats \
     --section SourceCounters \

@@ -575,7 +575,7 @@ __device__ __forceinline__ bool int8_quad_ratios(float absmax, const float (&v)[
 // fp8_nearest(x · (top / absmax)). On sm_89 and later the conversions are the hardware's:
 // cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 is fp8_nearest by definition (nearest even, saturating;
 // it is given |q| and the sign is put back, so -0 and negative values that round to zero give
-// 0x80 as formats.h's do), and cvt.rn.f16x2.{e4m3x2,e5m2x2} decodes exactly (every fp8 value
+// 0x80 as formats.h's do, and a NaN 0x7F), and cvt.rn.f16x2.{e4m3x2,e5m2x2} decodes exactly (every fp8 value
 // is an f16). Other passes (sm_80) call formats.h's functions. A decoded NaN code, which no
 // step stores, comes back as a NaN with another payload; an element holding one is skipped.
 // tests/cpp/gpu/test_gpu_fp8.cu checks every code and ranges of floats against formats.h on
@@ -638,11 +638,16 @@ __device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], floa
                                 : cvt_rn_satfinite_fp8x2<false>(fabsf(q[1]), fabsf(q[0]));
   const uint32_t hi = is_signed ? cvt_rn_satfinite_fp8x2<true>(fabsf(q[3]), fabsf(q[2]))
                                 : cvt_rn_satfinite_fp8x2<false>(fabsf(q[3]), fabsf(q[2]));
+  const uint32_t mags = lo | (hi << 16);
   // byte e of `signs`: the top byte of q[e]'s bits, whose bit 7 is its sign
   const uint32_t signs01 = __byte_perm(__float_as_uint(q[0]), __float_as_uint(q[1]), 0x0073u);
   const uint32_t signs23 = __byte_perm(__float_as_uint(q[2]), __float_as_uint(q[3]), 0x0073u);
-  const uint32_t signs = __byte_perm(signs01, signs23, 0x5410u) & 0x80808080u;
-  const uint32_t codes = (lo | (hi << 16)) | signs;
+  const uint32_t signs = __byte_perm(signs01, signs23, 0x5410u);
+  // A NaN converts to magnitude 0x7F (the only byte above both formats' largest finite one)
+  // and stays 0x7F whatever its sign, as formats.h's: bit 7 of a byte of mags + 0x01010101 is
+  // set exactly there (no byte carries into the next: each is at most 0x7F).
+  const uint32_t nan_bytes = (mags + 0x01010101u) & 0x80808080u;
+  const uint32_t codes = mags | (signs & 0x80808080u & ~nan_bytes);
 #else
   uint32_t codes = 0;
 #pragma unroll
