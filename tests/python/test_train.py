@@ -791,6 +791,28 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
         assert c["within_noise_floor"] == (c["mean_abs_diff_last_half"] <= max(floor))
 
 
+def test_bench_parity_runs_chooses_forges_runs(tmp_path, capsys):
+    """--parity-runs: only the named FORGE runs, beside every reference run; an unknown or
+    missing name is refused before anything runs."""
+    from forge.tools import bench
+    common = ["--parity", "--parity-model", "tiny", "--parity-steps", "2", "--parity-seq-len",
+              "16", "--parity-batch-size", "2", "--device", "cpu", "--parity-noise-runs", "0",
+              "--parity-amp-seeds", "2", "--out", str(tmp_path / "out"),
+              "--parity-work-dir", str(tmp_path / "runs")]
+    assert bench.main(common + ["--parity-runs", "forge-fp8"]) == 0
+    report_file = next(f for f in os.listdir(tmp_path / "out") if f.endswith(".json"))
+    with open(tmp_path / "out" / report_file) as f:
+        report = json.load(f)
+    amp = bench.amp_run_names(2)
+    assert list(report["runs"]) == [bench.PARITY_REFERENCE, amp[0], "forge-fp8", amp[1]]
+    assert set(report["amp_seed_spread"]["runs"]) == {bench.PARITY_REFERENCE, "forge-fp8"}
+    assert bench.main(common + ["--parity-runs", "forge-fp4"]) == 2
+    assert "--parity-runs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # (argparse: none named)
+        bench.main(common + ["--parity-runs"])
+    assert e.value.code == 2 and "--parity-runs" in capsys.readouterr().err
+
+
 def test_bench_amp_seed_spread_holds_runs_to_the_seeds_envelope():
     """amp_seed_spread: the seeds' last-half mean losses 2.0, 2.2, 2.6 (center 2.2667,
     radius 0.3333); a run at 2.5 is within, one at 1.9 is not; one seed alone defines no

@@ -819,6 +819,10 @@ def parity_report(args, info: dict) -> int:
         raise BenchError(f"--parity-noise-runs: must be >= 0, got {args.parity_noise_runs}")
     if args.parity_amp_seeds < 1:
         raise BenchError(f"--parity-amp-seeds: must be >= 1, got {args.parity_amp_seeds}")
+    unknown = [r for r in args.parity_runs if r not in PARITY_RUNS]
+    if unknown or not args.parity_runs:
+        raise BenchError(f"--parity-runs: choose one or more of {', '.join(PARITY_RUNS)}, got "
+                         f"{' '.join(args.parity_runs) or 'none'}")
     noise_runs = noise_run_names(args.parity_noise_runs)
     amp_runs = amp_run_names(args.parity_amp_seeds)
     # NOTE: the mixed-precision reference and the first noise run go before the int8 run: the
@@ -833,6 +837,8 @@ def parity_report(args, info: dict) -> int:
     # (common's "--seed 0" comes first: argparse keeps the last)
     runs.update({name: ["--amp", "--baseline", "torch", "--seed", str(k)]
                  for k, name in enumerate(amp_runs) if k > 0})
+    for name in set(PARITY_RUNS) - set(args.parity_runs):  # (--parity-runs: FORGE's runs)
+        del runs[name]
     common = ["--model", args.parity_model, "--steps", str(args.parity_steps),
               "--seq-len", str(args.parity_seq_len), "--batch-size", str(args.parity_batch_size),
               "--lr", str(args.parity_lr), "--betas", "0.9", "0.95", "--weight-decay", "0.1",
@@ -1096,6 +1102,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--parity-amp-seeds", type=int, default=3, metavar="N",
                    help="the mixed-precision reference over seeds 0 .. N-1 (after every other "
                         "run): every run's last-half mean loss is held to their spread")
+    g.add_argument("--parity-runs", nargs="+", default=list(PARITY_RUNS), metavar="RUN",
+                   help=f"FORGE's runs ({', '.join(PARITY_RUNS)}; default all): the references "
+                        "run whatever this says")
     g.add_argument("--parity-noise-runs", type=int, default=1,
                    help="torch runs with perturbed initial weights (one noise seed each) that "
                         "measure the run-to-run noise floor (default 1)")
