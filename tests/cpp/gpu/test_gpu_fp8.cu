@@ -10,6 +10,7 @@
 
 #include "core/formats.h"
 #include "cuda/update.cuh"
+#include "device_draws.cuh"
 #include "gpu_test_util.h"
 
 namespace fgt {
@@ -68,8 +69,6 @@ __global__ void compare_codes(uint32_t first, uint64_t count, Report* r) {
   }
 }
 
-__device__ uint32_t mix(uint64_t z) { return static_cast<uint32_t>(forge::mix64(z) >> 32); }
-
 // A random block: absmax over [2^-100, 2^127] and the values no step stores (0, -0, below
 // 2^-100, subnormal, infinite, NaN); four values |v| <= absmax at log-uniform fractions of it
 // (zeros and ±absmax included). The factors, where fp8_block_factor takes the block, must be
@@ -89,16 +88,7 @@ __global__ void compare_blocks(uint32_t count, Report* r) {
         absmax = __uint_as_float(((27u + (z0 >> 4) % 228u) << 23) | (mix(8 * uint64_t(i) + 1) & 0x7FFFFFu));
     }
     float v[kQuad];
-    for (int e = 0; e < kQuad; ++e) {
-      const uint32_t z = mix(8 * uint64_t(i) + 2 + e);
-      float f;
-      switch (z & 7) {
-        case 0: f = 0.0f; break;
-        case 1: f = 1.0f; break;
-        default: f = __uint_as_float(((z >> 3) % 127u) << 23 | (z >> 9));  // [2^-149, 1)
-      }
-      v[e] = __fmul_rn(absmax, f) * ((z >> 30) & 1 ? -1.0f : 1.0f);
-    }
+    block_quad(absmax, 8 * uint64_t(i) + 2, v);
     for (int is_signed = 0; is_signed < 2; ++is_signed) {
       const float top = forge::fp8_format(is_signed != 0).top;
       bool dec_ok = true, enc_ok = true;

@@ -10,6 +10,7 @@
 
 #include "core/formats.h"
 #include "cuda/update.cuh"
+#include "device_draws.cuh"
 #include "gpu_test_util.h"
 
 namespace fgt {
@@ -40,8 +41,6 @@ __global__ void compare_nearest(uint32_t first, uint32_t count, unsigned long lo
   }
   if (bad) atomicAdd(mismatches, bad);
 }
-
-__device__ uint32_t mix(uint64_t z) { return static_cast<uint32_t>(forge::mix64(z) >> 32); }
 
 // Random x (any bit pattern: NaN, infinities, subnormals included) against an absmax that is
 // |x| scaled up a little, or another random bit pattern.
@@ -84,16 +83,7 @@ __global__ void compare_quad_ratios(uint32_t count, unsigned long long* mismatch
                                  (mix(6 * uint64_t(i) + 1) & 0x7FFFFFu));
     }
     float v[forge::cuda::kQuad], ratio[forge::cuda::kQuad];
-    for (int e = 0; e < forge::cuda::kQuad; ++e) {
-      const uint32_t z = mix(6 * uint64_t(i) + 2 + e);
-      float f;
-      switch (z & 7) {
-        case 0: f = 0.0f; break;
-        case 1: f = 1.0f; break;
-        default: f = __uint_as_float(((z >> 3) % 127u) << 23 | (z >> 9));  // [2^-149, 1)
-      }
-      v[e] = __fmul_rn(absmax, f) * ((z >> 30) & 1 ? -1.0f : 1.0f);
-    }
+    block_quad(absmax, 6 * uint64_t(i) + 2, v);
     if (!forge::cuda::int8_quad_ratios(absmax, v, ratio)) continue;
     ++took;
     for (int e = 0; e < forge::cuda::kQuad; ++e)
