@@ -4,7 +4,7 @@
   is put on sys.path (libforge is then found through FORGE_LIBRARY or build*/).
 - DEVICES: "cpu" always; "cuda" only where torch sees a GPU and libforge has its CUDA
   backend (skipped otherwise, so the CPU CI runs the same files). format_devices: the
-  same for (state format, device) pairs, the CPU-only formats (fp8) on the CPU only.
+  same for (state format, device) pairs.
 - Measured weight differences are collected and printed at the end of the run.
 - OMP_WAIT_POLICY=PASSIVE (unless set): torch and libforge share torch's OpenMP runtime,
   whose threads spin after every parallel region; on a 2-core CI machine with anything
