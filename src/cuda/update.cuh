@@ -575,8 +575,8 @@ __device__ __forceinline__ bool int8_quad_ratios(float absmax, const float (&v)[
 // fp8_nearest(x · (top / absmax)). On sm_89 and later the conversions are the hardware's:
 // cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 is fp8_nearest by definition (nearest even, saturating;
 // it is given |q| and the sign is put back, so -0 and negative values that round to zero give
-// 0x80 as formats.h's do, and a NaN 0x7F), and cvt.rn.f16x2.{e4m3x2,e5m2x2} decodes exactly (every fp8 value
-// is an f16). Other passes (sm_80) call formats.h's functions. A decoded NaN code, which no
+// 0x80 as formats.h's do, and a NaN 0x7F), and cvt.rn.f16x2.{e4m3x2,e5m2x2} decodes exactly
+// (every fp8 value is an f16). Other passes (sm_80) call formats.h's functions. A decoded NaN code, which no
 // step stores, comes back as a NaN with another payload; an element holding one is skipped.
 // tests/cpp/gpu/test_gpu_fp8.cu checks every code and ranges of floats against formats.h on
 // the device.
@@ -986,8 +986,8 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
-        factor[i][q] = fp8_block_factor<false>(amax[i][q], fp8_format(spec_state_signed(kRule, i)).top,
-                                               fast);
+        factor[i][q] = fp8_block_factor<false>(
+            amax[i][q], fp8_format(spec_state_signed(kRule, i)).top, fast);
     if (!fast) {
 #pragma unroll
       for (int i = 0; i < kNumStates; ++i)

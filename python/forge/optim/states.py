@@ -3,8 +3,8 @@
 The state format ("fp32", "bf16", "int8", "fp8") is per parameter: its param group's
 "state_format" (default: the constructor's state_format), where an 8-bit format ("int8",
 "fp8") gives a parameter of fewer than the group's "min_8bit_size" elements (default 4096,
-bitsandbytes' name and value) fp32 states. It is fixed when the parameter's states are made (slot.state_format); a group changed afterwards
-is refused at the next step. With master_weights / stochastic_rounding it decides the storage
+bitsandbytes' name and value) fp32 states. It is fixed when the parameter's states are made
+(slot.state_format); a group changed afterwards is refused at the next step. With master_weights / stochastic_rounding it decides the storage
 codes passed to libforge; the states of a parameter are plain tensors in
 optimizer.state[param] under torch.optim's names (exp_avg, exp_avg_sq, ...; int8 and fp8 add
 <name>_absmax, master weights "master"), so state_dict() holds the raw buffers, and its

@@ -337,44 +337,44 @@ TEST(ElementwiseBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
   // 4 × 128: the specialized kernels' flat loop; 5 × 100: their row loop and a partial block.
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 128}, {5, 100}})
     for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
-    for (forge_weight_format wf : kWeightFormats) {
-      SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + " " + weight_format_name(wf) +
-                   " " + state_format_name(sf));
-      forge_hparams hp = rule_cases()[3].hp;  // AdamW
-      HostParam cpu = make_param(rows, cols, wf, sf, hp, 33);
-      DeviceParam gpu;
-      gpu.upload(cpu);
-      std::mt19937_64 rng(34);
-      std::normal_distribution<float> normal(0.0f, 1.0f);
-      int stayed = 0, grew = 0;
-      for (int step = 1; step <= 14; ++step, hp.step += 1) {
-        std::vector<float> g(rows * cols);
-        for (float& x : g) x = step <= 3 ? normal(rng) : step <= 11 ? 0.0f : 100.0f * normal(rng);
-        for (int64_t r = 0; r < rows; ++r) g[r * cols + 5] = g[r * cols + 70] = NAN;
-        const HostParam before = cpu;
-        const auto [want, got] = elementwise_both(cpu, gpu, hp, g);
-        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
-        EXPECT_EQ(want, 2 * rows);
-        EXPECT_EQ(got, want);
-        for (int s = 0; s < 2; ++s)
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c : {int64_t{5}, int64_t{70}}) {
-              const int64_t b = r * ((cols + 63) / 64) + c / 64;
-              const bool same = std::memcmp(&before.absmax[s][b], &cpu.absmax[s][b], 4) == 0;
-              const uint8_t old_code = before.state[s][r * cols + c], new_code = cpu.state[s][r * cols + c];
-              if (same) {
-                ++stayed;
-                EXPECT_EQ(new_code, old_code) << "step " << step << " row " << r << " col " << c;
-              } else {
-                ++grew;
-                EXPECT_EQ(new_code, reencoded(sf, old_code, before.absmax[s][b], cpu.absmax[s][b], s == 0));
+      for (forge_weight_format wf : kWeightFormats) {
+        SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + " " + weight_format_name(wf) +
+                     " " + state_format_name(sf));
+        forge_hparams hp = rule_cases()[3].hp;  // AdamW
+        HostParam cpu = make_param(rows, cols, wf, sf, hp, 33);
+        DeviceParam gpu;
+        gpu.upload(cpu);
+        std::mt19937_64 rng(34);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        int stayed = 0, grew = 0;
+        for (int step = 1; step <= 14; ++step, hp.step += 1) {
+          std::vector<float> g(rows * cols);
+          for (float& x : g) x = step <= 3 ? normal(rng) : step <= 11 ? 0.0f : 100.0f * normal(rng);
+          for (int64_t r = 0; r < rows; ++r) g[r * cols + 5] = g[r * cols + 70] = NAN;
+          const HostParam before = cpu;
+          const auto [want, got] = elementwise_both(cpu, gpu, hp, g);
+          ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+          EXPECT_EQ(want, 2 * rows);
+          EXPECT_EQ(got, want);
+          for (int s = 0; s < 2; ++s)
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t c : {int64_t{5}, int64_t{70}}) {
+                const int64_t b = r * ((cols + 63) / 64) + c / 64;
+                const bool same = std::memcmp(&before.absmax[s][b], &cpu.absmax[s][b], 4) == 0;
+                const uint8_t old_code = before.state[s][r * cols + c], new_code = cpu.state[s][r * cols + c];
+                if (same) {
+                  ++stayed;
+                  EXPECT_EQ(new_code, old_code) << "step " << step << " row " << r << " col " << c;
+                } else {
+                  ++grew;
+                  EXPECT_EQ(new_code, reencoded(sf, old_code, before.absmax[s][b], cpu.absmax[s][b], s == 0));
+                }
               }
-            }
+        }
+        EXPECT_GT(stayed, 0);
+        EXPECT_GT(grew, 0);
+        EXPECT_TRUE(gpu.guards_intact());
       }
-      EXPECT_GT(stayed, 0);
-      EXPECT_GT(grew, 0);
-      EXPECT_TRUE(gpu.guards_intact());
-    }
 }
 
 // forge_state_from_fp32 refuses what no step stores (a value that is not storable, a negative

@@ -63,7 +63,7 @@ __global__ void compare_codes(uint32_t first, uint64_t count, Report* r) {
       for (int e = 0; e < kQuad; ++e) {
         const uint32_t got = (codes >> (8 * e)) & 0xFFu;
         const uint32_t want = forge::fp8_nearest(v[e], is_signed != 0);
-        if (got != want) record(r, __float_as_uint(v[e]) , got | (is_signed << 8), want);
+        if (got != want) record(r, __float_as_uint(v[e]), got | (is_signed << 8), want);
       }
     }
   }
@@ -81,11 +81,14 @@ __global__ void compare_blocks(uint32_t count, Report* r) {
     switch (z0 & 15) {
       case 0: absmax = 0.0f; break;
       case 1: absmax = -0.0f; break;
-      case 2: absmax = __uint_as_float(z0 >> 9); break;                        // subnormal
-      case 3: absmax = __uint_as_float(0x0D7FFFFFu - (z0 >> 8) % 0x01000000u); break;  // [2^-102, 2^-100)
+      case 2: absmax = __uint_as_float(z0 >> 9); break;  // subnormal
+      case 3:  // [2^-102, 2^-100)
+        absmax = __uint_as_float(0x0D7FFFFFu - (z0 >> 8) % 0x01000000u);
+        break;
       case 4: absmax = (z0 >> 4) & 1 ? INFINITY : __uint_as_float(0x7FC00000u | (z0 >> 9)); break;
       default:  // [2^-100, 2^128)
-        absmax = __uint_as_float(((27u + (z0 >> 4) % 228u) << 23) | (mix(8 * uint64_t(i) + 1) & 0x7FFFFFu));
+        absmax = __uint_as_float(((27u + (z0 >> 4) % 228u) << 23) |
+                                 (mix(8 * uint64_t(i) + 1) & 0x7FFFFFu));
     }
     float v[kQuad];
     block_quad(absmax, 8 * uint64_t(i) + 2, v);
@@ -132,7 +135,8 @@ Report run(void (*launch)(Report*)) {
 
 std::string first_mismatch(const Report& r) {
   char text[160];
-  std::snprintf(text, sizeof(text), "%llu mismatches; the first: input 0x%08llx, device 0x%llx, formats.h 0x%llx",
+  std::snprintf(text, sizeof(text),
+                "%llu mismatches; the first: input 0x%08llx, device 0x%llx, formats.h 0x%llx",
                 r.v[0], r.v[1], r.v[2], r.v[3]);
   return text;
 }

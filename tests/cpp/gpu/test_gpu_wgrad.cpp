@@ -384,49 +384,49 @@ TEST(WgradBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
   FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
   for (const Shape& s : {Shape{128, 256, 64}, Shape{100, 200, 40}})
     for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
-    for (forge_weight_format wf : kWeightFormats) {
-      SCOPED_TRACE(shape_string(s) + " " + weight_format_name(wf) + " " + state_format_name(sf));
-      HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 94);
-      DeviceParam gpu;
-      gpu.upload(cpu);
-      forge_hparams h = hp;
-      int stayed = 0, grew = 0;
-      const int64_t blocks_per_row = (s.cols + 63) / 64;
-      for (int step = 1; step <= 14; ++step, h.step += 1) {
-        Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 100 + step);
-        Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 200 + step);
-        for (int64_t t = 0; t < s.tokens; ++t)
-          for (int64_t c = 0; c < s.cols; ++c) {
-            if (step > 3 && step <= 11) x.set(t, c, 0.0f);
-            if (step > 11) x.set(t, c, 32.0f * x.get(t, c));  // exact: integers up to 16
-          }
-        x.set(0, 5, NAN);
-        x.set(0, 70, NAN);
-        const HostParam before = cpu;
-        StepOutputs want, got;
-        wgrad_cpu(x, dy, h, cpu, &want);
-        wgrad_gpu(x, dy, h, cpu, gpu, &got);
-        ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
-        EXPECT_EQ(want.nonfinite, 2 * s.rows);
-        EXPECT_EQ(want.nonfinite, got.nonfinite);
-        for (int i = 0; i < 2; ++i)
-          for (int64_t r = 0; r < s.rows; ++r)
-            for (int64_t c : {int64_t{5}, int64_t{70}}) {
-              const int64_t b = r * blocks_per_row + c / 64;
-              const uint8_t old_code = before.state[i][r * s.cols + c], code = cpu.state[i][r * s.cols + c];
-              if (std::memcmp(&before.absmax[i][b], &cpu.absmax[i][b], 4) == 0) {
-                ++stayed;
-                EXPECT_EQ(code, old_code) << "step " << step << ", row " << r << ", col " << c;
-              } else {
-                ++grew;
-                EXPECT_EQ(code, reencoded(sf, old_code, before.absmax[i][b], cpu.absmax[i][b], i == 0));
-              }
+      for (forge_weight_format wf : kWeightFormats) {
+        SCOPED_TRACE(shape_string(s) + " " + weight_format_name(wf) + " " + state_format_name(sf));
+        HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 94);
+        DeviceParam gpu;
+        gpu.upload(cpu);
+        forge_hparams h = hp;
+        int stayed = 0, grew = 0;
+        const int64_t blocks_per_row = (s.cols + 63) / 64;
+        for (int step = 1; step <= 14; ++step, h.step += 1) {
+          Operand x = make_operand(s.tokens, s.cols, FORGE_DTYPE_BF16, s.cols, 0, Fill::kInteger, 100 + step);
+          Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_BF16, s.rows, 0, Fill::kInteger, 200 + step);
+          for (int64_t t = 0; t < s.tokens; ++t)
+            for (int64_t c = 0; c < s.cols; ++c) {
+              if (step > 3 && step <= 11) x.set(t, c, 0.0f);
+              if (step > 11) x.set(t, c, 32.0f * x.get(t, c));  // exact: integers up to 16
             }
+          x.set(0, 5, NAN);
+          x.set(0, 70, NAN);
+          const HostParam before = cpu;
+          StepOutputs want, got;
+          wgrad_cpu(x, dy, h, cpu, &want);
+          wgrad_gpu(x, dy, h, cpu, gpu, &got);
+          ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+          EXPECT_EQ(want.nonfinite, 2 * s.rows);
+          EXPECT_EQ(want.nonfinite, got.nonfinite);
+          for (int i = 0; i < 2; ++i)
+            for (int64_t r = 0; r < s.rows; ++r)
+              for (int64_t c : {int64_t{5}, int64_t{70}}) {
+                const int64_t b = r * blocks_per_row + c / 64;
+                const uint8_t old_code = before.state[i][r * s.cols + c], code = cpu.state[i][r * s.cols + c];
+                if (std::memcmp(&before.absmax[i][b], &cpu.absmax[i][b], 4) == 0) {
+                  ++stayed;
+                  EXPECT_EQ(code, old_code) << "step " << step << ", row " << r << ", col " << c;
+                } else {
+                  ++grew;
+                  EXPECT_EQ(code, reencoded(sf, old_code, before.absmax[i][b], cpu.absmax[i][b], i == 0));
+                }
+              }
+        }
+        EXPECT_GT(stayed, 0);
+        EXPECT_GT(grew, 0);
+        EXPECT_TRUE(gpu.guards_intact());
       }
-      EXPECT_GT(stayed, 0);
-      EXPECT_GT(grew, 0);
-      EXPECT_TRUE(gpu.guards_intact());
-    }
 }
 
 // ---- split-K ----------------------------------------------------------------------------------
