@@ -180,6 +180,45 @@ def test_replaced_state_tensor_of_the_wrong_shape_is_refused_before_any_update()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+def test_load_into_a_used_optimizer_resumes_exactly():
+    """An optimizer that already stepped loads a checkpoint of an earlier step in which a
+    parameter had no states yet: that parameter's next update makes and uses new states (none
+    of the tensors it had before the load, which stay untouched)."""
+    def two_layers():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+
+    def step(model, opt, both=True):
+        (model(x) if both else model[0](x)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    used, saved = two_layers(), two_layers()
+    opt = forge.optim.AdamW(used, lr=1e-2, mode="immediate")
+    for _ in range(2):
+        step(used, opt)
+    opt_saved = forge.optim.AdamW(saved, lr=1e-2, mode="immediate")
+    step(saved, opt_saved, both=False)  # (the second layer: no gradient, no states yet)
+    checkpoint = {"model": copy.deepcopy(saved.state_dict()), "opt": opt_saved.state_dict()}
+    assert len(checkpoint["opt"]["state"]) == 2
+
+    held = [t.clone() for t in opt.state[used[1].weight].values() if torch.is_tensor(t)]
+    old = [t for t in opt.state[used[1].weight].values() if torch.is_tensor(t)]  # kept alive
+    used.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["opt"])
+    step(used, opt)
+
+    fresh = two_layers()
+    fresh.load_state_dict(checkpoint["model"])
+    opt_fresh = forge.optim.AdamW(fresh, lr=1e-2, mode="immediate")
+    opt_fresh.load_state_dict(checkpoint["opt"])
+    step(fresh, opt_fresh)
+    for (name, a), b in zip(used.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    assert all(torch.equal(a, b) for a, b in zip(old, held))
+
+
 def test_frozen_parameter_in_params_is_never_stepped():
     """torch.optim accepts a parameter with requires_grad=False in its groups and leaves it
     alone; so does forge.optim (a frozen nn.Linear keeps its plain forward)."""

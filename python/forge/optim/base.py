@@ -589,6 +589,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._checked_step = -1
         for slot in self._slots.values():
             slot.updated_at = -1
+            slot.struct_step = -1  # (the step count restarts: no struct of before is reused)
             slot.clear_backward()
 
     def _check_loaded_values(self, slot, group, saved_state, fmt: str) -> None:

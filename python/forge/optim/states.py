@@ -224,6 +224,7 @@ class _StatesMixin:
         if slot.dtensor and fmt in BLOCK_FORMATS:
             distributed.check_int8_blocks(slot.geometry, slot.name)
         self._fix_state_format(slot, group)
+        slot.struct_step = -1  # (new state tensors: the struct _check_step made is stale)
         st = self.state[p]
         st.clear()
         full = self._state_spec(slot, group)
