@@ -201,7 +201,9 @@ class FusedLinearFunction(torch.autograd.Function):
             return dx, dw, db, None, None, None
         db = None
         if ctx.needs_input_grad[2]:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0).to(ctx.bias_dtype)  # [out]
+            db = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).sum(0)  # [out]
+            if db.dtype != ctx.bias_dtype:
+                db = db.to(ctx.bias_dtype)
         dw = ctx.slot.linear_backward(x, dy, weight) if ctx.needs_input_grad[1] else None
         return dx, dw, db, None, None, None
 
@@ -242,6 +244,10 @@ def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     slot = _live_slot(weight)
     if slot is None:
         return F.linear(input, weight, self.bias)
+    # NOTE: _apply_fused's common case (no autocast, eager) inline: once per Linear per step
+    if (_any_autocast is not None and not _any_autocast()
+            and not torch.compiler.is_compiling()):
+        return FusedLinearFunction.apply(input, weight, self.bias, slot, None, False)
     return _apply_fused(FusedLinearFunction, input, weight, self.bias, slot)
 
 
@@ -274,7 +280,11 @@ class FusedConv1DFunction(torch.autograd.Function):
         if ctx.in_graph:
             dw, db = _in_graph_grads(ctx, dy, x, weight, dy2)
             return dx, dw, db, None, None, None
-        db = dy2.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None  # [out]
+        db = None
+        if ctx.needs_input_grad[2]:
+            db = dy2.sum(0)                                                  # [out]
+            if db.dtype != ctx.bias_dtype:
+                db = db.to(ctx.bias_dtype)
         dw = ctx.slot.linear_backward(dy, x, weight) if ctx.needs_input_grad[1] else None
         return dx, dw, db, None, None, None
 

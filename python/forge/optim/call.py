@@ -186,6 +186,7 @@ class _CallMixin:
                                        f"int >= 0, got {step!r}")
                 if slot.signature is not None:  # (checks replaced state tensors)
                     slot.struct, slot.struct_step = self._param_struct(slot, st), self._step_id
+                    slot.checked = (st, group)
         self._checked_step = self._step_id
 
     def _kept_args(self, slot, kind: str, device, param, hparams, outputs, step: int,
@@ -277,10 +278,21 @@ class _CallMixin:
         """What every update of slot's parameter passes: (its state dict, this update's
         1-based step, forge_param, forge_device on `stream`, statistics outputs, group
         hyper-parameters (shared: copied into the args), whether a capture is running)."""
+        capturing = self._capturing
+        if slot.struct_step == self._step_id and not capturing:
+            # NOTE: what _check_step verified for this step (the states, the group, the
+            # forge_param) is what every update of it reads: the common case, once per
+            # parameter per step, skips looking them up again.
+            st, group = slot.checked
+            hparams, layout_key = self._group_hparams(group)
+            if slot.signature[0] == layout_key:
+                device = self._device_struct(slot.local() if slot.dtensor else slot.param,
+                                             stream)
+                outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
+                return st, st["step"] + 1, slot.struct, device, outputs, hparams, False
         p = slot.param
         group = self._group_of(slot)
         st = self.state.get(p)
-        capturing = self._capturing
         if not st:
             if capturing:  # the states' initialization would be replayed with every step
                 raise RuntimeError(f"forge: parameter '{slot.name}' has no optimizer state yet: "

@@ -117,9 +117,11 @@ class _Slot:
         self.grad_version: Optional[int] = None
         self._consumed: Optional[ConsumedGrad] = None
         # The host's fast path (call.py): the forge_param checked this step (and the step),
-        # and the forge_wgrad_args kept for this parameter with what its struct fields hold.
+        # the (state dict, param group) checked with it, and the forge_wgrad_args kept for
+        # this parameter with what its struct fields hold.
         self.struct = None
         self.struct_step = -1
+        self.checked: Optional[Tuple[Dict[str, Any], Dict[str, Any]]] = None
         # "wgrad" / "elementwise" -> (the forge_*_args kept for its calls, what its struct
         # fields hold): call.py, _kept_args
         self.kept_args: Dict[str, Any] = {}
@@ -453,6 +455,22 @@ class _RoutingMixin:
     def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
         """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
         arrived = grads[0] if grads else None
+        pending = slot.pending
+        # NOTE: the common case first, once per fused Linear per step: one use of W, its
+        # stand-in arrived (or nothing), immediate mode, X and dY on this stream; the same
+        # steps as the general path below, fewer of them.
+        if (arrived is slot.marker and len(pending) == 1 and slot.partial is None
+                and not self._deferring and slot.updated_at != self._step_id):
+            x2, ldx, dy2, lddy, handle, index = pending[0]
+            if (x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)) > 0 and (
+                    handle is None or handle == _linear.current_stream_handle(index)):
+                slot.marker = None
+                self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=handle)
+                consumed = slot._consumed  # (its dtype and device: checked by the update)
+                slot.param.grad = consumed if consumed is not None else slot.consumed_grad()
+                pending.clear()
+                slot.uses = slot.in_graph_uses = 0
+                return (None,) if arrived is not None else None
         outside = None if arrived is None or arrived is slot.marker else \
             self._outside_grad(slot, arrived)
         slot.marker = None
