@@ -201,24 +201,27 @@ class _CallMixin:
         if kept is None:
             args = _lib.WgradArgs() if kind == "wgrad" else _lib.ElementwiseArgs()
             args.abi_version = _lib.ABI_VERSION
-            kept = slot.kept_args[kind] = (args, [None, None, None, None])
-        args, held = kept
+            # (args, what its struct fields hold, a view of its hparams, whether
+            # hparams.run_scalars is set)
+            kept = slot.kept_args[kind] = (args, [None, None, None, None, False], args.hparams)
+        args, held, hp = kept
         if held[0] is not device:
             args.device, held[0] = device, device
         if held[1] is not param:
             args.param, held[1] = param, param
         if held[2] is not hparams:
-            args.hparams, held[2] = hparams, hparams
+            args.hparams, held[2] = hparams, hparams  # (a copy into args: the view sees it)
+            held[4] = False
         if held[3] is not outputs:
             args.outputs, held[3] = outputs, outputs
-        hp = args.hparams  # (a view of args' own copy)
         hp.step, hp.seed = step, self.seed + slot.index
         if scale is None:
             scale = self._backward_scale
         if hp.grad_scale != scale:
             hp.grad_scale = scale
-        if capturing or hp.run_scalars:
+        if capturing or held[4]:
             hp.run_scalars = self._capture_region(slot, hparams) if capturing else None
+            held[4] = capturing
         return args
 
     def _update(self, slot, grad: Optional[torch.Tensor] = None, x=None, dy=None,
@@ -242,7 +245,7 @@ class _CallMixin:
             dy2, dy_code = _linear.forge_dtype(dy2)
             args = self._kept_args(slot, "wgrad", device, param, hparams, outputs, step,
                                    scale, capturing)
-            args.tokens = _linear.row_count(x2)
+            args.tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
             args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
             args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
             self._lib.wgrad_step(args)
