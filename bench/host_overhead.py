@@ -21,8 +21,13 @@ Linear (forge/_ops.py); the first warm-up step compiles.
 
     python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100]
                                   [--layer linear|scale] [--hook-path] [--steps 200] [--compile]
-                                  [--profile N]
+                                  [--profile N] [--baseline DIR]
 --profile N: then N more steps of each optimizer under cProfile (the top functions).
+--baseline DIR: also measure the forge.optim.AdamW of another FORGE, whose `forge` package is in
+DIR (a checkout's python/ directory: `git worktree add /tmp/base REV`, then /tmp/base/python),
+in the same rounds and process as the two others: a change's before and after, compared where
+the host's drift cannot come between them (it moves these figures by tens of percent between
+processes). Both use the libforge this process loads.
 
 Prints microseconds per Linear per step (median over the steps after 20 warm-ups); --json PATH
 also writes them for bench/record.py.
@@ -53,6 +58,40 @@ class Scale(torch.nn.Module):
 
     def forward(self, x):
         return x * self.w
+
+
+def load_baseline(directory: str):
+    """The forge.optim of the FORGE package in directory/forge, imported as forge_baseline
+    (beside this checkout's forge: its modules import each other relatively)."""
+    import importlib
+    import importlib.util
+    package = os.path.join(directory, "forge")
+    init = os.path.join(package, "__init__.py")
+    if not os.path.isfile(init):
+        raise SystemExit(f"--baseline: no FORGE package at {package} (give a checkout's python/)")
+    spec = importlib.util.spec_from_file_location("forge_baseline", init,
+                                                  submodule_search_locations=[package])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["forge_baseline"] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module("forge_baseline.optim")
+
+
+def baseline_label(directory: str) -> str:
+    """The commit of the checkout whose python/ directory is `directory` (short hash), else
+    the directory itself."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", directory, *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if os.path.realpath(os.path.join(top, "python")) == os.path.realpath(directory):
+            return git("rev-parse", "--short", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return directory
 
 
 def train_step(model, opt, x) -> None:
@@ -105,6 +144,8 @@ def main() -> int:
                    help="measure each optimizer N times, alternating (order reversed every other "
                         "round), and report the median of the rounds: on a busy host a single "
                         "pass of each measures the load as much as the code")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="also measure the FORGE whose package is in DIR (see the file header)")
     p.add_argument("--json", metavar="PATH", help="also write the figures there (bench/record.py "
                    "appends them to the results table)")
     args = p.parse_args()
@@ -134,13 +175,25 @@ def main() -> int:
     if args.compile:
         torch_model, forge_model = torch.compile(torch_model), torch.compile(forge_model)
     runs = {"torch": (torch_model, torch_opt), "forge": (forge_model, forge_opt)}
-    measured = {"torch": [], "forge": []}
+    if args.baseline:
+        baseline_optim = load_baseline(args.baseline)
+        if args.hook_path:
+            baseline_optim.routing.BATCHED_MAX_ELEMENTS = 0
+        baseline_model = stack()
+        baseline_model.load_state_dict(forge_model.state_dict())
+        runs["baseline"] = (baseline_model, baseline_optim.AdamW(baseline_model, lr=1e-6,
+                                                                 mode="immediate", **states))
+        if args.compile:
+            runs["baseline"] = (torch.compile(baseline_model), runs["baseline"][1])
+    measured = {name: [] for name in runs}
     for r in range(args.rounds):
-        for name in (("torch", "forge") if r % 2 == 0 else ("forge", "torch")):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
             model, opt = runs[name]
             measured[name].append(per_layer_us(model, opt, x, args.steps, args.layers,
                                                 warmup=WARMUP if r < 2 else 2))
     torch_us, forge_us = (statistics.median(measured[k]) for k in ("torch", "forge"))
+    baseline_us = statistics.median(measured["baseline"]) if args.baseline else None
+    baseline = f"forge.optim.AdamW at {baseline_label(args.baseline)}" if args.baseline else None
     if args.profile:
         profile_steps(*runs["torch"], x, args.profile, "torch AdamW(foreach)")
         profile_steps(*runs["forge"], x, args.profile, "forge.optim.AdamW")
@@ -150,7 +203,8 @@ def main() -> int:
         ("parameter", f"{args.layers} element-wise parameters of 1024")
     print(f"host cost per {what[0]} per step ({what[1]}, {args.dtype}, {device}"
           f"{compiled}, torch {torch.__version__}, median of {args.rounds} round(s)): torch "
-          f"AdamW(foreach) {torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us")
+          f"AdamW(foreach) {torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us"
+          + (f", {baseline} {baseline_us:.1f} us" if args.baseline else ""))
     if args.json:
         shape = "Linears 16x16" if args.layer == "linear" else "element-wise params 1024"
         case = f"{args.layers} {shape} {args.dtype} {device.type}{compiled}"
@@ -164,7 +218,9 @@ def main() -> int:
                        "results": [{"case": case, "variant": "torch AdamW(foreach)",
                                     metric: torch_us},
                                    {"case": case, "variant": "forge.optim.AdamW",
-                                    metric: forge_us}]}, f, indent=1)
+                                    metric: forge_us}]
+                       + ([{"case": case, "variant": baseline, metric: baseline_us}]
+                          if args.baseline else [])}, f, indent=1)
     return 0
 
 
