@@ -590,6 +590,28 @@ def test_host_overhead_bench_runs():
         assert ("hook path" in line) == bool(extra), line
 
 
+def test_host_overhead_bench_measures_a_baseline(tmp_path):
+    """--baseline DIR times another FORGE package (here this checkout's own, imported a second
+    time as forge_baseline) in the same rounds, and its figure joins the JSON."""
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+    python_dir = os.path.join(bench, "..", "python")
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, os.path.join(bench, "host_overhead.py"), "--device",
+                           "cpu", "--layers", "3", "--steps", "2", "--rounds", "2",
+                           "--baseline", python_dir, "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    variants = [r["variant"] for r in results]
+    assert variants[:2] == ["torch AdamW(foreach)", "forge.optim.AdamW"], variants
+    assert len(variants) == 3 and variants[2].startswith("forge.optim.AdamW at "), variants
+    assert all(r["us_per_linear"] > 0 for r in results)
+    bad = subprocess.run([sys.executable, os.path.join(bench, "host_overhead.py"), "--device",
+                          "cpu", "--layers", "1", "--steps", "1", "--baseline", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--baseline" in bad.stderr, bad.stderr
+
+
 def _cpu_step_script():
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
                         "cpu_step.py")
