@@ -69,6 +69,8 @@ def load_baseline(directory: str):
     init = os.path.join(package, "__init__.py")
     if not os.path.isfile(init):
         raise SystemExit(f"--baseline: no FORGE package at {package} (give a checkout's python/)")
+    # (the library this process loaded, wherever the baseline's own search would look)
+    os.environ.setdefault("FORGE_LIBRARY", str(forge._lib.get().path))
     spec = importlib.util.spec_from_file_location("forge_baseline", init,
                                                   submodule_search_locations=[package])
     module = importlib.util.module_from_spec(spec)

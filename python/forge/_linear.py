@@ -63,16 +63,17 @@ def slot_of_key(key: int):
     return _BY_KEY.get(key)
 
 # torch dtype -> the library's dtype code, filled on first use (the codes come from libforge)
-_FORGE_DTYPES: Dict[torch.dtype, int] = {}
+FORGE_DTYPE_CODES: Dict[torch.dtype, int] = {}
 
 
 def forge_dtype(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """t in a dtype the C ABI reads (fp32 / bf16 / fp16; anything else goes to fp32)."""
-    code = _FORGE_DTYPES.get(t.dtype)
+    code = FORGE_DTYPE_CODES.get(t.dtype)
     if code is None:
-        if not _FORGE_DTYPES:
-            _FORGE_DTYPES.update({torch.float32: _lib.DTYPE_FP32, torch.bfloat16: _lib.DTYPE_BF16,
-                                  torch.float16: _lib.DTYPE_FP16})
+        if not FORGE_DTYPE_CODES:
+            FORGE_DTYPE_CODES.update({torch.float32: _lib.DTYPE_FP32,
+                                      torch.bfloat16: _lib.DTYPE_BF16,
+                                      torch.float16: _lib.DTYPE_FP16})
             return forge_dtype(t)
         return t.detach().float(), _lib.DTYPE_FP32
     return t, code

@@ -273,7 +273,7 @@ _CHANGES = [
 @pytest.mark.parametrize("name,kwargs,changes", _CHANGES, ids=[c[0] for c in _CHANGES])
 def test_changed_hyper_parameters_apply_at_the_next_update(device, name, kwargs, changes,
                                                            record_difference):
-    """Every hyper-parameter is read from the group at each update (forge_hparams are
+    """Every hyper-parameter is read from the group at each step (forge_hparams are
     cached on their values): changing any one of them between steps, and back, gives
     torch.optim's trajectory under the same changes."""
     errors = trajectories(TinyTransformer, name, kwargs, device, steps=2 * len(changes) + 1,

@@ -3,10 +3,13 @@
 _update builds forge_wgrad_args (from the X and dY a fused Linear's backward left) or
 forge_elementwise_args (from a gradient tensor) and calls libforge; _update_batch does the
 latter for many parameters in one call (the batched path, routing.py). Every update reads its
-hyper-parameters from the param group at the time it runs (so LR schedulers apply), uses
-the parameter's own 1-based step count (torch's state['step']), and seeds stochastic
-rounding with seed + the parameter's index. This is the host's hot path (once per parameter
-per step): the structs it passes are built once and cached while nothing changes.
+hyper-parameters from the param group (a fused Linear's inside backward: as they were at the
+step's first update), so LR schedulers, and any change between steps, apply; it uses the
+parameter's own 1-based step count (torch's state['step']), and seeds stochastic rounding
+with seed + the parameter's index. This is the host's hot path (once per parameter per
+step): the structs it passes are built once and cached while nothing changes, and a fused
+Linear's update inside backward (_update_wgrad) finds its call made ready by the step's first
+update (_check_step).
 """
 from __future__ import annotations
 
@@ -187,13 +190,69 @@ class _CallMixin:
                 if slot.signature is not None:  # (checks replaced state tensors)
                     slot.struct, slot.struct_step = self._param_struct(slot, st), self._step_id
                     slot.checked = (st, group)
+                    if slot.mode == "fused" and not slot.dtensor and not self._deferring \
+                            and not self._capturing:
+                        slot.ready = self._ready_wgrad(slot, st, group)
         self._checked_step = self._step_id
+
+    def _ready_wgrad(self, slot, st, group):
+        """slot's kept forge_wgrad_args made ready, at the step's first update, for its update
+        in this step (_update_wgrad): the forge_param _check_step verified, the group's
+        hyper-parameters, the device on the current stream, the seed and gradient scale. Returns
+        (step id, stream handle or None, args, what its struct fields hold, its hparams view,
+        the state dict), or None where the update must say what changed (_update)."""
+        hparams, layout_key = self._group_hparams(group)
+        if slot.signature[0] != layout_key:
+            return None
+        p = slot.param
+        stream = _linear.current_stream_handle(p.get_device()) if p.is_cuda else None
+        device = self._device_struct(p, stream)
+        args = self._kept_args(slot, "wgrad", device, slot.struct, hparams, None, 0, None,
+                               False)
+        _, held, hp = slot.kept_args["wgrad"]
+        return self._step_id, stream, args, held, hp, st
+
+    def _update_wgrad(self, slot, x2, ldx, dy2, lddy, stream) -> None:
+        """_update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream): a fused Linear's update
+        as its AccumulateGrad pre-hook makes it, with the same call and bits.
+
+        NOTE: once per fused Linear per step, in the middle of backward, where every step of
+        the host's is slow (its caches hold autograd's work): everything but the operands and
+        the step count was made ready at the step's first update, in _check_step's loop
+        (_ready_wgrad), so this sets seven fields and calls the library. The group's
+        hyper-parameters are those of the step's first update (a change made while backward
+        runs applies from the next step); anything the ready args do not fit (another stream,
+        a capture, the step's first update on a device, an operand dtype met first) takes
+        _update."""
+        if self._checked_step != self._step_id:
+            self._check_step()
+        ready = slot.ready
+        step_id = self._step_id
+        if (ready is not None and ready[0] == step_id and slot.struct_step == step_id
+                and ready[1] == stream and not self._capturing):
+            codes = _linear.FORGE_DTYPE_CODES
+            x_code, dy_code = codes.get(x2.dtype), codes.get(dy2.dtype)
+            outputs = self._stats_outputs.get(slot.device) if slot.counts else _NO_OUTPUTS
+            if x_code is not None and dy_code is not None and outputs is not None:
+                _, _, args, held, hp, st = ready
+                if held[3] is not outputs:
+                    args.outputs, held[3] = outputs, outputs
+                step = st["step"] + 1
+                hp.step = step
+                args.tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
+                args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
+                args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
+                self._lib.wgrad_step(args)
+                st["step"] = step
+                slot.updated_at = step_id
+                return
+        self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream)
 
     def _kept_args(self, slot, kind: str, device, param, hparams, outputs, step: int,
                    scale: Optional[float], capturing: bool):
         """slot's forge_wgrad_args or forge_elementwise_args (kind "wgrad" / "elementwise"),
-        kept between calls, with this call's structs and scalars in it; the caller sets the
-        operands' pointers."""
+        kept between calls, with this call's structs and scalars in it (outputs None: the ones
+        it holds); the caller sets the operands' pointers."""
         # NOTE: kept per parameter: a field that holds a struct (device, param, hparams,
         # outputs) is copied in only when what it holds changed (a ctypes struct assignment
         # copies); the rest is set per call.
@@ -212,7 +271,7 @@ class _CallMixin:
         if held[2] is not hparams:
             args.hparams, held[2] = hparams, hparams  # (a copy into args: the view sees it)
             held[4] = False
-        if held[3] is not outputs:
+        if held[3] is not outputs and outputs is not None:
             args.outputs, held[3] = outputs, outputs
         hp.step, hp.seed = step, self.seed + slot.index
         if scale is None:

@@ -122,6 +122,7 @@ class _Slot:
         self.struct = None
         self.struct_step = -1
         self.checked: Optional[Tuple[Dict[str, Any], Dict[str, Any]]] = None
+        self.ready: Optional[tuple] = None  # a fused weight's args for this step (call.py)
         # "wgrad" / "elementwise" -> (the forge_*_args kept for its calls, what its struct
         # fields hold): call.py, _kept_args
         self.kept_args: Dict[str, Any] = {}
@@ -465,7 +466,7 @@ class _RoutingMixin:
             if (x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)) > 0 and (
                     handle is None or handle == _linear.current_stream_handle(index)):
                 slot.marker = None
-                self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=handle)
+                self._update_wgrad(slot, x2, ldx, dy2, lddy, handle)
                 consumed = slot._consumed  # (its dtype and device: checked by the update)
                 slot.param.grad = consumed if consumed is not None else slot.consumed_grad()
                 pending.clear()
