@@ -124,7 +124,7 @@ class _Slot:
         self.checked: Optional[Tuple[Dict[str, Any], Dict[str, Any]]] = None
         self.ready: Optional[tuple] = None  # a fused weight's args for this step (call.py)
         # "wgrad" / "elementwise" -> (the forge_*_args kept for its calls, what its struct
-        # fields hold): call.py, _kept_args
+        # fields hold, a view of its hparams): call.py, _kept_args
         self.kept_args: Dict[str, Any] = {}
 
     def consumed_grad(self) -> ConsumedGrad:
