@@ -385,11 +385,37 @@ std::vector<uint8_t> float_bytes(const std::vector<float>& v) {
   return ::testing::AssertionSuccess();
 }
 
+namespace {
+
+// The code an element of an int8 / fp8 block (sf) gets when its block's absmax changes from
+// old_absmax to new_absmax: its old code decoded, then encoded again.
 uint8_t reencoded(forge_state_format sf, uint8_t old_code, float old_absmax, float new_absmax,
                   bool is_signed) {
   if (sf == FORGE_STATE_FP8_BLOCK64)
     return forge::fp8_encode(forge::fp8_decode(old_code, old_absmax, is_signed), new_absmax, is_signed);
   return forge::int8_encode(forge::int8_decode(old_code, is_signed) * old_absmax, new_absmax, is_signed);
+}
+
+}  // namespace
+
+void expect_skipped_codes(const HostParam& before, const HostParam& after,
+                          std::initializer_list<int64_t> skipped, int* stayed, int* grew) {
+  const int64_t cols = after.cols, blocks_per_row = (cols + 63) / 64;
+  for (int s = 0; s < after.layout.num_states; ++s)
+    for (int64_t r = 0; r < after.rows; ++r)
+      for (int64_t c : skipped) {
+        const int64_t b = r * blocks_per_row + c / 64;
+        const uint8_t old_code = before.state[s][r * cols + c], code = after.state[s][r * cols + c];
+        if (std::memcmp(&before.absmax[s][b], &after.absmax[s][b], 4) == 0) {
+          ++*stayed;
+          EXPECT_EQ(code, old_code) << "state " << s << ", row " << r << ", col " << c;
+        } else {
+          ++*grew;
+          EXPECT_EQ(code, reencoded(after.state_format, old_code, before.absmax[s][b], after.absmax[s][b],
+                                    after.layout.is_signed[s] != 0))
+              << "state " << s << ", row " << r << ", col " << c;
+        }
+      }
 }
 
 std::vector<float> decoded(const HostParam& p, const std::string& buffer, const forge_hparams& hp) {

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -108,10 +109,12 @@ struct DeviceParam {
 // Decoded fp32 values of one buffer ("weight", "master", "state0".."state2").
 std::vector<float> decoded(const HostParam& p, const std::string& buffer, const forge_hparams& hp);
 
-// The code a skipped element of an int8 / fp8 block (sf) gets when its block's absmax changes
-// from old_absmax to new_absmax: its old code decoded, then encoded again (formats.h).
-uint8_t reencoded(forge_state_format sf, uint8_t old_code, float old_absmax, float new_absmax,
-                  bool is_signed);
+// The block rule of int8 / fp8 states for elements skipped in a step (a non-finite gradient):
+// for each row of `after` (the step's result from `before`) and each column in `skipped`, in
+// every state, the element keeps its code where its block's absmax stayed, else gets its old
+// code decoded and encoded again with the new absmax (formats.h). Counts the two cases.
+void expect_skipped_codes(const HostParam& before, const HostParam& after,
+                          std::initializer_list<int64_t> skipped, int* stayed, int* grew);
 
 // Comparison within the per-format bands of gpu_tolerances.h.
 ::testing::AssertionResult close_enough(const HostParam& expected, const HostParam& actual,

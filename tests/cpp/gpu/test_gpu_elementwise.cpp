@@ -356,20 +356,8 @@ TEST(ElementwiseBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
           ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
           EXPECT_EQ(want, 2 * rows);
           EXPECT_EQ(got, want);
-          for (int s = 0; s < 2; ++s)
-            for (int64_t r = 0; r < rows; ++r)
-              for (int64_t c : {int64_t{5}, int64_t{70}}) {
-                const int64_t b = r * ((cols + 63) / 64) + c / 64;
-                const bool same = std::memcmp(&before.absmax[s][b], &cpu.absmax[s][b], 4) == 0;
-                const uint8_t old_code = before.state[s][r * cols + c], new_code = cpu.state[s][r * cols + c];
-                if (same) {
-                  ++stayed;
-                  EXPECT_EQ(new_code, old_code) << "step " << step << " row " << r << " col " << c;
-                } else {
-                  ++grew;
-                  EXPECT_EQ(new_code, reencoded(sf, old_code, before.absmax[s][b], cpu.absmax[s][b], s == 0));
-                }
-              }
+          SCOPED_TRACE("step " + std::to_string(step));
+          expect_skipped_codes(before, cpu, {5, 70}, &stayed, &grew);
         }
         EXPECT_GT(stayed, 0);
         EXPECT_GT(grew, 0);
