@@ -3,6 +3,8 @@ fp32 model with fp32 states equals what torch.optim.<Same>(model.parameters(), s
 hyper-parameters) gives (Lion: the paper's update), for every step, on the tiny
 transformer (embedding, attention, MLP, RMSNorm, untied head). Bounds: tolerances.py.
 """
+import ctypes
+
 import pytest
 import torch
 
@@ -113,3 +115,25 @@ def test_both_elementwise_paths_match_torch_optim(config, path, device, monkeypa
     errors = trajectories(TinyTransformer, name, kwargs, device, steps=STEPS)
     record_difference(f"{name} vs torch, element-wise by {path}", errors["forge_vs_ordered"])
     assert_contract(errors, device)
+
+
+def test_wgrad_operand_writer_matches_the_struct_fields():
+    """_lib.WGRAD_OPERANDS (the fused update's one-call write of its operands) writes the same
+    bytes as assigning forge_wgrad_args' fields one by one, and nothing beside them."""
+    from forge import _lib
+    packer, offset = _lib.WGRAD_OPERANDS
+    values = (4097, 0x7F0012345670, _lib.DTYPE_BF16, 1 << 33, 0x7F00ABCDEF00, _lib.DTYPE_FP16,
+              129)
+    by_fields, packed = _lib.WgradArgs(), _lib.WgradArgs()
+    for struct in (by_fields, packed):  # (every other byte non-zero: a stray write shows)
+        ctypes_bytes = (ctypes.c_ubyte * ctypes.sizeof(struct)).from_buffer(struct)
+        ctypes_bytes[:] = [0xA5] * len(ctypes_bytes)
+    (by_fields.tokens, by_fields.x, by_fields.x_dtype, by_fields.ldx, by_fields.dy,
+     by_fields.dy_dtype, by_fields.lddy) = values
+    packer.pack_into(packed, offset, *values)
+    assert bytes(packed)[:offset] == bytes(by_fields)[:offset]
+    end = _lib.WgradArgs.lddy.offset + _lib.WgradArgs.lddy.size
+    assert bytes(packed)[end:] == bytes(by_fields)[end:]
+    # field by field (the padding between them is the struct's own business)
+    for name, value in zip(("tokens", "x", "x_dtype", "ldx", "dy", "dy_dtype", "lddy"), values):
+        assert getattr(packed, name) == value, name

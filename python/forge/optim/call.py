@@ -23,6 +23,7 @@ from .. import _linear
 from . import distributed
 
 _NO_OUTPUTS = _lib.StepOutputs()  # (NULL pointers: no statistics)
+_OPERANDS, _OPERANDS_AT = _lib.WGRAD_OPERANDS
 
 # Entries of the optimizer's small caches (hyper-parameters, devices) before they are
 # emptied: a scheduler's new lr every step, or a new CUDA stream every step, stays bounded.
@@ -167,63 +168,77 @@ class _CallMixin:
             model = self._model_ref()
             if model is not None:
                 distributed.check_no_replicating_wrapper(model)
-        checked_groups = set()
+        # NOTE: a loop over every parameter once per step, inside backward: what is the same
+        # for a whole group (its hyper-parameters, checked once) or a whole device (its struct
+        # on the current stream) is looked up once per step, not once per parameter.
+        groups: Dict[int, Tuple[_lib.Hparams, tuple]] = {}  # id(group) -> _group_hparams
+        devices: Dict[torch.device, Tuple[Optional[int], _lib.Device]] = {}
+        step_id = self._step_id
+        ready_wgrad = not self._deferring and not self._capturing
+        state = self.state
         for slot in self._slots.values():
             p = slot.param
-            if p.dtype != slot.dtype or p.device != slot.device or not p.is_contiguous():
+            # (dtypes are singletons: `is` first, the device compare, which builds one, last)
+            if p.dtype is not slot.dtype or not p.is_contiguous() or p.device != slot.device:
                 raise RuntimeError(
                     f"forge: parameter '{slot.name}' changed dtype, device or layout after the "
                     f"optimizer was built ({slot.dtype} on {slot.device} -> {p.dtype} on "
                     f"{p.device}); build the optimizer after moving the model")
             group = self._group_of(slot)
             self._check_storage(slot, group)  # (states.py: formats, dtypes)
-            if id(group) not in checked_groups:
-                checked_groups.add(id(group))
-                self._lib.state_layout(self._hparams(group, step=1, seed=0), _lib.STATE_FP32,
-                                       1, 1)
-            st = self.state.get(p)
+            hparams = groups.get(id(group))
+            if hparams is None:
+                hparams = groups[id(group)] = self._group_hparams(group)
+                checked = _lib.Hparams.from_buffer_copy(hparams[0])
+                checked.step = 1
+                self._lib.state_layout(checked, _lib.STATE_FP32, 1, 1)
+            st = state.get(p)
             if st:
                 step = st.get("step")
                 if type(step) is not int or step < 0:
                     raise RuntimeError(f"forge: parameter '{slot.name}': state 'step' must be an "
                                        f"int >= 0, got {step!r}")
                 if slot.signature is not None:  # (checks replaced state tensors)
-                    slot.struct, slot.struct_step = self._param_struct(slot, st), self._step_id
+                    slot.struct, slot.struct_step = self._param_struct(slot, st), step_id
                     slot.checked = (st, group)
-                    if slot.mode == "fused" and not slot.dtensor and not self._deferring \
-                            and not self._capturing:
-                        slot.ready = self._ready_wgrad(slot, st, group)
-        self._checked_step = self._step_id
+                    if ready_wgrad and slot.mode == "fused" and not slot.dtensor:
+                        slot.ready = self._ready_wgrad(slot, st, hparams, devices)
+        self._checked_step = step_id
 
-    def _ready_wgrad(self, slot, st, group):
+    def _ready_wgrad(self, slot, st, group_hparams, devices):
         """slot's kept forge_wgrad_args made ready, at the step's first update, for its update
         in this step (_update_wgrad): the forge_param _check_step verified, the group's
-        hyper-parameters, the device on the current stream, the seed and gradient scale. Returns
-        (step id, stream handle or None, args, what its struct fields hold, its hparams view,
-        the state dict), or None where the update must say what changed (_update)."""
-        hparams, layout_key = self._group_hparams(group)
+        hyper-parameters (group_hparams: _group_hparams of slot's group), the device on the
+        current stream (devices: _check_step's, by torch device), the seed and gradient scale.
+        Returns (step id, stream handle or None, args, what its struct fields hold, its hparams
+        view, the state dict), or None where the update must say what changed (_update)."""
+        hparams, layout_key = group_hparams
         if slot.signature[0] != layout_key:
             return None
-        p = slot.param
-        stream = _linear.current_stream_handle(p.get_device()) if p.is_cuda else None
-        device = self._device_struct(p, stream)
+        on = devices.get(slot.device)
+        if on is None:
+            p = slot.param
+            stream = _linear.current_stream_handle(p.get_device()) if p.is_cuda else None
+            on = devices[slot.device] = (stream, self._device_struct(p, stream))
+        stream, device = on
         args = self._kept_args(slot, "wgrad", device, slot.struct, hparams, None, 0, None,
                                False)
         _, held, hp = slot.kept_args["wgrad"]
         return self._step_id, stream, args, held, hp, st
 
-    def _update_wgrad(self, slot, x2, ldx, dy2, lddy, stream) -> None:
+    def _update_wgrad(self, slot, x2, ldx, dy2, lddy, stream, tokens: int) -> None:
         """_update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream): a fused Linear's update
-        as its AccumulateGrad pre-hook makes it, with the same call and bits.
+        as its AccumulateGrad pre-hook makes it, with the same call and bits (tokens: the
+        rows of x2 and dy2, as _linear.row_count gives).
 
         NOTE: once per fused Linear per step, in the middle of backward, where every step of
         the host's is slow (its caches hold autograd's work): everything but the operands and
         the step count was made ready at the step's first update, in _check_step's loop
-        (_ready_wgrad), so this sets seven fields and calls the library. The group's
-        hyper-parameters are those of the step's first update (a change made while backward
-        runs applies from the next step); anything the ready args do not fit (another stream,
-        a capture, the step's first update on a device, an operand dtype met first) takes
-        _update."""
+        (_ready_wgrad), so this writes the operands and the step and calls the library. The
+        group's hyper-parameters are those of the step's first update (a change made while
+        backward runs applies from the next step); anything the ready args do not fit (another
+        stream, a capture, the step's first update on a device, an operand dtype met first)
+        takes _update."""
         if self._checked_step != self._step_id:
             self._check_step()
         ready = slot.ready
@@ -239,9 +254,8 @@ class _CallMixin:
                     args.outputs, held[3] = outputs, outputs
                 step = st["step"] + 1
                 hp.step = step
-                args.tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
-                args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
-                args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
+                _OPERANDS.pack_into(args, _OPERANDS_AT, tokens, x2.data_ptr(), x_code, ldx,
+                                    dy2.data_ptr(), dy_code, lddy)
                 self._lib.wgrad_step(args)
                 st["step"] = step
                 slot.updated_at = step_id

@@ -463,10 +463,10 @@ class _RoutingMixin:
         if (arrived is slot.marker and len(pending) == 1 and slot.partial is None
                 and not self._deferring and slot.updated_at != self._step_id):
             x2, ldx, dy2, lddy, handle, index = pending[0]
-            if (x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)) > 0 and (
-                    handle is None or handle == _linear.current_stream_handle(index)):
+            tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
+            if tokens > 0 and (handle is None or handle == _linear.current_stream_handle(index)):
                 slot.marker = None
-                self._update_wgrad(slot, x2, ldx, dy2, lddy, handle)
+                self._update_wgrad(slot, x2, ldx, dy2, lddy, handle, tokens)
                 consumed = slot._consumed  # (its dtype and device: checked by the update)
                 slot.param.grad = consumed if consumed is not None else slot.consumed_grad()
                 pending.clear()
