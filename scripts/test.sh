@@ -4,7 +4,8 @@
 #   2. the same suite and the C ABI fuzz harness (label "fuzz") in the sanitizer build
 #      build-asan/ (ASan + UBSan, -fno-sanitize-recover=all: any report ends its program with
 #      an error, and so fails this script), built here (CPU only) when missing or stale;
-#   3. the Python suite (pytest).
+#   3. the Python suite (pytest), then again with the Python pre-hook of fused weights only
+#      (FORGE_CPP_PREHOOK=0: forge/_prehook.py's fallback where no compiler is found).
 # GPU tests run only on a GPU machine (scripts/gpu_check.sh). Run scripts/setup.sh first
 # (.ci/run does both).
 set -euo pipefail
@@ -26,3 +27,4 @@ build-asan/tests/cpp/forge_alloc_failure_tests --gtest_brief=1
 ctest --test-dir build-asan -L fuzz --output-on-failure  # (its default budget; FORGE_FUZZ_* set another)
 
 .venv/bin/python -m pytest tests/python -q
+FORGE_CPP_PREHOOK=0 .venv/bin/python -m pytest tests/python -q

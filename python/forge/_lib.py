@@ -406,6 +406,11 @@ class Library:
     # NOTE: the two per-update calls pass the struct itself (ctypes takes its address, as
     # argtypes is a POINTER to its type: ~130 ns less than ctypes.byref) and call check()
     # only on an error.
+    @property
+    def wgrad_step_address(self) -> int:
+        """forge_wgrad_step's address, for a caller in C++ (forge/_prehook.py)."""
+        return ctypes.cast(self._lib.forge_wgrad_step, ctypes.c_void_p).value
+
     def wgrad_step(self, args: WgradArgs) -> None:
         status = self._lib.forge_wgrad_step(args)
         if status:

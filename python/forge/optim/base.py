@@ -340,6 +340,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 "forge.graphs.CUDAGraphStep(fn, optimizers=[..., this optimizer])", stacklevel=2)
         if not self._deferring and self._checked_step != self._step_id:
             self._check_step()  # (a refusal first: before the warning below, or any update)
+        for slot in self._slots.values():
+            if slot.armed:  # (a call the C++ pre-hook made, or one it never reached)
+                self._settle_armed(slot)
         missed = [s.name for s in self._slots.values() if s.pending or s.partial is not None]
         if missed:
             warnings.warn(

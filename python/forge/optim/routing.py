@@ -32,6 +32,7 @@ _update (call.py) when a parameter's gradient is complete.
 """
 from __future__ import annotations
 
+import ctypes
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -39,8 +40,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .. import _linear
+from .. import _linear, _prehook
 from . import distributed
+from .call import _NO_OUTPUTS, _OPERANDS, _OPERANDS_AT
 from .deferred import ConsumedGrad, FactoredGrad
 
 if TYPE_CHECKING:
@@ -126,6 +128,14 @@ class _Slot:
         # "wgrad" / "elementwise" -> (the forge_*_args kept for its calls, what its struct
         # fields hold, a view of its hparams): call.py, _kept_args
         self.kept_args: Dict[str, Any] = {}
+        # The C++ pre-hook (forge/_prehook.py), where built: its record of this weight, what
+        # was last given to it (args, stand-in, ConsumedGrad), whether the Linear's backward
+        # armed it (cleared when Python settles it: _settle_armed), and what arming changed
+        # (state dict, step and updated_at before, ldx, lddy, stream handle, device index).
+        self.record = None
+        self.record_call: Optional[tuple] = None
+        self.armed = False
+        self.armed_call: Optional[tuple] = None
 
     def consumed_grad(self) -> ConsumedGrad:
         """The .grad left on this parameter once its update ran inside backward (made once)."""
@@ -203,6 +213,20 @@ def _weight_grad_ready(ref, grads):
     if opt is None or not opt._attached:
         return None
     return opt._on_weight_grad_ready(slot, grads)
+
+
+def _armed_call_failed(ref, status: int) -> None:
+    """The C++ pre-hook's call failed: what arming changed is undone, the library's error
+    raised."""
+    slot = ref()
+    opt = slot.opt_ref() if slot is not None else None
+    if opt is None:
+        raise RuntimeError(f"forge: forge_wgrad_step failed (status {status})")
+    opt._undo_arming(slot)
+    slot.armed = False
+    slot.marker = None
+    slot.clear_backward()
+    opt._lib.check(status, "forge_wgrad_step")
 
 
 def _param_grad_ready(ref) -> None:
@@ -289,6 +313,9 @@ class _RoutingMixin:
             for h in slot.handles:
                 h.remove()
             slot.handles.clear()
+            if slot.record is not None:  # (its hook stays on the node, passing gradients on)
+                slot.record.enabled = False
+                slot.record = slot.record_call = None
             slot.acc_node = None
             for m in slot.modules:
                 _linear.unpatch(m, slot.param)
@@ -383,13 +410,28 @@ class _RoutingMixin:
 
     def _hook_weight_node(self, slot: _Slot) -> None:
         """Holds W's AccumulateGrad node (torch makes it now if none exists, for the current
-        stream) and hooks it: the pre-hook runs the fused step (_on_weight_grad_ready)."""
+        stream) and hooks it: the pre-hook runs the fused step (_on_weight_grad_ready), the
+        post-hook is the fallback where pre-hooks were skipped (_on_weight_grad_done). Where
+        the C++ pre-hook is built (forge/_prehook.py) both hooks are its, calling these two
+        only for what it does not take."""
         p = slot.param
         with torch.enable_grad():
             slot.acc_node = p.view_as(p).grad_fn.next_functions[0][0]
         ref = weakref.ref(slot)
-        slot.handles.append(slot.acc_node.register_prehook(
-            lambda grads, ref=ref: _weight_grad_ready(ref, grads)))
+        python_prehook = lambda grads, ref=ref: _weight_grad_ready(ref, grads)  # noqa: E731
+        if slot.record is not None:  # (rebind_streams: the old node's hook passes through)
+            slot.record.enabled = False
+            slot.record = slot.record_call = None
+        cpp = _prehook.get() if not slot.dtensor else None
+        if cpp is not None:
+            # NOTE: the C++ pre-hook runs the update the Linear's backward armed (_arm), and
+            # calls the Python one for everything else (docs/design.md §7.4)
+            slot.record = cpp.Record(p, self._lib.wgrad_step_address, python_prehook,
+                                     lambda ref=ref: _weight_grad_done(ref),
+                                     lambda status, ref=ref: _armed_call_failed(ref, status))
+            cpp.install(slot.record)
+            return
+        slot.handles.append(slot.acc_node.register_prehook(python_prehook))
         # Fallback: torch 2.4's non-reentrant checkpoint runs W's AccumulateGrad without its
         # pre-hooks (but with its post-hooks); see _on_weight_grad_done.
         slot.handles.append(slot.acc_node.register_hook(
@@ -406,6 +448,8 @@ class _RoutingMixin:
             "segments also does this: use use_reentrant=False.")
 
     def _linear_backward(self, slot: _Slot, x, dy, weight):
+        if slot.armed:  # a second use of W in this backward, or the last backward's call
+            self._settle_armed(slot)
         if self._deferring:
             if slot.uses == 0 and slot.param.grad is not None and slot.held is None:
                 # NOTE: the gradient of earlier micro-batches waits in slot.held while this
@@ -425,6 +469,10 @@ class _RoutingMixin:
         else:
             index = handle = None
         slot.uses += 1
+        if (slot.record is not None and slot.uses == 1 and not slot.pending
+                and slot.partial is None and self._arm(slot, x2, ldx, dy2, lddy, handle, index,
+                                                       weight)):
+            return slot.marker
         if not slot.pending and slot.partial is None:
             slot.pending.append((x2, ldx, dy2, lddy, handle, index))
         else:  # a second use in this backward: sum this one and the pending one in fp32
@@ -442,6 +490,12 @@ class _RoutingMixin:
         # host time per Linear per step on the H200's host (forge-bench --profile).
         # Nothing writes to it: autograd copies an expanded gradient before accumulating it.
         # (Remade if the weight moved: _update then says what changed.)
+        slot.marker = self._stand_in(slot, weight)
+        return slot.marker
+
+    @staticmethod
+    def _stand_in(slot: _Slot, weight: torch.Tensor) -> torch.Tensor:
+        """slot's stand-in dW, made once (remade if the weight moved)."""
         stand_in = slot.stand_in
         if stand_in is None or stand_in.dtype != weight.dtype or stand_in.device != weight.device:
             zero = torch.zeros((), dtype=weight.dtype, device=weight.device)
@@ -450,11 +504,79 @@ class _RoutingMixin:
                 slot.stand_in = distributed.as_state(zero, weight, tuple(weight.shape))
             else:
                 slot.stand_in = zero.expand(weight.shape)
-        slot.marker = slot.stand_in
-        return slot.marker
+        return slot.stand_in
+
+    def _arm(self, slot: _Slot, x2, ldx, dy2, lddy, handle, index, weight) -> bool:
+        """The first use of a fused W in this backward, where its C++ pre-hook can make the
+        update: the call _update_wgrad would make is prepared in slot's kept args (the step
+        count and updated_at set as its success sets them) and its record armed with X and dY;
+        the pre-hook calls the library when the stand-in arrives alone, and _settle_armed
+        undoes the arming where it does not (a second use, another gradient, no pre-hook).
+        False (nothing changed) where the update takes the Python path: a parameter without
+        states yet, a capture, another stream, an operand dtype the args do not fit. The
+        step's first arming checks the step first (_check_step), as its first update would."""
+        if self._deferring or self._capturing or slot.layouts is not None or slot.in_graph_uses:
+            return False
+        step_id = self._step_id
+        if self._checked_step != step_id:
+            self._check_step()  # (what the step's first update does: nothing has changed yet)
+        ready = slot.ready
+        if (ready is None or ready[0] != step_id or slot.struct_step != step_id
+                or ready[1] != handle):
+            return False
+        codes = _linear.FORGE_DTYPE_CODES
+        x_code, dy_code = codes.get(x2.dtype), codes.get(dy2.dtype)
+        tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
+        if x_code is None or dy_code is None or tokens <= 0:
+            return False
+        stand_in = self._stand_in(slot, weight)
+        consumed = slot._consumed
+        if consumed is None:
+            consumed = slot.consumed_grad()
+        _, _, args, held, hp, st = ready
+        outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
+        if held[3] is not outputs:
+            args.outputs, held[3] = outputs, outputs
+        given = slot.record_call
+        if given is None or given[0] is not args or given[1] is not stand_in \
+                or given[2] is not consumed:
+            slot.record.set_call(args, ctypes.addressof(args), stand_in, consumed)
+            slot.record_call = (args, stand_in, consumed)
+        step = st["step"] + 1
+        hp.step = step
+        _OPERANDS.pack_into(args, _OPERANDS_AT, tokens, x2.data_ptr(), x_code, ldx,
+                            dy2.data_ptr(), dy_code, lddy)
+        slot.armed_call = (st, step - 1, slot.updated_at, ldx, lddy, handle, index)
+        st["step"] = step
+        slot.updated_at = step_id
+        slot.record.arm(x2, dy2)
+        slot.armed = True
+        slot.marker = stand_in
+        return True
+
+    def _undo_arming(self, slot: _Slot) -> None:
+        st, step, updated_at, *_ = slot.armed_call
+        st["step"] = step
+        slot.updated_at = updated_at
+
+    def _settle_armed(self, slot: _Slot) -> None:
+        """After _arm, once Python runs for slot again: if the C++ pre-hook made the call,
+        what it left stands (the stand-in and the use count are done with); otherwise the
+        arming is undone and its X and dY become the pending pair the Python path expects."""
+        slot.armed = False
+        pair = slot.record.disarm() if slot.record is not None else None
+        if pair is None:
+            slot.marker = None
+            slot.uses = slot.in_graph_uses = 0
+            return
+        self._undo_arming(slot)
+        _, _, _, ldx, lddy, handle, index = slot.armed_call
+        slot.pending.append((pair[0], ldx, pair[1], lddy, handle, index))
 
     def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
         """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
+        if slot.armed:  # (the C++ pre-hook's: what it did not take, armed or not)
+            self._settle_armed(slot)
         arrived = grads[0] if grads else None
         pending = slot.pending
         # NOTE: the common case first, once per fused Linear per step: one use of W, its
@@ -605,6 +727,8 @@ class _RoutingMixin:
         and nothing is left; where the pre-hook was skipped (torch 2.4, non-reentrant
         checkpoint) the stand-in dW (and any dW from a use outside the Linear) has been
         accumulated into W.grad: take it back out and run the update from here."""
+        if slot.armed:
+            self._settle_armed(slot)
         if not slot.pending and slot.partial is None:
             return
         arrived = slot.param.grad

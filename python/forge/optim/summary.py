@@ -119,6 +119,16 @@ def describe(opt, verbose: bool = False) -> str:
                      f"{_names([n for n, _ in trainable_out], verbose)}")
     lines.append(f"  gradient bytes never allocated: {_bytes(size('fused'))} (the fused "
                  "weights' gradients)")
+    fused_slots = [s for s in opt._slots.values() if s.mode == "fused"]
+    if fused_slots:
+        in_cpp = sum(1 for s in fused_slots if s.record is not None)
+        from .. import _prehook
+        why = "" if in_cpp == len(fused_slots) else \
+            f"; the Python pre-hook for {len(fused_slots) - in_cpp} " + (
+                f"(the C++ one is not built: {_prehook.failure})" if in_cpp == 0
+                and _prehook.failure else "(sharded or detached)")
+        lines.append(f"  fused weights' update inside backward: the C++ pre-hook for {in_cpp}"
+                     f"{why}")
     parts = [f"{fmt} {_bytes(b)} ({_plural(n, 'parameter')})"
              for fmt, (n, b) in sorted(states.items()) if b]
     lines.append("  optimizer states (made at each parameter's first update): "

@@ -1,0 +1,64 @@
+"""_prehook.py — the C++ pre-hook of fused Linear weights (csrc/prehook.cpp), built against the
+torch in use.
+
+A fused weight's update runs at its AccumulateGrad node; entering Python there is the largest
+part of FORGE's host time per Linear on small models (docs/design.md §7.4). Where a C++
+compiler and ninja are present, forge.optim builds this extension once (torch's cpp_extension:
+cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, per torch and Python
+version) and hooks the nodes with it; elsewhere the Python pre-hook runs, with the same calls
+and bits. FORGE_CPP_PREHOOK=0 never builds it; =1 makes a failed build an error.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from typing import Any, Optional
+
+_ENV = "FORGE_CPP_PREHOOK"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "prehook.cpp")
+
+_lock = threading.Lock()
+_module: Any = None
+_tried = False
+failure: Optional[str] = None  # why the extension is not in use (None: in use, or not tried)
+
+
+def get() -> Any:
+    """The built extension module, or None (switched off, no compiler, the build failed)."""
+    global _module, _tried, failure
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        setting = os.environ.get(_ENV, "auto").strip().lower()
+        if setting in ("0", "off", "false", "no"):
+            failure = f"{_ENV}={os.environ[_ENV]}"
+        else:
+            try:
+                _module = _build()
+            except Exception as e:  # no compiler or ninja, a build error: the Python pre-hook
+                failure = f"{type(e).__name__}: {e}"
+                if setting in ("1", "on", "true", "yes"):
+                    _tried = True
+                    raise RuntimeError(f"forge: {_ENV}={os.environ[_ENV]} but the C++ pre-hook "
+                                       f"could not be built: {failure}") from e
+                warnings.warn("forge: the C++ pre-hook could not be built, the Python one runs "
+                              f"(same results, more host time per Linear): {failure}",
+                              stacklevel=3)
+        _tried = True
+    return _module
+
+
+def _build():
+    import torch
+    from torch.utils import cpp_extension
+    name = "forge_prehook_" + torch.__version__.split("+")[0].replace(".", "_")
+    directory = cpp_extension._get_build_directory(name, verbose=False)
+    if not os.path.exists(os.path.join(directory, name + ".so")):
+        print(f"forge: building the C++ pre-hook against torch {torch.__version__} (once, "
+              f"cached in {directory})", file=sys.stderr, flush=True)
+    return cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=["-O2"],
+                              verbose=False)

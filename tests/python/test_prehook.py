@@ -1,0 +1,172 @@
+"""test_prehook.py — the C++ pre-hook of fused weights (forge/_prehook.py) against the Python one.
+
+Where the extension is built, a fused weight's update inside backward is made by its C++
+AccumulateGrad pre-hook (armed by the Linear's backward); everything it does not take goes to
+the Python routing. These tests train the same model with each pre-hook and require the same
+bits, in the common case and in the cases that must fall back: a Linear applied twice, a weight
+also read outside its Linear, a backward that never reaches a weight's node, a detached
+optimizer. FORGE_CPP_PREHOOK=0 (the Python pre-hook only) skips them; otherwise a missing
+extension fails them.
+"""
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import forge._prehook as prehook
+import forge.optim
+
+from conftest import DEVICES
+from tiny_models import TinyTransformer, lm_loss
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def cpp():
+    if os.environ.get("FORGE_CPP_PREHOOK", "").strip().lower() in ("0", "off", "false", "no"):
+        pytest.skip("FORGE_CPP_PREHOOK is off: the Python pre-hook only")
+    module = prehook.get()
+    assert module is not None, f"the C++ pre-hook was not built: {prehook.failure}"
+    return module
+
+
+def python_only(monkeypatch):
+    """Optimizers built inside this context hook their weights with the Python pre-hook."""
+    monkeypatch.setattr(prehook, "get", lambda: None)
+
+
+def build(model, cpp_prehook: bool, monkeypatch, **kwargs):
+    if cpp_prehook:
+        return forge.optim.AdamW(model, lr=1e-2, weight_decay=0.1, **kwargs)
+    with monkeypatch.context() as m:
+        python_only(m)
+        return forge.optim.AdamW(model, lr=1e-2, weight_decay=0.1, **kwargs)
+
+
+def assert_same(model_a, model_b, opt_a, opt_b):
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+        sa, sb = opt_a.state.get(a, {}), opt_b.state.get(b, {})
+        assert sa.keys() == sb.keys(), name
+        for key in sa:
+            va, vb = sa[key], sb[key]
+            assert (torch.equal(va, vb) if torch.is_tensor(va) else va == vb), (name, key)
+
+
+def calls_made_in_cpp(opt):
+    """Fused weights whose update of the last backward the C++ pre-hook made."""
+    return [s.name for s in opt._slots.values()
+            if s.armed and s.record is not None and not s.record.armed]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_prehook_updates_as_the_python_one(cpp, device, monkeypatch):
+    torch.manual_seed(0)
+    base = TinyTransformer().to(device)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
+    fused = [s.name for s in opts[0]._slots.values() if s.mode == "fused"]
+    assert all(s.record is not None for s in opts[0]._slots.values() if s.mode == "fused")
+    assert all(s.record is None for s in opts[1]._slots.values())
+    for step in range(STEPS):
+        for model, opt in zip(models, opts):
+            lm_loss(model, step, device).backward()
+        made = calls_made_in_cpp(opts[0])
+        # every fused update from the second step (the first makes the states)
+        assert len(made) == (len(fused) if step else 0), (made, fused)
+        assert all(isinstance(s.param.grad, forge.optim.deferred.ConsumedGrad)
+                   for s in opts[0]._slots.values() if s.name in made)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        assert_same(*models, *opts)
+
+
+class TwiceAndOutside(nn.Module):
+    """One Linear applied twice, another whose weight is also read outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16, bias=False)
+        self.c = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(torch.tanh(self.a(x))))
+        h = self.b(h) + 0.1 * F.linear(h, self.b.weight)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_prehook_falls_back_for_second_and_outside_uses(cpp, device, monkeypatch):
+    torch.manual_seed(0)
+    base = TwiceAndOutside().to(device)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
+        for step in range(STEPS):
+            x = torch.randn(5, 16, generator=torch.Generator().manual_seed(step)).to(device)
+            for model, opt in zip(models, opts):
+                model(x).square().mean().backward()
+            made = calls_made_in_cpp(opts[0])  # (a and b fall back to the Python path)
+            assert made == (["c.weight"] if step else []), made
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            assert_same(*models, *opts)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_prehook_a_backward_that_misses_a_weight_changes_nothing_of_it(cpp, device,
+                                                                           monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 4)).to(device)
+    opt = build(model, True, monkeypatch)
+    x = torch.randn(3, 8, device=device)
+    for _ in range(2):  # (the second step arms: the first makes the states)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
+    # the last Linear's weight node is reached; the two others' backwards run (for dX) and
+    # arm, but their weight nodes are not
+    xg = x.clone().requires_grad_(True)
+    model(xg).sum().backward(inputs=[xg, model[4].weight])
+    assert calls_made_in_cpp(opt) == ["4.weight"]
+    assert [s.name for s in opt._slots.values() if s.armed and s.record.armed] == \
+        ["0.weight", "2.weight"]
+    with pytest.warns(UserWarning, match="never reached"):
+        opt.step()
+    opt.zero_grad()
+    for n, p in model.named_parameters():
+        if n != "4.weight":
+            assert torch.equal(p, before[n]), n
+            assert opt.state[p]["step"] == steps[n], n
+        else:
+            assert not torch.equal(p, before[n]), n
+            assert opt.state[p]["step"] == steps[n] + 1, n
+
+
+def test_cpp_prehook_detached_optimizer_leaves_plain_gradients(cpp, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = build(model, True, monkeypatch)
+    x = torch.randn(3, 8)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.detach()
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x).sum().backward()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)  # nothing updated
+        assert p.grad is not None and not isinstance(p.grad, forge.optim.deferred.ConsumedGrad)
