@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import forge
+import forge._prehook
 import forge.optim
 from forge import _lib
 from conftest import DEVICES, format_devices, requires_cuda
@@ -208,10 +209,12 @@ def test_replaced_state_tensor_is_the_one_updated(device, state_format):
 
 
 @requires_cuda
-def test_fused_step_runs_on_the_stream_backward_used(monkeypatch):
+@pytest.mark.parametrize("hooks", ["python", "cpp"])
+def test_fused_step_runs_on_the_stream_backward_used(hooks, monkeypatch):
     """X and dY are ready on the stream backward made them on, so the fused step must be
     launched there: a step taken inside torch.cuda.stream(side), then one on the default
-    stream (the legacy default stream's handle is 0, a real stream). Seen at the C ABI."""
+    stream (the legacy default stream's handle is 0, a real stream). Seen at the C ABI: the
+    calls made through forge._lib, and those the C++ pre-hook made from the kept args."""
     seen = []
     real = forge._lib.Library.wgrad_step
 
@@ -219,20 +222,31 @@ def test_fused_step_runs_on_the_stream_backward_used(monkeypatch):
         seen.append(args.device.stream or 0)  # ctypes gives None for a null void*
         return real(self, args)
     monkeypatch.setattr(forge._lib.Library, "wgrad_step", spy)
+    if hooks == "python":
+        monkeypatch.setattr(forge._prehook, "get", lambda: None)
+    elif forge._prehook.get() is None:
+        pytest.skip(f"the C++ pre-hook is not built: {forge._prehook.failure}")
     model = TinyTransformer().to("cuda")
     opt = forge.optim.AdamW(model, lr=1e-2)
+
+    def made_in_cpp():
+        return [s.kept_args["wgrad"][0].device.stream or 0 for s in opt._slots.values()
+                if s.armed and s.record is not None and not s.record.armed]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        lm_loss(model, 0, "cuda").backward()
-        opt.step()
-        opt.zero_grad()
-    torch.cuda.current_stream().wait_stream(side)
-    assert seen and set(seen) == {side.cuda_stream}
-    seen.clear()
-    lm_loss(model, 1, "cuda").backward()
-    opt.step()
-    assert seen and set(seen) == {torch.cuda.current_stream().cuda_stream}
+    fused = sum(1 for s in opt._slots.values() if s.mode == "fused")
+    for step, stream in enumerate([side, torch.cuda.current_stream(), side]):
+        seen.clear()
+        with torch.cuda.stream(stream):
+            lm_loss(model, step, "cuda").backward()
+            in_cpp = made_in_cpp()
+            seen += in_cpp
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.current_stream().wait_stream(side)
+        assert seen and set(seen) == {stream.cuda_stream}, step
+        # (the first step's updates wait for step(): mode="auto" starts deferred)
+        assert len(in_cpp) == (fused if hooks == "cpp" and step else 0), step
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
