@@ -170,3 +170,30 @@ def test_cpp_prehook_detached_optimizer_leaves_plain_gradients(cpp, monkeypatch)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)  # nothing updated
         assert p.grad is not None and not isinstance(p.grad, forge.optim.deferred.ConsumedGrad)
+
+
+def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch):
+    """A call the library refuses inside the C++ pre-hook raises its message out of backward,
+    and neither the weights nor their step counts change."""
+    import forge.optim.routing as routing
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = build(model, True, monkeypatch)
+    x = torch.randn(3, 8)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
+    real = routing._OPERANDS
+
+    class ZeroLdx:  # the operands as armed, but ldx 0 (< the weight's columns): refused
+        def pack_into(self, buffer, offset, tokens, x, x_dtype, ldx, dy, dy_dtype, lddy):
+            real.pack_into(buffer, offset, tokens, x, x_dtype, 0, dy, dy_dtype, lddy)
+    monkeypatch.setattr(routing, "_OPERANDS", ZeroLdx())
+    with pytest.raises(Exception, match="forge_wgrad_step: ldx: 0 is smaller"):
+        model(x).sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert opt.state[p]["step"] == steps[n], n
