@@ -155,7 +155,9 @@ def test_cpp_prehook_a_backward_that_misses_a_weight_changes_nothing_of_it(cpp, 
             assert opt.state[p]["step"] == steps[n] + 1, n
 
 
-def test_cpp_prehook_detached_optimizer_leaves_plain_gradients(cpp, monkeypatch):
+def two_layers_after_two_steps(monkeypatch):
+    """Two Linears with the C++ pre-hook, two steps taken (the second's updates armed), and
+    their input."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
     opt = build(model, True, monkeypatch)
@@ -164,6 +166,11 @@ def test_cpp_prehook_detached_optimizer_leaves_plain_gradients(cpp, monkeypatch)
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
+    return model, opt, x
+
+
+def test_cpp_prehook_detached_optimizer_leaves_plain_gradients(cpp, monkeypatch):
+    model, opt, x = two_layers_after_two_steps(monkeypatch)
     opt.detach()
     before = [p.detach().clone() for p in model.parameters()]
     model(x).sum().backward()
@@ -176,14 +183,7 @@ def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch)
     """A call the library refuses inside the C++ pre-hook raises its message out of backward,
     and neither the weights nor their step counts change."""
     import forge.optim.routing as routing
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    opt = build(model, True, monkeypatch)
-    x = torch.randn(3, 8)
-    for _ in range(2):
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt, x = two_layers_after_two_steps(monkeypatch)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
     real = routing._OPERANDS
