@@ -403,14 +403,14 @@ class Library:
         if status:
             self.check(status, "forge_run_scalars_fill")
 
-    # NOTE: the two per-update calls pass the struct itself (ctypes takes its address, as
-    # argtypes is a POINTER to its type: ~130 ns less than ctypes.byref) and call check()
-    # only on an error.
     @property
     def wgrad_step_address(self) -> int:
         """forge_wgrad_step's address, for a caller in C++ (forge/_prehook.py)."""
         return ctypes.cast(self._lib.forge_wgrad_step, ctypes.c_void_p).value
 
+    # NOTE: the two per-update calls pass the struct itself (ctypes takes its address, as
+    # argtypes is a POINTER to its type: ~130 ns less than ctypes.byref) and call check()
+    # only on an error.
     def wgrad_step(self, args: WgradArgs) -> None:
         status = self._lib.forge_wgrad_step(args)
         if status:

@@ -56,8 +56,12 @@ def _build():
     import torch
     from torch.utils import cpp_extension
     name = "forge_prehook_" + torch.__version__.split("+")[0].replace(".", "_")
-    directory = cpp_extension._get_build_directory(name, verbose=False)
-    if not os.path.exists(os.path.join(directory, name + ".so")):
+    try:  # (a private helper of torch's: only the message below depends on it)
+        directory = cpp_extension._get_build_directory(name, verbose=False)
+        built = os.path.exists(os.path.join(directory, name + ".so"))
+    except Exception:
+        directory, built = "torch's extension cache", False
+    if not built:
         print(f"forge: building the C++ pre-hook against torch {torch.__version__} (once, "
               f"cached in {directory})", file=sys.stderr, flush=True)
     return cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=["-O2"],

@@ -182,16 +182,16 @@ def test_cpp_prehook_detached_optimizer_leaves_plain_gradients(cpp, monkeypatch)
 def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch):
     """A call the library refuses inside the C++ pre-hook raises its message out of backward,
     and neither the weights nor their step counts change."""
-    import forge.optim.routing as routing
+    import forge.optim.call as call
     model, opt, x = two_layers_after_two_steps(monkeypatch)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
-    real = routing._OPERANDS
+    real = call._OPERANDS
 
     class ZeroLdx:  # the operands as armed, but ldx 0 (< the weight's columns): refused
         def pack_into(self, buffer, offset, tokens, x, x_dtype, ldx, dy, dy_dtype, lddy):
             real.pack_into(buffer, offset, tokens, x, x_dtype, 0, dy, dy_dtype, lddy)
-    monkeypatch.setattr(routing, "_OPERANDS", ZeroLdx())
+    monkeypatch.setattr(call, "_OPERANDS", ZeroLdx())
     with pytest.raises(Exception, match="forge_wgrad_step: ldx: 0 is smaller"):
         model(x).sum().backward()
     for n, p in model.named_parameters():

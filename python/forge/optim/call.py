@@ -234,33 +234,51 @@ class _CallMixin:
         NOTE: once per fused Linear per step, in the middle of backward, where every step of
         the host's is slow (its caches hold autograd's work): everything but the operands and
         the step count was made ready at the step's first update, in _check_step's loop
-        (_ready_wgrad), so this writes the operands and the step and calls the library. The
-        group's hyper-parameters are those of the step's first update (a change made while
-        backward runs applies from the next step); anything the ready args do not fit (another
-        stream, a capture, the step's first update on a device, an operand dtype met first)
-        takes _update."""
+        (_ready_wgrad), so this writes the operands and the step (_write_wgrad_call) and calls
+        the library. The group's hyper-parameters are those of the step's first update (a
+        change made while backward runs applies from the next step); anything the ready args
+        do not fit (another stream, a capture, an operand dtype met first) takes _update."""
         if self._checked_step != self._step_id:
             self._check_step()
+        ready = self._ready_for(slot, stream)
+        call = None if ready is None else \
+            self._write_wgrad_call(slot, ready, x2, ldx, dy2, lddy, tokens)
+        if call is None:
+            self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream)
+            return
+        args, st, step = call
+        self._lib.wgrad_step(args)
+        st["step"] = step
+        slot.updated_at = self._step_id
+
+    def _ready_for(self, slot, stream):
+        """slot.ready (_ready_wgrad's) where it holds this step's call on `stream` (a raw
+        handle, None on the CPU) outside a capture; else None."""
         ready = slot.ready
         step_id = self._step_id
-        if (ready is not None and ready[0] == step_id and slot.struct_step == step_id
-                and ready[1] == stream and not self._capturing):
-            codes = _linear.FORGE_DTYPE_CODES
-            x_code, dy_code = codes.get(x2.dtype), codes.get(dy2.dtype)
-            outputs = self._stats_outputs.get(slot.device) if slot.counts else _NO_OUTPUTS
-            if x_code is not None and dy_code is not None and outputs is not None:
-                _, _, args, held, hp, st = ready
-                if held[3] is not outputs:
-                    args.outputs, held[3] = outputs, outputs
-                step = st["step"] + 1
-                hp.step = step
-                _OPERANDS.pack_into(args, _OPERANDS_AT, tokens, x2.data_ptr(), x_code, ldx,
-                                    dy2.data_ptr(), dy_code, lddy)
-                self._lib.wgrad_step(args)
-                st["step"] = step
-                slot.updated_at = step_id
-                return
-        self._update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream)
+        if (ready is None or ready[0] != step_id or slot.struct_step != step_id
+                or ready[1] != stream or self._capturing):
+            return None
+        return ready
+
+    def _write_wgrad_call(self, slot, ready, x2, ldx, dy2, lddy, tokens: int):
+        """Writes the update of slot's fused weight from (x2, dy2) into the ready args
+        (_ready_for's): the operands, the statistics outputs, the step. Returns (args, the
+        state dict, the step the call makes), or None (nothing written) for an operand dtype
+        the library does not read."""
+        codes = _linear.FORGE_DTYPE_CODES
+        x_code, dy_code = codes.get(x2.dtype), codes.get(dy2.dtype)
+        if x_code is None or dy_code is None:
+            return None
+        _, _, args, held, hp, st = ready
+        outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
+        if held[3] is not outputs:
+            args.outputs, held[3] = outputs, outputs
+        step = st["step"] + 1
+        hp.step = step
+        _OPERANDS.pack_into(args, _OPERANDS_AT, tokens, x2.data_ptr(), x_code, ldx,
+                            dy2.data_ptr(), dy_code, lddy)
+        return args, st, step
 
     def _kept_args(self, slot, kind: str, device, param, hparams, outputs, step: int,
                    scale: Optional[float], capturing: bool):

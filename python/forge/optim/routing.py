@@ -42,7 +42,6 @@ import torch.nn as nn
 
 from .. import _linear, _prehook
 from . import distributed
-from .call import _NO_OUTPUTS, _OPERANDS, _OPERANDS_AT
 from .deferred import ConsumedGrad, FactoredGrad
 
 if TYPE_CHECKING:
@@ -517,38 +516,27 @@ class _RoutingMixin:
         step's first arming checks the step first (_check_step), as its first update would."""
         if self._deferring or self._capturing or slot.layouts is not None or slot.in_graph_uses:
             return False
-        step_id = self._step_id
-        if self._checked_step != step_id:
+        if self._checked_step != self._step_id:
             self._check_step()  # (what the step's first update does: nothing has changed yet)
-        ready = slot.ready
-        if (ready is None or ready[0] != step_id or slot.struct_step != step_id
-                or ready[1] != handle):
-            return False
-        codes = _linear.FORGE_DTYPE_CODES
-        x_code, dy_code = codes.get(x2.dtype), codes.get(dy2.dtype)
+        ready = self._ready_for(slot, handle)
         tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
-        if x_code is None or dy_code is None or tokens <= 0:
+        call = None if ready is None or tokens <= 0 else \
+            self._write_wgrad_call(slot, ready, x2, ldx, dy2, lddy, tokens)
+        if call is None:
             return False
+        args, st, step = call
         stand_in = self._stand_in(slot, weight)
         consumed = slot._consumed
         if consumed is None:
             consumed = slot.consumed_grad()
-        _, _, args, held, hp, st = ready
-        outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
-        if held[3] is not outputs:
-            args.outputs, held[3] = outputs, outputs
         given = slot.record_call
         if given is None or given[0] is not args or given[1] is not stand_in \
                 or given[2] is not consumed:
             slot.record.set_call(args, ctypes.addressof(args), stand_in, consumed)
             slot.record_call = (args, stand_in, consumed)
-        step = st["step"] + 1
-        hp.step = step
-        _OPERANDS.pack_into(args, _OPERANDS_AT, tokens, x2.data_ptr(), x_code, ldx,
-                            dy2.data_ptr(), dy_code, lddy)
         slot.armed_call = (st, step - 1, slot.updated_at, ldx, lddy, handle, index)
         st["step"] = step
-        slot.updated_at = step_id
+        slot.updated_at = self._step_id
         slot.record.arm(x2, dy2)
         slot.armed = True
         slot.marker = stand_in

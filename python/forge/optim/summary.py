@@ -17,6 +17,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from .. import _prehook
+
 _EXAMPLES = 3  # names shown per line unless verbose
 
 
@@ -122,7 +124,6 @@ def describe(opt, verbose: bool = False) -> str:
     fused_slots = [s for s in opt._slots.values() if s.mode == "fused"]
     if fused_slots:
         in_cpp = sum(1 for s in fused_slots if s.record is not None)
-        from .. import _prehook
         why = "" if in_cpp == len(fused_slots) else \
             f"; the Python pre-hook for {len(fused_slots) - in_cpp} " + (
                 f"(the C++ one is not built: {_prehook.failure})" if in_cpp == 0
