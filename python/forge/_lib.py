@@ -136,8 +136,8 @@ def _field_writer(struct_type, names: Sequence[str]) -> Tuple[struct.Struct, int
 # forge_wgrad_args' operands, (tokens, x, x_dtype, ldx, dy, dy_dtype, lddy), set in one call.
 # NOTE: once per fused Linear per step inside backward: one pack_into, not seven ctypes
 # field assignments (~0.3 against ~0.6 µs in a loop, 2-core CPU dev host).
-WGRAD_OPERANDS = _field_writer(WgradArgs, ("tokens", "x", "x_dtype", "ldx", "dy", "dy_dtype",
-                                           "lddy"))
+WGRAD_OPERAND_FIELDS = ("tokens", "x", "x_dtype", "ldx", "dy", "dy_dtype", "lddy")
+WGRAD_OPERANDS = _field_writer(WgradArgs, WGRAD_OPERAND_FIELDS)
 
 
 class ElementwiseArgs(ctypes.Structure):  # forge_elementwise_args

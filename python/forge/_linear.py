@@ -26,6 +26,12 @@ Under torch.compile the same Functions are traced into the graph; their backward
 forge::bias_grad (_ops.py), which find the slot by its key (an int from a counter, never
 reused; slot_of_key). Dynamo never sees the hand-off's side effects, so a compiled model has
 no graph break per Linear, and its fused Linears compute what eager ones do.
+
+Where forge.optim built its C++ extension (forge/_prehook.py), the common Linear forward (no
+autocast, eager, no forge.lean recompute) calls the extension's fused_linear instead: the same
+forward, and a C++ backward node that computes dX and db with the same operations and arms
+W's update without entering Python (docs/design.md §7.1). FusedLinearFunction stays the
+reference and takes everything else.
 """
 from __future__ import annotations
 
@@ -245,9 +251,14 @@ def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     slot = _live_slot(weight)
     if slot is None:
         return F.linear(input, weight, self.bias)
-    # NOTE: _apply_fused's common case (no autocast, eager) inline: once per Linear per step
+    # NOTE: _apply_fused's common case (no autocast, eager) inline: once per Linear per step;
+    # where the C++ extension is built (forge/_prehook.py), its Linear: the same forward, a
+    # C++ backward node (no Python in backward unless the update takes the Python path)
     if (_any_autocast is not None and not _any_autocast()
             and not torch.compiler.is_compiling()):
+        cpp_linear = slot.cpp_linear
+        if cpp_linear is not None and getattr(input, RECOMPUTE_ATTR, None) is None:
+            return cpp_linear(input, weight, self.bias, slot.record)
         return FusedLinearFunction.apply(input, weight, self.bias, slot, None, False)
     return _apply_fused(FusedLinearFunction, input, weight, self.bias, slot)
 

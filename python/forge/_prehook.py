@@ -1,15 +1,17 @@
-"""_prehook.py — the C++ pre-hook of fused Linear weights (csrc/prehook.cpp), built against the
-torch in use.
+"""_prehook.py — the C++ part of fused Linears (csrc/prehook.cpp), built against the torch in
+use: the fused weights' AccumulateGrad pre-hook and an nn.Linear forward with a C++ backward.
 
-A fused weight's update runs at its AccumulateGrad node; entering Python there is the largest
-part of FORGE's host time per Linear on small models (docs/design.md §7.4). Where a C++
-compiler and ninja are present, forge.optim builds this extension once (torch's cpp_extension:
-cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, per torch and Python
-version) and hooks the nodes with it; elsewhere the Python pre-hook runs, with the same calls
-and bits. FORGE_CPP_PREHOOK=0 never builds it; =1 makes a failed build an error.
+A fused weight's update runs at its AccumulateGrad node; entering Python there and in the
+Linear's backward is the largest part of FORGE's host time per Linear on small models
+(docs/design.md §7.1, §7.4). Where a C++ compiler and ninja are present, forge.optim builds this
+extension once (torch's cpp_extension: cached under TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions, per torch and Python version), hooks the nodes with it and routes
+the common Linear forward through it; elsewhere the Python pre-hook and Function run, with the
+same calls and bits. FORGE_CPP_PREHOOK=0 never builds it; =1 makes a failed build an error.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -55,14 +57,24 @@ def get() -> Any:
 def _build():
     import torch
     from torch.utils import cpp_extension
-    name = "forge_prehook_" + torch.__version__.split("+")[0].replace(".", "_")
+    # (named by torch's version and the source's hash: each FORGE checkout on a machine keeps
+    # its own build, and two in one process, bench/host_overhead.py --baseline, load both)
+    with open(_SOURCE, "rb") as f:
+        digest = hashlib.sha1(f.read()).hexdigest()[:10]
+    name = f"forge_prehook_{torch.__version__.split('+')[0].replace('.', '_')}_{digest}"
     try:  # (a private helper of torch's: only the message below depends on it)
         directory = cpp_extension._get_build_directory(name, verbose=False)
         built = os.path.exists(os.path.join(directory, name + ".so"))
     except Exception:
         directory, built = "torch's extension cache", False
     if not built:
-        print(f"forge: building the C++ pre-hook against torch {torch.__version__} (once, "
-              f"cached in {directory})", file=sys.stderr, flush=True)
-    return cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=["-O2"],
-                              verbose=False)
+        print(f"forge: building the C++ part of fused Linears against torch "
+              f"{torch.__version__} (once, cached in {directory})", file=sys.stderr, flush=True)
+    module = cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=["-O2"],
+                                verbose=False)
+    from . import _lib
+    module.set_operand_layout([(getattr(_lib.WgradArgs, field).offset,
+                                getattr(_lib.WgradArgs, field).size)
+                               for field in _lib.WGRAD_OPERAND_FIELDS])
+    module.set_dtype_codes(_lib.DTYPE_FP32, _lib.DTYPE_BF16, _lib.DTYPE_FP16)
+    return module

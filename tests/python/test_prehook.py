@@ -60,8 +60,7 @@ def assert_same(model_a, model_b, opt_a, opt_b):
 
 def calls_made_in_cpp(opt):
     """Fused weights whose update of the last backward the C++ pre-hook made."""
-    return [s.name for s in opt._slots.values()
-            if s.armed and s.record is not None and not s.record.armed]
+    return [s.name for s in opt._slots.values() if s.record is not None and s.record.called]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -81,6 +80,37 @@ def test_cpp_prehook_updates_as_the_python_one(cpp, device, monkeypatch):
         assert len(made) == (len(fused) if step else 0), (made, fused)
         assert all(isinstance(s.param.grad, forge.optim.deferred.ConsumedGrad)
                    for s in opts[0]._slots.values() if s.name in made)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        assert_same(*models, *opts)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_linear_backward_enters_python_once_per_step(cpp, device, monkeypatch):
+    """Linears applied to a 3-d input, with and without bias: their backward is the C++ node,
+    whose updates from the second step arm without Python but for the step's first (which
+    checks the step); the same bits as the Python Function and pre-hook."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16, bias=False),
+                         nn.Tanh(), nn.Linear(16, 4)).to(device)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
+    entered = []
+    python_backward = opts[0]._linear_backward
+    monkeypatch.setattr(opts[0], "_linear_backward",
+                        lambda slot, *a: entered.append(slot.name) or python_backward(slot, *a))
+    x = torch.randn(2, 3, 8, device=device)
+    for step in range(STEPS):
+        entered.clear()
+        outs = [model(x) for model in models]
+        assert outs[0].grad_fn.name() == "FusedLinearBackward"
+        assert outs[1].grad_fn.name() != "FusedLinearBackward"
+        for out in outs:
+            out.square().mean().backward()
+        # (backward meets the last Linear first; the first step makes the states in Python)
+        assert entered == (["4.weight"] if step else ["4.weight", "2.weight", "0.weight"])
+        assert calls_made_in_cpp(opts[0]) == (["0.weight", "2.weight", "4.weight"] if step else [])
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -141,8 +171,8 @@ def test_cpp_prehook_a_backward_that_misses_a_weight_changes_nothing_of_it(cpp, 
     xg = x.clone().requires_grad_(True)
     model(xg).sum().backward(inputs=[xg, model[4].weight])
     assert calls_made_in_cpp(opt) == ["4.weight"]
-    assert [s.name for s in opt._slots.values() if s.armed and s.record.armed] == \
-        ["0.weight", "2.weight"]
+    assert [s.name for s in opt._slots.values() if s.record is not None and s.record.armed] \
+        == ["0.weight", "2.weight"]
     with pytest.warns(UserWarning, match="never reached"):
         opt.step()
     opt.zero_grad()
@@ -182,17 +212,17 @@ def test_cpp_prehook_detached_optimizer_leaves_plain_gradients(cpp, monkeypatch)
 def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch):
     """A call the library refuses inside the C++ pre-hook raises its message out of backward,
     and neither the weights nor their step counts change."""
-    import forge.optim.call as call
     model, opt, x = two_layers_after_two_steps(monkeypatch)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
-    real = call._OPERANDS
+    ready_wgrad = opt._ready_wgrad
 
-    class ZeroLdx:  # the operands as armed, but ldx 0 (< the weight's columns): refused
-        def pack_into(self, buffer, offset, tokens, x, x_dtype, ldx, dy, dy_dtype, lddy):
-            real.pack_into(buffer, offset, tokens, x, x_dtype, 0, dy, dy_dtype, lddy)
-    monkeypatch.setattr(call, "_OPERANDS", ZeroLdx())
-    with pytest.raises(Exception, match="forge_wgrad_step: ldx: 0 is smaller"):
+    def ready_but_wrong_version(slot, *args):  # the calls as readied, with a bad ABI version
+        ready = ready_wgrad(slot, *args)
+        ready[2].abi_version = 0
+        return ready
+    monkeypatch.setattr(opt, "_ready_wgrad", ready_but_wrong_version)
+    with pytest.raises(Exception, match="forge_wgrad_step: args.abi_version: 0"):
         model(x).sum().backward()
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n

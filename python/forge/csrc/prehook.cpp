@@ -1,45 +1,104 @@
-// prehook.cpp — a fused Linear weight's AccumulateGrad pre-hook in C++ (forge/_prehook.py
-// builds it against the torch in use).
+// prehook.cpp — a fused Linear's backward and its weight's AccumulateGrad pre-hook in C++
+// (forge/_prehook.py builds it against the torch in use).
 //
 // The Python routing (forge/optim/routing.py) runs a fused weight's update when autograd
 // reaches W's AccumulateGrad node, i.e. once every use of W in this backward is done. Entering
-// Python there costs the host more than the update itself on small models, so where this
-// extension is built the node's pre-hook is this one: the Linear's backward (Python) prepares
-// the update (the kept forge_wgrad_args, its operands held here) and arms the record; the hook,
-// seeing its record armed and W's stand-in gradient arrive alone, calls forge_wgrad_step
-// through the library's function pointer, leaves the ConsumedGrad in W.grad and drops the
-// gradient. Anything else (not armed, another gradient, a refusal) goes to the Python pre-hook
-// of the routing, with the GIL, which stays the reference; so does the post-hook's fallback,
-// only where no pre-hook ran.
+// Python there, and in the Linear's own backward, costs the host more than the update itself
+// on small models, so where this extension is built:
+//   - the Linear's forward (the common case: no autocast, not compiling) makes a
+//     FusedLinearBackward node: its backward computes dX and db as the Python Function does
+//     and, where the weight's record is ready for this step (Python wrote the call's kept
+//     forge_wgrad_args at the step's first update and readied the record), writes the
+//     operands into those args, arms the record and returns W's stand-in gradient;
+//   - the node's pre-hook, seeing its record armed and the stand-in arrive alone, calls
+//     forge_wgrad_step through the library's function pointer, leaves the ConsumedGrad in
+//     W.grad and drops the gradient; Python commits the call's step count when it next meets
+//     the weight (Record::settle).
+// Anything else (not ready, armed already, another gradient, a refusal) goes to the Python
+// routing, with the GIL, which stays the reference; so does the post-hook's fallback, only
+// where no pre-hook ran.
 #include <torch/extension.h>
+#include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <optional>
+#include <type_traits>
 #include <utility>
 
 namespace {
 
-using variable_list = torch::autograd::variable_list;
+using torch::autograd::variable_list;
 using WgradStepFn = int (*)(const void*);  // forge_wgrad_step(const forge_wgrad_args*)
 
-// One fused weight's prepared update, shared by its hook and its slot (Python).
+// forge_wgrad_args' operand fields (tokens, x, x_dtype, ldx, dy, dy_dtype, lddy): byte
+// offset and size of each, from forge/_lib.py's struct (set_operand_layout).
+enum Operand { kTokens, kX, kXDtype, kLdx, kDy, kDyDtype, kLddy, kOperands };
+struct Field {
+  size_t offset = 0, size = 0;
+};
+Field operand_fields[kOperands];
+bool operand_layout_set = false;
+int dtype_code_fp32 = -1, dtype_code_bf16 = -1, dtype_code_fp16 = -1;  // set_dtype_codes
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return dtype_code_fp32;
+    case at::kBFloat16: return dtype_code_bf16;
+    case at::kHalf: return dtype_code_fp16;
+    default: return -1;
+  }
+}
+
+void write_field(void* args, Operand which, int64_t value) {
+  const Field& f = operand_fields[which];
+  char* at = static_cast<char*>(args) + f.offset;
+  if (f.size == 4) {
+    const int32_t v = static_cast<int32_t>(value);
+    std::memcpy(at, &v, 4);
+  } else {
+    std::memcpy(at, &value, 8);
+  }
+}
+
+// One optimizer's readiness epoch: a record is ready while its epoch is the clock's. Python
+// advances the clock at each step's check (then readies the records it checked) and wherever
+// the ready calls lapse (step(), a capture, a mode switch, loaded states).
+struct Clock {
+  int64_t epoch = 0;
+  int64_t advance() { return ++epoch; }
+};
+
+enum class State { kIdle, kArmed, kCalled };
+
+// One fused weight's prepared update, shared by its node hooks, its Linear's backward nodes
+// and its slot (Python).
 struct Record {
   at::Tensor weight;
   at::Tensor stand_in;  // W's stand-in gradient: the hook knows it by identity
   at::Tensor consumed;  // what W.grad becomes once the update ran
   at::Tensor x, dy;     // the armed call's operands, released once it ran
-  const void* args = nullptr;  // the kept forge_wgrad_args
+  int64_t ldx = 0, lddy = 0;
+  void* args = nullptr;  // the kept forge_wgrad_args
   WgradStepFn wgrad_step = nullptr;
-  bool armed = false;
+  std::shared_ptr<Clock> clock;
+  int64_t ready_epoch = -1;    // the clock's epoch when Python readied the args; -1: not
+  c10::StreamId stream_id = 0;  // the CUDA stream current then (the args hold its handle)
+  State state = State::kIdle;
   bool pre_ran = false;  // the pre-hook ran since the last post-hook
   bool enabled = true;   // false: gradients pass through (the optimizer was detached)
   py::object keep;       // the ctypes object at `args`, alive while the record is
   py::object fallback;   // the Python pre-hook: (grads tuple) -> None or a tuple
-  py::object post_fallback;  // the Python post-hook, () -> None: where no pre-hook ran
-  py::object on_error;   // (status) -> raises the library's error
+  py::object post_fallback;    // the Python post-hook, () -> None: where no pre-hook ran
+  py::object on_error;         // (status) -> raises the library's error
+  py::object linear_fallback;  // the Python Linear backward: (x, dy, weight) -> dW or None
 
   ~Record() {
     // (the node that owns the hook may go on autograd's thread, without the GIL)
@@ -48,19 +107,64 @@ struct Record {
     fallback = py::object();
     post_fallback = py::object();
     on_error = py::object();
+    linear_fallback = py::object();
   }
 
-  void arm(at::Tensor x_, at::Tensor dy_) {
+  // Python's readiness for this step: the kept args hold everything but the operands.
+  void ready() {
+    ready_epoch = clock->epoch;
+    if (weight.is_cuda())
+      stream_id = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(weight.device()).id();
+  }
+
+  // Arms the update with X [T, cols] (row stride ldx) and dY [T, rows] whose operands
+  // are written (Python's arming, or try_arm). The readiness is used up: one call per step.
+  void arm(at::Tensor x_, int64_t ldx_, at::Tensor dy_, int64_t lddy_) {
     x = std::move(x_);
     dy = std::move(dy_);
-    armed = true;
+    ldx = ldx_;
+    lddy = lddy_;
+    state = State::kArmed;
+    ready_epoch = -1;
   }
 
-  // The armed operands back (Python takes the call over), or None.
-  py::object disarm() {
-    if (!armed) return py::none();
-    armed = false;
-    py::tuple pair = py::make_tuple(std::move(x), std::move(dy));
+  // The C++ Linear backward's arming: where the args are ready for this step, on this stream,
+  // and the operands fit them as they are (contiguous rows, a dtype the library reads), writes
+  // them and arms. False: nothing changed (the Python Linear backward takes it).
+  bool try_arm(const at::Tensor& x_, const at::Tensor& dy_) {
+    if (!enabled || state != State::kIdle || ready_epoch < 0 || ready_epoch != clock->epoch ||
+        !operand_layout_set || x_.dim() < 1 || dy_.dim() < 1)
+      return false;
+    const int64_t cols = weight.size(1), rows = weight.size(0);
+    if (x_.size(-1) != cols || dy_.size(-1) != rows || !x_.is_contiguous() || !dy_.is_contiguous())
+      return false;
+    const int x_code = dtype_code(x_.scalar_type()), dy_code = dtype_code(dy_.scalar_type());
+    const int64_t tokens = x_.numel() / cols;
+    if (x_code < 0 || dy_code < 0 || tokens <= 0 || dy_.numel() != tokens * rows) return false;
+    if (dy_.is_cuda() &&
+        (dy_.device() != weight.device() ||
+         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dy_.device()).id() != stream_id))
+      return false;
+    write_field(args, kTokens, tokens);
+    write_field(args, kX, reinterpret_cast<int64_t>(x_.data_ptr()));
+    write_field(args, kXDtype, x_code);
+    write_field(args, kLdx, cols);
+    write_field(args, kDy, reinterpret_cast<int64_t>(dy_.data_ptr()));
+    write_field(args, kDyDtype, dy_code);
+    write_field(args, kLddy, rows);
+    arm(x_, cols, dy_, rows);
+    return true;
+  }
+
+  // For Python, once it meets the weight again: None (nothing armed), True (the hook made the
+  // call: Python commits its step count), or (x, ldx, dy, lddy) of an armed call never made
+  // (Python takes it over). The record is idle afterwards.
+  py::object settle() {
+    const State was = state;
+    state = State::kIdle;
+    if (was == State::kIdle) return py::none();
+    if (was == State::kCalled) return py::bool_(true);
+    py::tuple pair = py::make_tuple(std::move(x), ldx, std::move(dy), lddy);
     x = at::Tensor();
     dy = at::Tensor();
     return pair;
@@ -87,17 +191,18 @@ struct FusedWeightPreHook : torch::autograd::FunctionPreHook {
     Record& r = *record_;
     if (!r.enabled) return grads;
     r.pre_ran = true;
-    if (r.armed && grads.size() == 1 && grads[0].defined() &&
+    if (r.state == State::kArmed && grads.size() == 1 && grads[0].defined() &&
         grads[0].unsafeGetTensorImpl() == r.stand_in.unsafeGetTensorImpl()) {
-      r.armed = false;
       const int status = r.wgrad_step(r.args);
       r.x = at::Tensor();  // (X and dY were read in stream order: free to go)
       r.dy = at::Tensor();
       if (status != 0) {
+        r.state = State::kIdle;
         py::gil_scoped_acquire gil;
-        r.on_error(status);  // raises: the step count is restored there
+        r.on_error(status);  // raises
         throw std::runtime_error("forge: forge_wgrad_step failed");
       }
+      r.state = State::kCalled;
       r.weight.mutable_grad() = r.consumed;
       return {at::Tensor()};
     }
@@ -137,31 +242,136 @@ void install(const std::shared_ptr<Record>& record) {
   node->add_post_hook(std::make_unique<FusedWeightPostHook>(record));
 }
 
+// What holds an autograd node: std::shared_ptr (torch 2.4) or c10::intrusive_ptr (later).
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <typename T>
+NodePtr make_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<T>(new T());
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
+// y = x·Wᵀ + b's backward: dX = dY·W (the weight as the forward saw it), db = Σ dY, and W's
+// update armed in its record (or handed to the Python Linear backward). The same operations
+// as forge/_linear.py's FusedLinearFunction.backward, so the same bits.
+struct FusedLinearBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable input, weight;
+  std::shared_ptr<Record> record;
+  std::optional<at::ScalarType> bias_dtype;  // none: no bias
+
+  std::string name() const override { return "FusedLinearBackward"; }
+
+  void release_variables() override {
+    input.reset_data();
+    weight.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    // (a Python Function's backward gets zeros for an undefined gradient: the same here)
+    at::Tensor dy = grads[0].defined() ? grads[0] : input_metadata(0).zeros_like();
+    at::Tensor x = input.unpack();
+    at::Tensor w = weight.unpack();
+    variable_list out(3);
+    if (should_compute_output(0)) out[0] = dy.matmul(w);  // [..., in]
+    if (bias_dtype && should_compute_output(2)) {
+      at::Tensor db = (dy.dim() == 2 ? dy : dy.reshape({-1, dy.size(-1)})).sum(0);  // [out]
+      out[2] = db.scalar_type() == *bias_dtype ? db : db.to(*bias_dtype);
+    }
+    if (should_compute_output(1)) {
+      Record& r = *record;
+      if (r.try_arm(x, dy)) {
+        out[1] = r.stand_in;
+      } else {
+        py::gil_scoped_acquire gil;
+        py::object dw = r.linear_fallback(x, dy, w);
+        if (!dw.is_none()) out[1] = dw.cast<at::Tensor>();
+      }
+    }
+    return out;
+  }
+};
+
+// F.linear(x, weight, bias) with a FusedLinearBackward node (forge/_linear.py's fast path).
+at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias_, std::shared_ptr<Record> record) {
+  const at::Tensor bias = bias_.has_value() ? *bias_ : at::Tensor();
+  at::Tensor y;
+  {
+    at::AutoGradMode no_grad(false);
+    y = at::linear(x, weight, bias_);
+    // NOTE: a 3-d input with a bias comes back as a view of the 2-d product; the node's
+    // output must not be a view (autograd would rebuild a view's grad_fn from its base after
+    // an in-place op), and the base is this call's own buffer.
+    if (y.is_view()) y = at::_unsafe_view(y, y.sizes());
+  }
+  if (!torch::autograd::compute_requires_grad(x, weight, bias)) return y;
+  NodePtr node = make_node<FusedLinearBackward>();
+  auto& n = static_cast<FusedLinearBackward&>(*node);
+  n.set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+  n.input = torch::autograd::SavedVariable(x, false);
+  n.weight = torch::autograd::SavedVariable(weight, false);
+  n.record = std::move(record);
+  if (bias.defined()) n.bias_dtype = bias.scalar_type();
+  torch::autograd::set_history(y, node);
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Clock, std::shared_ptr<Clock>>(m, "Clock")
+      .def(py::init<>())
+      .def("advance", &Clock::advance)
+      .def_readonly("epoch", &Clock::epoch);
   py::class_<Record, std::shared_ptr<Record>>(m, "Record")
-      .def(py::init([](at::Tensor weight, std::uintptr_t wgrad_step, py::object fallback,
-                       py::object post_fallback, py::object on_error) {
+      .def(py::init([](at::Tensor weight, std::shared_ptr<Clock> clock, std::uintptr_t wgrad_step,
+                       py::object fallback, py::object post_fallback, py::object on_error,
+                       py::object linear_fallback) {
         auto r = std::make_shared<Record>();
         r->weight = std::move(weight);
+        r->clock = std::move(clock);
         r->wgrad_step = reinterpret_cast<WgradStepFn>(wgrad_step);
         r->fallback = std::move(fallback);
         r->post_fallback = std::move(post_fallback);
         r->on_error = std::move(on_error);
+        r->linear_fallback = std::move(linear_fallback);
         return r;
       }))
       .def("set_call",
            [](Record& r, py::object args, std::uintptr_t address, at::Tensor stand_in,
               at::Tensor consumed) {
              r.keep = std::move(args);
-             r.args = reinterpret_cast<const void*>(address);
+             r.args = reinterpret_cast<void*>(address);
              r.stand_in = std::move(stand_in);
              r.consumed = std::move(consumed);
            })
+      .def("ready", &Record::ready)
       .def("arm", &Record::arm)
-      .def("disarm", &Record::disarm)
-      .def_readonly("armed", &Record::armed)
+      .def("settle", &Record::settle)
+      .def_property_readonly("armed", [](const Record& r) { return r.state == State::kArmed; })
+      .def_property_readonly("called", [](const Record& r) { return r.state == State::kCalled; })
+      .def_property_readonly("busy", [](const Record& r) { return r.state != State::kIdle; })
+      .def_property_readonly("is_ready",
+                             [](const Record& r) { return r.ready_epoch == r.clock->epoch; })
       .def_readwrite("enabled", &Record::enabled);
   m.def("install", &install);
+  m.def("fused_linear", &fused_linear, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("record"));
+  m.def("set_operand_layout", [](std::vector<std::pair<size_t, size_t>> fields) {
+    TORCH_CHECK(fields.size() == kOperands, "forge: ", kOperands, " operand fields expected");
+    for (int i = 0; i < kOperands; ++i) {
+      TORCH_CHECK(fields[i].second == 4 || fields[i].second == 8, "forge: field size ",
+                  fields[i].second);
+      operand_fields[i] = {fields[i].first, fields[i].second};
+    }
+    operand_layout_set = true;
+  });
+  m.def("set_dtype_codes", [](int fp32, int bf16, int fp16) {
+    dtype_code_fp32 = fp32;
+    dtype_code_bf16 = bf16;
+    dtype_code_fp16 = fp16;
+  });
 }

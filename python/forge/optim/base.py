@@ -200,6 +200,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         # in immediate mode with max_grad_norm, else 1.
         self._backward_scale = 1.0
         self._checked_step = -1  # the step _check_step last passed (call.py)
+        # The C++ records' readiness epoch (forge/_prehook.py; made with the first record):
+        # advanced wherever the calls readied by _check_step lapse (_lapse_ready)
+        self._clock = None
         self._last_clip_norm: Optional[torch.Tensor] = None
         self._model_ref = weakref.ref(model)
 
@@ -281,6 +284,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._mode, self._deferred_store = self._requested
         self._deferring = self._mode != "immediate" and (self._mode != "auto"
                                                          or self._step_id == 0)
+        self._lapse_ready()
 
     @property
     def grad_norm(self) -> Optional[float]:
@@ -340,9 +344,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 "forge.graphs.CUDAGraphStep(fn, optimizers=[..., this optimizer])", stacklevel=2)
         if not self._deferring and self._checked_step != self._step_id:
             self._check_step()  # (a refusal first: before the warning below, or any update)
-        for slot in self._slots.values():
-            if slot.armed:  # (a call the C++ pre-hook made, or one it never reached)
-                self._settle_armed(slot)
+        self._settle_all()  # (calls the C++ pre-hook made, or ones it never reached)
+        self._lapse_ready()
         missed = [s.name for s in self._slots.values() if s.pending or s.partial is not None]
         if missed:
             warnings.warn(
@@ -469,6 +472,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             _log.info("forge: mode='auto' stays deferred: %s", "; ".join(reasons))
         else:
             self._deferring = False
+            self._lapse_ready()
             _log.info("forge: mode='auto': the loop does not use gradients before opt.step(); "
                       "updates run inside backward from the next step on")
 
@@ -481,14 +485,22 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
     def _step_in_progress(self) -> bool:
         """A backward ran since the last step() (an update ran, or a gradient is held)."""
+        self._settle_all()
         return any(s.updated_at == self._step_id or s.pending or s.partial is not None
                    or s.held is not None or s.param.grad is not None
                    for s in self._slots.values())
+
+    def _lapse_ready(self) -> None:
+        """The calls _check_step readied are no longer this step's: the C++ Linear backward
+        arms none until the next check readies them again."""
+        if self._clock is not None:
+            self._clock.advance()
 
     def _mode_name(self) -> str:
         return self._mode
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._settle_all()
         for slot in self._slots.values():
             slot.clear_backward()
             slot.held = None
@@ -514,6 +526,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         """torch's layout ('state' by parameter index, 'param_groups') holding the raw
         state buffers (fp32, bf16, or int8 / fp8 codes + fp32 absmax, and the fp32 master), each
         parameter's 'step', and a 'forge' entry with the storage options."""
+        self._settle_all()
         sd = super().state_dict()
         # format_version 2 added state_formats: {parameter index: format} of every
         # parameter with states (version 1: state_format held for all of them)
@@ -530,6 +543,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         without forge's own entry (torch.distributed.checkpoint's, which keeps only 'state'
         and 'param_groups', or torch.optim's of the same rule with fp32 states) loads when
         every state matches this optimizer's names, dtypes and shapes."""
+        self._settle_all()
         meta = state_dict.get("forge") or {}
         if "master_weights" in meta and meta["master_weights"] != self.master_weights:
             raise ValueError(f"load_state_dict: saved with master_weights="
@@ -590,6 +604,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._step_id = step_id
         self._states_loaded += 1  # new state tensors: a captured step no longer reads them
         self._checked_step = -1
+        self._lapse_ready()
         for slot in self._slots.values():
             slot.updated_at = -1
             slot.struct_step = -1  # (the step count restarts: no struct of before is reused)

@@ -171,6 +171,8 @@ class _CallMixin:
         # NOTE: a loop over every parameter once per step, inside backward: what is the same
         # for a whole group (its hyper-parameters, checked once) or a whole device (its struct
         # on the current stream) is looked up once per step, not once per parameter.
+        self._lapse_ready()  # (the C++ records: readied once every check below passed)
+        readied = []
         groups: Dict[int, Tuple[_lib.Hparams, tuple]] = {}  # id(group) -> _group_hparams
         devices: Dict[torch.device, Tuple[Optional[int], _lib.Device]] = {}
         step_id = self._step_id
@@ -203,6 +205,10 @@ class _CallMixin:
                     slot.checked = (st, group)
                     if ready_wgrad and slot.mode == "fused" and not slot.dtensor:
                         slot.ready = self._ready_wgrad(slot, st, hparams, devices)
+                        if slot.ready is not None and slot.record is not None:
+                            readied.append(slot.record)
+        for record in readied:
+            record.ready()
         self._checked_step = step_id
 
     def _ready_wgrad(self, slot, st, group_hparams, devices):
@@ -224,7 +230,27 @@ class _CallMixin:
         args = self._kept_args(slot, "wgrad", device, slot.struct, hparams, None, 0, None,
                                False)
         _, held, hp = slot.kept_args["wgrad"]
+        outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
+        if held[3] is not outputs:
+            args.outputs, held[3] = outputs, outputs
+        hp.step = st["step"] + 1
+        if slot.record is not None:
+            self._ready_record(slot, args)
         return self._step_id, stream, args, held, hp, st
+
+    def _ready_record(self, slot, args) -> None:
+        """Gives slot's C++ record the call ready in args, with the stand-in and the
+        ConsumedGrad the pre-hook uses (_check_step then readies the record for this step's
+        Linear backward)."""
+        stand_in = self._stand_in(slot, slot.param)
+        consumed = slot._consumed
+        if consumed is None:
+            consumed = slot.consumed_grad()
+        given = slot.record_call
+        if given is None or given[0] is not args or given[1] is not stand_in \
+                or given[2] is not consumed:
+            slot.record.set_call(args, ctypes.addressof(args), stand_in, consumed)
+            slot.record_call = (args, stand_in, consumed)
 
     def _update_wgrad(self, slot, x2, ldx, dy2, lddy, stream, tokens: int) -> None:
         """_update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream): a fused Linear's update
@@ -262,23 +288,18 @@ class _CallMixin:
         return ready
 
     def _write_wgrad_call(self, slot, ready, x2, ldx, dy2, lddy, tokens: int):
-        """Writes the update of slot's fused weight from (x2, dy2) into the ready args
-        (_ready_for's): the operands, the statistics outputs, the step. Returns (args, the
-        state dict, the step the call makes), or None (nothing written) for an operand dtype
-        the library does not read."""
+        """Writes the operands of slot's fused update from (x2, dy2) into the ready args
+        (_ready_for's; _ready_wgrad wrote the rest, the statistics outputs and the step).
+        Returns (args, the state dict, the step the call makes), or None (nothing written)
+        for an operand dtype the library does not read."""
         codes = _linear.FORGE_DTYPE_CODES
         x_code, dy_code = codes.get(x2.dtype), codes.get(dy2.dtype)
         if x_code is None or dy_code is None:
             return None
-        _, _, args, held, hp, st = ready
-        outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
-        if held[3] is not outputs:
-            args.outputs, held[3] = outputs, outputs
-        step = st["step"] + 1
-        hp.step = step
+        _, _, args, _, hp, st = ready
         _OPERANDS.pack_into(args, _OPERANDS_AT, tokens, x2.data_ptr(), x_code, ldx,
                             dy2.data_ptr(), dy_code, lddy)
-        return args, st, step
+        return args, st, hp.step
 
     def _kept_args(self, slot, kind: str, device, param, hparams, outputs, step: int,
                    scale: Optional[float], capturing: bool):

@@ -92,6 +92,7 @@ class _CaptureMixin:
                 "one is deferred")
         if self.max_grad_norm is not None:
             raise RuntimeError("forge: max_grad_norm is not supported in a CUDA-graph step")
+        self._settle_all()
         # NOTE: no statistics tensors yet: the capture makes its own with torch.zeros, whose
         # fill is captured, so every replay adds into zeros (the step's grad_norm).
         if self._stats or any(s.pending or s.partial is not None for s in self._slots.values()):
@@ -106,6 +107,7 @@ class _CaptureMixin:
             if rs is None or rs.count < count:  # (parameters added since: a larger one)
                 rs = self._run_scalars[index] = _RunScalars(count, torch.device("cuda", index))
             cap.run_scalars[index] = rs
+        self._lapse_ready()
         self._capture, self._capturing = cap, True
 
     def end_graph_capture(self) -> GraphCapture:
@@ -113,6 +115,7 @@ class _CaptureMixin:
         it recorded. The capture ran nothing, so this undoes its bookkeeping: the step it went
         through is not a step taken (the first replay is)."""
         cap, self._capture, self._capturing = self._capture, None, False
+        self._lapse_ready()
         cap.steps = self._step_id - cap.step_id
         cap.stats = self._last_stats if cap.steps == 1 else None
         cap.slots.sort(key=lambda entry: entry[0].index)  # NOTE: a group's slots adjacent

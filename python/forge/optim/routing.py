@@ -127,14 +127,20 @@ class _Slot:
         # "wgrad" / "elementwise" -> (the forge_*_args kept for its calls, what its struct
         # fields hold, a view of its hparams): call.py, _kept_args
         self.kept_args: Dict[str, Any] = {}
-        # The C++ pre-hook (forge/_prehook.py), where built: its record of this weight, what
-        # was last given to it (args, stand-in, ConsumedGrad), whether the Linear's backward
-        # armed it (cleared when Python settles it: _settle_armed), and what arming changed
-        # (state dict, step and updated_at before, ldx, lddy, stream handle, device index).
+        # The C++ part (forge/_prehook.py), where built: its record of this weight (the kept
+        # call, armed by a Linear's backward and made by W's node pre-hook), what was last
+        # given to it (args, stand-in, ConsumedGrad), and the extension's Linear (the fused
+        # forward with the C++ backward node; None: FusedLinearFunction).
         self.record = None
         self.record_call: Optional[tuple] = None
-        self.armed = False
-        self.armed_call: Optional[tuple] = None
+        self.cpp_linear = None
+
+    @property
+    def armed(self) -> bool:
+        """The C++ record holds an update, armed or made, that Python has not settled yet
+        (_settle_armed)."""
+        record = self.record
+        return record is not None and record.busy
 
     def consumed_grad(self) -> ConsumedGrad:
         """The .grad left on this parameter once its update ran inside backward (made once)."""
@@ -215,17 +221,23 @@ def _weight_grad_ready(ref, grads):
 
 
 def _armed_call_failed(ref, status: int) -> None:
-    """The C++ pre-hook's call failed: what arming changed is undone, the library's error
-    raised."""
+    """The C++ pre-hook's call failed (nothing was committed): backward's hand-offs are
+    dropped and the library's error raised."""
     slot = ref()
     opt = slot.opt_ref() if slot is not None else None
     if opt is None:
         raise RuntimeError(f"forge: forge_wgrad_step failed (status {status})")
-    opt._undo_arming(slot)
-    slot.armed = False
     slot.marker = None
     slot.clear_backward()
     opt._lib.check(status, "forge_wgrad_step")
+
+
+def _linear_fallback(ref, x, dy, weight):
+    """The C++ Linear backward's dW where its record could not arm: the Python routing's."""
+    slot = ref()
+    if slot is None:
+        return _materialize_dw(x, dy, weight)
+    return slot.linear_backward(x, dy, weight)
 
 
 def _param_grad_ready(ref) -> None:
@@ -291,6 +303,7 @@ class _RoutingMixin:
         stream the steps will run on; forge.graphs.CUDAGraphStep does."""
         if not self._attached:
             return
+        self._settle_all()
         for slot in self._slots.values():
             if slot.mode != "fused":
                 continue
@@ -308,13 +321,14 @@ class _RoutingMixin:
         if self._wrapper_check is not None:
             self._wrapper_check.remove()
             self._wrapper_check = None
+        self._settle_all()
         for slot in self._slots.values():
             for h in slot.handles:
                 h.remove()
             slot.handles.clear()
             if slot.record is not None:  # (its hook stays on the node, passing gradients on)
                 slot.record.enabled = False
-                slot.record = slot.record_call = None
+                slot.record = slot.record_call = slot.cpp_linear = None
             slot.acc_node = None
             for m in slot.modules:
                 _linear.unpatch(m, slot.param)
@@ -420,15 +434,21 @@ class _RoutingMixin:
         python_prehook = lambda grads, ref=ref: _weight_grad_ready(ref, grads)  # noqa: E731
         if slot.record is not None:  # (rebind_streams: the old node's hook passes through)
             slot.record.enabled = False
-            slot.record = slot.record_call = None
+            slot.record = slot.record_call = slot.cpp_linear = None
         cpp = _prehook.get() if not slot.dtensor else None
         if cpp is not None:
-            # NOTE: the C++ pre-hook runs the update the Linear's backward armed (_arm), and
-            # calls the Python one for everything else (docs/design.md §7.4)
-            slot.record = cpp.Record(p, self._lib.wgrad_step_address, python_prehook,
-                                     lambda ref=ref: _weight_grad_done(ref),
-                                     lambda status, ref=ref: _armed_call_failed(ref, status))
+            # NOTE: the C++ Linear backward arms the update Python readied (_ready_record),
+            # the C++ pre-hook makes it; both call the Python ones for everything else
+            # (docs/design.md §7.4)
+            if self._clock is None:
+                self._clock = cpp.Clock()
+            slot.record = cpp.Record(p, self._clock, self._lib.wgrad_step_address,
+                                     python_prehook, lambda ref=ref: _weight_grad_done(ref),
+                                     lambda status, ref=ref: _armed_call_failed(ref, status),
+                                     lambda x, dy, w, ref=ref: _linear_fallback(ref, x, dy, w))
             cpp.install(slot.record)
+            if slot.kind == "Linear":
+                slot.cpp_linear = cpp.fused_linear
             return
         slot.handles.append(slot.acc_node.register_prehook(python_prehook))
         # Fallback: torch 2.4's non-reentrant checkpoint runs W's AccumulateGrad without its
@@ -506,60 +526,56 @@ class _RoutingMixin:
         return slot.stand_in
 
     def _arm(self, slot: _Slot, x2, ldx, dy2, lddy, handle, index, weight) -> bool:
-        """The first use of a fused W in this backward, where its C++ pre-hook can make the
-        update: the call _update_wgrad would make is prepared in slot's kept args (the step
-        count and updated_at set as its success sets them) and its record armed with X and dY;
-        the pre-hook calls the library when the stand-in arrives alone, and _settle_armed
-        undoes the arming where it does not (a second use, another gradient, no pre-hook).
-        False (nothing changed) where the update takes the Python path: a parameter without
-        states yet, a capture, another stream, an operand dtype the args do not fit. The
-        step's first arming checks the step first (_check_step), as its first update would."""
+        """The first use of a fused W in this backward, from the Python Linear backward, where
+        its C++ pre-hook can make the update: the call _update_wgrad would make is written
+        into slot's kept args and its record armed with X and dY (as the C++ Linear backward
+        arms it); the pre-hook calls the library when the stand-in arrives alone, and
+        _settle_armed commits the call, or takes the operands back where it was never made (a
+        second use, another gradient, no pre-hook). False (nothing changed) where the update
+        takes the Python path: a parameter without states yet, a capture, another stream, an
+        operand dtype the args do not fit. The step's first arming checks the step first
+        (_check_step), as its first update would."""
         if self._deferring or self._capturing or slot.layouts is not None or slot.in_graph_uses:
             return False
         if self._checked_step != self._step_id:
             self._check_step()  # (what the step's first update does: nothing has changed yet)
         ready = self._ready_for(slot, handle)
-        tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
-        call = None if ready is None or tokens <= 0 else \
-            self._write_wgrad_call(slot, ready, x2, ldx, dy2, lddy, tokens)
-        if call is None:
+        if ready is None or not slot.record.is_ready:
             return False
-        args, st, step = call
-        stand_in = self._stand_in(slot, weight)
-        consumed = slot._consumed
-        if consumed is None:
-            consumed = slot.consumed_grad()
-        given = slot.record_call
-        if given is None or given[0] is not args or given[1] is not stand_in \
-                or given[2] is not consumed:
-            slot.record.set_call(args, ctypes.addressof(args), stand_in, consumed)
-            slot.record_call = (args, stand_in, consumed)
-        slot.armed_call = (st, step - 1, slot.updated_at, ldx, lddy, handle, index)
-        st["step"] = step
-        slot.updated_at = self._step_id
-        slot.record.arm(x2, dy2)
-        slot.armed = True
-        slot.marker = stand_in
+        tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
+        if tokens <= 0 or self._write_wgrad_call(slot, ready, x2, ldx, dy2, lddy, tokens) is None:
+            return False
+        slot.record.arm(x2, ldx, dy2, lddy)
+        slot.marker = slot.stand_in
         return True
 
-    def _undo_arming(self, slot: _Slot) -> None:
-        st, step, updated_at, *_ = slot.armed_call
-        st["step"] = step
-        slot.updated_at = updated_at
-
     def _settle_armed(self, slot: _Slot) -> None:
-        """After _arm, once Python runs for slot again: if the C++ pre-hook made the call,
-        what it left stands (the stand-in and the use count are done with); otherwise the
-        arming is undone and its X and dY become the pending pair the Python path expects."""
-        slot.armed = False
-        pair = slot.record.disarm() if slot.record is not None else None
-        if pair is None:
+        """Once Python meets an armed weight again (its next use, its node's Python hooks,
+        step()): a call the C++ pre-hook made is committed (the step count and updated_at, as
+        _update_wgrad's success sets them); an armed call never made becomes the pending pair
+        the Python path expects (one use of W, its stand-in returned)."""
+        settled = slot.record.settle() if slot.record is not None else None
+        if settled is None:
+            return
+        if settled is True:
+            hp = slot.kept_args["wgrad"][2]  # (hparams.step: the step the call made)
+            self.state[slot.param]["step"] = hp.step
+            slot.updated_at = self._step_id
             slot.marker = None
             slot.uses = slot.in_graph_uses = 0
             return
-        self._undo_arming(slot)
-        _, _, _, ldx, lddy, handle, index = slot.armed_call
-        slot.pending.append((pair[0], ldx, pair[1], lddy, handle, index))
+        x2, ldx, dy2, lddy = settled
+        index = dy2.get_device() if dy2.is_cuda else None
+        slot.pending.append((x2, ldx, dy2, lddy, slot.ready[1], index))
+        slot.uses = max(slot.uses, 1)
+        slot.marker = slot.stand_in
+
+    def _settle_all(self) -> None:
+        """_settle_armed for every weight whose record is busy (before anything reads the
+        step counts, the updates made, or the pending pairs)."""
+        for slot in self._slots.values():
+            if slot.armed:
+                self._settle_armed(slot)
 
     def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
         """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
