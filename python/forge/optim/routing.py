@@ -32,7 +32,6 @@ _update (call.py) when a parameter's gradient is complete.
 """
 from __future__ import annotations
 
-import ctypes
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
