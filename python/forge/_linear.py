@@ -27,9 +27,9 @@ forge::bias_grad (_ops.py), which find the slot by its key (an int from a counte
 reused; slot_of_key). Dynamo never sees the hand-off's side effects, so a compiled model has
 no graph break per Linear, and its fused Linears compute what eager ones do.
 
-Where forge.optim built its C++ extension (forge/_prehook.py), the common Linear forward (no
-autocast, eager, no forge.lean recompute) calls the extension's fused_linear instead: the same
-forward, and a C++ backward node that computes dX and db with the same operations and arms
+Where forge.optim built its C++ extension (forge/_prehook.py), an eager Linear forward (with or
+without autocast; not a forge.lean recompute) calls the extension's fused_linear instead: the
+same forward, and a C++ backward node that computes dX and db with the same operations and arms
 W's update without entering Python (docs/design.md §7.1). FusedLinearFunction stays the
 reference and takes everything else.
 """
@@ -238,10 +238,16 @@ def _apply_fused(function, input: torch.Tensor, weight, bias, slot) -> torch.Ten
     compute_dtype = None
     if (_any_autocast is None or _any_autocast()) and input.is_floating_point():
         compute_dtype = autocast_dtype(input.device.type)
-    in_graph = torch.compiler.is_compiling() and _ops.ready()
+    compiling = torch.compiler.is_compiling()
+    in_graph = compiling and _ops.ready()
     if compute_dtype is None:
         return function.apply(input, weight, bias, slot, None, in_graph)
     input = input.to(compute_dtype)
+    cpp_linear = slot.cpp_linear
+    if (cpp_linear is not None and function is FusedLinearFunction and not compiling
+            and getattr(input, RECOMPUTE_ATTR, None) is None):
+        # (its inputs all of autocast's dtype, the forward's linear is the same under autocast)
+        return cpp_linear(input, weight, bias, slot.record, compute_dtype)
     with torch.autocast(input.device.type, enabled=False):
         return function.apply(input, weight, bias, slot, compute_dtype, in_graph)
 

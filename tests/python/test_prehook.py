@@ -117,6 +117,32 @@ def test_cpp_linear_backward_enters_python_once_per_step(cpp, device, monkeypatc
         assert_same(*models, *opts)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_linear_under_autocast_matches_the_python_function(cpp, device, monkeypatch):
+    """fp32 weights under bf16 autocast (with and without bias): the C++ Linear casts W and b
+    and keeps dX, db and the update's operands in autocast's dtypes as the Function does."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16, bias=False),
+                         nn.Tanh(), nn.Linear(16, 4)).to(device)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
+    x = torch.randn(2, 3, 8, device=device)
+    for step in range(STEPS):
+        outs = []
+        for model in models:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                outs.append(model(x))
+        assert outs[0].grad_fn.name() == "FusedLinearBackward"
+        assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+        for out in outs:
+            out.float().square().mean().backward()
+        assert calls_made_in_cpp(opts[0]) == (["0.weight", "2.weight", "4.weight"] if step else [])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        assert_same(*models, *opts)
+
+
 class TwiceAndOutside(nn.Module):
     """One Linear applied twice, another whose weight is also read outside it."""
 

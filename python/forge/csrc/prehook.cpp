@@ -260,7 +260,8 @@ NodePtr make_node() {
 struct FusedLinearBackward : torch::autograd::Node {
   torch::autograd::SavedVariable input, weight;
   std::shared_ptr<Record> record;
-  std::optional<at::ScalarType> bias_dtype;  // none: no bias
+  std::optional<at::ScalarType> bias_dtype;     // none: no bias
+  std::optional<at::ScalarType> compute_dtype;  // autocast's at forward; none: W's own
 
   std::string name() const override { return "FusedLinearBackward"; }
 
@@ -275,7 +276,8 @@ struct FusedLinearBackward : torch::autograd::Node {
     at::Tensor x = input.unpack();
     at::Tensor w = weight.unpack();
     variable_list out(3);
-    if (should_compute_output(0)) out[0] = dy.matmul(w);  // [..., in]
+    if (should_compute_output(0))
+      out[0] = dy.matmul(compute_dtype ? w.to(*compute_dtype) : w);  // [..., in]
     if (bias_dtype && should_compute_output(2)) {
       at::Tensor db = (dy.dim() == 2 ? dy : dy.reshape({-1, dy.size(-1)})).sum(0);  // [out]
       out[2] = db.scalar_type() == *bias_dtype ? db : db.to(*bias_dtype);
@@ -294,14 +296,23 @@ struct FusedLinearBackward : torch::autograd::Node {
   }
 };
 
-// F.linear(x, weight, bias) with a FusedLinearBackward node (forge/_linear.py's fast path).
+// F.linear(x, weight, bias) with a FusedLinearBackward node (forge/_linear.py's fast path);
+// with compute_dtype (autocast's, x already cast by the caller) W and b are cast to it, as
+// FusedLinearFunction.forward casts them.
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
-                        const std::optional<at::Tensor>& bias_, std::shared_ptr<Record> record) {
+                        const std::optional<at::Tensor>& bias_, std::shared_ptr<Record> record,
+                        std::optional<at::ScalarType> compute_dtype) {
   const at::Tensor bias = bias_.has_value() ? *bias_ : at::Tensor();
   at::Tensor y;
   {
     at::AutoGradMode no_grad(false);
-    y = at::linear(x, weight, bias_);
+    if (compute_dtype) {
+      y = at::linear(x, weight.to(*compute_dtype),
+                     bias.defined() ? std::optional<at::Tensor>(bias.to(*compute_dtype))
+                                    : std::optional<at::Tensor>());
+    } else {
+      y = at::linear(x, weight, bias_);
+    }
     // NOTE: a 3-d input with a bias comes back as a view of the 2-d product; the node's
     // output must not be a view (autograd would rebuild a view's grad_fn from its base after
     // an in-place op), and the base is this call's own buffer.
@@ -314,6 +325,7 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
   n.input = torch::autograd::SavedVariable(x, false);
   n.weight = torch::autograd::SavedVariable(weight, false);
   n.record = std::move(record);
+  n.compute_dtype = compute_dtype;
   if (bias.defined()) n.bias_dtype = bias.scalar_type();
   torch::autograd::set_history(y, node);
   return y;
@@ -359,7 +371,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("enabled", &Record::enabled);
   m.def("install", &install);
   m.def("fused_linear", &fused_linear, py::arg("x"), py::arg("weight"), py::arg("bias"),
-        py::arg("record"));
+        py::arg("record"), py::arg("compute_dtype") = py::none());
   m.def("set_operand_layout", [](std::vector<std::pair<size_t, size_t>> fields) {
     TORCH_CHECK(fields.size() == kOperands, "forge: ", kOperands, " operand fields expected");
     for (int i = 0; i < kOperands; ++i) {
