@@ -1,12 +1,14 @@
-"""test_prehook.py — the C++ pre-hook of fused weights (forge/_prehook.py) against the Python one.
+"""test_prehook.py — the C++ part of fused Linears (forge/_prehook.py: the weights' pre-hook and
+the Linear's backward node) against the Python hooks and Function.
 
-Where the extension is built, a fused weight's update inside backward is made by its C++
-AccumulateGrad pre-hook (armed by the Linear's backward); everything it does not take goes to
-the Python routing. These tests train the same model with each pre-hook and require the same
-bits, in the common case and in the cases that must fall back: a Linear applied twice, a weight
-also read outside its Linear, a backward that never reaches a weight's node, a detached
-optimizer. FORGE_CPP_PREHOOK=0 (the Python pre-hook only) skips them; otherwise a missing
-extension fails them.
+Where the extension is built, a fused weight's update inside backward is armed by the Linear's
+C++ backward (or by the Python one: the step's first Linear, autocast's casts) and made by its
+C++ AccumulateGrad pre-hook; everything they do not take goes to the Python routing. These tests
+train the same model each way and require the same bits, in the common case, under autocast,
+and in the cases that must fall back: a Linear applied twice, a weight also read outside its
+Linear, a backward that never reaches a weight's node, a detached optimizer, a refused call.
+FORGE_CPP_PREHOOK=0 (the Python path only) skips them; otherwise a missing extension fails
+them.
 """
 import copy
 import os
