@@ -60,6 +60,25 @@ def assert_same(model_a, model_b, opt_a, opt_b):
             assert (torch.equal(va, vb) if torch.is_tensor(va) else va == vb), (name, key)
 
 
+def finish_step(models, opts):
+    """opt.step() and zero_grad() on each side, then the same bits on both."""
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    assert_same(*models, *opts)
+
+
+def three_linears_both_ways(device, monkeypatch):
+    """Three Linears (the middle one without bias) built twice, with the C++ part and with the
+    Python one, and a 3-d input (with a bias, the Linear's product comes back as a view)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16, bias=False),
+                         nn.Tanh(), nn.Linear(16, 4)).to(device)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
+    return models, opts, torch.randn(2, 3, 8, device=device)
+
+
 def calls_made_in_cpp(opt):
     """Fused weights whose update of the last backward the C++ pre-hook made."""
     return [s.name for s in opt._slots.values() if s.record is not None and s.record.called]
@@ -82,10 +101,7 @@ def test_cpp_prehook_updates_as_the_python_one(cpp, device, monkeypatch):
         assert len(made) == (len(fused) if step else 0), (made, fused)
         assert all(isinstance(s.param.grad, forge.optim.deferred.ConsumedGrad)
                    for s in opts[0]._slots.values() if s.name in made)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        assert_same(*models, *opts)
+        finish_step(models, opts)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,16 +109,11 @@ def test_cpp_linear_backward_enters_python_once_per_step(cpp, device, monkeypatc
     """Linears applied to a 3-d input, with and without bias: their backward is the C++ node,
     whose updates from the second step arm without Python but for the step's first (which
     checks the step); the same bits as the Python Function and pre-hook."""
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16, bias=False),
-                         nn.Tanh(), nn.Linear(16, 4)).to(device)
-    models = [copy.deepcopy(base), copy.deepcopy(base)]
-    opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
+    models, opts, x = three_linears_both_ways(device, monkeypatch)
     entered = []
     python_backward = opts[0]._linear_backward
     monkeypatch.setattr(opts[0], "_linear_backward",
                         lambda slot, *a: entered.append(slot.name) or python_backward(slot, *a))
-    x = torch.randn(2, 3, 8, device=device)
     for step in range(STEPS):
         entered.clear()
         outs = [model(x) for model in models]
@@ -113,22 +124,14 @@ def test_cpp_linear_backward_enters_python_once_per_step(cpp, device, monkeypatc
         # (backward meets the last Linear first; the first step makes the states in Python)
         assert entered == (["4.weight"] if step else ["4.weight", "2.weight", "0.weight"])
         assert calls_made_in_cpp(opts[0]) == (["0.weight", "2.weight", "4.weight"] if step else [])
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        assert_same(*models, *opts)
+        finish_step(models, opts)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_cpp_linear_under_autocast_matches_the_python_function(cpp, device, monkeypatch):
     """fp32 weights under bf16 autocast (with and without bias): the C++ Linear casts W and b
     and keeps dX, db and the update's operands in autocast's dtypes as the Function does."""
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16, bias=False),
-                         nn.Tanh(), nn.Linear(16, 4)).to(device)
-    models = [copy.deepcopy(base), copy.deepcopy(base)]
-    opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
-    x = torch.randn(2, 3, 8, device=device)
+    models, opts, x = three_linears_both_ways(device, monkeypatch)
     for step in range(STEPS):
         outs = []
         for model in models:
@@ -139,10 +142,7 @@ def test_cpp_linear_under_autocast_matches_the_python_function(cpp, device, monk
         for out in outs:
             out.float().square().mean().backward()
         assert calls_made_in_cpp(opts[0]) == (["0.weight", "2.weight", "4.weight"] if step else [])
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        assert_same(*models, *opts)
+        finish_step(models, opts)
 
 
 class TwiceAndOutside(nn.Module):
@@ -174,10 +174,7 @@ def test_cpp_prehook_falls_back_for_second_and_outside_uses(cpp, device, monkeyp
                 model(x).square().mean().backward()
             made = calls_made_in_cpp(opts[0])  # (a and b fall back to the Python path)
             assert made == (["c.weight"] if step else []), made
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-            assert_same(*models, *opts)
+            finish_step(models, opts)
 
 
 @pytest.mark.parametrize("device", DEVICES)
