@@ -5,7 +5,7 @@
 // reaches W's AccumulateGrad node, i.e. once every use of W in this backward is done. Entering
 // Python there, and in the Linear's own backward, costs the host more than the update itself
 // on small models, so where this extension is built:
-//   - the Linear's forward (the common case: no autocast, not compiling) makes a
+//   - the Linear's forward (eager, with or without autocast; forge/_linear.py) makes a
 //     FusedLinearBackward node: its backward computes dX and db as the Python Function does
 //     and, where the weight's record is ready for this step (Python wrote the call's kept
 //     forge_wgrad_args at the step's first update and readied the record), writes the

@@ -227,13 +227,10 @@ class _CallMixin:
             stream = _linear.current_stream_handle(p.get_device()) if p.is_cuda else None
             on = devices[slot.device] = (stream, self._device_struct(p, stream))
         stream, device = on
-        args = self._kept_args(slot, "wgrad", device, slot.struct, hparams, None, 0, None,
-                               False)
-        _, held, hp = slot.kept_args["wgrad"]
         outputs = self._outputs(slot.device) if slot.counts else _NO_OUTPUTS
-        if held[3] is not outputs:
-            args.outputs, held[3] = outputs, outputs
-        hp.step = st["step"] + 1
+        args = self._kept_args(slot, "wgrad", device, slot.struct, hparams, outputs,
+                               st["step"] + 1, None, False)
+        _, held, hp = slot.kept_args["wgrad"]
         if slot.record is not None:
             self._ready_record(slot, args)
         return self._step_id, stream, args, held, hp, st

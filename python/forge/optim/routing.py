@@ -488,8 +488,7 @@ class _RoutingMixin:
             index = handle = None
         slot.uses += 1
         if (slot.record is not None and slot.uses == 1 and not slot.pending
-                and slot.partial is None and self._arm(slot, x2, ldx, dy2, lddy, handle, index,
-                                                       weight)):
+                and slot.partial is None and self._arm(slot, x2, ldx, dy2, lddy, handle)):
             return slot.marker
         if not slot.pending and slot.partial is None:
             slot.pending.append((x2, ldx, dy2, lddy, handle, index))
@@ -524,7 +523,7 @@ class _RoutingMixin:
                 slot.stand_in = zero.expand(weight.shape)
         return slot.stand_in
 
-    def _arm(self, slot: _Slot, x2, ldx, dy2, lddy, handle, index, weight) -> bool:
+    def _arm(self, slot: _Slot, x2, ldx, dy2, lddy, handle) -> bool:
         """The first use of a fused W in this backward, from the Python Linear backward, where
         its C++ pre-hook can make the update: the call _update_wgrad would make is written
         into slot's kept args and its record armed with X and dY (as the C++ Linear backward
