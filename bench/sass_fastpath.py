@@ -10,12 +10,17 @@ that FastMath accepted runs:
   - the fast/exact split ("@P BRA P, target", a two-predicate branch) is taken;
   - a conditional branch over the want_sq block (its next instruction converts to fp64)
     is taken;
-  - every other conditional branch falls through (listed: check they are not the hot path).
+  - a conditional branch over a rare path is taken: an IEEE division's slow path (FCHK or a
+    CALL before its target) or masked sub-word stores (STG.E.U8 / STG.E.U16: a skipped
+    element's masks, where the fast path stores whole quads);
+  - every other conditional branch falls through (listed: check they are not the hot path;
+    with block states, the vote on skipped elements falls through to the usual path).
 The count excludes the fp64 sum-of-squares block and covers loads, stores and loop control;
 it is what the SASS says, not a device measurement (ncu's thread instructions per element
 also include the main loop, the split-K and the by-products).
 
-Only for bf16 / fp32 states: the int8 store path is one shared path with branches of its own.
+Block states (int8, fp8) run one pass per loop iteration (the loop is not unrolled for them);
+other formats two.
 
     python3 bench/sass_fastpath.py build-gpu/libforge.so 2,1,1 2,2,2
 """
@@ -50,6 +55,14 @@ def loops(rows):
             yield rows[at[int(m.group(1), 16)]:i + 1]
 
 
+def rare(body, at, i, target):
+    """Whether the instructions a branch at body[i] skips, up to its target, are a rare path."""
+    if target not in at or at[target] <= i:
+        return False
+    skipped = body[i + 1:at[target]]
+    return any(op(t) in ("FCHK", "CALL") or re.search(r"STG\.E\.U(8|16)\b", t) for _, t in skipped)
+
+
 def walk(body):
     at = {a: i for i, (a, _) in enumerate(body)}
     start, end = body[0][0], body[-1][0]
@@ -64,7 +77,7 @@ def walk(body):
             nxt = body[i + 1][1] if i + 1 < len(body) else ""
             split = re.match(r"@!?P\d BRA !?P\d, 0x", t)
             passes += 1 if split else 0
-            if not t.startswith("@") or split or op(nxt) == "F2F":
+            if not t.startswith("@") or split or op(nxt) == "F2F" or rare(body, at, i, target):
                 i = at[target]
                 continue
             other.append(f"{a:#x} {t}")
@@ -98,6 +111,8 @@ def main() -> int:
             continue
         body = min(candidates, key=lambda c: (c[0], c[1]))[2]
         path, passes, other = walk(body)
+        if s in ("3", "4"):  # block states: one pass per iteration
+            passes = 1
         per_element = len(path) / (passes * ELEMENTS_PER_PASS)
         counts = collections.Counter(op(t) for t in path).most_common(8)
         print(f"UpdateSpec<{spec}>: {len(path)} instructions over {passes} pass(es), "

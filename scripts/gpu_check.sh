@@ -110,9 +110,10 @@ if [ "${1:-}" = profile ]; then
   exit 0
 fi
 
-# Builds only the benchmark into build dir $1, with extra CUDA flags $2 (trace and ab modes).
+# Builds only the benchmark into build dir $1, with extra CUDA flags $2 (trace and ab modes),
+# from source tree $3 (default: this checkout).
 build_bench() {
-  cmake -S "$ROOT" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
+  cmake -S "${3:-$ROOT}" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" \
     -DFORGE_BUILD_TESTS=OFF -DFORGE_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS="$2" >"$1.log" 2>&1 &&
     cmake --build "$1" --target wgrad_bench -j "$JOBS" >>"$1.log" 2>&1
 }
@@ -128,6 +129,9 @@ if [ "${1:-}" = ab ]; then
   # lowest-highest ranges. The card's clock moves between runs:
   # compare only within one call. Results:
   # $OUT/<label>-r<rep>/bench.md.
+  # FORGE_AB_BASELINE=<commit> also builds the benchmark at that commit (a git worktree) and
+  # runs it as the setting "base": a code change against its parent in one call. A build tree
+  # holding bench/wgrad_bench (made beforehand) is taken as it is.
   # FORGE_AB_ARGS: more arguments for every run (e.g. --quick: T = 512 only). An earlier ab
   # call's results in $OUT (a machine kept warm between calls) are removed first: the medians
   # would mix them in.
@@ -149,10 +153,22 @@ if [ "${1:-}" = ab ]; then
     build_bench "$BUILD-bench-defs$((i + 1))" "${defsets[$i]}" &
     pids+=($!)
   done
+  baseline=${FORGE_AB_BASELINE:-}
+  base_bin=$BUILD-bench-base/bench/wgrad_bench
+  if [ -x "$baseline/bench/wgrad_bench" ]; then
+    base_bin=$baseline/bench/wgrad_bench  # a build tree made beforehand
+  elif [ -n "$baseline" ]; then
+    rm -rf "$BUILD-base-src"
+    git -C "$ROOT" worktree prune
+    git -C "$ROOT" worktree add -f --detach "$BUILD-base-src" "$baseline" >/dev/null || exit 1
+    build_bench "$BUILD-bench-base" "" "$BUILD-base-src" &
+    pids+=($!)
+  fi
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}" || { log "ab: build $i failed"; tail -20 "$BUILD-bench"*.log; exit 1; }
   done
   runs=()  # "binary|label|setting"
+  [ -n "$baseline" ] && runs+=("$base_bin|base|default")
   for setting in ${FORGE_AB_SETTINGS:-default}; do
     runs+=("$bench_bin|$(echo "$setting" | sed 's/FORGE_DEBUG_//g; s/[^A-Za-z0-9=,]//g')|$setting")
   done
@@ -199,7 +215,9 @@ if [ "${1:-}" = ab ]; then
         done
       fi
       echo "$(date '+%Y/%m/%d %H:%M:%S.%N' | cut -c1-23) start $label rep $rep" >>"$OUT/runs.log"
-      env "${env_args[@]}" timeout "$(limit 120 0)" "$bin" ${FORGE_AB_ARGS:-} "${arg_items[@]}" --out "$d" >"$d/console.txt" 2>&1 ||
+      # each benchmark with its own build's library (the runpath yields to LD_LIBRARY_PATH)
+      env LD_LIBRARY_PATH="$(dirname "$(dirname "$bin")")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        "${env_args[@]}" timeout "$(limit 120 0)" "$bin" ${FORGE_AB_ARGS:-} "${arg_items[@]}" --out "$d" >"$d/console.txt" 2>&1 ||
         log "ab: $label rep $rep failed: $(tail -2 "$d/console.txt")"
     done
   done

@@ -238,19 +238,22 @@ __device__ __forceinline__ void store_quad_u16(uint16_t* base, int64_t idx, int 
   }
 }
 
-// Stores element e's code unless bit e of `keep` is set (an int8 block's skipped element whose
-// code stays: int8_kept_block_absmax).
+// The 4 code bytes of a quad as one word (byte e: element e).
+__device__ __forceinline__ uint32_t pack_codes(const uint8_t (&c)[kQuad]) {
+  return static_cast<uint32_t>(c[0]) | (static_cast<uint32_t>(c[1]) << 8) |
+         (static_cast<uint32_t>(c[2]) << 16) | (static_cast<uint32_t>(c[3]) << 24);
+}
+
+// Stores element e's code (byte e of `codes`) unless bit e of `keep` is set (a block's skipped
+// element whose code stays: kept_block_absmax).
 __device__ __forceinline__ void store_quad_codes(uint8_t* base, int64_t idx, int n, bool vec,
-                                                 unsigned keep, const uint8_t (&c)[kQuad]) {
+                                                 unsigned keep, uint32_t codes) {
   if (vec && keep == 0) {
-    *reinterpret_cast<uint32_t*>(base + idx) = static_cast<uint32_t>(c[0]) |
-                                               (static_cast<uint32_t>(c[1]) << 8) |
-                                               (static_cast<uint32_t>(c[2]) << 16) |
-                                               (static_cast<uint32_t>(c[3]) << 24);
+    *reinterpret_cast<uint32_t*>(base + idx) = codes;
   } else {
 #pragma unroll
     for (int e = 0; e < kQuad; ++e)
-      if (e < n && !((keep >> e) & 1u)) base[idx + e] = c[e];
+      if (e < n && !((keep >> e) & 1u)) base[idx + e] = static_cast<uint8_t>(codes >> (8 * e));
   }
 }
 
@@ -605,6 +608,49 @@ __device__ __forceinline__ float fp8_block_factor(float absmax, float top, bool&
   }
 }
 
+// ---- a pass's block factors, one per lane ----
+//
+// A half-warp's pass touches kBlocks = states × quads blocks (AdamW: 2 × 2), and each block's
+// factor is the same in all 16 lanes. Lane j of the half-warp computes block j's (state
+// j / kQ, quad j % kQ; lanes past the last block repeat it) and every lane takes the others by
+// shuffle. Every lane of the warp must call these (the kernels' blocks are whole warps and
+// bit 4 of threadIdx.x is the half, as group_any assumes).
+// NOTE: one factor is ~19 instructions (the scaling selects, the domain test, the division
+// sequence); 16 lanes computing the same 2 × 4 factors per pass spent ~19 of fp8's ~110
+// instructions per element there. One per lane and a shuffle per block cost ~7.
+template <int kNumStates, int kQ>
+__device__ __forceinline__ int lane_block() {
+  constexpr int kBlocks = kNumStates * kQ;
+  static_assert(kBlocks <= kGroupLanes, "one lane per block");
+  const int lane16 = static_cast<int>(threadIdx.x % kGroupLanes);
+  return lane16 < kBlocks ? lane16 : kBlocks - 1;
+}
+
+// The lane's block's decode (kDecode: absmax / top) or encode (top / absmax) factor, given that
+// block's absmax and state; the IEEE quotient (fp8_block_factor, with the division for every
+// lane of the warp when any lane's absmax is outside its domain).
+template <bool kDecode, int kRule, int kNumStates>
+__device__ __forceinline__ float fp8_lane_factor(float absmax, int state) {
+  float top = fp8_format(spec_state_signed(kRule, 0)).top;
+#pragma unroll
+  for (int i = 1; i < kNumStates; ++i)
+    if (state == i) top = fp8_format(spec_state_signed(kRule, i)).top;
+  bool ok = true;
+  float factor = fp8_block_factor<kDecode>(absmax, top, ok);
+  if (!__all_sync(0xFFFFFFFFu, ok)) factor = kDecode ? absmax / top : top / absmax;
+  return factor;
+}
+
+// Every block's value of the pass from the lane that holds it (lane_block).
+template <int kNumStates, int kQ>
+__device__ __forceinline__ void gather_blocks(float own, float (&all)[kNumStates][kQ]) {
+  const int half = static_cast<int>(threadIdx.x & kGroupLanes);
+#pragma unroll
+  for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) all[i][q] = __shfl_sync(0xFFFFFFFFu, own, half | (i * kQ + q));
+}
+
 // formats.h's fp8_decode of a quad's packed codes (byte e: element e) given the block's decode
 // factor absmax / top.
 __device__ __forceinline__ void fp8_quad_values(uint32_t codes, bool is_signed, float factor,
@@ -626,14 +672,24 @@ __device__ __forceinline__ void fp8_quad_values(uint32_t codes, bool is_signed, 
 
 // formats.h's fp8_encode of a quad given its block's encode factor top / absmax, packed (byte
 // e: element e); `nonzero` = absmax >= kFp8MinAbsmax (otherwise every code is 0).
+// kNonNegative: the caller knows every v[e] is +0 or positive and not NaN (an unsigned state
+// where no element was skipped), so the conversion alone is the code: no sign to put back.
 // NOTE: one conversion instruction per two elements, and the four signs put back with two
 // byte permutes: the encode costs a few instructions per element (int8's level search ~12).
+template <bool kNonNegative = false>
 __device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], float factor,
                                                    bool nonzero, bool is_signed) {
   float q[kQuad];
 #pragma unroll
   for (int e = 0; e < kQuad; ++e) q[e] = v[e] * factor;
 #if defined(FORGE_FP8_CVT)
+  if constexpr (kNonNegative) {
+    const uint32_t lo = is_signed ? cvt_rn_satfinite_fp8x2<true>(q[1], q[0])
+                                  : cvt_rn_satfinite_fp8x2<false>(q[1], q[0]);
+    const uint32_t hi = is_signed ? cvt_rn_satfinite_fp8x2<true>(q[3], q[2])
+                                  : cvt_rn_satfinite_fp8x2<false>(q[3], q[2]);
+    return nonzero ? lo | (hi << 16) : 0u;
+  }
   const uint32_t lo = is_signed ? cvt_rn_satfinite_fp8x2<true>(fabsf(q[1]), fabsf(q[0]))
                                 : cvt_rn_satfinite_fp8x2<false>(fabsf(q[1]), fabsf(q[0]));
   const uint32_t hi = is_signed ? cvt_rn_satfinite_fp8x2<true>(fabsf(q[3]), fabsf(q[2]))
@@ -655,12 +711,6 @@ __device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], floa
     codes |= static_cast<uint32_t>(fp8_nearest(q[e], is_signed)) << (8 * e);
 #endif
   return nonzero ? codes : 0u;
-}
-
-// The 4 bytes of packed codes.
-__device__ __forceinline__ void unpack_codes(uint32_t codes, uint8_t (&c)[kQuad]) {
-#pragma unroll
-  for (int e = 0; e < kQuad; ++e) c[e] = static_cast<uint8_t>(codes >> (8 * e));
 }
 
 // ---- state i of a quad, in fp32 ----------------------------------------------------------
@@ -754,20 +804,22 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
         if (fp8) amax = fp8_block_absmax(amax);
       }
       if (n > 0) {
-        uint8_t c[kQuad];
+        uint32_t codes;
         if (fp8) {
           const float factor = fp8_format(is_signed).top / amax;
-          unpack_codes(fp8_quad_codes(v, factor, amax >= kFp8MinAbsmax, is_signed), c);
+          codes = fp8_quad_codes(v, factor, amax >= kFp8MinAbsmax, is_signed);
         } else {
           float ratio[kQuad];
           if (!int8_quad_ratios(amax, v, ratio)) {
 #pragma unroll
             for (int e = 0; e < kQuad; ++e) ratio[e] = fabsf(v[e]) / amax;
           }
+          uint8_t c[kQuad];
 #pragma unroll
           for (int e = 0; e < kQuad; ++e) c[e] = int8_encode_ratio(v[e], ratio[e], amax, is_signed);
+          codes = pack_codes(c);
         }
-        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx, n, vec, code_keep, c);
+        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx, n, vec, code_keep, codes);
         // lane 0 of the group holds the block's first column, so it is in range whenever
         // any column of the block is
         if (lane16 == 0) *absmax_slot = amax;
@@ -951,7 +1003,8 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
   unsigned any_keep = 0u;
 #pragma unroll
   for (int q = 0; q < kQ; ++q) any_keep |= keep[q];
-  if (__any_sync(0xFFFFFFFFu, any_keep != 0u)) {
+  const bool kept = __any_sync(0xFFFFFFFFu, any_keep != 0u);  // uniform over the warp
+  if (kept) {
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
@@ -979,74 +1032,121 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
         if constexpr (kFp8) amax[i][q] = fp8_block_absmax(amax[i][q]);
       }
   }
+  uint32_t codes[kNumStates][kQ];  // byte e: element e's code
   if constexpr (kFp8) {
+    // the absmax is the same in every lane of the half-warp: one encode factor per lane
+    const int block = lane_block<kNumStates, kQ>();
+    float own = amax[0][0];
+#pragma unroll
+    for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q)
+        if (block == i * kQ + q) own = amax[i][q];
     float factor[kNumStates][kQ];
+    gather_blocks<kNumStates, kQ>(
+        fp8_lane_factor<false, kRule, kNumStates>(own, block / kQ), factor);
+    // NOTE: where no element of the warp was skipped, an unsigned state's values are +0 or
+    // positive (AdamW's v: a skipped element is the only way to a negative or NaN one), so its
+    // codes skip the signs' permutes: ~10 instructions per quad.
+    if (kept) {
+#pragma unroll
+      for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+        for (int q = 0; q < kQ; ++q)
+          codes[i][q] = fp8_quad_codes(s[i][q], factor[i][q], amax[i][q] >= kFp8MinAbsmax,
+                                       spec_state_signed(kRule, i));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+        for (int q = 0; q < kQ; ++q) {
+          if (spec_state_signed(kRule, i) || kRule != FORGE_RULE_ADAMW)
+            codes[i][q] = fp8_quad_codes(s[i][q], factor[i][q], amax[i][q] >= kFp8MinAbsmax,
+                                         spec_state_signed(kRule, i));
+          else
+            codes[i][q] = fp8_quad_codes<true>(s[i][q], factor[i][q],
+                                               amax[i][q] >= kFp8MinAbsmax, false);
+        }
+    }
+  } else {
+    float ratio[kNumStates][kQ][kQuad];
     bool fast = true;
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
-        factor[i][q] = fp8_block_factor<false>(
-            amax[i][q], fp8_format(spec_state_signed(kRule, i)).top, fast);
+        fast = fast & int8_quad_ratios(amax[i][q], s[i][q], ratio[i][q]);
     if (!fast) {
 #pragma unroll
       for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
         for (int q = 0; q < kQ; ++q)
-          factor[i][q] = fp8_format(spec_state_signed(kRule, i)).top / amax[i][q];
+#pragma unroll
+          for (int e = 0; e < kQuad; ++e) ratio[i][q][e] = fabsf(s[i][q][e]) / amax[i][q];
     }
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q) {
         uint8_t c[kQuad];
-        unpack_codes(fp8_quad_codes(s[i][q], factor[i][q], amax[i][q] >= kFp8MinAbsmax,
-                                    spec_state_signed(kRule, i)),
-                     c);
-        if (n[q] > 0) {
-          store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q],
-                           code_keep[i][q], c);
-          if (lane16 == 0)
-            p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK] = amax[i][q];
-        }
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e)
+          c[e] = int8_encode_ratio(s[i][q][e], ratio[i][q][e], amax[i][q],
+                                   spec_state_signed(kRule, i));
+        codes[i][q] = pack_codes(c);
       }
-    return;
   }
-  float ratio[kNumStates][kQ][kQuad];
-  bool fast = true;
-#pragma unroll
-  for (int i = 0; i < kNumStates; ++i)
-#pragma unroll
-    for (int q = 0; q < kQ; ++q) fast = fast & int8_quad_ratios(amax[i][q], s[i][q], ratio[i][q]);
-  if (!fast) {
+  // NOTE: the stores in two copies, the masked ones only for a warp with a skipped element:
+  // with one copy every quad's store was a branch of its own (vector or masked bytes), ~6
+  // instructions of control flow per quad and state on the fast path.
+  if (kept) {
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
+        if (n[q] > 0)
+          store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q],
+                           code_keep[i][q], codes[i][q]);
+  } else {
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e) ratio[i][q][e] = fabsf(s[i][q][e]) / amax[i][q];
+    for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q)
+        if (n[q] > 0)
+          store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q], 0u,
+                           codes[i][q]);
   }
+  // lane 0 of the group holds the block's first column, so it is in range whenever any
+  // column of the block is
 #pragma unroll
   for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-    for (int q = 0; q < kQ; ++q) {
-      uint8_t c[kQuad];
-#pragma unroll
-      for (int e = 0; e < kQuad; ++e)
-        c[e] = int8_encode_ratio(s[i][q][e], ratio[i][q][e], amax[i][q],
-                                 spec_state_signed(kRule, i));
-      if (n[q] > 0) {
-        store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q],
-                         code_keep[i][q], c);
-        // lane 0 of the group holds the block's first column, so it is in range whenever
-        // any column of the block is
-        if (lane16 == 0)
-          p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK] = amax[i][q];
-      }
-    }
+    for (int q = 0; q < kQ; ++q)
+      if (n[q] > 0 && lane16 == 0)
+        p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK] = amax[i][q];
 }
 
 // ---- stores of a batch of quads ---------------------------------------------------------------
+
+// The weight stores of kQ quads: w the fp32 values (fp32 weight, master), h their bf16 bits.
+template <int kQ>
+__device__ __forceinline__ void store_weight_quads(const ParamView& p, int weight_format,
+                                                   const int64_t (&idx)[kQ], const int (&n)[kQ],
+                                                   const bool (&vec)[kQ],
+                                                   const unsigned (&keep)[kQ],
+                                                   const float (&w)[kQ][kQuad],
+                                                   const uint16_t (&h)[kQ][kQuad]) {
+#pragma unroll
+  for (int q = 0; q < kQ; ++q) {
+    if (weight_format == FORGE_WEIGHT_FP32) {
+      store_quad_f32(static_cast<float*>(p.weight), idx[q], n[q], vec[q], keep[q], w[q]);
+    } else {
+      store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h[q]);
+      if (weight_format == FORGE_WEIGHT_BF16_MASTER)
+        store_quad_f32(p.master, idx[q], n[q], vec[q], keep[q], w[q]);
+    }
+  }
+}
 
 // Stores the updated weight and states of kQ quads (update_quads' arguments; keep[q]: the
 // skipped elements). kNonNan: the values were checked finite (the FastMath path).
@@ -1072,6 +1172,7 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   if constexpr (is_block_format(kSF) && Spec::kNumStates > 0)
     store_block_states<kQ, Spec::kNumStates, Spec::kRule, kSF>(p, row, col, idx, n, vec, keep,
                                                                lane16, s);
+  uint16_t h[kQ][kQuad];  // the bf16 weights' bits (bf16 and master formats)
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
     const QuadDraws draw(k.sr_key, p.sr_index(row[q], idx[q]), kAligned || vec[q], stochastic);
@@ -1085,36 +1186,39 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
     }
     switch (weight_format) {
       case FORGE_WEIGHT_FP32:
-        store_quad_f32(static_cast<float*>(p.weight), idx[q], n[q], vec[q], keep[q], w[q]);
         break;
       case FORGE_WEIGHT_BF16:
-      case FORGE_WEIGHT_BF16_MASTER: {
-        uint16_t h[kQuad];
+      case FORGE_WEIGHT_BF16_MASTER:
         if (w_nonnan) {
 #pragma unroll
           for (int e = 0; e < kQuad; e += 2) {
             const uint32_t pair = bf16x2_nearest_nonnan(w[q][e], w[q][e + 1]);
-            h[e] = static_cast<uint16_t>(pair & 0xFFFFu);
-            h[e + 1] = static_cast<uint16_t>(pair >> 16);
+            h[q][e] = static_cast<uint16_t>(pair & 0xFFFFu);
+            h[q][e + 1] = static_cast<uint16_t>(pair >> 16);
           }
         } else {
 #pragma unroll
-          for (int e = 0; e < kQuad; ++e) h[e] = bf16_nearest(w[q][e]);
+          for (int e = 0; e < kQuad; ++e) h[q][e] = bf16_nearest(w[q][e]);
         }
-        store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
-        if (weight_format == FORGE_WEIGHT_BF16_MASTER)
-          store_quad_f32(p.master, idx[q], n[q], vec[q], keep[q], w[q]);
         break;
-      }
-      default: {  // FORGE_WEIGHT_BF16_STOCHASTIC
-        uint16_t h[kQuad];
+      default:  // FORGE_WEIGHT_BF16_STOCHASTIC
 #pragma unroll
         for (int e = 0; e < kQuad; ++e)
-          h[e] = w_nonnan ? bf16_stochastic_nonnan(w[q][e], draw.bits(e, 0))
-                          : bf16_stochastic(w[q][e], draw.bits(e, 0));
-        store_quad_u16(static_cast<uint16_t*>(p.weight), idx[q], n[q], vec[q], keep[q], h);
-      }
+          h[q][e] = w_nonnan ? bf16_stochastic_nonnan(w[q][e], draw.bits(e, 0))
+                             : bf16_stochastic(w[q][e], draw.bits(e, 0));
     }
+  }
+  // NOTE: the weight stores in two copies, the masked one only where a quad has a skipped
+  // element (block states' fast path: one store path for both outcomes, so keep is a run-time
+  // zero there): one branch per batch instead of one per quad and array.
+  unsigned any_keep = 0u;
+#pragma unroll
+  for (int q = 0; q < kQ; ++q) any_keep |= keep[q];
+  if (any_keep == 0u) {
+    const unsigned none[kQ] = {};
+    store_weight_quads<kQ>(p, weight_format, idx, n, vec, none, w, h);
+  } else {
+    store_weight_quads<kQ>(p, weight_format, idx, n, vec, keep, w, h);
   }
 }
 
@@ -1133,13 +1237,19 @@ struct RawQuads {
   static constexpr bool kWeight32 = kWF == FORGE_WEIGHT_FP32 || kWF == FORGE_WEIGHT_BF16_MASTER;
   static constexpr int kStateWords =
       kSF == FORGE_STATE_FP32 ? 4 : is_block_format(kSF) ? 1 : 2;
-  static constexpr int kAbsmaxWords = is_block_format(kSF) ? 1 : 0;
+  // Absmax words: int8 decodes with every block's absmax; fp8 needs only its lane's block's
+  // (the decode factors are spread over the half-warp: lane_block).
+  static constexpr bool kFp8 = kSF == FORGE_STATE_FP8_BLOCK64;
+  static constexpr int kAbsmaxWords =
+      kSF == FORGE_STATE_INT8_BLOCK64 ? kQ * Spec::kNumStates
+                                      : kFp8 && Spec::kNumStates > 0 ? 1 : 0;
   // Registers one batch holds while in flight.
   static constexpr int kWords =
-      kQ * ((kWeight32 ? 4 : 2) + Spec::kNumStates * (kStateWords + kAbsmaxWords));
+      kQ * ((kWeight32 ? 4 : 2) + Spec::kNumStates * kStateWords) + kAbsmaxWords;
   uint32_t w[kQ][kWeight32 ? 4 : 2];  // fp32 words or bf16 pairs
   uint32_t s[kNS][kQ][kStateWords];   // fp32 words, bf16 pairs or 4 int8 / fp8 codes
-  float absmax[kNS][kQ];              // int8 / fp8 only
+  float absmax[kNS][kQ];              // int8 only
+  float block_absmax;                 // fp8 only: the absmax of the lane's block (lane_block)
 
   __device__ __forceinline__ void load(const ParamView& p, const int64_t (&row)[kQ],
                                        const int64_t (&col)[kQ], const int64_t (&idx)[kQ]) {
@@ -1172,7 +1282,8 @@ struct RawQuads {
         } else if constexpr (is_block_format(kSF)) {
           const uint8_t* base = static_cast<const uint8_t*>(p.state[i]);
           s[i][q][0] = *reinterpret_cast<const uint32_t*>(base + idx[q]);
-          absmax[i][q] = p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK];
+          if constexpr (!kFp8)
+            absmax[i][q] = p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK];
         } else {
           const uint16_t* base = static_cast<const uint16_t*>(p.state[i]);
           const uint2 v = *reinterpret_cast<const uint2*>(base + idx[q]);
@@ -1180,28 +1291,34 @@ struct RawQuads {
         }
       }
     }
+    if constexpr (kFp8 && Spec::kNumStates > 0) {
+      const int block = lane_block<Spec::kNumStates, kQ>();
+      const int state = block / kQ, quad = block % kQ;
+      const float* base = p.absmax[0];
+      int64_t r = row[0], c = col[0];
+#pragma unroll
+      for (int i = 1; i < Spec::kNumStates; ++i)
+        if (state == i) base = p.absmax[i];
+#pragma unroll
+      for (int q = 1; q < kQ; ++q)
+        if (quad == q) {
+          r = row[q];
+          c = col[q];
+        }
+      block_absmax = base[r * p.blocks_per_row + c / FORGE_INT8_BLOCK];
+    }
   }
 
   // The same fp32 values load_quad_* / load_state_quad produce.
   __device__ __forceinline__ void unpack(float (&wf)[kQ][kQuad],
                                          float (&sf)[FORGE_MAX_STATES][kQ][kQuad]) const {
-    // fp8: every block's decode factor first, with one IEEE fallback for the batch
+    // fp8: every block's decode factor first, one per lane (lane_block), then shuffled
     float factor[kNS][kQ] = {};
-    if constexpr (kSF == FORGE_STATE_FP8_BLOCK64) {
-      bool fast = true;
-#pragma unroll
-      for (int i = 0; i < Spec::kNumStates; ++i)
-#pragma unroll
-        for (int q = 0; q < kQ; ++q)
-          factor[i][q] = fp8_block_factor<true>(
-              absmax[i][q], fp8_format(spec_state_signed(Spec::kRule, i)).top, fast);
-      if (!fast) {
-#pragma unroll
-        for (int i = 0; i < Spec::kNumStates; ++i)
-#pragma unroll
-          for (int q = 0; q < kQ; ++q)
-            factor[i][q] = absmax[i][q] / fp8_format(spec_state_signed(Spec::kRule, i)).top;
-      }
+    if constexpr (kFp8 && Spec::kNumStates > 0) {
+      const int block = lane_block<Spec::kNumStates, kQ>();
+      gather_blocks<kNS, kQ>(
+          fp8_lane_factor<true, Spec::kRule, Spec::kNumStates>(block_absmax, block / kQ),
+          factor);
     }
 #pragma unroll
     for (int q = 0; q < kQ; ++q) {
