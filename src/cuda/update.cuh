@@ -608,22 +608,53 @@ __device__ __forceinline__ float fp8_block_factor(float absmax, float top, bool&
   }
 }
 
-// ---- a pass's block factors, one per lane ----
+// ---- a pass's blocks, one per lane ----
 //
-// A half-warp's pass touches kBlocks = states × quads blocks (AdamW: 2 × 2), and each block's
-// factor is the same in all 16 lanes. Lane j of the half-warp computes block j's (state
-// j / kQ, quad j % kQ; lanes past the last block repeat it) and every lane takes the others by
-// shuffle. Every lane of the warp must call these (the kernels' blocks are whole warps and
-// bit 4 of threadIdx.x is the half, as group_any assumes).
+// A half-warp's pass touches kBlocks = states × quads blocks (AdamW: 2 × 2; block b = state
+// b / kQ, quad b % kQ), and each block's absmax and factors are the same in all 16 lanes. The
+// lanes of the half-warp are split into kBlocks runs of 16 / kBlocks, run b computing block
+// b's, and every lane takes the others by shuffle. Every lane of the warp must call these (the
+// kernels' blocks are whole warps and bit 4 of threadIdx.x is the half, as group_any assumes).
 // NOTE: one factor is ~19 instructions (the scaling selects, the domain test, the division
-// sequence); 16 lanes computing the same 2 × 4 factors per pass spent ~19 of fp8's ~110
+// sequence); 16 lanes computing the same 2 × 4 factors per pass spent ~19 of fp8's ~100
 // instructions per element there. One per lane and a shuffle per block cost ~7.
 template <int kNumStates, int kQ>
 __device__ __forceinline__ int lane_block() {
   constexpr int kBlocks = kNumStates * kQ;
-  static_assert(kBlocks <= kGroupLanes, "one lane per block");
-  const int lane16 = static_cast<int>(threadIdx.x % kGroupLanes);
-  return lane16 < kBlocks ? lane16 : kBlocks - 1;
+  static_assert(kBlocks >= 1 && kBlocks <= kGroupLanes && (kBlocks & (kBlocks - 1)) == 0,
+                "a power of two of blocks, at most one per lane");
+  return static_cast<int>(threadIdx.x % kGroupLanes) / (kGroupLanes / kBlocks);
+}
+
+// The largest of each block's values over the half-warp, scattered: m[b] is this lane's
+// partial maximum of block b; the result is block lane_block()'s maximum. A butterfly whose
+// first steps exchange half of the remaining blocks (the lane keeps the half its bit selects)
+// and whose last steps reduce the one left: for 4 blocks, 5 shuffles and 5 max instead of 16
+// of each (group_max per block).
+// NOTE: fmaxf drops NaN operands and is exact on magnitudes, so the order of the maxima does
+// not change the result (group_max's note).
+template <int kBlocks>
+__device__ __forceinline__ float group_max_scatter(float (&m)[kBlocks]) {
+  static_assert(kBlocks >= 1 && kBlocks <= kGroupLanes && (kBlocks & (kBlocks - 1)) == 0,
+                "a power of two of blocks");
+  int count = kBlocks;
+#pragma unroll
+  for (int offset = kGroupLanes / 2; offset > 0; offset >>= 1) {
+    const int half = count > 1 ? count / 2 : 1;
+    const bool upper = (threadIdx.x & offset) != 0;
+#pragma unroll
+    for (int k = 0; k < half; ++k) {
+      if (count > 1) {
+        const float send = upper ? m[k] : m[k + half];
+        const float keep = upper ? m[k + half] : m[k];
+        m[k] = fmaxf(keep, __shfl_xor_sync(0xFFFFFFFFu, send, offset));
+      } else {
+        m[k] = fmaxf(m[k], __shfl_xor_sync(0xFFFFFFFFu, m[k], offset));
+      }
+    }
+    count = half;
+  }
+  return m[0];
 }
 
 // The lane's block's decode (kDecode: absmax / top) or encode (top / absmax) factor, given that
@@ -641,14 +672,16 @@ __device__ __forceinline__ float fp8_lane_factor(float absmax, int state) {
   return factor;
 }
 
-// Every block's value of the pass from the lane that holds it (lane_block).
+// Every block's value of the pass from the lanes that hold it (lane_block).
 template <int kNumStates, int kQ>
 __device__ __forceinline__ void gather_blocks(float own, float (&all)[kNumStates][kQ]) {
+  constexpr int kRun = kGroupLanes / (kNumStates * kQ);  // lanes per block
   const int half = static_cast<int>(threadIdx.x & kGroupLanes);
 #pragma unroll
   for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-    for (int q = 0; q < kQ; ++q) all[i][q] = __shfl_sync(0xFFFFFFFFu, own, half | (i * kQ + q));
+    for (int q = 0; q < kQ; ++q)
+      all[i][q] = __shfl_sync(0xFFFFFFFFu, own, half | ((i * kQ + q) * kRun));
 }
 
 // formats.h's fp8_decode of a quad's packed codes (byte e: element e) given the block's decode
@@ -1004,6 +1037,8 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
 #pragma unroll
   for (int q = 0; q < kQ; ++q) any_keep |= keep[q];
   const bool kept = __any_sync(0xFFFFFFFFu, any_keep != 0u);  // uniform over the warp
+  const int block = lane_block<kNumStates, kQ>();
+  float own;  // the absmax of the lane's block
   if (kept) {
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
@@ -1012,36 +1047,32 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
         amax[i][q] = kept_block_absmax(
             &p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK], n[q], keep[q],
             lane16, kFp8, s[i][q], code_keep[i][q]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kNumStates; ++i)
-#pragma unroll
-      for (int q = 0; q < kQ; ++q) {
-        float m = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kQuad; ++e)
-          if (e < n[q]) m = fmaxf(m, fabsf(s[i][q][e]));
-        amax[i][q] = m;
-        code_keep[i][q] = 0u;
-      }
-#pragma unroll
-    for (int i = 0; i < kNumStates; ++i)
-#pragma unroll
-      for (int q = 0; q < kQ; ++q) {
-        amax[i][q] = group_max(amax[i][q]);
-        if constexpr (kFp8) amax[i][q] = fp8_block_absmax(amax[i][q]);
-      }
-  }
-  uint32_t codes[kNumStates][kQ];  // byte e: element e's code
-  if constexpr (kFp8) {
-    // the absmax is the same in every lane of the half-warp: one encode factor per lane
-    const int block = lane_block<kNumStates, kQ>();
-    float own = amax[0][0];
+    own = amax[0][0];
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
         if (block == i * kQ + q) own = amax[i][q];
+  } else {
+    float m[kNumStates * kQ];  // block i·kQ + q: this lane's largest magnitude
+#pragma unroll
+    for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+      for (int q = 0; q < kQ; ++q) {
+        float v = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e)
+          if (e < n[q]) v = fmaxf(v, fabsf(s[i][q][e]));
+        m[i * kQ + q] = v;
+        code_keep[i][q] = 0u;
+      }
+    own = group_max_scatter<kNumStates * kQ>(m);
+    if constexpr (kFp8) own = fp8_block_absmax(own);
+    gather_blocks<kNumStates, kQ>(own, amax);
+  }
+  uint32_t codes[kNumStates][kQ];  // byte e: element e's code
+  if constexpr (kFp8) {
+    // the absmax is the same in every lane of the half-warp: one encode factor per lane
     float factor[kNumStates][kQ];
     gather_blocks<kNumStates, kQ>(
         fp8_lane_factor<false, kRule, kNumStates>(own, block / kQ), factor);
