@@ -131,7 +131,8 @@ if [ "${1:-}" = ab ]; then
   # $OUT/<label>-r<rep>/bench.md.
   # FORGE_AB_BASELINE=<commit> also builds the benchmark at that commit (a git worktree) and
   # runs it as the setting "base": a code change against its parent in one call. A build tree
-  # holding bench/wgrad_bench (made beforehand) is taken as it is.
+  # holding bench/wgrad_bench (made beforehand) is taken as it is. Several (space-separated)
+  # run as "base", "base2", ...: variants built beforehand, each against the others.
   # FORGE_AB_ARGS: more arguments for every run (e.g. --quick: T = 512 only). An earlier ab
   # call's results in $OUT (a machine kept warm between calls) are removed first: the medians
   # would mix them in.
@@ -153,22 +154,25 @@ if [ "${1:-}" = ab ]; then
     build_bench "$BUILD-bench-defs$((i + 1))" "${defsets[$i]}" &
     pids+=($!)
   done
-  baseline=${FORGE_AB_BASELINE:-}
-  base_bin=$BUILD-bench-base/bench/wgrad_bench
-  if [ -x "$baseline/bench/wgrad_bench" ]; then
-    base_bin=$baseline/bench/wgrad_bench  # a build tree made beforehand
-  elif [ -n "$baseline" ]; then
-    rm -rf "$BUILD-base-src"
-    git -C "$ROOT" worktree prune
-    git -C "$ROOT" worktree add -f --detach "$BUILD-base-src" "$baseline" >/dev/null || exit 1
-    build_bench "$BUILD-bench-base" "" "$BUILD-base-src" &
-    pids+=($!)
-  fi
+  runs=()  # "binary|label|setting"
+  j=0
+  for baseline in ${FORGE_AB_BASELINE:-}; do
+    j=$((j + 1))
+    label=base$([ "$j" -gt 1 ] && echo "$j")
+    if [ -x "$baseline/bench/wgrad_bench" ]; then
+      runs+=("$baseline/bench/wgrad_bench|$label|default")  # a build tree made beforehand
+    else
+      rm -rf "$BUILD-$label-src"
+      git -C "$ROOT" worktree prune
+      git -C "$ROOT" worktree add -f --detach "$BUILD-$label-src" "$baseline" >/dev/null || exit 1
+      build_bench "$BUILD-bench-$label" "" "$BUILD-$label-src" &
+      pids+=($!)
+      runs+=("$BUILD-bench-$label/bench/wgrad_bench|$label|default")
+    fi
+  done
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}" || { log "ab: build $i failed"; tail -20 "$BUILD-bench"*.log; exit 1; }
   done
-  runs=()  # "binary|label|setting"
-  [ -n "$baseline" ] && runs+=("$base_bin|base|default")
   for setting in ${FORGE_AB_SETTINGS:-default}; do
     runs+=("$bench_bin|$(echo "$setting" | sed 's/FORGE_DEBUG_//g; s/[^A-Za-z0-9=,]//g')|$setting")
   done

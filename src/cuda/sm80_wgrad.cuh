@@ -393,7 +393,9 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
       // NOTE: unrolled by 2 so that `cur = next` is a register renaming, not 12 moves per
       // pass (bf16 states: ~3 fewer instructions per element in the SASS). Not with block
       // states, whose pass is longer (int8's ~4x): 2 copies of it would not sit in the
-      // instruction cache as well.
+      // instruction cache as well. (fp8 unrolled by 2: 68.6 against 70.8 instructions per
+      // element, Llama at T = 512 38.1 against 38.6 ms, but 40.4 against 39.7 with the SR weight:
+      // gpu_check.sh ab, one call.)
       constexpr int kPassUnroll = is_block_format(Spec::kStateFormat) ? 1 : 2;
       // NOTE: with stochastic rounding, the SR indices' row term (ParamView::sr_index) is
       // stepped per pass like idx0: the update sees a view whose sr_base holds the pass's row
@@ -404,10 +406,25 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
       constexpr bool kStochastic = Spec::kWeightFormat == FORGE_WEIGHT_BF16_STOCHASTIC ||
                                    (Spec::kNumStates > 0 &&
                                     Spec::kStateFormat == FORGE_STATE_BF16_STOCHASTIC);
+      // NOTE: likewise with block states, the absmax arrays' row term: the update and the next
+      // pass's loads see views whose absmax pointers sit at their pass's row and whose
+      // blocks_per_row is 0, so a block's absmax is a pointer plus the quad's (loop-invariant)
+      // column term, not a 64-bit multiply-add per quad and state (fp8: ~20 instructions per
+      // pass of 8 elements: sass_fastpath.py).
+      constexpr bool kBlockStates =
+          is_block_format(Spec::kStateFormat) && Spec::kNumStates > 0;
+      constexpr bool kOwnView = kStochastic || kBlockStates;
       ParamView pv = a.p;
       pv.sr_row_extra = 0;
       int64_t sr_row_term = a.p.sr_base + (m0 + rsub) * a.p.sr_row_extra;
       const int64_t sr_row_step = kRowsPerPass * a.p.sr_row_extra;
+      const int64_t absmax_step = kRowsPerPass * a.p.blocks_per_row;
+      if constexpr (kBlockStates) {
+        pv.blocks_per_row = 0;
+#pragma unroll
+        for (int i = 0; i < Spec::kNumStates; ++i)
+          pv.absmax[i] = a.p.absmax[i] + (m0 + rsub) * a.p.blocks_per_row;
+      }
 #pragma unroll kPassUnroll
       for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, idx0 += idx_step) {
         const int r = pass * kRowsPerPass + rsub;
@@ -425,13 +442,27 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
             row_next[q] = last ? row[q] : row[q] + kRowsPerPass;
             idx_next[q] = last ? idx[q] : idx[q] + idx_step;
           }
-          next.load(a.p, row_next, col, idx_next);
+          if constexpr (kBlockStates) {
+            ParamView pv_next = pv;
+            const int64_t ahead = last ? 0 : absmax_step;
+#pragma unroll
+            for (int i = 0; i < Spec::kNumStates; ++i) pv_next.absmax[i] = pv.absmax[i] + ahead;
+            next.load(pv_next, row_next, col, idx_next);
+          } else {
+            next.load(a.p, row_next, col, idx_next);
+          }
         }
-        if constexpr (kStochastic) {
-          pv.sr_base = sr_row_term;
-          sr_row_term += sr_row_step;
+        if constexpr (kOwnView) {
+          if constexpr (kStochastic) {
+            pv.sr_base = sr_row_term;
+            sr_row_term += sr_row_step;
+          }
           update_raw_pass<Spec, kQ>(scalars_of<Spec>(a), pv, cur, row, col, idx, g, lane16,
                                     want_sq, totals);
+          if constexpr (kBlockStates) {
+#pragma unroll
+            for (int i = 0; i < Spec::kNumStates; ++i) pv.absmax[i] += absmax_step;
+          }
         } else {
           update_raw_pass<Spec, kQ>(scalars_of<Spec>(a), a.p, cur, row, col, idx, g, lane16,
                                     want_sq, totals);

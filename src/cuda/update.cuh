@@ -530,8 +530,8 @@ using FastMathWithZeros = FastMathT<true>;
 // == bf16_nearest(lo) | bf16_nearest(hi) << 16 for non-NaN lo, hi: cvt.rn.bf16x2.f32 rounds
 // to nearest even exactly as formats.h does (overflow to infinity included), in one
 // instruction for two elements instead of ~12 per element. NaN inputs would come back as the
-// canonical NaN where formats.h keeps sign and payload: callers guarantee there are none
-// (the fast epilogue path only stores values it checked to be finite).
+// canonical NaN where formats.h keeps sign and payload: callers store no NaN it converts
+// (the fast epilogue path's values were checked finite; a step's weights: store_quads).
 __device__ __forceinline__ uint32_t bf16x2_nearest_nonnan(float lo, float hi) {
   return cvt_rn_bf16x2(hi, lo);
 }
@@ -898,9 +898,9 @@ __device__ __forceinline__ void apply_quads(const RuleScalars& r, bool want_sq, 
 // The same update as apply_quads, branch-free through FastMath, into w_new / s_new. Returns
 // false when that is not the reference result for some in-range element: a non-finite
 // gradient, an operand outside FastMath's domain, or a result that is not storable (the weight
-// or a state: NaN, infinite or above the largest bf16, formats.h; bf16x2_nearest_nonnan must
-// not see a NaN). The caller then runs apply_quads on the same inputs, which skips the element
-// that is not storable exactly as the CPU does. `r` must have its rule as a compile-time
+// or a state: NaN, infinite or above the largest bf16, formats.h; the fast path's state
+// conversions take no NaN). The caller then runs apply_quads on the same inputs, which skips
+// the element that is not storable exactly as the CPU does. `r` must have its rule as a compile-time
 // constant.
 template <int kQ, int kNumStates, class Math = FastMath>
 __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int (&n)[kQ],
@@ -1180,19 +1180,20 @@ __device__ __forceinline__ void store_weight_quads(const ParamView& p, int weigh
 }
 
 // Stores the updated weight and states of kQ quads (update_quads' arguments; keep[q]: the
-// skipped elements). kNonNan: the values were checked finite (the FastMath path).
-// weight_nonnan: only the weights were (block states, whose one store path serves both
-// outcomes: update_loaded); the weight store then takes the fast conversions too.
+// skipped elements). kNonNan: the states were checked finite (the FastMath path).
 // kAligned: as update_loaded's.
+// NOTE: the weight always takes the NaN-free conversions (bf16x2_nearest_nonnan,
+// bf16_stochastic_nonnan): every weight this stores is one apply_rule accepted, which is
+// storable, so not NaN (forge.h, "Skipped elements"); a skipped element's or an out-of-range
+// element's value, which may be, is converted but never stored. One conversion path for both
+// outcomes of the block states' batch saves the merge of two (~30 instructions per pass).
 template <int kQ, class Spec, bool kNonNan, bool kAligned = false>
 __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamView& p,
                                             const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                             const int64_t (&idx)[kQ], const int (&n)[kQ],
                                             const bool (&vec)[kQ], const unsigned (&keep)[kQ],
                                             int lane16, const float (&w)[kQ][kQuad],
-                                            const float (&s)[FORGE_MAX_STATES][kQ][kQuad],
-                                            bool weight_nonnan = false) {
-  const bool w_nonnan = kNonNan || weight_nonnan;
+                                            const float (&s)[FORGE_MAX_STATES][kQ][kQuad]) {
   constexpr int kSF = Spec::kStateFormat;
   const int weight_format = Spec::kGeneric ? p.weight_format : Spec::kWeightFormat;
   const int num_states = Spec::kGeneric ? k.num_states : Spec::kNumStates;
@@ -1220,23 +1221,17 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
         break;
       case FORGE_WEIGHT_BF16:
       case FORGE_WEIGHT_BF16_MASTER:
-        if (w_nonnan) {
 #pragma unroll
-          for (int e = 0; e < kQuad; e += 2) {
-            const uint32_t pair = bf16x2_nearest_nonnan(w[q][e], w[q][e + 1]);
-            h[q][e] = static_cast<uint16_t>(pair & 0xFFFFu);
-            h[q][e + 1] = static_cast<uint16_t>(pair >> 16);
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < kQuad; ++e) h[q][e] = bf16_nearest(w[q][e]);
+        for (int e = 0; e < kQuad; e += 2) {
+          const uint32_t pair = bf16x2_nearest_nonnan(w[q][e], w[q][e + 1]);
+          h[q][e] = static_cast<uint16_t>(pair & 0xFFFFu);
+          h[q][e + 1] = static_cast<uint16_t>(pair >> 16);
         }
         break;
       default:  // FORGE_WEIGHT_BF16_STOCHASTIC
 #pragma unroll
         for (int e = 0; e < kQuad; ++e)
-          h[q][e] = w_nonnan ? bf16_stochastic_nonnan(w[q][e], draw.bits(e, 0))
-                             : bf16_stochastic(w[q][e], draw.bits(e, 0));
+          h[q][e] = bf16_stochastic_nonnan(w[q][e], draw.bits(e, 0));
     }
   }
   // NOTE: the weight stores in two copies, the masked one only where a quad has a skipped
@@ -1439,22 +1434,25 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
     // once (a duplicated copy doubled the hot loop; the measurement that found it 2.9x slower
     // had NaN weights, so that cause was not isolated).
     // Other formats: a dedicated store path with no skip masks and hardware bf16 rounding.
+    // NOTE: the exact path works on copies of the inputs in w_new / s_new, so the fast path
+    // stores its results where they are (copying them into w / s cost ~10 moves per pass).
     if constexpr (is_block_format(Spec::kStateFormat)) {
       if (fast) {
 #pragma unroll
-        for (int q = 0; q < kQ; ++q) {
-          keep[q] = 0;
+        for (int q = 0; q < kQ; ++q) keep[q] = 0;
+      } else {
+#pragma unroll
+        for (int q = 0; q < kQ; ++q)
 #pragma unroll
           for (int e = 0; e < kQuad; ++e) {
-            w[q][e] = w_new[q][e];
+            w_new[q][e] = w[q][e];
 #pragma unroll
-            for (int i = 0; i < FORGE_MAX_STATES; ++i) s[i][q][e] = s_new[i][q][e];
+            for (int i = 0; i < FORGE_MAX_STATES; ++i) s_new[i][q][e] = s[i][q][e];
           }
-        }
-      } else {
-        apply_quads_resolved<kQ, Spec>(k, want_sq, n, g, w, s, keep, totals);
+        apply_quads_resolved<kQ, Spec>(k, want_sq, n, g, w_new, s_new, keep, totals);
       }
-      store_quads<kQ, Spec, false, kAligned>(k, p, row, col, idx, n, vec, keep, lane16, w, s, fast);
+      store_quads<kQ, Spec, false, kAligned>(k, p, row, col, idx, n, vec, keep, lane16, w_new,
+                                             s_new);
       return;
     } else {
       if (fast) {
