@@ -705,18 +705,21 @@ __device__ __forceinline__ void fp8_quad_values(uint32_t codes, bool is_signed, 
 
 // formats.h's fp8_encode of a quad given its block's encode factor top / absmax, packed (byte
 // e: element e); `nonzero` = absmax >= kFp8MinAbsmax (otherwise every code is 0).
-// kNonNegative: the caller knows every v[e] is +0 or positive and not NaN (an unsigned state
-// where no element was skipped), so the conversion alone is the code: no sign to put back.
-// NOTE: one conversion instruction per two elements, and the four signs put back with two
-// byte permutes: the encode costs a few instructions per element (int8's level search ~12).
-template <bool kNonNegative = false>
+// kNonNan: the caller knows no v[e] whose code it stores is NaN (a warp where no element was
+// skipped), so the signed conversion alone is the code: it rounds the magnitude and keeps the
+// sign, -0 and negative values that round to zero included (test_gpu_fp8.cu checks every
+// non-NaN float). Otherwise the conversion is given |q| and the sign is put back, so that a NaN
+// of either sign gives 0x7F as formats.h's does.
+// NOTE: one conversion instruction per two elements; with NaNs possible, the four signs put
+// back with three byte permutes and two logic operations (~10 instructions per quad).
+template <bool kNonNan = false>
 __device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], float factor,
                                                    bool nonzero, bool is_signed) {
   float q[kQuad];
 #pragma unroll
   for (int e = 0; e < kQuad; ++e) q[e] = v[e] * factor;
 #if defined(FORGE_FP8_CVT)
-  if constexpr (kNonNegative) {
+  if constexpr (kNonNan) {
     const uint32_t lo = is_signed ? cvt_rn_satfinite_fp8x2<true>(q[1], q[0])
                                   : cvt_rn_satfinite_fp8x2<false>(q[1], q[0]);
     const uint32_t hi = is_signed ? cvt_rn_satfinite_fp8x2<true>(q[3], q[2])
@@ -1076,9 +1079,8 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
     float factor[kNumStates][kQ];
     gather_blocks<kNumStates, kQ>(
         fp8_lane_factor<false, kRule, kNumStates>(own, block / kQ), factor);
-    // NOTE: where no element of the warp was skipped, an unsigned state's values are +0 or
-    // positive (AdamW's v: a skipped element is the only way to a negative or NaN one), so its
-    // codes skip the signs' permutes: ~10 instructions per quad.
+    // NOTE: where no element of the warp was skipped, no value whose code is stored is NaN
+    // (every one is a result apply_rule accepted), so the codes skip the signs' permutes.
     if (kept) {
 #pragma unroll
       for (int i = 0; i < kNumStates; ++i)
@@ -1090,14 +1092,9 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
 #pragma unroll
       for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-        for (int q = 0; q < kQ; ++q) {
-          if (spec_state_signed(kRule, i) || kRule != FORGE_RULE_ADAMW)
-            codes[i][q] = fp8_quad_codes(s[i][q], factor[i][q], amax[i][q] >= kFp8MinAbsmax,
-                                         spec_state_signed(kRule, i));
-          else
-            codes[i][q] = fp8_quad_codes<true>(s[i][q], factor[i][q],
-                                               amax[i][q] >= kFp8MinAbsmax, false);
-        }
+        for (int q = 0; q < kQ; ++q)
+          codes[i][q] = fp8_quad_codes<true>(s[i][q], factor[i][q], amax[i][q] >= kFp8MinAbsmax,
+                                             spec_state_signed(kRule, i));
     }
   } else {
     float ratio[kNumStates][kQ][kQuad];
