@@ -269,19 +269,21 @@ __device__ __forceinline__ bool reduce_split_k(const WgradParams& a, float* sC, 
   return true;
 }
 
-// Tile row r in sC as this thread's kQ quads: their rows, columns, element offsets (from the
-// thread's row offset idx0) and fp32 gradients.
-template <int kQ>
+// Tile row r in sC as this thread's kQ quads, in the layout kPaired names (QuadBlocks): their
+// rows, columns, element offsets (from idx0, the thread's first quad's) and fp32 gradients.
+template <int kQ, bool kPaired = false>
 __device__ __forceinline__ void pass_quads(const float* sC, int r, int64_t m0, int64_t n0,
                                            int64_t idx0, int lane16, int64_t (&row)[kQ],
                                            int64_t (&col)[kQ], int64_t (&idx)[kQ],
                                            float (&g)[kQ][kQuad]) {
+  using Blocks = QuadBlocks<kPaired, kQ>;
+  static_assert(kBN == 2 * FORGE_INT8_BLOCK, "a tile row is two blocks");
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
-    const int c = q * (kBN / 2) + lane16 * kQuad;
+    const int c = Blocks::column(lane16, q);
     row[q] = m0 + r;
     col[q] = n0 + c;
-    idx[q] = idx0 + q * (kBN / 2);
+    idx[q] = idx0 + (c - Blocks::column(lane16, 0));
     const float4 v = *reinterpret_cast<const float4*>(&sC[r * kLdC + c]);
     g[q][0] = v.x;
     g[q][1] = v.y;
@@ -294,9 +296,9 @@ __device__ __forceinline__ void pass_quads(const float* sC, int r, int64_t m0, i
 // loop of update_tile): row, col, idx and g come from pass_quads; `k` and `p` are the step's
 // scalars and the parameter's view, with the pass's SR row term moved into one of them
 // (update_tile).
-template <class Spec, int kQ>
+template <class Spec, int kQ, bool kPaired>
 __device__ __forceinline__ void update_raw_pass(const RuleScalars& k, const ParamView& p,
-                                                const RawQuads<Spec, kQ>& cur,
+                                                const RawQuads<Spec, kQ, kPaired>& cur,
                                                 const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                                 const int64_t (&idx)[kQ],
                                                 const float (&g)[kQ][kQuad], int lane16,
@@ -310,7 +312,8 @@ __device__ __forceinline__ void update_raw_pass(const RuleScalars& k, const Para
   }
   float w[kQ][kQuad], s[FORGE_MAX_STATES][kQ][kQuad];
   cur.unpack(w, s);
-  update_loaded<kQ, Spec>(k, p, row, col, idx, n, vec, lane16, want_sq, g, w, s, totals);
+  update_loaded<kQ, Spec, FastMath, false, kPaired>(k, p, row, col, idx, n, vec, lane16, want_sq,
+                                                    g, w, s, totals);
 }
 
 // update_tile's fast loop: interior tiles (all of them on the Llama shapes) of specialized
@@ -323,6 +326,15 @@ template <class Spec>
 __host__ __device__ constexpr bool update_pipelined() {
   return !Spec::kGeneric && raw_quads_words<Spec, kUpdateQuads>() <= 12;
 }
+// The pipelined loop's layout: block states take the paired one (QuadBlocks: a lane's two
+// quads in one block), the other formats the classic one.
+// NOTE: paired, a lane's pass has half the blocks (fewer shuffles, gathers, absmax loads and
+// stores): fp8 68.3 -> 65.1 instructions per element, int8 116.8 -> 110.8 (sass_fastpath.py);
+// Llama at T = 512 fp8 38.0 -> 36.8 ms, SR W + int8 57.9 -> 54.5 (gpu_check.sh ab, one call).
+template <class Spec>
+__host__ __device__ constexpr bool update_paired() {
+  return is_block_format(Spec::kStateFormat) && Spec::kNumStates > 0;
+}
 template <class Spec>
 __device__ __forceinline__ bool update_tile_full(const WgradParams& a, int64_t m0, int64_t n0) {
   return !Spec::kGeneric && m0 + kBM <= a.p.rows && n0 + kBN <= a.p.cols && a.p.vec4 != 0;
@@ -334,8 +346,8 @@ __device__ __forceinline__ bool update_tile_full(const WgradParams& a, int64_t m
 struct NoRawQuads {};
 template <class Spec>
 struct FirstPass {
-  using Raw = std::conditional_t<update_pipelined<Spec>(), RawQuads<Spec, kUpdateQuads>,
-                                 NoRawQuads>;
+  using Raw = std::conditional_t<update_pipelined<Spec>(),
+                                 RawQuads<Spec, kUpdateQuads, update_paired<Spec>()>, NoRawQuads>;
   Raw raw;
   bool loaded = false;
 };
@@ -343,14 +355,14 @@ template <class Spec>
 __device__ __forceinline__ void load_first_pass(const WgradParams& a, int64_t m0, int64_t n0,
                                                 int tid, FirstPass<Spec>& first) {
   if constexpr (update_pipelined<Spec>()) {
+    using Blocks = QuadBlocks<update_paired<Spec>(), kUpdateQuads>;
     const int lane16 = tid % 16, rsub = tid / 16;
-    const int64_t idx0 = (m0 + rsub) * a.p.cols + n0 + lane16 * kQuad;
     int64_t row[kUpdateQuads], col[kUpdateQuads], idx[kUpdateQuads];
 #pragma unroll
     for (int q = 0; q < kUpdateQuads; ++q) {
       row[q] = m0 + rsub;
-      col[q] = n0 + q * (kBN / 2) + lane16 * kQuad;
-      idx[q] = idx0 + q * (kBN / 2);
+      col[q] = n0 + Blocks::column(lane16, q);
+      idx[q] = row[q] * a.p.cols + col[q];
     }
     first.raw.load(a.p, row, col, idx);
     first.loaded = true;
@@ -358,8 +370,9 @@ __device__ __forceinline__ void load_first_pass(const WgradParams& a, int64_t m0
 }
 
 // The optimizer update of tile (m0, n0) from its fp32 gradient in sC ([kBM][kLdC]).
-// Thread t owns rows t/16 + 16·j and, in each, the quads at columns 4·(t%16) and
-// 64 + 4·(t%16): the 16 lanes of a half-warp cover each 64-column int8 block of a row.
+// Thread t owns rows t/16 + 16·j and, in each, two quads: at columns 4·(t%16) and
+// 64 + 4·(t%16) (the 16 lanes of a half-warp cover each 64-column block of a row), or in the
+// pipelined loop with block states at QuadBlocks<true, 2>::column (8 lanes cover a block).
 // `tid` in [0, kThreads): the thread's index among the kThreads that update the tile.
 // `first`: the fast loop's first batch if the caller loaded it (load_first_pass).
 template <class Spec>
@@ -382,7 +395,11 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
   // instead of waiting on memory at the top of every pass.
   if constexpr (update_pipelined<Spec>()) {
     if (full) {
-      RawQuads<Spec, kQ> next;
+      constexpr bool kPaired = update_paired<Spec>();
+      using Raw = RawQuads<Spec, kQ, kPaired>;
+      // the thread's first quad's offset in this loop's layout
+      int64_t first_idx = (m0 + rsub) * cols + n0 + QuadBlocks<kPaired, kQ>::column(lane16, 0);
+      Raw next;
       if (first.loaded) {
         next = first.raw;
       } else {
@@ -426,12 +443,12 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
           pv.absmax[i] = a.p.absmax[i] + (m0 + rsub) * a.p.blocks_per_row;
       }
 #pragma unroll kPassUnroll
-      for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, idx0 += idx_step) {
+      for (int pass = 0; pass < kBM / kRowsPerPass; ++pass, first_idx += idx_step) {
         const int r = pass * kRowsPerPass + rsub;
-        const RawQuads<Spec, kQ> cur = next;
+        const Raw cur = next;
         int64_t row[kQ], col[kQ], idx[kQ];
         float g[kQ][kQuad];
-        pass_quads<kQ>(sC, r, m0, n0, idx0, lane16, row, col, idx, g);
+        pass_quads<kQ, kPaired>(sC, r, m0, n0, first_idx, lane16, row, col, idx, g);
         {
           // NOTE: unconditional (the last pass reloads its own operands, a few L1/L2 hits):
           // under an `if` the compiler scheduled these loads after the update below.
@@ -457,15 +474,15 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
             pv.sr_base = sr_row_term;
             sr_row_term += sr_row_step;
           }
-          update_raw_pass<Spec, kQ>(scalars_of<Spec>(a), pv, cur, row, col, idx, g, lane16,
-                                    want_sq, totals);
+          update_raw_pass<Spec, kQ, kPaired>(scalars_of<Spec>(a), pv, cur, row, col, idx, g,
+                                             lane16, want_sq, totals);
           if constexpr (kBlockStates) {
 #pragma unroll
             for (int i = 0; i < Spec::kNumStates; ++i) pv.absmax[i] += absmax_step;
           }
         } else {
-          update_raw_pass<Spec, kQ>(scalars_of<Spec>(a), a.p, cur, row, col, idx, g, lane16,
-                                    want_sq, totals);
+          update_raw_pass<Spec, kQ, kPaired>(scalars_of<Spec>(a), a.p, cur, row, col, idx, g,
+                                             lane16, want_sq, totals);
         }
       }
       return;

@@ -257,49 +257,78 @@ __device__ __forceinline__ void store_quad_codes(uint8_t* base, int64_t idx, int
   }
 }
 
-// Max over the 16 lanes of this half-warp. Every lane of the warp must call it.
+// Max over the kLanes lanes (16: a half-warp; 8: a quarter) that share a block. Every lane of
+// the warp must call it.
 // NOTE: fmaxf drops NaN operands, exactly like the CPU's std::max(absmax, |x|) fold that
 // starts at 0, so the block absmax is the max of the non-NaN magnitudes on both sides.
+template <int kLanes = kGroupLanes>
 __device__ __forceinline__ float group_max(float v) {
 #pragma unroll
-  for (int offset = kGroupLanes / 2; offset > 0; offset >>= 1)
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1)
     v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   return v;
 }
 
-// Whether `v` holds in any lane of this half-warp. Every lane of the warp must call it (the
-// kernels' blocks are 1-D and whole warps, so bit 4 of threadIdx.x is the half).
+// Whether `v` holds in any of the kLanes lanes that share a block. Every lane of the warp must
+// call it (the kernels' blocks are 1-D and whole warps, so the lane's bits above kLanes - 1 in
+// threadIdx.x name its group).
+template <int kLanes = kGroupLanes>
 __device__ __forceinline__ bool group_any(bool v) {
   const unsigned ballot = __ballot_sync(0xFFFFFFFFu, v);
-  return ((ballot >> (threadIdx.x & 16u)) & 0xFFFFu) != 0u;
+  return ((ballot >> (threadIdx.x & (32u - kLanes))) & ((1u << kLanes) - 1u)) != 0u;
 }
 
 // A block's new absmax when it may hold skipped elements (forge.h, "Skipped elements";
-// cpu_backend.cpp, store_state): `v` this lane's quad of the block's new values (n in range;
-// a skipped element's is its decoded old value), bit e of `keep` set where element e was
-// skipped. A block without a skipped element takes the largest magnitude of its values, as
-// store_block_states' usual path does. A block holding one takes max(its old absmax, the
-// updated elements' largest magnitude), folded as the CPU folds it (the old absmax kept on ties
-// and when nothing was updated, a NaN one kept), fp8's then through fp8_block_absmax, and
-// `code_keep` receives the elements whose code bytes stay: the skipped ones while that absmax
-// is the old one bit for bit, none when it changed (they are then re-encoded from their
-// decoded values). `old_absmax`: the block's absmax slot, read by the lane that writes it
-// (lane16 == 0) before it does. Every lane of the warp must call it.
+// cpu_backend.cpp, store_state): `v` this lane's kN quads of the block's new values (n[j] in
+// range; a skipped element's is its decoded old value), bit e of `keep[j]` set where element e
+// of quad j was skipped; kLanes lanes share the block. A block without a skipped element takes
+// the largest magnitude of its values, as store_block_states' usual path does. A block holding
+// one takes max(its old absmax, the updated elements' largest magnitude), folded as the CPU
+// folds it (the old absmax kept on ties and when nothing was updated, a NaN one kept), fp8's
+// then through fp8_block_absmax, and `code_keep[j]` receives the elements whose code bytes
+// stay: the skipped ones while that absmax is the old one bit for bit, none when it changed
+// (they are then re-encoded from their decoded values). `old_absmax`: the block's absmax slot,
+// read by the lane that writes it (`first`, the block's first column's) before it does. Every
+// lane of the warp must call it.
+template <int kLanes, int kN>
+__device__ __forceinline__ float kept_block_absmax(const float* old_absmax, const int (&n)[kN],
+                                                   const unsigned (&keep)[kN], bool first,
+                                                   bool fp8, const float (&v)[kN][kQuad],
+                                                   unsigned (&code_keep)[kN]) {
+  unsigned any_keep = 0u;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) any_keep |= keep[j];
+  const bool kept = group_any<kLanes>(any_keep != 0u);
+  float old = 0.0f;
+  if (kept && first) old = *old_absmax;
+  float m = kept ? -INFINITY : 0.0f;  // updated magnitudes are never NaN: fmaxf is exact here
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+#pragma unroll
+    for (int e = 0; e < kQuad; ++e)
+      if (e < n[j] && !((keep[j] >> e) & 1u)) m = fmaxf(m, fabsf(v[j][e]));
+  m = group_max<kLanes>(m);
+  old = __shfl_sync(0xFFFFFFFFu, old, static_cast<int>(threadIdx.x & (32u - kLanes)));
+  float amax = kept ? (old < m ? m : old) : m;
+  if (fp8) amax = fp8_block_absmax(amax);
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+    code_keep[j] = kept && float_bits(amax) == float_bits(old) ? keep[j] : 0u;
+  return amax;
+}
+// One quad per lane, a half-warp per block (store_state_quad's layout).
 __device__ __forceinline__ float kept_block_absmax(const float* old_absmax, int n, unsigned keep,
                                                    int lane16, bool fp8, const float (&v)[kQuad],
                                                    unsigned& code_keep) {
-  const bool kept = group_any(keep != 0u);
-  float old = 0.0f;
-  if (kept && lane16 == 0) old = *old_absmax;
-  float m = kept ? -INFINITY : 0.0f;  // updated magnitudes are never NaN: fmaxf is exact here
+  const int n1[1] = {n};
+  const unsigned keep1[1] = {keep};
+  float v1[1][kQuad];
 #pragma unroll
-  for (int e = 0; e < kQuad; ++e)
-    if (e < n && !((keep >> e) & 1u)) m = fmaxf(m, fabsf(v[e]));
-  m = group_max(m);
-  old = __shfl_sync(0xFFFFFFFFu, old, static_cast<int>(threadIdx.x & 16u));
-  float amax = kept ? (old < m ? m : old) : m;
-  if (fp8) amax = fp8_block_absmax(amax);
-  code_keep = kept && float_bits(amax) == float_bits(old) ? keep : 0u;
+  for (int e = 0; e < kQuad; ++e) v1[0][e] = v[e];
+  unsigned code_keep1[1];
+  const float amax =
+      kept_block_absmax<kGroupLanes, 1>(old_absmax, n1, keep1, lane16 == 0, fp8, v1, code_keep1);
+  code_keep = code_keep1[0];
   return amax;
 }
 
@@ -610,36 +639,62 @@ __device__ __forceinline__ float fp8_block_factor(float absmax, float top, bool&
 
 // ---- a pass's blocks, one per lane ----
 //
-// A half-warp's pass touches kBlocks = states × quads blocks (AdamW: 2 × 2; block b = state
-// b / kQ, quad b % kQ), and each block's absmax and factors are the same in all 16 lanes. The
-// lanes of the half-warp are split into kBlocks runs of 16 / kBlocks, run b computing block
-// b's, and every lane takes the others by shuffle. Every lane of the warp must call these (the
-// kernels' blocks are whole warps and bit 4 of threadIdx.x is the half, as group_any assumes).
+// Where a batch's kQ quads per lane sit in their blocks (int8 / fp8 states):
+//  - the classic layout (kPaired = false): the 16 lanes of a half-warp cover a block with one
+//    quad each, so each of a lane's quads is in a block of its own (quad q at column 64·q +
+//    4·lane16 of a 128-column tile row; the element-wise kernels alike);
+//  - paired (update_tile's pipelined passes): 8 lanes cover a block with both their quads
+//    (quad q at column 64·(lane16 / 8) + 32·q + 4·(lane16 % 8)), so a lane's quads share one
+//    block per state and a block's reductions span 8 lanes instead of 16.
+// Either way a lane's pass touches kBlocks = states × kPerState blocks (block b = state
+// b / kPerState, the lane's quads' block b % kPerState), and each block's absmax and factors
+// are the same in all kLanes lanes that share it. Those lanes are split into kBlocks runs of
+// kLanes / kBlocks, run b computing block b's, and every lane takes the others by shuffle.
+// Every lane of the warp must call these (the kernels' blocks are whole warps, so the bits of
+// threadIdx.x above kLanes - 1 name the lanes' group, as group_any assumes).
 // NOTE: one factor is ~19 instructions (the scaling selects, the domain test, the division
 // sequence); 16 lanes computing the same 2 × 4 factors per pass spent ~19 of fp8's ~100
-// instructions per element there. One per lane and a shuffle per block cost ~7.
-template <int kNumStates, int kQ>
+// instructions per element there. One per lane and a shuffle per block cost ~7. Paired, a
+// lane's pass has half the blocks: 3 shuffle steps of the maxima instead of 5, and half the
+// gathers, absmax loads and stores.
+template <bool kPaired, int kQ>
+struct QuadBlocks {
+  static_assert(!kPaired || kQ * kQuad * 8 == FORGE_INT8_BLOCK, "paired: 8 lanes × kQ quads");
+  static constexpr int kLanes = kPaired ? 8 : kGroupLanes;  // lanes sharing a block
+  static constexpr int kPerState = kPaired ? 1 : kQ;        // a lane's blocks per state
+  // The lane's block (of kPerState) that holds its quad q.
+  static __host__ __device__ constexpr int of(int q) { return kPaired ? 0 : q; }
+  // Whether this lane holds its blocks' first column (it reads and writes their absmax).
+  static __device__ __forceinline__ bool first() { return threadIdx.x % kLanes == 0; }
+  // The tile column of the lane's quad q in a 128-column row (update_tile's passes).
+  static __host__ __device__ constexpr int column(int lane16, int q) {
+    return kPaired ? FORGE_INT8_BLOCK * (lane16 / 8) + 32 * q + kQuad * (lane16 % 8)
+                   : FORGE_INT8_BLOCK * q + kQuad * lane16;
+  }
+};
+
+template <int kNumStates, int kPerState, int kLanes>
 __device__ __forceinline__ int lane_block() {
-  constexpr int kBlocks = kNumStates * kQ;
-  static_assert(kBlocks >= 1 && kBlocks <= kGroupLanes && (kBlocks & (kBlocks - 1)) == 0,
+  constexpr int kBlocks = kNumStates * kPerState;
+  static_assert(kBlocks >= 1 && kBlocks <= kLanes && (kBlocks & (kBlocks - 1)) == 0,
                 "a power of two of blocks, at most one per lane");
-  return static_cast<int>(threadIdx.x % kGroupLanes) / (kGroupLanes / kBlocks);
+  return static_cast<int>(threadIdx.x % kLanes) / (kLanes / kBlocks);
 }
 
-// The largest of each block's values over the half-warp, scattered: m[b] is this lane's
+// The largest of each block's values over the kLanes lanes, scattered: m[b] is this lane's
 // partial maximum of block b; the result is block lane_block()'s maximum. A butterfly whose
 // first steps exchange half of the remaining blocks (the lane keeps the half its bit selects)
-// and whose last steps reduce the one left: for 4 blocks, 5 shuffles and 5 max instead of 16
-// of each (group_max per block).
+// and whose last steps reduce the one left: for 4 blocks over 16 lanes, 5 shuffles and 5 max
+// instead of 16 of each (group_max per block).
 // NOTE: fmaxf drops NaN operands and is exact on magnitudes, so the order of the maxima does
 // not change the result (group_max's note).
-template <int kBlocks>
+template <int kBlocks, int kLanes>
 __device__ __forceinline__ float group_max_scatter(float (&m)[kBlocks]) {
-  static_assert(kBlocks >= 1 && kBlocks <= kGroupLanes && (kBlocks & (kBlocks - 1)) == 0,
+  static_assert(kBlocks >= 1 && kBlocks <= kLanes && (kBlocks & (kBlocks - 1)) == 0,
                 "a power of two of blocks");
   int count = kBlocks;
 #pragma unroll
-  for (int offset = kGroupLanes / 2; offset > 0; offset >>= 1) {
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
     const int half = count > 1 ? count / 2 : 1;
     const bool upper = (threadIdx.x & offset) != 0;
 #pragma unroll
@@ -673,15 +728,15 @@ __device__ __forceinline__ float fp8_lane_factor(float absmax, int state) {
 }
 
 // Every block's value of the pass from the lanes that hold it (lane_block).
-template <int kNumStates, int kQ>
-__device__ __forceinline__ void gather_blocks(float own, float (&all)[kNumStates][kQ]) {
-  constexpr int kRun = kGroupLanes / (kNumStates * kQ);  // lanes per block
-  const int half = static_cast<int>(threadIdx.x & kGroupLanes);
+template <int kNumStates, int kPerState, int kLanes>
+__device__ __forceinline__ void gather_blocks(float own, float (&all)[kNumStates][kPerState]) {
+  constexpr int kRun = kLanes / (kNumStates * kPerState);  // lanes per block
+  const int group = static_cast<int>(threadIdx.x & (32u - kLanes));
 #pragma unroll
   for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-    for (int q = 0; q < kQ; ++q)
-      all[i][q] = __shfl_sync(0xFFFFFFFFu, own, half | ((i * kQ + q) * kRun));
+    for (int b = 0; b < kPerState; ++b)
+      all[i][b] = __shfl_sync(0xFFFFFFFFu, own, group | ((i * kPerState + b) * kRun));
 }
 
 // formats.h's fp8_decode of a quad's packed codes (byte e: element e) given the block's decode
@@ -1025,76 +1080,93 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
 // NOTE: one warp-uniform branch for "a skipped element in the warp's blocks" around the absmax
 // alone: without one, the warp's blocks run exactly the usual instructions but for the vote
 // and the masked stores' test; the encoder after it is shared by both outcomes.
-template <int kQ, int kNumStates, int kRule, int kSF>
+// kPaired: the batch's layout (QuadBlocks).
+template <int kQ, int kNumStates, int kRule, int kSF, bool kPaired = false>
 __device__ __forceinline__ void store_block_states(const ParamView& p, const int64_t (&row)[kQ],
                                                    const int64_t (&col)[kQ],
                                                    const int64_t (&idx)[kQ], const int (&n)[kQ],
                                                    const bool (&vec)[kQ],
-                                                   const unsigned (&keep)[kQ], int lane16,
+                                                   const unsigned (&keep)[kQ],
                                                    const float (&s)[FORGE_MAX_STATES][kQ][kQuad]) {
   static_assert(is_block_format(kSF), "int8 or fp8 states");
   constexpr bool kFp8 = kSF == FORGE_STATE_FP8_BLOCK64;
-  float amax[kNumStates][kQ];
+  using Blocks = QuadBlocks<kPaired, kQ>;
+  constexpr int kPerState = Blocks::kPerState, kLanes = Blocks::kLanes;
+  float amax[kNumStates][kPerState];  // the lane's blocks' absmax
   unsigned code_keep[kNumStates][kQ];
   unsigned any_keep = 0u;
 #pragma unroll
   for (int q = 0; q < kQ; ++q) any_keep |= keep[q];
   const bool kept = __any_sync(0xFFFFFFFFu, any_keep != 0u);  // uniform over the warp
-  const int block = lane_block<kNumStates, kQ>();
+  const int block = lane_block<kNumStates, kPerState, kLanes>();
   float own;  // the absmax of the lane's block
   if (kept) {
 #pragma unroll
-    for (int i = 0; i < kNumStates; ++i)
+    for (int i = 0; i < kNumStates; ++i) {
+      if constexpr (kPaired) {
+        amax[i][0] = kept_block_absmax<kLanes, kQ>(
+            &p.absmax[i][row[0] * p.blocks_per_row + col[0] / FORGE_INT8_BLOCK], n, keep,
+            Blocks::first(), kFp8, s[i], code_keep[i]);
+      } else {
 #pragma unroll
-      for (int q = 0; q < kQ; ++q)
-        amax[i][q] = kept_block_absmax(
-            &p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK], n[q], keep[q],
-            lane16, kFp8, s[i][q], code_keep[i][q]);
+        for (int q = 0; q < kQ; ++q)
+          amax[i][q] = kept_block_absmax(
+              &p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK], n[q],
+              keep[q], static_cast<int>(threadIdx.x % kGroupLanes), kFp8, s[i][q],
+              code_keep[i][q]);
+      }
+    }
     own = amax[0][0];
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-      for (int q = 0; q < kQ; ++q)
-        if (block == i * kQ + q) own = amax[i][q];
+      for (int b = 0; b < kPerState; ++b)
+        if (block == i * kPerState + b) own = amax[i][b];
   } else {
-    float m[kNumStates * kQ];  // block i·kQ + q: this lane's largest magnitude
+    float m[kNumStates * kPerState];  // block i·kPerState + b: this lane's largest magnitude
 #pragma unroll
-    for (int i = 0; i < kNumStates; ++i)
+    for (int i = 0; i < kNumStates; ++i) {
+#pragma unroll
+      for (int b = 0; b < kPerState; ++b) m[i * kPerState + b] = 0.0f;
 #pragma unroll
       for (int q = 0; q < kQ; ++q) {
-        float v = 0.0f;
+        float& v = m[i * kPerState + Blocks::of(q)];
 #pragma unroll
         for (int e = 0; e < kQuad; ++e)
           if (e < n[q]) v = fmaxf(v, fabsf(s[i][q][e]));
-        m[i * kQ + q] = v;
         code_keep[i][q] = 0u;
       }
-    own = group_max_scatter<kNumStates * kQ>(m);
+    }
+    own = group_max_scatter<kNumStates * kPerState, kLanes>(m);
     if constexpr (kFp8) own = fp8_block_absmax(own);
-    gather_blocks<kNumStates, kQ>(own, amax);
+    gather_blocks<kNumStates, kPerState, kLanes>(own, amax);
   }
   uint32_t codes[kNumStates][kQ];  // byte e: element e's code
   if constexpr (kFp8) {
-    // the absmax is the same in every lane of the half-warp: one encode factor per lane
-    float factor[kNumStates][kQ];
-    gather_blocks<kNumStates, kQ>(
-        fp8_lane_factor<false, kRule, kNumStates>(own, block / kQ), factor);
+    // the absmax is the same in every lane of the block: one encode factor per lane
+    float factor[kNumStates][kPerState];
+    gather_blocks<kNumStates, kPerState, kLanes>(
+        fp8_lane_factor<false, kRule, kNumStates>(own, block / kPerState), factor);
     // NOTE: where no element of the warp was skipped, no value whose code is stored is NaN
     // (every one is a result apply_rule accepted), so the codes skip the signs' permutes.
     if (kept) {
 #pragma unroll
       for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-        for (int q = 0; q < kQ; ++q)
-          codes[i][q] = fp8_quad_codes(s[i][q], factor[i][q], amax[i][q] >= kFp8MinAbsmax,
+        for (int q = 0; q < kQ; ++q) {
+          const int b = Blocks::of(q);
+          codes[i][q] = fp8_quad_codes(s[i][q], factor[i][b], amax[i][b] >= kFp8MinAbsmax,
                                        spec_state_signed(kRule, i));
+        }
     } else {
 #pragma unroll
       for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-        for (int q = 0; q < kQ; ++q)
-          codes[i][q] = fp8_quad_codes<true>(s[i][q], factor[i][q], amax[i][q] >= kFp8MinAbsmax,
+        for (int q = 0; q < kQ; ++q) {
+          const int b = Blocks::of(q);
+          codes[i][q] = fp8_quad_codes<true>(s[i][q], factor[i][b], amax[i][b] >= kFp8MinAbsmax,
                                              spec_state_signed(kRule, i));
+        }
     }
   } else {
     float ratio[kNumStates][kQ][kQuad];
@@ -1103,14 +1175,15 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
-        fast = fast & int8_quad_ratios(amax[i][q], s[i][q], ratio[i][q]);
+        fast = fast & int8_quad_ratios(amax[i][Blocks::of(q)], s[i][q], ratio[i][q]);
     if (!fast) {
 #pragma unroll
       for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
         for (int q = 0; q < kQ; ++q)
 #pragma unroll
-          for (int e = 0; e < kQuad; ++e) ratio[i][q][e] = fabsf(s[i][q][e]) / amax[i][q];
+          for (int e = 0; e < kQuad; ++e)
+            ratio[i][q][e] = fabsf(s[i][q][e]) / amax[i][Blocks::of(q)];
     }
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
@@ -1119,7 +1192,7 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
         uint8_t c[kQuad];
 #pragma unroll
         for (int e = 0; e < kQuad; ++e)
-          c[e] = int8_encode_ratio(s[i][q][e], ratio[i][q][e], amax[i][q],
+          c[e] = int8_encode_ratio(s[i][q][e], ratio[i][q][e], amax[i][Blocks::of(q)],
                                    spec_state_signed(kRule, i));
         codes[i][q] = pack_codes(c);
       }
@@ -1144,14 +1217,14 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
           store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q], 0u,
                            codes[i][q]);
   }
-  // lane 0 of the group holds the block's first column, so it is in range whenever any
-  // column of the block is
+  // the first lane of the block holds its first column (in quad 0 when paired), so it is in
+  // range whenever any column of the block is
 #pragma unroll
   for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-    for (int q = 0; q < kQ; ++q)
-      if (n[q] > 0 && lane16 == 0)
-        p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK] = amax[i][q];
+    for (int b = 0; b < kPerState; ++b)
+      if (n[b] > 0 && Blocks::first())
+        p.absmax[i][row[b] * p.blocks_per_row + col[b] / FORGE_INT8_BLOCK] = amax[i][b];
 }
 
 // ---- stores of a batch of quads ---------------------------------------------------------------
@@ -1178,13 +1251,13 @@ __device__ __forceinline__ void store_weight_quads(const ParamView& p, int weigh
 
 // Stores the updated weight and states of kQ quads (update_quads' arguments; keep[q]: the
 // skipped elements). kNonNan: the states were checked finite (the FastMath path).
-// kAligned: as update_loaded's.
+// kAligned, kPaired: as update_loaded's.
 // NOTE: the weight always takes the NaN-free conversions (bf16x2_nearest_nonnan,
 // bf16_stochastic_nonnan): every weight this stores is one apply_rule accepted, which is
 // storable, so not NaN (forge.h, "Skipped elements"); a skipped element's or an out-of-range
 // element's value, which may be, is converted but never stored. One conversion path for both
 // outcomes of the block states' batch saves the merge of two (~30 instructions per pass).
-template <int kQ, class Spec, bool kNonNan, bool kAligned = false>
+template <int kQ, class Spec, bool kNonNan, bool kAligned = false, bool kPaired = false>
 __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamView& p,
                                             const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                             const int64_t (&idx)[kQ], const int (&n)[kQ],
@@ -1199,8 +1272,8 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   const bool stochastic = weight_format == FORGE_WEIGHT_BF16_STOCHASTIC ||
                           (num_states > 0 && state_format == FORGE_STATE_BF16_STOCHASTIC);
   if constexpr (is_block_format(kSF) && Spec::kNumStates > 0)
-    store_block_states<kQ, Spec::kNumStates, Spec::kRule, kSF>(p, row, col, idx, n, vec, keep,
-                                                               lane16, s);
+    store_block_states<kQ, Spec::kNumStates, Spec::kRule, kSF, kPaired>(p, row, col, idx, n,
+                                                                         vec, keep, s);
   uint16_t h[kQ][kQuad];  // the bf16 weights' bits (bf16 and master formats)
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
@@ -1252,26 +1325,28 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
 // before it updates the current one, so those loads are in flight during the update, and
 // converts them (unpack) only when it gets to them. Specialized Specs only (formats known at
 // compile time).
-template <class Spec, int kQ>
+template <class Spec, int kQ, bool kPaired = false>
 struct RawQuads {
   static_assert(!Spec::kGeneric, "raw loads need the formats at compile time");
+  using Blocks = QuadBlocks<kPaired, kQ>;
+  static constexpr int kPerState = Blocks::kPerState;
   static constexpr int kWF = Spec::kWeightFormat, kSF = Spec::kStateFormat;
   static constexpr int kNS = Spec::kNumStates > 0 ? Spec::kNumStates : 1;
   static constexpr bool kWeight32 = kWF == FORGE_WEIGHT_FP32 || kWF == FORGE_WEIGHT_BF16_MASTER;
   static constexpr int kStateWords =
       kSF == FORGE_STATE_FP32 ? 4 : is_block_format(kSF) ? 1 : 2;
-  // Absmax words: int8 decodes with every block's absmax; fp8 needs only its lane's block's
-  // (the decode factors are spread over the half-warp: lane_block).
+  // Absmax words: int8 decodes with each of the lane's blocks' absmax; fp8 needs only one
+  // (the decode factors are spread over the block's lanes: lane_block).
   static constexpr bool kFp8 = kSF == FORGE_STATE_FP8_BLOCK64;
   static constexpr int kAbsmaxWords =
-      kSF == FORGE_STATE_INT8_BLOCK64 ? kQ * Spec::kNumStates
+      kSF == FORGE_STATE_INT8_BLOCK64 ? kPerState * Spec::kNumStates
                                       : kFp8 && Spec::kNumStates > 0 ? 1 : 0;
   // Registers one batch holds while in flight.
   static constexpr int kWords =
       kQ * ((kWeight32 ? 4 : 2) + Spec::kNumStates * kStateWords) + kAbsmaxWords;
   uint32_t w[kQ][kWeight32 ? 4 : 2];  // fp32 words or bf16 pairs
   uint32_t s[kNS][kQ][kStateWords];   // fp32 words, bf16 pairs or 4 int8 / fp8 codes
-  float absmax[kNS][kQ];              // int8 only
+  float absmax[kNS][kPerState];       // int8 only: the lane's blocks
   float block_absmax;                 // fp8 only: the absmax of the lane's block (lane_block)
 
   __device__ __forceinline__ void load(const ParamView& p, const int64_t (&row)[kQ],
@@ -1305,8 +1380,10 @@ struct RawQuads {
         } else if constexpr (is_block_format(kSF)) {
           const uint8_t* base = static_cast<const uint8_t*>(p.state[i]);
           s[i][q][0] = *reinterpret_cast<const uint32_t*>(base + idx[q]);
-          if constexpr (!kFp8)
-            absmax[i][q] = p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK];
+          if constexpr (!kFp8) {
+            if (q < kPerState)
+              absmax[i][q] = p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK];
+          }
         } else {
           const uint16_t* base = static_cast<const uint16_t*>(p.state[i]);
           const uint2 v = *reinterpret_cast<const uint2*>(base + idx[q]);
@@ -1315,15 +1392,15 @@ struct RawQuads {
       }
     }
     if constexpr (kFp8 && Spec::kNumStates > 0) {
-      const int block = lane_block<Spec::kNumStates, kQ>();
-      const int state = block / kQ, quad = block % kQ;
+      const int block = lane_block<Spec::kNumStates, kPerState, Blocks::kLanes>();
+      const int state = block / kPerState, quad = block % kPerState;  // quad q holds block q
       const float* base = p.absmax[0];
       int64_t r = row[0], c = col[0];
 #pragma unroll
       for (int i = 1; i < Spec::kNumStates; ++i)
         if (state == i) base = p.absmax[i];
 #pragma unroll
-      for (int q = 1; q < kQ; ++q)
+      for (int q = 1; q < kPerState; ++q)
         if (quad == q) {
           r = row[q];
           c = col[q];
@@ -1336,11 +1413,11 @@ struct RawQuads {
   __device__ __forceinline__ void unpack(float (&wf)[kQ][kQuad],
                                          float (&sf)[FORGE_MAX_STATES][kQ][kQuad]) const {
     // fp8: every block's decode factor first, one per lane (lane_block), then shuffled
-    float factor[kNS][kQ] = {};
+    float factor[kNS][kPerState] = {};
     if constexpr (kFp8 && Spec::kNumStates > 0) {
-      const int block = lane_block<Spec::kNumStates, kQ>();
-      gather_blocks<kNS, kQ>(
-          fp8_lane_factor<true, Spec::kRule, Spec::kNumStates>(block_absmax, block / kQ),
+      const int block = lane_block<Spec::kNumStates, kPerState, Blocks::kLanes>();
+      gather_blocks<kNS, kPerState, Blocks::kLanes>(
+          fp8_lane_factor<true, Spec::kRule, Spec::kNumStates>(block_absmax, block / kPerState),
           factor);
     }
 #pragma unroll
@@ -1357,8 +1434,8 @@ struct RawQuads {
       for (int i = 0; i < FORGE_MAX_STATES; ++i) {
         if constexpr (kSF == FORGE_STATE_FP8_BLOCK64) {
           if (i < Spec::kNumStates) {
-            fp8_quad_values(s[i][q][0], spec_state_signed(Spec::kRule, i), factor[i][q],
-                            sf[i][q]);
+            fp8_quad_values(s[i][q][0], spec_state_signed(Spec::kRule, i),
+                            factor[i][Blocks::of(q)], sf[i][q]);
             continue;
           }
         }
@@ -1371,7 +1448,7 @@ struct RawQuads {
           } else if constexpr (kSF == FORGE_STATE_INT8_BLOCK64) {
             const uint8_t code = static_cast<uint8_t>(s[i][q][0] >> (8 * e));
             const bool is_signed = spec_state_signed(Spec::kRule, i);
-            sf[i][q][e] = int8_decode_fast(code, is_signed) * absmax[i][q];
+            sf[i][q][e] = int8_decode_fast(code, is_signed) * absmax[i][Blocks::of(q)];
           } else {
             sf[i][q][e] = bf16_to_float(static_cast<uint16_t>(s[i][q][e / 2] >> (16 * (e % 2))));
           }
@@ -1398,7 +1475,9 @@ __host__ __device__ constexpr int raw_quads_words() {
 // and fall back to the exact one for the whole batch when it declines.
 // kAligned: every quad's idx % 4 == 0, in range or not (stochastic rounding then hashes once
 // per stream and quad even where vec is a run-time value: QuadDraws).
-template <int kQ, class Spec, class Math = FastMath, bool kAligned = false>
+// kPaired: the quads lie in their blocks as QuadBlocks<true, kQ> says (block states only;
+// update_tile's pipelined passes); otherwise in the classic layout.
+template <int kQ, class Spec, class Math = FastMath, bool kAligned = false, bool kPaired = false>
 __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamView& p,
                                               const int64_t (&row)[kQ], const int64_t (&col)[kQ],
                                               const int64_t (&idx)[kQ], const int (&n)[kQ],
@@ -1406,6 +1485,8 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
                                               const float (&g)[kQ][kQuad], float (&w)[kQ][kQuad],
                                               float (&s)[FORGE_MAX_STATES][kQ][kQuad],
                                               StepTotals& totals) {
+  static_assert(!kPaired || (!Spec::kGeneric && is_block_format(Spec::kStateFormat)),
+                "the paired layout is for specialized block states");
   unsigned keep[kQ];  // bit e of keep[q]: element e of quad q was skipped
   if constexpr (!Spec::kGeneric) {
     RuleScalars r = k;
@@ -1448,8 +1529,8 @@ __device__ __forceinline__ void update_loaded(const RuleScalars& k, const ParamV
           }
         apply_quads_resolved<kQ, Spec>(k, want_sq, n, g, w_new, s_new, keep, totals);
       }
-      store_quads<kQ, Spec, false, kAligned>(k, p, row, col, idx, n, vec, keep, lane16, w_new,
-                                             s_new);
+      store_quads<kQ, Spec, false, kAligned, kPaired>(k, p, row, col, idx, n, vec, keep, lane16,
+                                                      w_new, s_new);
       return;
     } else {
       if (fast) {
