@@ -6,7 +6,9 @@
 // Why a "quad": a thread owns 4 consecutive columns of one row, and the 16 lanes of a
 // half-warp together own one int8 block of 64 columns (FORGE_INT8_BLOCK), so the block's
 // absmax is a 4-step shuffle reduction and every global access is a 4-element vector
-// (16 B fp32, 8 B bf16, 4 B int8) with 16 lanes covering one contiguous row segment.
+// (16 B fp32, 8 B bf16, 4 B int8) with 16 lanes covering one contiguous row segment. The fused
+// kernels' pipelined passes over block states pair a lane's two quads in one block instead,
+// 8 lanes per block (QuadBlocks, "a pass's blocks").
 //
 // Bit-exactness with the CPU (cpu_backend.cpp, update_segment/store_state): same fp32
 // operations in the same order (the library is built with --fmad=false), the same format
