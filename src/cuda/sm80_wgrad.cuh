@@ -408,12 +408,18 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
         next = own.raw;
       }
       // NOTE: unrolled by 2 so that `cur = next` is a register renaming, not 12 moves per
-      // pass (bf16 states: ~3 fewer instructions per element in the SASS). Not with block
-      // states, whose pass is longer (int8's ~4x): 2 copies of it would not sit in the
-      // instruction cache as well. (fp8 unrolled by 2: 68.6 against 70.8 instructions per
-      // element, Llama at T = 512 38.1 against 38.6 ms, but 40.4 against 39.7 with the SR weight:
-      // gpu_check.sh ab, one call.)
-      constexpr int kPassUnroll = is_block_format(Spec::kStateFormat) ? 1 : 2;
+      // pass (bf16 states: ~3 fewer instructions per element in the SASS). Not with int8
+      // states, whose pass is ~3x longer: 2 copies of it would not sit in the instruction cache
+      // as well. fp8 states only with a nearest weight: unrolled, fp8's pass takes 61.8 against
+      // 65.1 instructions per element and Llama at T = 512 35.8 against 36.7 ms, but with the
+      // SR weight 38.4 against 38.2 (gpu_check.sh ab, one call; the classic layout's the same
+      // way: 38.1 / 38.6, SR 40.4 / 39.7).
+      constexpr int kPassUnroll =
+          Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64 ||
+                  (Spec::kStateFormat == FORGE_STATE_FP8_BLOCK64 &&
+                   Spec::kWeightFormat == FORGE_WEIGHT_BF16_STOCHASTIC)
+              ? 1
+              : 2;
       // NOTE: with stochastic rounding, the SR indices' row term (ParamView::sr_index) is
       // stepped per pass like idx0: the update sees a view whose sr_base holds the pass's row
       // term and whose sr_row_extra is 0, so a quad's SR index is its offset plus one add, not
