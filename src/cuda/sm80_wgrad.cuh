@@ -412,8 +412,7 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
       // states, whose pass is ~3x longer: 2 copies of it would not sit in the instruction cache
       // as well. fp8 states only with a nearest weight: unrolled, fp8's pass takes 61.8 against
       // 65.1 instructions per element and Llama at T = 512 35.8 against 36.7 ms, but with the
-      // SR weight 38.4 against 38.2 (gpu_check.sh ab, one call; the classic layout's the same
-      // way: 38.1 / 38.6, SR 40.4 / 39.7).
+      // SR weight 38.4 against 38.2 (gpu_check.sh ab, one call).
       constexpr int kPassUnroll =
           Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64 ||
                   (Spec::kStateFormat == FORGE_STATE_FP8_BLOCK64 &&
@@ -432,8 +431,8 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
       // NOTE: likewise with block states, the absmax arrays' row term: the update and the next
       // pass's loads see views whose absmax pointers sit at their pass's row and whose
       // blocks_per_row is 0, so a block's absmax is a pointer plus the quad's (loop-invariant)
-      // column term, not a 64-bit multiply-add per quad and state (fp8: 573 -> 566
-      // instructions per pass of 8 elements in the classic layout: sass_fastpath.py).
+      // column term, not a 64-bit multiply-add per quad and state (~7 instructions per pass
+      // of 8 elements: sass_fastpath.py).
       constexpr bool kBlockStates =
           is_block_format(Spec::kStateFormat) && Spec::kNumStates > 0;
       constexpr bool kOwnView = kStochastic || kBlockStates;

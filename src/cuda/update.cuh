@@ -960,8 +960,8 @@ __device__ __forceinline__ void apply_quads(const RuleScalars& r, bool want_sq, 
 // gradient, an operand outside FastMath's domain, or a result that is not storable (the weight
 // or a state: NaN, infinite or above the largest bf16, formats.h; the fast path's state
 // conversions take no NaN). The caller then runs apply_quads on the same inputs, which skips
-// the element that is not storable exactly as the CPU does. `r` must have its rule as a compile-time
-// constant.
+// the element that is not storable exactly as the CPU does. `r` must have its rule as a
+// compile-time constant.
 template <int kQ, int kNumStates, class Math = FastMath>
 __device__ __forceinline__ bool apply_quads_fast(const RuleScalars& r, const int (&n)[kQ],
                                                  const float (&g)[kQ][kQuad],
