@@ -158,7 +158,8 @@ if [ "${1:-}" = ab ]; then
   j=0
   for baseline in ${FORGE_AB_BASELINE:-}; do
     j=$((j + 1))
-    label=base$([ "$j" -gt 1 ] && echo "$j")
+    label=base
+    ((j > 1)) && label=base$j
     if [ -x "$baseline/bench/wgrad_bench" ]; then
       runs+=("$baseline/bench/wgrad_bench|$label|default")  # a build tree made beforehand
     else
