@@ -4,6 +4,7 @@
 // fp8 states that track the fp32-state run on least squares, how a block holding a skipped
 // element keeps its absmax and codes, and what forge_state_from_fp32 refuses.
 #include <algorithm>
+#include <cmath>
 
 #include "core/formats.h"
 #include "core/rng.h"
@@ -434,8 +435,9 @@ void expect_adamw_tracks_fp32(forge_state_format sf) {
     loss8 = lsq_run_step(int8, hp, x, w_star, out, in);
     if (step == 1) first = loss32;
     if (step % 25 == 0) {
-      EXPECT_LE(loss8, kLsqInt8LossRatio * loss32) << "step " << step;
-      EXPECT_GE(loss8, loss32 / kLsqInt8LossRatio) << "step " << step;
+      const double progress32 = std::log(first / loss32), progress8 = std::log(first / loss8);
+      EXPECT_GE(progress8, kLsqProgressShare * progress32) << "step " << step;
+      EXPECT_LE(progress8, progress32 / kLsqProgressShare) << "step " << step;
     }
   }
   EXPECT_LE(loss32, first / kLsqMinReduction);

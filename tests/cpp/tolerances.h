@@ -30,13 +30,19 @@ constexpr double kFp8E4m3Rel = 0x1p-4 + 5 * 0x1p-24;
 constexpr double kFp8E5m2Rel = 0x1p-3 + 5 * 0x1p-24;
 constexpr double kFp8FactorRoundings = 5 * 0x1p-24;
 
-// AdamW with int8 states vs fp32 states on a least-squares problem: both must
-// cut the loss by kLsqMinReduction, and the int8 loss must stay within a factor
-// kLsqInt8LossRatio of the fp32 loss at every checkpoint. 4.5% noise on m and v
-// perturbs each update by a few percent; a factor 1.5 is far tighter than the
-// divergence linear int8 shows (100× and more) yet above that noise.
+// AdamW with 1-byte (int8 or fp8) states vs fp32 states on a least-squares problem: both
+// must cut the loss by kLsqMinReduction, and the 1-byte run's progress, ln(first loss /
+// loss), must stay within a factor kLsqProgressShare of the fp32 run's at every checkpoint.
+// Progress, not the loss ratio: the loss falls geometrically, so a run a few percent slower
+// per step ends a growing factor above (1.5× at step 300 for 1 seed in 80 with fp8 states).
+// The states' rounding noise (≤ 4.5 % of m and v for int8, ≤ 6.25 % / 12.5 % for fp8's
+// e4m3 / e5m2) slows each update by a few percent: over 1300 seeds of the test the share
+// ranged 0.931–1.050 (int8) and 0.927–1.039 (fp8), 1st percentile 0.945 / 0.938. 0.85 is
+// far outside that and far above what a broken map gives: a v decoded 2× too large stalls
+// the run (share 0.05 by step 300); linear int8, which ends 100× and more above fp32, has a
+// share near ln 5 / ln 500 ≈ 0.26.
 constexpr double kLsqMinReduction = 100.0;
-constexpr double kLsqInt8LossRatio = 1.5;
+constexpr double kLsqProgressShare = 0.85;
 
 // Σ g² reported by a step (double accumulation, any order) vs a double sum.
 constexpr double kGradSqSumRel = 1e-9;
