@@ -203,10 +203,13 @@ FORGE_HD int int8_nearest_level_direct(float a, int top) {
 // them (1.045, 1.140, 1.243, 1.356, 1.478, 1.612, 1.758, 1.917), so the count is the number
 // below the sixteenth plus one comparison: one table read instead of a search.
 // Word s of the table: bits 0-23 the threshold inside sixteenth s (0x800000, above every
-// fraction, when there is none), bits 24-31 the signed count below it minus (s >> 1), so
-// that (bits(a) >> 20) = 8 (E + 127) + (s >> 1) plus the word's top byte is 8 (E + 127)
-// plus that count. Below level 1 the reference's level is 0 or 1 (its tie rule against
-// level 0 = 0: 1 exactly when a > level_value(1) / 2), at or above 1 it is top.
+// fraction, when there is none), bits 24-31 minus the offset c_s = (the count below it) -
+// (s >> 1), mod 256. Then frac - word, as a signed word, is frac - inside + 2^24 c_s
+// (|c_s| <= 8), whose top byte (>> 24, arithmetic) is c_s - 1 where frac is below the
+// threshold and c_s where it reaches it: the count plus the comparison in one subtraction.
+// With (bits(a) >> 20) = 8 (E + 127) + (s >> 1), the count is (bits(a) >> 20) - 8 (E + 127)
+// + c_s + up. Below level 1 the reference's level is 0 or 1 (its tie rule against level 0 =
+// 0: 1 exactly when a > level_value(1) / 2), at or above 1 it is top.
 
 // Fraction bits of kOct[k], k = 0..8, in units of 2^-23 of [1, 2) (kOct[8] = 2: 2^23).
 FORGE_HD uint32_t int8_octave_fraction_bits(int k) {
@@ -228,7 +231,18 @@ FORGE_HD uint32_t int8_sixteenth_word(int s) {
     else if (t < end) inside = t;  // at most one per sixteenth (test_formats.cpp checks)
   }
   const int offset = below - (s >> 1);
-  return inside | (static_cast<uint32_t>(offset) << 24);
+  return inside | (static_cast<uint32_t>(-offset) << 24);
+}
+
+// The table's level for a's bits: the reference's level for a in [level_value(1), 1], and
+// below level 1 the nearest of the levels continued downwards (<= 1 there: the count only
+// grows with a, and is 1 at level_value(1)). The bits shift as a signed word, so a negative
+// a (-0 included) gives a negative level; a NaN or a > 1 gives some value.
+FORGE_HD int int8_sixteenths_level(float a, int top, const uint32_t* table) {
+  const uint32_t u = float_bits(a);
+  const uint32_t frac = u & 0x7FFFFFu;
+  const int32_t count = static_cast<int32_t>(frac - table[frac >> 19]) >> 24;  // c_s - 1 + up
+  return (static_cast<int32_t>(u) >> 20) + count + (top - 8 * 127 + 1);
 }
 
 // == int8_nearest_level_direct(a, top); `table` holds int8_sixteenth_word(0..15).
@@ -236,15 +250,22 @@ FORGE_HD uint32_t int8_sixteenth_word(int s) {
 // where a lies in [level_value(1), 1), so a NaN or an out-of-range a only reads some word of
 // the table.
 FORGE_HD int int8_nearest_level_sixteenths(float a, int top, const uint32_t* table) {
-  const uint32_t u = float_bits(a);
-  const uint32_t frac = u & 0x7FFFFFu;
-  const uint32_t word = table[frac >> 19];
-  const int reached = static_cast<int>(frac) - static_cast<int>(word & 0xFFFFFFu) >= 0 ? 1 : 0;
-  const int level = static_cast<int>(u >> 20) + (static_cast<int32_t>(word) >> 24) + reached +
-                    (top - 8 * 127);
+  const int level = int8_sixteenths_level(a, top, table);
   const float level1 = int8_level_value_direct(1, top);
   const int low = a > 0.5f * level1 ? 1 : 0;  // 0.5 · level1 is exact: a normal power-of-2 scale
   return a >= 1.0f ? top : (a >= level1 ? level : low);
+}
+
+// == int8_nearest_level_direct(a, top) for a <= 1 (a block's ratio |x| / absmax, the absmax
+// at least |x|; negative values and -0 included), in fewer operations: at a = 1 the table's
+// level is top (frac = 0 is below the first sixteenth's threshold, and no word counts one
+// below it), and under level 1 it is at most 1 and at most 0 below the tie with level 1, so
+// the reference's bottom (1 exactly when a > level_value(1) / 2, else 0) is the larger of the
+// two. A NaN or a > 1 gives some value: callers store no code of one.
+FORGE_HD int int8_nearest_level_unit(float a, int top, const uint32_t* table) {
+  const int level = int8_sixteenths_level(a, top, table);
+  const int low = a > 0.5f * int8_level_value_direct(1, top) ? 1 : 0;
+  return level > low ? level : low;
 }
 
 FORGE_HD float int8_decode(uint8_t code, bool is_signed) {

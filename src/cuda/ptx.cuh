@@ -72,12 +72,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.L2 [%0];\n" ::"l"(p));
 }
 
-// x, through a move the compiler cannot see through (it cannot branch on how x was made).
-__device__ __forceinline__ int opaque(int x) {
-  asm("mov.b32 %0, %0;" : "+r"(x));
-  return x;
-}
-
 // The hardware reciprocal estimate 1/b (approximate, denormals flushed).
 __device__ __forceinline__ float rcp_approx_ftz(float b) {
   float y;
@@ -102,6 +96,16 @@ __device__ __forceinline__ float min_nan(float a, float b) {
 __device__ __forceinline__ float max_nan(float a, float b) {
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Byte e (0, 1) 0xFF where the sign bit of x_e is set, else 0x00 (prmt's sign-replicating
+// selectors, which __byte_perm does not take); bytes 2, 3 are byte 0 of x0.
+__device__ __forceinline__ uint32_t sign_bytes2(float x0, float x1) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, 0x00FB;"
+      : "=r"(r)
+      : "r"(__float_as_uint(x0)), "r"(__float_as_uint(x1)));
   return r;
 }
 

@@ -240,12 +240,6 @@ __device__ __forceinline__ void store_quad_u16(uint16_t* base, int64_t idx, int 
   }
 }
 
-// The 4 code bytes of a quad as one word (byte e: element e).
-__device__ __forceinline__ uint32_t pack_codes(const uint8_t (&c)[kQuad]) {
-  return static_cast<uint32_t>(c[0]) | (static_cast<uint32_t>(c[1]) << 8) |
-         (static_cast<uint32_t>(c[2]) << 16) | (static_cast<uint32_t>(c[3]) << 24);
-}
-
 // Stores element e's code (byte e of `codes`) unless bit e of `keep` is set (a block's skipped
 // element whose code stays: kept_block_absmax).
 __device__ __forceinline__ void store_quad_codes(uint8_t* base, int64_t idx, int n, bool vec,
@@ -341,9 +335,10 @@ __device__ __forceinline__ float kept_block_absmax(const float* old_absmax, int 
 // (what the CPU runs) take ~15 and ~60 integer / select instructions, and on the GPU those
 // made the int8 epilogue ALU-bound (ncu: ALU pipe 72 %, 337 instructions per
 // element against 90 with bf16 states). The device forms read two tables in shared memory:
-//  - the nearest level: formats.h's int8_nearest_level_sixteenths, whose 16-word table gives
-//    the count of tie thresholds below each sixteenth of the mantissa range and the one
-//    inside it (one read and one integer comparison: the level search is ~12 instructions);
+//  - the nearest level: formats.h's int8_nearest_level_sixteenths (int8_nearest_level_unit
+//    for a block's ratios, which are at most 1), whose 16-word table gives the count of tie
+//    thresholds below each sixteenth of the mantissa range and the one inside it (one read
+//    and one subtraction: the level search is ~10 instructions);
 //  - decoding: every code's value (int8_code_table).
 // NOTE: the sixteen words sit in sixteen banks: any pattern of lookups by a warp is one
 // wavefront.
@@ -389,6 +384,11 @@ __device__ __forceinline__ int int8_nearest_level_fast(float a, int top) {
   return int8_nearest_level_sixteenths(a, top, int8_sixteenths_table());
 }
 
+// == int8_nearest_level_direct(a, top) for a <= 1 (formats.h, int8_nearest_level_unit).
+__device__ __forceinline__ int int8_nearest_level_unit_fast(float a, int top) {
+  return int8_nearest_level_unit(a, top, int8_sixteenths_table());
+}
+
 // Whether a kernel instantiated for Spec can touch int8 states (and needs the table).
 template <class Spec>
 constexpr bool int8_table_needed() {
@@ -401,25 +401,38 @@ __device__ __forceinline__ float int8_decode_fast(uint8_t code, bool is_signed) 
   return int8_code_table()[(is_signed ? 0 : 256) + code];
 }
 
-// int8_encode given the ratio a = |x| / absmax (IEEE division) already computed.
-// Branch-free like int8_nearest_level_fast: selects, no early returns.
-__device__ __forceinline__ uint8_t int8_encode_ratio(float x, float a, float absmax,
-                                                     bool is_signed) {
-  int code;
+// The int8 codes of a quad (byte e: int8_encode(x[e], absmax, is_signed)) given the ratios
+// a = |x| / absmax already computed (int8_quad_ratios, or int8_quad_ratios_ieee where it
+// declines the block: 0 where the absmax is not positive) for an absmax >= |x|, so a <= 1:
+// every element whose code a step stores. Another a (a NaN, or above 1 for an element out of
+// range) gives some byte there, and may change the bytes above it, never those below.
+// NOTE: the signs per quad, not per element: three byte permutes give every element's sign
+// as a byte mask, and two logic operations and an add apply them to the four levels at once
+// (~1.5 instructions per element against ~5 with a compare and selects per element).
+__device__ __forceinline__ uint32_t int8_quad_codes(const float (&x)[kQuad],
+                                                    const float (&ratio)[kQuad], bool is_signed) {
+  const int top = is_signed ? kInt8SignedTop : kInt8UnsignedTop;
+  uint32_t levels = 0u;  // byte e: element e's level, in [0, top]
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e)
+    levels |= static_cast<uint32_t>(int8_nearest_level_unit_fast(ratio[e], top)) << (8 * e);
+  // byte e: 0xFF where x[e] is negative (or -0), else 0
+  const uint32_t negative = __byte_perm(sign_bytes2(x[0], x[1]), sign_bytes2(x[2], x[3]), 0x5410u);
   if (is_signed) {
-    const int level = int8_nearest_level_fast(a, kInt8SignedTop);
-    code = level == 0 ? 0 : ((x < 0.0f ? 0x80 : 0) | level);
-  } else {
-    // NOTE: a mask the compiler cannot see through: with `x <= 0 ? 0 : level` it branched
-    // around the level search, one branch region per element again.
-    const int keep = opaque(x > 0.0f ? -1 : 0);
-    code = int8_nearest_level_fast(a, kInt8UnsignedTop) & keep;
+    // A nonzero level takes the sign bit (0x80 | level); level 0 stays code 0, -0 too. Bit 7
+    // of a byte of levels + 0x7F7F7F7F is set exactly where that byte is nonzero (each is at
+    // most 0x7F: no byte carries into the next).
+    return levels | ((levels + 0x7F7F7F7Fu) & negative & 0x80808080u);
   }
-  return static_cast<uint8_t>(absmax > 0.0f ? code : 0);
+  return levels & ~negative;  // x <= 0 encodes as 0 (x = +0 has level 0)
 }
 
+// One element's int8_encode in a block whose absmax is at least |x| (or not positive).
 __device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool is_signed) {
-  return int8_encode_ratio(x, fabsf(x) / absmax, absmax, is_signed);
+  const float v[kQuad] = {x, x, x, x};
+  const float a = absmax > 0.0f ? fabsf(x) / absmax : 0.0f;
+  const float ratio[kQuad] = {a, a, a, a};
+  return static_cast<uint8_t>(int8_quad_codes(v, ratio, is_signed));
 }
 
 // ---- branch-free fast paths that return the reference bits ---------------------------------
@@ -601,6 +614,15 @@ __device__ __forceinline__ bool int8_quad_ratios(float absmax, const float (&v)[
   for (int e = 0; e < kQuad; ++e)
     ratio[e] = FastMath::div_unchecked(fabsf(v[e]) * scale, divisor);
   return fast_div_operand(absmax);
+}
+
+// The ratios where int8_quad_ratios declines the block: the IEEE quotients |v[e]| / absmax,
+// and 0 where the absmax is not positive (zero or NaN; int8_encode gives such a block's
+// elements code 0, and so does int8_quad_codes for a = 0).
+__device__ __forceinline__ void int8_quad_ratios_ieee(float absmax, const float (&v)[kQuad],
+                                                      float (&ratio)[kQuad]) {
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e) ratio[e] = absmax > 0.0f ? fabsf(v[e]) / absmax : 0.0f;
 }
 
 // ---- fp8 block states, bit for bit --------------------------------------------------------------
@@ -903,14 +925,8 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
           codes = fp8_quad_codes(v, factor, amax >= kFp8MinAbsmax, is_signed);
         } else {
           float ratio[kQuad];
-          if (!int8_quad_ratios(amax, v, ratio)) {
-#pragma unroll
-            for (int e = 0; e < kQuad; ++e) ratio[e] = fabsf(v[e]) / amax;
-          }
-          uint8_t c[kQuad];
-#pragma unroll
-          for (int e = 0; e < kQuad; ++e) c[e] = int8_encode_ratio(v[e], ratio[e], amax, is_signed);
-          codes = pack_codes(c);
+          if (!int8_quad_ratios(amax, v, ratio)) int8_quad_ratios_ieee(amax, v, ratio);
+          codes = int8_quad_codes(v, ratio, is_signed);
         }
         store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx, n, vec, code_keep, codes);
         // lane 0 of the group holds the block's first column, so it is in range whenever
@@ -1183,21 +1199,13 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
       for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
         for (int q = 0; q < kQ; ++q)
-#pragma unroll
-          for (int e = 0; e < kQuad; ++e)
-            ratio[i][q][e] = fabsf(s[i][q][e]) / amax[i][Blocks::of(q)];
+          int8_quad_ratios_ieee(amax[i][Blocks::of(q)], s[i][q], ratio[i][q]);
     }
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-      for (int q = 0; q < kQ; ++q) {
-        uint8_t c[kQuad];
-#pragma unroll
-        for (int e = 0; e < kQuad; ++e)
-          c[e] = int8_encode_ratio(s[i][q][e], ratio[i][q][e], amax[i][Blocks::of(q)],
-                                   spec_state_signed(kRule, i));
-        codes[i][q] = pack_codes(c);
-      }
+      for (int q = 0; q < kQ; ++q)
+        codes[i][q] = int8_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i));
   }
   // NOTE: the stores in two copies, the masked ones only for a warp with a skipped element:
   // with one copy every quad's store was a branch of its own (vector or masked bytes), ~6

@@ -114,7 +114,8 @@ TEST(Int8Map, LevelsAreMonotonicAndSelfConsistent) {
 }
 
 // The direct forms the backends run (formats.h: int8_level_value_direct,
-// int8_nearest_level_direct, and the CUDA backend's int8_nearest_level_sixteenths) against
+// int8_nearest_level_direct, and the CUDA backend's int8_nearest_level_sixteenths and, for
+// a <= 1, int8_nearest_level_unit) against
 // the definition. Every level value; every float of the
 // octaves where the maps have their top, their bottom, and one in between (each octave holds
 // the same 8 fractions scaled by a power of two, and the bottom is where the clamp to level 0
@@ -130,10 +131,13 @@ TEST(Int8Map, DirectFormsEqualTheDefinition) {
     ++checked;
     const int want = int8_nearest_level(a, top), got = int8_nearest_level_direct(a, top);
     const int got16 = int8_nearest_level_sixteenths(a, top, sixteenths);
-    if (want != got || want != got16) {
+    // the unit form's domain is a <= 1: elsewhere it stands in for the definition
+    const bool unit_domain = a <= 1.0f;
+    const int got_unit = unit_domain ? int8_nearest_level_unit(a, top, sixteenths) : want;
+    if (want != got || want != got16 || want != got_unit) {
       ADD_FAILURE() << "a = " << a << " (bits 0x" << std::hex << float_bits(a) << std::dec
                     << "), top " << top << ": definition " << want << ", direct " << got
-                    << ", sixteenths " << got16;
+                    << ", sixteenths " << got16 << ", unit " << got_unit;
       return false;
     }
     return true;

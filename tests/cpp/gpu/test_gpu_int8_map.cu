@@ -1,7 +1,9 @@
 // test_gpu_int8_map.cu — the CUDA backend's fast int8 dynamic map (src/cuda/update.cuh:
-// int8_nearest_level_fast, int8_decode_fast, int8_encode_fast) against
-// formats.h's reference functions, run on the device: every code, every float in [0, 2]
-// (all 2^30 + 2^23 bit patterns), special values, and 2^24 random (x, absmax) pairs.
+// int8_nearest_level_fast, int8_nearest_level_unit_fast, int8_decode_fast, int8_encode_fast,
+// int8_quad_ratios / int8_quad_ratios_ieee with int8_quad_codes) against formats.h's
+// reference functions, run on the device: every code, every float in [0, 2] (all 2^30 + 2^23
+// bit patterns; the unit form every one up to 1 and negatives), special values, and 2^24 random
+// (x, absmax) pairs and blocks.
 // Bit for bit; any difference would break CPU/GPU equality of int8 states. The device forms
 // read tables in shared memory (int8_tables_init): each kernel here fills them first, as
 // the library's kernels do.
@@ -36,14 +38,20 @@ __global__ void compare_nearest(uint32_t first, uint32_t count, unsigned long lo
        i += uint64_t(gridDim.x) * blockDim.x) {
     const float a = __uint_as_float(first + static_cast<uint32_t>(i));
     const int tops[2] = {forge::kInt8SignedTop, forge::kInt8UnsignedTop};
-    for (int top : tops)
-      if (forge::int8_nearest_level(a, top) != forge::cuda::int8_nearest_level_fast(a, top)) ++bad;
+    for (int top : tops) {
+      const int want = forge::int8_nearest_level(a, top);
+      if (want != forge::cuda::int8_nearest_level_fast(a, top)) ++bad;
+      // the unit form's domain: a <= 1 (a block's ratios)
+      if (a <= 1.0f && want != forge::cuda::int8_nearest_level_unit_fast(a, top)) ++bad;
+    }
   }
   if (bad) atomicAdd(mismatches, bad);
 }
 
-// Random x (any bit pattern: NaN, infinities, subnormals included) against an absmax that is
-// |x| scaled up a little, or another random bit pattern.
+// Random finite x (any finite bit pattern: subnormals and zeros included; a step stores no
+// code of another) against an absmax that is |x| scaled up a little (infinity where that
+// overflows), or another random bit pattern where it is at least |x| or not positive (zero,
+// negative, NaN): the blocks a step encodes.
 __global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
   forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
   __syncthreads();
@@ -53,6 +61,7 @@ __global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
     const uint32_t r = mix(2 * uint64_t(i) + 1);
     const float absmax = (r & 3) ? fabsf(x) * (1.0f + static_cast<float>(r >> 24) / 64.0f)
                                  : __uint_as_float(r);
+    if (!isfinite(x) || (absmax > 0.0f && absmax < fabsf(x))) continue;
     for (int is_signed = 0; is_signed < 2; ++is_signed)
       if (forge::int8_encode(x, absmax, is_signed != 0) !=
           forge::cuda::int8_encode_fast(x, absmax, is_signed != 0))
@@ -61,11 +70,12 @@ __global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
   if (bad) atomicAdd(mismatches, bad);
 }
 
-// int8_quad_ratios (the fused epilogue's division for int8 encodes): a random absmax over
-// 2^-75..2^70 (and zero, subnormal, infinite), four values |v| <= absmax at log-uniform
-// fractions of it down to 2^-149 (zeros, subnormals and v = ±absmax included). Where the
-// function takes the block, every code must equal int8_encode's. fast[0] counts the blocks it
-// took, so the test can tell that the fast path was exercised.
+// int8_quad_ratios (the fused epilogue's division for int8 encodes) and, where it declines
+// the block, int8_quad_ratios_ieee: a random absmax over 2^-75..2^70 (and zero, subnormal,
+// infinite, NaN), four values |v| <= absmax at log-uniform fractions of it down to 2^-149
+// (zeros, subnormals and v = ±absmax included; of 1 for an infinite or NaN absmax). Every code
+// int8_quad_codes makes from the ratios must equal int8_encode's. fast[0] counts the blocks
+// the fast path took, so the test can tell that both paths were exercised.
 __global__ void compare_quad_ratios(uint32_t count, unsigned long long* mismatches,
                                     unsigned long long* fast) {
   forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
@@ -78,19 +88,24 @@ __global__ void compare_quad_ratios(uint32_t count, unsigned long long* mismatch
       case 0: absmax = 0.0f; break;
       case 1: absmax = __uint_as_float(r >> 9); break;  // subnormal
       case 2: absmax = INFINITY; break;
+      case 3: absmax = __uint_as_float(0x7FC00000u | (r >> 9)); break;  // NaN
       default:  // 2^-75 .. 2^70
         absmax = __uint_as_float(((52u + (r >> 4) % 146u) << 23) |
                                  (mix(6 * uint64_t(i) + 1) & 0x7FFFFFu));
     }
     float v[forge::cuda::kQuad], ratio[forge::cuda::kQuad];
-    block_quad(absmax, 6 * uint64_t(i) + 2, v);
-    if (!forge::cuda::int8_quad_ratios(absmax, v, ratio)) continue;
-    ++took;
-    for (int e = 0; e < forge::cuda::kQuad; ++e)
-      for (int is_signed = 0; is_signed < 2; ++is_signed)
-        if (forge::int8_encode(v[e], absmax, is_signed != 0) !=
-            forge::cuda::int8_encode_ratio(v[e], ratio[e], absmax, is_signed != 0))
-          ++bad;
+    // an infinite or NaN absmax (which no step stores) over finite values, as a stored block's
+    block_quad(isfinite(absmax) ? absmax : 1.0f, 6 * uint64_t(i) + 2, v);
+    if (forge::cuda::int8_quad_ratios(absmax, v, ratio)) {
+      ++took;
+    } else {
+      forge::cuda::int8_quad_ratios_ieee(absmax, v, ratio);
+    }
+    for (int is_signed = 0; is_signed < 2; ++is_signed) {
+      const uint32_t codes = forge::cuda::int8_quad_codes(v, ratio, is_signed != 0);
+      for (int e = 0; e < forge::cuda::kQuad; ++e)
+        if (forge::int8_encode(v[e], absmax, is_signed != 0) != ((codes >> (8 * e)) & 0xFFu)) ++bad;
+    }
   }
   if (bad) atomicAdd(mismatches, bad);
   atomicAdd(fast, took);
@@ -142,8 +157,10 @@ TEST(Int8MapFast, QuadRatiosEncodeLikeTheReference) {
   CUDA_OK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
   CUDA_OK(cudaFree(d));
   EXPECT_EQ(0ull, h[0]);
-  // absmax cases 3..15 of 16, of which the exponents in [2^-62, 2^62) are 124 of 146
+  // absmax cases 4..15 of 16, of which the exponents in [2^-62, 2^62) are 124 of 146; the
+  // other blocks (cases 0..3 and the other exponents) take the IEEE ratios
   EXPECT_GT(h[1], kBlocks / 2) << "the fast path took too few blocks to test it";
+  EXPECT_LT(h[1], kBlocks - kBlocks / 8) << "the IEEE ratios took too few blocks to test them";
 }
 
 }  // namespace
