@@ -19,9 +19,9 @@ The count excludes the fp64 sum-of-squares block and covers loads, stores and lo
 it is what the SASS says, not a device measurement (ncu's thread instructions per element
 also include the main loop, the split-K and the by-products).
 
-int8 states run one pass per loop iteration (the loop is not unrolled for them), and so do fp8
-states beside an SR weight; other formats two. The walk counts the passes by their fast/exact
-splits, except for int8 (forced to one).
+int8 and fp8 states run one pass per loop iteration beside an SR weight (the loop is not
+unrolled there); other specs two. The walk counts the passes by their fast/exact splits, two
+per pass for int8.
 
     python3 bench/sass_fastpath.py build-gpu/libforge.so 2,1,1 2,2,2
 """
@@ -112,8 +112,8 @@ def main() -> int:
             continue
         body = min(candidates, key=lambda c: (c[0], c[1]))[2]
         path, passes, other = walk(body)
-        if s == "3":  # int8 states: one pass per iteration
-            passes = 1
+        if s == "3":  # int8 states: two fast/exact splits per pass
+            passes = max(passes // 2, 1)
         per_element = len(path) / (passes * ELEMENTS_PER_PASS)
         counts = collections.Counter(op(t) for t in path).most_common(8)
         print(f"UpdateSpec<{spec}>: {len(path)} instructions over {passes} pass(es), "
