@@ -408,15 +408,14 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
         next = own.raw;
       }
       // NOTE: unrolled by 2 so that `cur = next` is a register renaming, not 12 moves per
-      // pass (bf16 states: ~3 fewer instructions per element in the SASS). Not with int8
-      // states, whose pass is ~3x longer: 2 copies of it would not sit in the instruction cache
-      // as well. fp8 states only with a nearest weight: unrolled, fp8's pass takes 61.8 against
-      // 65.1 instructions per element and Llama at T = 512 35.8 against 36.7 ms, but with the
-      // SR weight 38.4 against 38.2 (gpu_check.sh ab, one call).
+      // pass (bf16 states: ~3 fewer instructions per element in the SASS). With int8 or fp8
+      // states only beside a nearest weight: unrolled, int8's pass takes 91.1 against 94.2
+      // instructions per element and Llama at T = 512 46.5 against 48.2 ms, fp8's 61.8
+      // against 65.1 and 35.8 against 36.7 ms, but beside the SR weight (a longer pass) both
+      // lose: 48.6 against 48.0 ms, 38.4 against 38.2 (gpu_check.sh ab, one call each).
       constexpr int kPassUnroll =
-          Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64 ||
-                  (Spec::kStateFormat == FORGE_STATE_FP8_BLOCK64 &&
-                   Spec::kWeightFormat == FORGE_WEIGHT_BF16_STOCHASTIC)
+          is_block_format(Spec::kStateFormat) &&
+                  Spec::kWeightFormat == FORGE_WEIGHT_BF16_STOCHASTIC
               ? 1
               : 2;
       // NOTE: with stochastic rounding, the SR indices' row term (ParamView::sr_index) is
