@@ -19,9 +19,9 @@ The count excludes the fp64 sum-of-squares block and covers loads, stores and lo
 it is what the SASS says, not a device measurement (ncu's thread instructions per element
 also include the main loop, the split-K and the by-products).
 
-int8 states run one pass per loop iteration (the loop is not unrolled for them), and so do fp8
-states beside an SR weight; other specs two. The walk counts the passes by their fast/exact
-splits, two per pass for int8.
+int8 and fp8 states beside an SR weight run one pass per loop iteration (the loop is not
+unrolled for them); other specs two. The walk counts the passes by their fast/exact splits,
+two per pass for int8.
 
     python3 bench/sass_fastpath.py build-gpu/libforge.so 2,1,1 2,2,2
 """
