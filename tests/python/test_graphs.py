@@ -317,8 +317,8 @@ def test_bench_cuda_graph_flag_checks(capsys):
     from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cpu", "--cuda-graph"]) == 2
     assert "--cuda-graph" in capsys.readouterr().err
-    assert bench.main(["--models", "tiny", "--cuda-graph", "--profile", "1"]) == 2
-    assert "--profile" in capsys.readouterr().err
+    assert bench.main(["--models", "tiny", "--cuda-graph", "--parity"]) == 2
+    assert "--parity" in capsys.readouterr().err
     rows = [dict(model="tiny", seq=32, ckpt=False, mode="torch-hooks", status="unsupported",
                  note="not captured", graph=True),
             dict(model="tiny", seq=32, ckpt=False, mode="forge-bf16", status="ok", step_ms=1.0,

@@ -576,6 +576,31 @@ def test_bench_profile_on_cuda(tmp_path):
     assert forge_row["profile"]["categories"]["forge wgrad + update"] > 0
 
 
+@requires_cuda
+def test_bench_profile_of_cuda_graph_replays(tmp_path):
+    """--profile with --cuda-graph: the replays' kernels are recorded (FORGE's fused kernels
+    among them), and no phases are timed (a replay is one launch)."""
+    from forge.tools import bench
+    assert bench.main(["--models", "tiny", "--device", "cuda", "--seqs", "32", "--ckpt", "off",
+                       "--modes", "torch-adamw", "forge-bf16", "--cuda-graph", "--profile", "1",
+                       "--out", str(tmp_path)]) == 0
+    name = next(f for f in os.listdir(tmp_path) if f.startswith("forge-bench-")
+                and f.endswith(".json"))
+    with open(tmp_path / name) as f:
+        rows = json.load(f)["results"]
+    for row in rows:
+        assert row["status"] == "ok" and row.get("graph"), row
+        prof = row["profile"]
+        assert prof["kernel_ms"] > 0 and prof["launches"] > 0 and prof["phases"] is None
+    forge_row = next(r for r in rows if r["mode"] == "forge-bf16")
+    assert forge_row["profile"]["categories"]["forge wgrad + update"] > 0
+    torch_row = next(r for r in rows if r["mode"] == "torch-adamw")
+    assert torch_row["profile"]["categories"]["torch optimizer"] > 0
+    markdown = (tmp_path / next(f for f in os.listdir(tmp_path)
+                                if f.startswith("forge-profile-"))).read_text()
+    assert "forge-bf16 (CUDA graph)" in markdown
+
+
 def test_host_overhead_bench_runs():
     """bench/host_overhead.py (a benchmark, not timed here) runs and prints both figures."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",

@@ -443,14 +443,13 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
                params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 2),
                note=note, step_ms_each=[round(t, 1) for t in times],
                host_ms=round(statistics.median(host), 1))
-    if profile > 0 and graph:
-        row["note"] = (row["note"] + "; " if row["note"] else "") + \
-            "not profiled (--profile profiles eager steps)"
-    elif profile > 0:  # after the peak and the times are taken: the profiler perturbs both
+    if profile > 0:  # after the peak and the times are taken: the profiler perturbs both
         from forge.tools.step_profile import profile_steps
-        row["profile"] = profile_steps(lambda: train_step(model, optimizer, tokens, lean),
-                                       profile, device,
-                                       train_phases(model, optimizer, tokens, lean))
+        # A graphed step is one replay: its kernels are profiled, but it has no phases to time
+        # apart (the replay is one launch).
+        row["profile"] = profile_steps(
+            step if graph else lambda: train_step(model, optimizer, tokens, lean), profile,
+            device, None if graph else train_phases(model, optimizer, tokens, lean))
         # The same timed steps once more, after everything the profile ran: says whether the
         # step time drifts within a case (a host whose speed varies between calls does).
         again, again_host, _ = timed(TIMED_STEPS)
@@ -1070,7 +1069,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after each case's timed steps, profile STEPS more with torch.profiler: "
                         "kernel time per step by category and the top kernels "
-                        "(forge-profile-*.md)")
+                        "(forge-profile-*.md); of a -graph mode, its replays' kernels")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="measure every case N times, each group of modes (one model, seq and "
                         "checkpointing) in reverse order every other round; a mode's step "
@@ -1191,9 +1190,9 @@ def main(argv=None) -> int:
             raise BenchError(f"--profile: STEPS must be >= 0, got {args.profile}")
         if args.rounds < 1:
             raise BenchError(f"--rounds: N must be >= 1, got {args.rounds}")
-        if args.cuda_graph and (args.profile or args.parity):
-            raise BenchError("--cuda-graph: not with --profile or --parity (a replay is one "
-                             "launch: the profile's phases and the training runs are eager)")
+        if args.cuda_graph and args.parity:
+            raise BenchError("--cuda-graph: not with --parity (the parity's training runs are "
+                             "eager)")
         if args.summarize:
             return summarize(args.summarize)
         if args.replot:

@@ -1,6 +1,7 @@
 """step_profile.py — where a training step's GPU time goes (forge-bench --profile N).
 
-After a case's timed steps, N more steps run under torch.profiler. The device time of every
+After a case's timed steps, N more steps run under torch.profiler (of a CUDA-graphed case, N
+more replays: the kernels inside them are recorded, the phases are not timed apart). The device time of every
 kernel is summed per step, by category (FORGE's fused weight-gradient + update, FORGE's
 element-wise step, cuBLAS GEMMs, attention, torch's optimizer, the rest) and by kernel. The
 step's wall time minus its kernel time is time the GPU had nothing to run (launch or
@@ -223,13 +224,16 @@ def markdown(info: dict, rows: List[dict]) -> str:
              f"torch {info['torch']}, forge {info['forge']}. Command: `{info['command']}`", "",
              "Per step, from torch.profiler over the profiled steps (after the timed ones). "
              "wall = the case's median step time without the profiler; GPU idle = wall − kernel "
-             "time (the GPU had nothing to run). On a CPU run: operators' self CPU times.", ""]
+             "time (the GPU had nothing to run: within a CUDA graph replay, the gaps between "
+             "its kernels). On a CPU run: operators' self CPU times.", ""]
     for row in rows:
         prof = row.get("profile")
         if not prof:
             continue
         wall = row.get("step_ms")
         title = f"{row['model']} seq {row['seq']}{' ckpt' if row['ckpt'] else ''} {row['mode']}"
+        if row.get("graph") and not row["mode"].endswith("-graph"):
+            title += " (CUDA graph)"
         lines += [f"## {title}", ""]
         if prof["timing"] == "device":
             idle = f", GPU idle {wall - prof['kernel_ms']:.1f} ms" if wall is not None else ""
