@@ -61,19 +61,21 @@ def _row(base: dict, case: str, variant: str, metric: str, value) -> dict:
 
 
 def wgrad_rows(d: dict, base: dict) -> Iterable[dict]:
-    """bench/wgrad_bench's bench.json."""
+    """bench/wgrad_bench's bench.json. A --run-scalars run's variants (the kernels of a CUDA
+    graph's step) are their own: "<variant> (run scalars)"."""
     base = dict(base, benchmark="wgrad")
+    suffix = " (run scalars)" if "--run-scalars" in d.get("command", "").split() else ""
     for r in d["results"]:
         case = f"{r['layer']} T={r['T']}"
         if "ms" in r:
-            yield _row(base, case, r["variant"], "ms", r["ms"])
+            yield _row(base, case, r["variant"] + suffix, "ms", r["ms"])
         elif "value" in r:
-            yield _row(base, case, r["variant"], "value", r["value"])
+            yield _row(base, case, r["variant"] + suffix, "value", r["value"])
     for tokens, totals in d.get("model_totals_ms", {}).items():
         for variant, ms in totals.items():
-            yield _row(base, f"llama-3.1-8b linears T={tokens}", variant, "ms", ms)
+            yield _row(base, f"llama-3.1-8b linears T={tokens}", variant + suffix, "ms", ms)
     for variant, ms in d.get("elementwise_embedding_ms", {}).items():
-        yield _row(base, "elementwise 128256x4096", variant, "ms", ms)
+        yield _row(base, "elementwise 128256x4096", variant + suffix, "ms", ms)
 
 
 def torch_unfused_rows(d: dict, base: dict) -> Iterable[dict]:

@@ -13,7 +13,8 @@
 // [128256, 4096] against the unfused AdamW pass of (c).
 //
 // --profile launches a few kernels for Nsight Compute instead (see main()); --host-cost times
-// the host side of one call.
+// the host side of one call; --run-scalars runs every AdamW step with its scalars in device
+// memory (forge_hparams.run_scalars: the kernels a CUDA graph's step runs).
 //
 // Timing: CUDA events around each call, the L2 flushed (a 256 MiB memset) before each,
 // median of --iters (default 30) after 5 warm-ups, the variants of one (layer, T) interleaved
@@ -507,6 +508,10 @@ int main(int argc, char** argv) {
   // runs right after gate_proj's T = 4096 cases, against 0.247 with --quick:
   // this order says whether its place in the run is the cause.
   bool reverse_shapes = false;
+  // --run-scalars: every AdamW step (fused and element-wise) reads its scalars from a device
+  // buffer (forge_hparams.run_scalars, filled once: the hyper-parameters differ in step only),
+  // as the steps of a captured CUDA graph do: the kRunScalars kernels.
+  bool run_scalars = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_dir = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::max(20, std::atoi(argv[++i]));
@@ -529,9 +534,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--trace")) trace = true;
     else if (!std::strcmp(argv[i], "--host-cost")) host_cost = true;
     else if (!std::strcmp(argv[i], "--reverse-shapes")) reverse_shapes = true;
+    else if (!std::strcmp(argv[i], "--run-scalars")) run_scalars = true;
     else {
       std::fprintf(stderr, "unknown argument %s (--out DIR, --iters N, --quick, --tokens LIST, --profile, --trace, "
-                   "--host-cost, --reverse-shapes)\n", argv[i]);
+                   "--host-cost, --reverse-shapes, --run-scalars)\n", argv[i]);
       return 2;
     }
   }
@@ -561,6 +567,13 @@ int main(int argc, char** argv) {
   CHECK_FORGE(forge_hparams_default(FORGE_RULE_SGD, &sgd));
   sgd.lr = 1.0;
   sgd.weight_decay = 0.0;
+  DevMem run_buffer(FORGE_RUN_SCALARS_BYTES);
+  if (run_scalars) {
+    unsigned char filled[FORGE_RUN_SCALARS_BYTES];
+    CHECK_FORGE(forge_run_scalars_fill(&adamw, filled, sizeof(filled)));
+    CHECK_CUDA(cudaMemcpy(run_buffer.p, filled, sizeof(filled), cudaMemcpyHostToDevice));
+    adamw.run_scalars = run_buffer.p;
+  }
 
   std::vector<Result> results;
   if (host_cost) {
@@ -937,7 +950,9 @@ int main(int argc, char** argv) {
   md += "- median of " + std::to_string(iters) + " after " + std::to_string(kWarmup) +
         " warm-ups, L2 flushed before each call, the variants of a row interleaved call by call; bf16 inputs, bf16 W, AdamW\n";
   md += "- TFLOP/s = 2·out·in·T / t; GB/s = (T·(out + in)·2 B + bytes per parameter × out·in) / t\n";
-  md += "- epilogue-only = the fused step at T = 32 (GEMM negligible): AdamW bf16 states / SGD, no states\n\n";
+  md += "- epilogue-only = the fused step at T = 32 (GEMM negligible): AdamW bf16 states / SGD, no states\n";
+  if (run_scalars) md += "- --run-scalars: every AdamW step read its scalars from device memory (a CUDA graph's kernels)\n";
+  md += "\n";
   md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | fused bf16 SR W + int8 states ms (the same, int8) | fused bf16 SR W + fp8 states ms | epilogue-only ms AdamW / SGD | dW check |\n";
   md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   std::string json = "{\n  \"date\": \"" + std::string(date) + "\",\n  \"gpu\": \"" + prop.name +

@@ -1,0 +1,40 @@
+"""bench/record.py: benchmark JSON into rows of the results table."""
+import importlib.util
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_record():
+    path = os.path.join(HERE, "..", "..", "bench", "record.py")
+    spec = importlib.util.spec_from_file_location("forge_bench_record", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def wgrad_json(tmp_path, command: str) -> str:
+    d = {"date": "2026-12-04 15:00 UTC", "gpu": "NVIDIA H200", "sms": 132, "command": command,
+         "iters": 30,
+         "results": [{"layer": "q_proj/o_proj", "out": 4096, "in": 4096, "T": 512,
+                      "variant": "fused_bf16_sr", "ms": 0.086, "tflops": 200.0, "gbps": 2500.0}],
+         "model_totals_ms": {"512": {"fused_bf16_sr": 35.4}},
+         "elementwise_embedding_ms": {"bf16_sr": 2.09}}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_wgrad_run_scalars_rows_are_their_own_variants(tmp_path):
+    """A --run-scalars run (the kernels of a CUDA graph's step) must not replace the launch
+    scalars' figures in the rendered tables: its variants carry " (run scalars)"."""
+    record = load_record()
+    plain = record.rows_of(wgrad_json(tmp_path, "wgrad_bench --quick"), "abc1234")
+    run = record.rows_of(wgrad_json(tmp_path, "wgrad_bench --quick --run-scalars"), "abc1234")
+    assert sorted(r["variant"] for r in plain) == ["bf16_sr", "fused_bf16_sr", "fused_bf16_sr"]
+    assert sorted(r["variant"] for r in run) == ["bf16_sr (run scalars)",
+                                                 "fused_bf16_sr (run scalars)",
+                                                 "fused_bf16_sr (run scalars)"]
+    assert [r["value"] for r in plain] == [r["value"] for r in run]
+    assert all(r["commit"] == "abc1234" and r["benchmark"] == "wgrad" for r in plain + run)
