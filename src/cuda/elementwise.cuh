@@ -198,7 +198,8 @@ __device__ __forceinline__ void elementwise_body(const void* grad, int grad_dtyp
 // run_k: the step's scalars in device memory, for a kRunScalars Spec (CUDA graphs); k then
 // only holds what chose the kernel, and run_key is run_scalars_key() of the call's
 // hyper-parameters: the launch writes nothing unless run_k's tag matches them
-// (run_scalars_refused). Otherwise unused.
+// (run_scalars_refused), and reads the scalars from the CTA's copy of what it checked.
+// Otherwise unused.
 template <class Spec, int kQ>
 __global__ void __launch_bounds__(kElementwiseThreads, 2)
     elementwise_kernel(const void* grad, int grad_dtype, bool grad_vec, bool flat,
@@ -209,8 +210,8 @@ __global__ void __launch_bounds__(kElementwiseThreads, 2)
     if (run_scalars_refused(run_k, k.rule, k.num_states, run_key, p.rows * p.cols,
                             nonfinite_count))
       return;
-    elementwise_body<Spec, kQ>(grad, grad_dtype, grad_vec, flat, p, *run_k, grad_sq_sum,
-                               nonfinite_count);
+    elementwise_body<Spec, kQ>(grad, grad_dtype, grad_vec, flat, p, run_scalars_copy(),
+                               grad_sq_sum, nonfinite_count);
   } else {
     elementwise_body<Spec, kQ>(grad, grad_dtype, grad_vec, flat, p, k, grad_sq_sum,
                                nonfinite_count);

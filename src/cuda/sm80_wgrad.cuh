@@ -102,11 +102,12 @@ struct WgradParams {
   uint64_t run_key;
 };
 
-// The RuleScalars the update of a Spec uses: the launch's own, or a.run_k's (kRunScalars).
+// The RuleScalars the update of a Spec uses: the launch's own, or the CTA's copy of a.run_k's
+// (kRunScalars; run_scalars_refused made it).
 template <class Spec>
 __device__ __forceinline__ const RuleScalars& scalars_of(const WgradParams& a) {
   if constexpr (Spec::kRunScalars) {
-    return *a.run_k;
+    return run_scalars_copy();
   } else {
     return a.k;
   }
