@@ -24,6 +24,11 @@ unrolled for them); other specs two. The walk counts the passes by their fast/ex
 two per pass for int8.
 
     python3 bench/sass_fastpath.py build-gpu/libforge.so 2,1,1 2,2,2
+    python3 bench/sass_fastpath.py build-gpu/libforge.so 2,2,2 --run-scalars
+
+--run-scalars walks the run-scalars twins instead (UpdateSpec<..., true>: the kernels a CUDA
+graph's step runs, reading the step's scalars from device memory). Each line also counts the
+walk's loads (LDG global, LDS shared): scalars reloaded in the loop show up there.
 """
 import collections
 import re
@@ -88,18 +93,21 @@ def walk(body):
 
 
 def main() -> int:
-    if len(sys.argv) < 3:
+    args = [a for a in sys.argv[1:] if a != "--run-scalars"]
+    run_scalars = len(args) < len(sys.argv) - 1
+    if len(args) < 2:
         print(__doc__)
         return 2
-    sass = subprocess.run(["cuobjdump", "-sass", sys.argv[1]], capture_output=True, text=True,
+    sass = subprocess.run(["cuobjdump", "-sass", args[0]], capture_output=True, text=True,
                           check=True).stdout
-    for spec in sys.argv[2:]:
+    for spec in args[1:]:
         r, w, s = spec.split(",")
-        # UpdateSpec<rule, weight, state, run scalars = false> (the launch's own scalars)
-        key = f"wgrad_wgmma_kernelILb0ENS0_10UpdateSpecILi{r}ELi{w}ELi{s}ELb0EEE"
+        # UpdateSpec<rule, weight, state, run scalars> (false: the launch's own scalars)
+        key = (f"wgrad_wgmma_kernelILb0ENS0_10UpdateSpecILi{r}ELi{w}ELi{s}"
+               f"ELb{int(run_scalars)}EEE")
         found = [rows for name, rows in functions(sass) if key in name]
         if not found:
-            print(f"{spec}: no wgrad_wgmma_kernel for UpdateSpec<{spec}> in {sys.argv[1]}")
+            print(f"{spec}: no wgrad_wgmma_kernel for UpdateSpec<{spec}> in {args[0]}")
             continue
         # (one function per architecture of the build: every pass but sm_90a has a stub)
         candidates = []
@@ -115,9 +123,12 @@ def main() -> int:
         if s == "3":  # int8 states: two fast/exact splits per pass
             passes = max(passes // 2, 1)
         per_element = len(path) / (passes * ELEMENTS_PER_PASS)
-        counts = collections.Counter(op(t) for t in path).most_common(8)
-        print(f"UpdateSpec<{spec}>: {len(path)} instructions over {passes} pass(es), "
-              f"{per_element:.1f} per element; top opcodes {dict(counts)}")
+        ops = collections.Counter(op(t) for t in path)
+        counts = ops.most_common(8)
+        name = f"UpdateSpec<{spec}{', run scalars' if run_scalars else ''}>"
+        print(f"{name}: {len(path)} instructions over {passes} pass(es), "
+              f"{per_element:.1f} per element, loads {ops['LDG']} LDG / {ops['LDS']} LDS; "
+              f"top opcodes {dict(counts)}")
         for line in other:
             print("  fell through:", line)
     return 0

@@ -554,17 +554,23 @@ def test_bench_profile_on_cpu(tmp_path):
     assert "timed again after the profile" in markdown
 
 
-@requires_cuda
-def test_bench_profile_on_cuda(tmp_path):
-    """--profile's GPU side: kernel times, runtime calls, phases timed with events, peaks."""
+def profiled_tiny_rows_on_cuda(tmp_path, *extra: str) -> list:
+    """forge-bench --profile 1 of torch-adamw and forge-bf16 on the tiny model on CUDA (with
+    `extra` arguments): the JSON's rows."""
     from forge.tools import bench
     assert bench.main(["--models", "tiny", "--device", "cuda", "--seqs", "32", "--ckpt", "off",
-                       "--modes", "torch-adamw", "forge-bf16", "--profile", "1",
+                       "--modes", "torch-adamw", "forge-bf16", "--profile", "1", *extra,
                        "--out", str(tmp_path)]) == 0
     name = next(f for f in os.listdir(tmp_path) if f.startswith("forge-bench-")
                 and f.endswith(".json"))
     with open(tmp_path / name) as f:
-        rows = json.load(f)["results"]
+        return json.load(f)["results"]
+
+
+@requires_cuda
+def test_bench_profile_on_cuda(tmp_path):
+    """--profile's GPU side: kernel times, runtime calls, phases timed with events, peaks."""
+    rows = profiled_tiny_rows_on_cuda(tmp_path)
     for row in rows:
         prof = row["profile"]
         assert prof["timing"] == "device" and prof["kernel_ms"] > 0 and prof["launches"] > 0
@@ -580,14 +586,7 @@ def test_bench_profile_on_cuda(tmp_path):
 def test_bench_profile_of_cuda_graph_replays(tmp_path):
     """--profile with --cuda-graph: the replays' kernels are recorded (FORGE's fused kernels
     among them), and no phases are timed (a replay is one launch)."""
-    from forge.tools import bench
-    assert bench.main(["--models", "tiny", "--device", "cuda", "--seqs", "32", "--ckpt", "off",
-                       "--modes", "torch-adamw", "forge-bf16", "--cuda-graph", "--profile", "1",
-                       "--out", str(tmp_path)]) == 0
-    name = next(f for f in os.listdir(tmp_path) if f.startswith("forge-bench-")
-                and f.endswith(".json"))
-    with open(tmp_path / name) as f:
-        rows = json.load(f)["results"]
+    rows = profiled_tiny_rows_on_cuda(tmp_path, "--cuda-graph")
     for row in rows:
         assert row["status"] == "ok" and row.get("graph"), row
         prof = row["profile"]
