@@ -1,8 +1,9 @@
 """dist_worker.py — what each process of test_distributed.py runs (gloo, CPU backend).
 
-run(rank, world, out_dir, job) initializes the process group, runs job's checks and writes
+run(rank, world, out_dir, jobs) initializes the process group, runs the jobs' checks and writes
 one JSON file per rank into out_dir: {"ok": bool, "error": str | None, "measured": {...}}.
-The test process reads the files and asserts; every check that can fail here raises.
+The test process reads the files and asserts; every check that can fail here raises. Each
+rank's stderr goes to rank<r>.log there, which the test prints if a rank dies.
 
 Model: a small Llama-style decoder (embedding, RMSNorm, attention q/k/v/o, SwiGLU gate/up/down,
 final norm, untied head), written so that tensor parallel only shards heads and features:
@@ -12,6 +13,8 @@ the attention works on whatever heads this rank holds. Dimensions are multiples 
 from __future__ import annotations
 
 import copy
+import datetime
+import faulthandler
 import json
 import math
 import os
@@ -27,6 +30,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 VOCAB, HEADS, SEQ, BATCH, LAYERS = 128, 4, 8, 4, 1
+COLLECTIVE_TIMEOUT_S = 300  # a whole spawn takes 10-30 s on 2 busy cores
 DIM, FFN = 128, 256  # set_dims: 256, 512 where int8 column shards of 4 ranks need 64 columns
 
 
@@ -348,6 +352,12 @@ JOBS = {"tp": job_tp, "fsdp": job_fsdp, "ddp": job_ddp, "dcp_save": job_dcp_save
 
 
 def run(rank: int, world: int, out_dir: str, port: int, jobs) -> None:
+    # This rank's stderr (native messages too: gloo's, a C++ "terminate called ...") and, on a
+    # fatal signal, every thread's Python stack go to rank<r>.log, which the test prints when a
+    # process dies without writing its JSON; the job lines there say which job it was in.
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w", buffering=1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -355,9 +365,14 @@ def run(rank: int, world: int, out_dir: str, port: int, jobs) -> None:
     result = {"ok": True, "error": None, "measured": {}}
     try:
         if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
+            # (a rank that fails leaves the others waiting in a collective: they fail after
+            # this, not after gloo's default half hour)
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         for name, args in jobs:
+            print(f"job {name}: start", file=log)
             result["measured"][name] = JOBS[name](rank, world, args)
+            print(f"job {name}: done", file=log)
     except Exception:
         result = {"ok": False, "error": traceback.format_exc(), "measured": result["measured"]}
     finally:
@@ -365,3 +380,4 @@ def run(rank: int, world: int, out_dir: str, port: int, jobs) -> None:
             dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, default=str)
+    print("results written", file=log)

@@ -48,9 +48,15 @@ def spawn(world: int, jobs, tmp_path):
     """Runs `jobs` on `world` processes; returns rank 0's measurements (every rank must
     have succeeded)."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
     out = tmp_path / f"world{world}"
     out.mkdir(exist_ok=True)
-    mp.spawn(dist_worker.run, args=(world, str(out), _free_port(), jobs), nprocs=world)
+    try:
+        mp.spawn(dist_worker.run, args=(world, str(out), _free_port(), jobs), nprocs=world)
+    except ProcessException as e:  # a rank died (a signal, an exit code): say where
+        logs = "".join(f"\n--- rank {r}: the end of {log.name} ---\n{log.read_text()[-4000:]}"
+                       for r in range(world) if (log := out / f"rank{r}.log").exists())
+        raise AssertionError(f"{world} ranks: {e}{logs}") from e
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for r, result in enumerate(results):
         assert result["ok"], f"rank {r}:\n{result['error']}"
