@@ -343,16 +343,7 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
     if ckpt:
         from forge.tools.models import enable_activation_checkpointing
         enable_activation_checkpointing(model)
-    if mode in LEAN_MODES:
-        from forge.lean import enable_lean_activations
-        if not any(enable_lean_activations(model).values()):
-            raise BenchError(f"{mode}: model {model_name} has nothing forge.lean recomputes")
-    if mode in HEAD_MODES:
-        import forge.loss
-        try:
-            forge.loss.enable_fused_head(model)
-        except ValueError as e:
-            raise BenchError(f"{mode}: {e}") from None
+    prepare_model(model, model_name, mode)
     n_params = sum(p.numel() for p in model.parameters())
     if _PARALLEL is not None:
         from forge.tools import parallel
@@ -370,6 +361,21 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
     finally:
         if isinstance(optimizer, OptimizerInBackward):
             optimizer.close()
+
+
+def prepare_model(model, model_name: str, mode: str) -> None:
+    """What the mode changes in the model before its optimizer is made: forge.lean's
+    activations (LEAN_MODES), the fused head (HEAD_MODES)."""
+    if mode in LEAN_MODES:
+        from forge.lean import enable_lean_activations
+        if not any(enable_lean_activations(model).values()):
+            raise BenchError(f"{mode}: model {model_name} has nothing forge.lean recomputes")
+    if mode in HEAD_MODES:
+        import forge.loss
+        try:
+            forge.loss.enable_fused_head(model)
+        except ValueError as e:
+            raise BenchError(f"{mode}: {e}") from None
 
 
 def train_step(model, optimizer, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
