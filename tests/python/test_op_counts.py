@@ -1,20 +1,15 @@
 """bench/op_counts.py: one step's operations per phase, one mode against another."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import bench_scripts
+
 pytest.importorskip("transformers")  # the narrow model is a transformers Llama
 
 
 def load_op_counts():
-    path = os.path.join(HERE, "..", "..", "bench", "op_counts.py")
-    spec = importlib.util.spec_from_file_location("forge_bench_op_counts", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("op_counts")
 
 
 def test_same_mode_twice_differs_nowhere(tmp_path, capsys):

@@ -1,17 +1,11 @@
 """bench/record.py: benchmark JSON into rows of the results table."""
-import importlib.util
 import json
-import os
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import bench_scripts
 
 
 def load_record():
-    path = os.path.join(HERE, "..", "..", "bench", "record.py")
-    spec = importlib.util.spec_from_file_location("forge_bench_record", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("record")
 
 
 def wgrad_json(tmp_path, command: str) -> str:
