@@ -40,7 +40,8 @@ NARROW = dict(hidden_size=128, intermediate_size=448, num_attention_heads=4, voc
 def narrow_config(name: str) -> str:
     """Registers MODEL_CONFIGS[name] with NARROW's widths as "<name>-narrow"; returns its name."""
     cfg = dict(bench.MODEL_CONFIGS[name])
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
     cfg.update(NARROW, num_key_value_heads=max(1, NARROW["num_attention_heads"] * kv // heads))
     if "head_dim" in cfg:
         cfg["head_dim"] = NARROW["hidden_size"] // NARROW["num_attention_heads"]

@@ -25,8 +25,8 @@ def test_same_mode_twice_differs_nowhere(tmp_path, capsys):
 
 
 def test_lean_adds_its_recomputation_to_backward_only():
-    """forge.lean recomputes the SwiGLU product and the norms in backward: a silu per layer
-    there, and forward's operations otherwise those of the plain model's (its loss aside)."""
+    """forge.lean recomputes the SwiGLU product in backward: one more silu per layer there,
+    forward's silu count unchanged, and no optimizer phase in either (updates in backward)."""
     op_counts = load_op_counts()
     result = op_counts.main(["--model", "tiny", "--modes", "forge-bf16", "forge-bf16-lean"])
     a, b = result["counts"]["A"], result["counts"]["B"]

@@ -1,12 +1,12 @@
 """step_profile.py — where a training step's GPU time goes (forge-bench --profile N).
 
 After a case's timed steps, N more steps run under torch.profiler (of a CUDA-graphed case, N
-more replays: the kernels inside them are recorded, the phases are not timed apart). The device time of every
-kernel is summed per step, by category (FORGE's fused weight-gradient + update, FORGE's
-element-wise step, cuBLAS GEMMs, attention, torch's optimizer, the rest) and by kernel. The
-step's wall time minus its kernel time is time the GPU had nothing to run (launch or
-CPU bound, or kernels serialized behind the host). On a CPU run the same table holds the
-operators' self CPU time. The host's CUDA runtime calls (launches, synchronizations,
+more replays: the kernels inside them are recorded, the phases are not timed apart). The
+device time of every kernel is summed per step, by category (FORGE's fused weight-gradient +
+update, FORGE's element-wise step, cuBLAS GEMMs, attention, torch's optimizer, the rest) and
+by kernel. The step's wall time minus its kernel time is time the GPU had nothing to run
+(launch or CPU bound, or kernels serialized behind the host). On a CPU run the same table
+holds the operators' self CPU time. The host's CUDA runtime calls (launches, synchronizations,
 allocations) are summed the same way. Then the step's phases (forward, backward, optimizer)
 are timed on both sides, host clock and GPU events, for the same steps: a phase whose GPU
 time equals its host time kept the GPU waiting on the host. Last, one more step runs under
