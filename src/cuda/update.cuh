@@ -130,7 +130,7 @@ struct QuadDraws {
     // allows the stepping).
     uint64_t z = key + (static_cast<uint64_t>(idx) >> 2) * (kRngStreams * kRngIndexMul);
 #pragma unroll
-    for (int stream = 0; stream < kRngStreams; ++stream, z += kRngIndexMul) group[stream] = mix64(z);
+    for (int stream = 0; stream < kRngStreams; ++stream, z += kRngIndexMul) group[stream] = sr_mix(z);
   }
   __device__ __forceinline__ uint32_t bits(int e, int stream) const {
     if (aligned) return static_cast<uint32_t>(group[stream] >> (16 * e)) & 0xFFFFu;
