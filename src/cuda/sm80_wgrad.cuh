@@ -294,7 +294,8 @@ __device__ __forceinline__ void pass_quads(const float* sC, int r, int64_t m0, i
 }
 
 // The update of one pass of whole quads whose raw operands `cur` are at hand (the pipelined
-// loop of update_tile): row, col, idx and g come from pass_quads; `k` and `p` are the step's
+// loop of update_tile; its quads are aligned, so update_loaded's kAligned holds): row, col,
+// idx and g come from pass_quads; `k` and `p` are the step's
 // scalars and the parameter's view, with the pass's SR row term moved into one of them
 // (update_tile).
 template <class Spec, int kQ, bool kPaired>
@@ -313,7 +314,7 @@ __device__ __forceinline__ void update_raw_pass(const RuleScalars& k, const Para
   }
   float w[kQ][kQuad], s[FORGE_MAX_STATES][kQ][kQuad];
   cur.unpack(w, s);
-  update_loaded<kQ, Spec, FastMath, false, kPaired>(k, p, row, col, idx, n, vec, lane16, want_sq,
+  update_loaded<kQ, Spec, FastMath, true, kPaired>(k, p, row, col, idx, n, vec, lane16, want_sq,
                                                     g, w, s, totals);
 }
 

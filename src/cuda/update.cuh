@@ -122,13 +122,20 @@ struct QuadDraws {
   // `needed`: whether the step rounds anything stochastically (a constant for a specialized
   // Spec; without it, no hash at all).
   __device__ __forceinline__ QuadDraws(uint64_t key_, int64_t idx_, bool aligned_, bool needed)
+      : QuadDraws(key_, idx_, aligned_, needed, counter(key_, idx_)) {}
+  // The hash input of stream 0 of the group holding element idx_: key + (group · 4) ·
+  // kRngIndexMul; stream s adds s · kRngIndexMul (rng.h allows the stepping). For two aligned
+  // quads, counter(key, b) = counter(key, a) + (b - a) · kRngIndexMul.
+  __device__ __forceinline__ static uint64_t counter(uint64_t key_, int64_t idx_) {
+    return key_ + (static_cast<uint64_t>(idx_) >> 2) * (kRngStreams * kRngIndexMul);
+  }
+  // With the counter already made (`z` = counter(key_, idx_)).
+  __device__ __forceinline__ QuadDraws(uint64_t key_, int64_t idx_, bool aligned_, bool needed,
+                                       uint64_t z)
       : key(key_), idx(idx_), aligned(aligned_) {
     if (!needed) return;  // group[] unset: bits() is never called
     // NOTE: made here, not where bits() is called: computed at the stores, the hashes were
     // scheduled early and spilled (element-wise AdamW SR kernel: 60 B per thread).
-    // key + (group · 4 + s) · kRngIndexMul for stream s: one 64-bit multiply, then adds (rng.h
-    // allows the stepping).
-    uint64_t z = key + (static_cast<uint64_t>(idx) >> 2) * (kRngStreams * kRngIndexMul);
 #pragma unroll
     for (int stream = 0; stream < kRngStreams; ++stream, z += kRngIndexMul) group[stream] = sr_mix(z);
   }
@@ -580,11 +587,16 @@ __device__ __forceinline__ uint32_t bf16x2_nearest_nonnan(float lo, float hi) {
   return cvt_rn_bf16x2(hi, lo);
 }
 
-// formats.h's bf16_stochastic for a value known not to be NaN: the same bits without its
-// infinity/NaN test (an infinity plus at most 0xFFFF stays that infinity; NaN is the only
-// input whose sum could carry out of the exponent).
-__device__ __forceinline__ uint16_t bf16_stochastic_nonnan(float x, uint32_t random16) {
-  return static_cast<uint16_t>((__float_as_uint(x) + (random16 & 0xFFFFu)) >> 16);
+// formats.h's bf16_stochastic of two values known not to be NaN, as one bf16x2 word (lo in the
+// low half): the same bits without its infinity/NaN test (an infinity plus at most 0xFFFF
+// stays that infinity; NaN is the only input whose sum could carry out of the exponent).
+// NOTE: one byte permute picks the upper halves of both sums, where the compiler built the
+// word from two separate results with a mask and a shifted add (one more instruction a pair).
+__device__ __forceinline__ uint32_t bf16x2_stochastic_nonnan(float lo, float hi,
+                                                              uint32_t random16_lo,
+                                                              uint32_t random16_hi) {
+  return __byte_perm(__float_as_uint(lo) + (random16_lo & 0xFFFFu),
+                     __float_as_uint(hi) + (random16_hi & 0xFFFFu), 0x7632);
 }
 
 // ---- the ratios |x| / absmax of an int8 encode ------------------------------------------------
@@ -885,11 +897,17 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
     case FORGE_STATE_BF16:
     case FORGE_STATE_BF16_STOCHASTIC: {
       uint16_t h[kQuad];
-      if (stochastic && format == FORGE_STATE_BF16_STOCHASTIC) {
+      if (stochastic && format == FORGE_STATE_BF16_STOCHASTIC && kNonNan) {
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e)
-          h[e] = kNonNan ? bf16_stochastic_nonnan(v[e], draw.bits(e, 1 + i))
-                         : bf16_stochastic(v[e], draw.bits(e, 1 + i));
+        for (int e = 0; e < kQuad; e += 2) {
+          const uint32_t pair = bf16x2_stochastic_nonnan(v[e], v[e + 1], draw.bits(e, 1 + i),
+                                                         draw.bits(e + 1, 1 + i));
+          h[e] = static_cast<uint16_t>(pair & 0xFFFFu);
+          h[e + 1] = static_cast<uint16_t>(pair >> 16);
+        }
+      } else if (stochastic && format == FORGE_STATE_BF16_STOCHASTIC) {
+#pragma unroll
+        for (int e = 0; e < kQuad; ++e) h[e] = bf16_stochastic(v[e], draw.bits(e, 1 + i));
       } else if (kNonNan) {
 #pragma unroll
         for (int e = 0; e < kQuad; e += 2) {
@@ -1263,7 +1281,7 @@ __device__ __forceinline__ void store_weight_quads(const ParamView& p, int weigh
 // skipped elements). kNonNan: the states were checked finite (the FastMath path).
 // kAligned, kPaired: as update_loaded's.
 // NOTE: the weight always takes the NaN-free conversions (bf16x2_nearest_nonnan,
-// bf16_stochastic_nonnan): every weight this stores is one apply_rule accepted, which is
+// bf16x2_stochastic_nonnan): every weight this stores is one apply_rule accepted, which is
 // storable, so not NaN (forge.h, "Skipped elements"); a skipped element's or an out-of-range
 // element's value, which may be, is converted but never stored. One conversion path for both
 // outcomes of the block states' batch saves the merge of two (~30 instructions per pass).
@@ -1287,7 +1305,15 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
   uint16_t h[kQ][kQuad];  // the bf16 weights' bits (bf16 and master formats)
 #pragma unroll
   for (int q = 0; q < kQ; ++q) {
-    const QuadDraws draw(k.sr_key, p.sr_index(row[q], idx[q]), kAligned || vec[q], stochastic);
+    // NOTE: aligned quads step quad 0's counter by their offset from it (a constant in the
+    // pipelined passes, whose quads lie a fixed number of columns apart), not a 64-bit shift
+    // and multiply per quad (sass_fastpath.py).
+    const int64_t sr_idx = p.sr_index(row[q], idx[q]);
+    const uint64_t z =
+        kAligned ? QuadDraws::counter(k.sr_key, p.sr_index(row[0], idx[0])) +
+                       static_cast<uint64_t>(sr_idx - p.sr_index(row[0], idx[0])) * kRngIndexMul
+                 : QuadDraws::counter(k.sr_key, sr_idx);
+    const QuadDraws draw(k.sr_key, sr_idx, kAligned || vec[q], stochastic, z);
 #pragma unroll
     for (int i = 0; i < FORGE_MAX_STATES; ++i) {
       const bool is_signed =
@@ -1310,8 +1336,12 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
         break;
       default:  // FORGE_WEIGHT_BF16_STOCHASTIC
 #pragma unroll
-        for (int e = 0; e < kQuad; ++e)
-          h[q][e] = bf16_stochastic_nonnan(w[q][e], draw.bits(e, 0));
+        for (int e = 0; e < kQuad; e += 2) {
+          const uint32_t pair = bf16x2_stochastic_nonnan(w[q][e], w[q][e + 1], draw.bits(e, 0),
+                                                         draw.bits(e + 1, 0));
+          h[q][e] = static_cast<uint16_t>(pair & 0xFFFFu);
+          h[q][e + 1] = static_cast<uint16_t>(pair >> 16);
+        }
     }
   }
   // NOTE: the weight stores in two copies, the masked one only where a quad has a skipped

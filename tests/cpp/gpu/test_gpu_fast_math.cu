@@ -250,16 +250,23 @@ __global__ void check_bf16x2_all(Counts* out) {
   add_counts(out, wrong, 0, 0, checked);
 }
 
-// Every non-NaN float, each with a random 16-bit draw and with the two extremes 0 and 0xFFFF.
+// Every non-NaN float in the low half, its negation in the high half (so the infinities too),
+// each pair with random 32-bit draws (the functions take their low 16 bits) and with the
+// extremes 0 and 0xFFFF.
 __global__ void check_sr_nonnan_all(Counts* out) {
   unsigned long long wrong = 0, checked = 0;
   for_every_bit_pattern([&](uint32_t bits) {
-    const float x = __uint_as_float(bits);
-    if (x != x) return;
-    const uint32_t draws[3] = {hash32(bits), 0u, 0xFFFFu};
-    for (uint32_t r : draws) {
+    const float lo = __uint_as_float(bits);
+    if (lo != lo) return;
+    const float hi = -lo;
+    const uint32_t draws[3][2] = {{hash32(bits), hash32(~static_cast<uint64_t>(bits))},
+                                  {0u, 0xFFFFu},
+                                  {0xFFFFu, 0u}};
+    for (const auto& r : draws) {
       ++checked;
-      if (forge::cuda::bf16_stochastic_nonnan(x, r) != forge::bf16_stochastic(x, r)) ++wrong;
+      const uint32_t want = static_cast<uint32_t>(forge::bf16_stochastic(lo, r[0])) |
+                            (static_cast<uint32_t>(forge::bf16_stochastic(hi, r[1])) << 16);
+      if (forge::cuda::bf16x2_stochastic_nonnan(lo, hi, r[0], r[1]) != want) ++wrong;
     }
   });
   add_counts(out, wrong, 0, 0, checked);
@@ -362,7 +369,7 @@ TEST(FastMath, Bf16x2EqualsFormatsOnEveryNonNanFloat) {
   EXPECT_GT(c.checked, (1ull << 32) - (1ull << 26));
 }
 
-TEST(FastMath, StochasticNonNanEqualsFormatsOnEveryNonNanFloat) {
+TEST(FastMath, StochasticPairNonNanEqualsFormatsOnEveryNonNanFloat) {
   FORGE_REQUIRE_GPU();
   const Counts c = run_counts([](Counts* d) { check_sr_nonnan_all<<<1024, 256>>>(d); });
   EXPECT_EQ(c.wrong, 0u);
