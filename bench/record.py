@@ -201,17 +201,21 @@ def main(argv=None) -> int:
     parser.add_argument("--table", default=TABLE, help=f"the table (default {TABLE})")
     args = parser.parse_args(argv)
     commit = args.commit or current_commit()
-    total = 0
+    # Every file is read before any row is appended: one bad file leaves the table as it was.
     try:
-        for path in args.json:
-            rows = rows_of(path, commit)
-            append(rows, args.table)
-            total += len(rows)
-            print(f"record: {len(rows)} rows from {path}")
+        batches = [(path, rows_of(path, commit)) for path in args.json]
     except (OSError, KeyError, json.JSONDecodeError, RecordError) as e:
+        print(f"record: {type(e).__name__}: {e}; nothing appended", file=sys.stderr)
+        return 1
+    rows = [row for _, batch in batches for row in batch]
+    try:
+        append(rows, args.table)
+    except OSError as e:
         print(f"record: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(f"record: {total} rows appended to {args.table}")
+    for path, batch in batches:
+        print(f"record: {len(batch)} rows from {path}")
+    print(f"record: {len(rows)} rows appended to {args.table}")
     return 0
 
 

@@ -32,3 +32,16 @@ def test_wgrad_run_scalars_rows_are_their_own_variants(tmp_path):
                                                  "fused_bf16_sr (run scalars)"]
     assert [r["value"] for r in plain] == [r["value"] for r in run]
     assert all(r["commit"] == "abc1234" and r["benchmark"] == "wgrad" for r in plain + run)
+
+
+def test_a_missing_file_appends_nothing(tmp_path):
+    """Every file is read before any row is written: a call naming a good file and a missing
+    one leaves the table as it was, so repeating the corrected call records each row once."""
+    record = load_record()
+    table = tmp_path / "results.csv"
+    good = wgrad_json(tmp_path, "wgrad_bench --quick")
+    assert record.main([good, str(tmp_path / "missing.json"), "--commit", "abc1234",
+                        "--table", str(table)]) == 1
+    assert not table.exists()
+    assert record.main([good, "--commit", "abc1234", "--table", str(table)]) == 0
+    assert len(record.read(str(table))) == 3
