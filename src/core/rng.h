@@ -9,30 +9,27 @@
 
 namespace forge {
 
-// A 64-bit finalizer (xor-shift / multiply rounds): every input bit flips each
-// output bit with probability ~1/2.
-FORGE_HD uint64_t mix64(uint64_t z) {
-  z ^= z >> 30;
+// A 64-bit finalizer: xor-shift, multiply, xor-shift, multiply, xor-shift (splitmix64's
+// multipliers), its three shifts the parameters.
+template <int kShift1, int kShift2, int kShift3>
+FORGE_HD uint64_t xorshift_multiply_mix(uint64_t z) {
+  z ^= z >> kShift1;
   z *= 0xBF58476D1CE4E5B9ull;
-  z ^= z >> 27;
+  z ^= z >> kShift2;
   z *= 0x94D049BB133111EBull;
-  z ^= z >> 31;
+  z ^= z >> kShift3;
   return z;
 }
+
+// splitmix64's finalizer: every input bit flips each output bit with probability ~1/2.
+FORGE_HD uint64_t mix64(uint64_t z) { return xorshift_multiply_mix<30, 27, 31>(z); }
 
 // Stochastic rounding's finalizer: mix64's rounds with every shift 32. A 64-bit shift by 32
 // is a move, so each xor-shift is one 32-bit xor on the GPU: ~11 SASS instructions against
 // mix64's ~20 (two 64-bit multiplies each way). Its outputs over the counters rng_group_hash
 // feeds it pass dieharder's battery (design §2; tests/cpp/test_formats.cpp checks the fields).
 // NOTE: one round (one multiply) fails the battery (diehard_rank_6x8, oqso, dna).
-FORGE_HD uint64_t sr_mix(uint64_t z) {
-  z ^= z >> 32;
-  z *= 0xBF58476D1CE4E5B9ull;
-  z ^= z >> 32;
-  z *= 0x94D049BB133111EBull;
-  z ^= z >> 32;
-  return z;
-}
+FORGE_HD uint64_t sr_mix(uint64_t z) { return xorshift_multiply_mix<32, 32, 32>(z); }
 
 // Per (seed, step) key; computed once per call on the host.
 FORGE_HD uint64_t rng_key(uint64_t seed, uint64_t step) {
