@@ -10,6 +10,7 @@ token by token in the order FORGE's CPU kernel sums them over the concatenated m
 """
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -317,6 +318,35 @@ def test_factored_gradient_holds_no_dense_dw_until_an_operation_needs_one():
     assert torch.allclose(model[0].weight, w - 0.1 * expected.clamp(-0.01, 0.01), atol=1e-7)
 
 
+_TENSOR_METHODS = {"norm": lambda g: g.norm(), "norm_1": lambda g: g.norm(1),
+                   "add": lambda g: g.add(1.0), "multiply": lambda g: g.multiply(2.0),
+                   "mul": lambda g: g.mul(2.0)}
+
+
+@pytest.mark.parametrize("method", sorted(_TENSOR_METHODS))
+def test_tensor_methods_on_a_factored_gradient_are_torchs(method):
+    """A loop calling a torch.Tensor method on a fused weight's deferred gradient (logging
+    p.grad.norm(), say) gets torch's result on dW, and the step then applies that gradient
+    unchanged: none of the FactoredGrad's own helpers shadows a Tensor method."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
+    opt = forge.optim.SGD(model, lr=0.1, mode="deferred", deferred_store="factors")
+    x = torch.randn(8, 256)
+    model(x).square().sum().backward()
+    g = model[0].weight.grad
+    assert isinstance(g, forge.optim.FactoredGrad) and g.dense is None
+    expected = (2 * model(x).detach()).t().matmul(x)
+    call = _TENSOR_METHODS[method]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (forming dW for an operation says so)
+        got = call(g)
+    want = call(expected.double())  # (the reference's reductions in fp64)
+    assert type(got) is torch.Tensor and got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    w = model[0].weight.detach().clone()
+    opt.step()
+    assert torch.allclose(model[0].weight, w - 0.1 * expected, atol=1e-7)
+
+
 def test_accumulation_concatenates_tokens_without_a_gradient():
     model = TinyTransformer(dim=64)
     opt = forge.optim.AdamW(model, mode="deferred", deferred_store="factors")
@@ -373,7 +403,7 @@ def _factored_grads(device, dtype, gen):
     def grad(x, rows):
         w = torch.zeros(rows, x.size(1), device=device, dtype=dtype)
         g = FactoredGrad(w, f"w{rows}x{x.size(1)}")
-        g.add(x, torch.randn(x.size(0), rows, device=device, generator=gen).to(dtype))
+        g.add_factors(x, torch.randn(x.size(0), rows, device=device, generator=gen).to(dtype))
         return g
 
     def tokens(n, cols):

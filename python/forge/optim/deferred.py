@@ -62,7 +62,9 @@ def sum_sq_fp64(t: torch.Tensor) -> torch.Tensor:
 
 
 class FactoredGrad(torch.Tensor):
-    """dW = scale · Σ_k dY_kᵀ X_k of a fused Linear weight (see the file header)."""
+    """dW = scale · Σ_k dY_kᵀ X_k of a fused Linear weight (see the file header). Its own
+    methods and attributes take names torch.Tensor does not have: one of Tensor's (norm, add,
+    multiply) would be shadowed for the loop, whose g.norm() must be torch's."""
 
     @staticmethod
     def __new__(cls, weight: torch.Tensor, name: str):
@@ -88,7 +90,7 @@ class FactoredGrad(torch.Tensor):
 
     # ---------------------------------------------------------------- building it
 
-    def add(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
+    def add_factors(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
         """Adds dy2ᵀ·x2 (x2: [T, cols], dy2: [T, rows]) to the gradient."""
         if self.dense is None and _is_one(self.scale):
             self.parts.append((x2, dy2))
@@ -143,7 +145,8 @@ class FactoredGrad(torch.Tensor):
                     self._sum_sq = _factored_sum_sq(self.parts, self.shape, self.device)
         return self._sum_sq
 
-    def norm(self, ord: float) -> torch.Tensor:
+    def norm_of(self, ord: float) -> torch.Tensor:
+        """‖scale · dW‖_ord in W's dtype (the 2-norm without forming dW)."""
         scale = self.scale if torch.is_tensor(self.scale) else torch.tensor(
             self.scale, dtype=torch.float64, device=self.device)
         if ord == 2:
@@ -161,7 +164,7 @@ class FactoredGrad(torch.Tensor):
             finite = torch.zeros((), dtype=torch.bool, device=self.device)
         return finite
 
-    def multiply(self, factor) -> None:
+    def scale_by(self, factor) -> None:
         if torch.is_tensor(factor):
             factor = factor.to(device=self.device, dtype=torch.float64).reshape(())
             self.scale = factor * self.scale if torch.is_tensor(self.scale) else factor * float(
@@ -187,11 +190,11 @@ class FactoredGrad(torch.Tensor):
             ord = kwargs.get("ord", args[1] if len(args) > 1 else 2)
             if args[2:] or kwargs.get("dim") is not None:
                 return _materialized_op(func, args, kwargs)
-            return g.norm(float(ord))
+            return g.norm_of(float(ord))
         if func in (_aten.mul_.Tensor, _aten.mul_.Scalar):
             g, factor = args[0], args[1]
             g.touched = True
-            g.multiply(factor)
+            g.scale_by(factor)
             return g
         if func in _FOREACH_MUL:
             grads, factors = args[0], args[1]
@@ -200,7 +203,7 @@ class FactoredGrad(torch.Tensor):
             for t, f in zip(grads, per):
                 if isinstance(t, FactoredGrad):
                     t.touched = True
-                    t.multiply(f)
+                    t.scale_by(f)
             for t, f in plain:
                 t.mul_(f)
             return None
@@ -215,7 +218,7 @@ class FactoredGrad(torch.Tensor):
                     bad = ~t.is_all_finite()
                     found_inf.copy_(torch.where(bad.to(found_inf.device),
                                                 torch.ones_like(found_inf), found_inf))
-                    t.multiply(inv_scale)
+                    t.scale_by(inv_scale)
             return None
         if func in (_aten.zero_.default, _aten._foreach_zero_.default):
             targets = args[0] if func is _aten._foreach_zero_.default else [args[0]]
@@ -422,7 +425,7 @@ class ConsumedGrad(torch.Tensor):
             cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False)
 
     def __init__(self, param: torch.Tensor, name: str, mode: str):
-        self.param_name, self.mode = name, mode
+        self.param_name, self.opt_mode = name, mode
 
     def __repr__(self, *, tensor_contents=None):
         return f"ConsumedGrad({self.param_name}: applied inside backward)"
@@ -441,7 +444,7 @@ class ConsumedGrad(torch.Tensor):
         first = consumed[0]
         raise RuntimeError(
             f"forge: the gradient of '{first.param_name}' was already applied to the weight inside "
-            f"backward (mode='{first.mode}'), so {func} cannot see or change it. Clipping: pass "
+            f"backward (mode='{first.opt_mode}'), so {func} cannot see or change it. Clipping: pass "
             "max_grad_norm= to the forge optimizer; clipping by hand, GradScaler, gradient "
             "accumulation or reading gradients before opt.step(): build the optimizer with "
             "mode='deferred' (or 'auto').")

@@ -690,7 +690,7 @@ class _RoutingMixin:
                         held = FactoredGrad(p, slot.name)
                         held.cohort = self._step_cohort()
                         held.cohort.append(weakref.ref(held))
-                    held.add(x2, dy2)
+                    held.add_factors(x2, dy2)
                     p.grad = held
                     return
             dw = _add_dw(None, x2, dy2)
