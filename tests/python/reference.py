@@ -265,13 +265,15 @@ def ordered_concat(model: nn.Module) -> nn.Module:
     return model
 
 
-def stock_loop_error(make_forge, make_torch, loop, steps_device: str = "cpu"):
+def stock_loop_error(make_forge, make_torch, loop, steps_device: str = "cpu",
+                     make_model: Optional[Callable[[], nn.Module]] = None):
     """(forge vs stock torch, bound): the same loop with forge (dense deferred gradients, dW by
-    torch's own GEMM) and with torch.optim; the bound is CONTRACT-style: LOOP_RTOL, or what
-    torch itself moves under a 1-ulp gradient perturbation."""
+    torch's own GEMM) and with torch.optim, on copies of one model (make_model's, by default
+    TinyTransformerForLoops'); the bound is CONTRACT-style: LOOP_RTOL, or what torch itself
+    moves under a 1-ulp gradient perturbation."""
     from tolerances import LOOP_RTOL, ULP_SENSITIVITY_FACTOR
     torch.manual_seed(0)
-    base = TinyTransformerForLoops()
+    base = (make_model or TinyTransformerForLoops)()
     forge_model, stock, ulp = (copy.deepcopy(base) for _ in range(3))
     loop(forge_model, make_forge(forge_model), steps_device)
     loop(stock, make_torch(stock.parameters()), steps_device)

@@ -18,7 +18,7 @@ import forge.optim
 from forge import _lib
 from conftest import DEVICES, format_devices, requires_cuda
 from reference import assert_contract, trajectories
-from tiny_models import TinyTransformer, lm_loss
+from tiny_models import Routed, TinyTransformer, lm_loss, routed_loss
 
 
 def _initial_weights():
@@ -152,6 +152,29 @@ def test_backward_that_skips_a_weight_leaves_it_untouched():
     with pytest.warns(UserWarning, match="never reached the weight"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _routed_error(mode, loop):
+    """(forge vs torch.optim AdamW on a Routed model through `loop`, the bound)."""
+    from reference import stock_loop_error
+    return stock_loop_error(
+        lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
+        make_model=Routed)
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+def test_an_expert_given_no_tokens_steps_on_a_zero_gradient(mode):
+    """An expert no token was routed to (its nn.Linear applied to 0 rows) has a zero gradient:
+    torch.optim steps it on zeros (AdamW's moments and decay still move it), and forge does
+    the same in every mode, the other weights exact beside it."""
+    def loop(model, opt, device):
+        for step in range(6):
+            routed_loss(model, step, empty=(step % 2,) if step in (0, 3, 4) else ()).backward()
+            opt.step()
+            opt.zero_grad()
+    error, bound = _routed_error(mode, loop)
+    assert error <= bound, (error, bound)
 
 
 # ---- the per-Linear host fast path: objects made once and reused across steps

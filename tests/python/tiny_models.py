@@ -141,3 +141,35 @@ class StridedInputs(nn.Module):
         h = self.right(h[..., h.shape[-1] // 2:])
         h = self.mix(h.transpose(1, 2)).transpose(1, 2)
         return self.out(torch.tanh(h))
+
+
+class Routed(nn.Module):
+    """A router's two experts (nn.Linear each) between an input and an output Linear, as a
+    mixture of experts runs them: each token goes to one expert (route[t]), so an expert may
+    get no token in a batch (its Linear applied to 0 rows), and `skip` leaves an expert out of
+    the forward altogether (no gradient reaches it: its .grad stays as it was)."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, x, route, skip=()):  # x: [T, dim], route: [T] expert indices
+        h = torch.tanh(self.inp(x))
+        mixed = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            if i not in skip:
+                rows = (route == i).nonzero().squeeze(1)
+                mixed = mixed.index_add(0, rows, torch.tanh(expert(h[rows])))
+        return self.out(mixed)
+
+
+def routed_loss(model, step: int, device="cpu", empty=(), skip=()):
+    """Batch number `step` through a Routed model; experts in `empty` get no token."""
+    g = torch.Generator().manual_seed(2000 + step)
+    x = torch.randn(12, DIM, generator=g)
+    route = torch.randint(0, 2, (12,), generator=g)
+    for i in empty:
+        route[route == i] = 1 - i
+    return model(x.to(device), route.to(device), skip).square().mean()

@@ -427,11 +427,12 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 scale = clip * _host_scale(grad.scale)
                 if grad.dense is not None:
                     self._update(slot, grad=grad.dense, scale=scale)
-                elif grad.parts:
+                elif any(x.size(0) for x, _ in grad.parts):
                     x2, dy2 = grad.tokens()
                     self._update(slot, x=(x2, x2.stride(0)), dy=(dy2, dy2.stride(0)),
                                  scale=scale)
-                else:  # zeroed (zero_grad(set_to_none=False)): torch steps on zeros
+                else:  # zeroed (zero_grad(set_to_none=False)), or backwards of no tokens (an
+                    # empty batch, an expert no token was routed to): torch steps on zeros
                     self._update(slot, grad=torch.zeros_like(slot.param), scale=1.0)
             elif slot.dtensor:
                 self._update(slot, grad=distributed.grad_as_param(grad, slot.param), scale=clip)
