@@ -184,8 +184,29 @@ variable_list call_python(const Record& r, const variable_list& grads) {
   return out;
 }
 
+// Compiled autograd (torch._dynamo.compiled_autograd) asks every node and hook for its
+// compiled_args before anything runs, and would trace the backward into a graph; a fused
+// weight's update runs at its node, outside what it can trace, so the nodes and hooks here
+// refuse it (nothing has been updated then) and say what to do instead. Declared const and
+// not: the bases' methods are const in newer torch, not in torch 2.4; the one matching the
+// base overrides it, the other is an unused overload.
+[[noreturn]] void refuse_compiled_autograd() {
+  throw std::runtime_error(
+      "forge: compiled autograd (torch._dynamo.compiled_autograd, or "
+      "torch._dynamo.config.compiled_autograd) cannot trace a fused Linear's backward: FORGE "
+      "updates the weight at its gradient node, outside any graph it compiles. Nothing was "
+      "updated. torch.compile(model) compiles forward and backward with forge.optim; run "
+      "backward without compiled autograd.");
+}
+#define FORGE_REFUSES_COMPILED_AUTOGRAD                                                  \
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const {                 \
+    refuse_compiled_autograd();                                                          \
+  }                                                                                      \
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) { refuse_compiled_autograd(); }
+
 struct FusedWeightPreHook : torch::autograd::FunctionPreHook {
   explicit FusedWeightPreHook(std::shared_ptr<Record> record) : record_(std::move(record)) {}
+  FORGE_REFUSES_COMPILED_AUTOGRAD
 
   variable_list operator()(const variable_list& grads) override {
     Record& r = *record_;
@@ -217,6 +238,7 @@ struct FusedWeightPreHook : torch::autograd::FunctionPreHook {
 // skipped: torch 2.4's non-reentrant checkpoint), called only where no pre-hook ran.
 struct FusedWeightPostHook : torch::autograd::FunctionPostHook {
   explicit FusedWeightPostHook(std::shared_ptr<Record> record) : record_(std::move(record)) {}
+  FORGE_REFUSES_COMPILED_AUTOGRAD
 
   variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
     Record& r = *record_;
@@ -264,6 +286,7 @@ struct FusedLinearBackward : torch::autograd::Node {
   std::optional<at::ScalarType> compute_dtype;  // autocast's at forward; none: W's own
 
   std::string name() const override { return "FusedLinearBackward"; }
+  FORGE_REFUSES_COMPILED_AUTOGRAD
 
   void release_variables() override {
     input.reset_data();

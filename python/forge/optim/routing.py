@@ -32,6 +32,7 @@ _update (call.py) when a parameter's gradient is complete.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -55,6 +56,22 @@ _FORCE_NO_HOOKS = False
 # backward (tens of µs each, 113 of them on Qwen3-0.6B), where freeing a gradient this small
 # early saves nothing: up to 256 KiB each in fp32.
 BATCHED_MAX_ELEMENTS = 1 << 16
+
+
+def _refuse_compiled_autograd() -> None:
+    """Raises inside a backward that compiled autograd (torch._dynamo.compiled_autograd) runs:
+    it traces the backward into a graph, hooks included, and the updates made from them are not
+    torch's (measured: deferred mode diverged). The backward's first callback calls this, before
+    any update; the C++ nodes refuse it alike (csrc/prehook.cpp)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is not None and (ca.compiled_autograd_enabled
+                           or getattr(ca, "in_compiled_autograd_region", False)):
+        raise RuntimeError(
+            "forge: compiled autograd (torch._dynamo.compiled_autograd, or "
+            "torch._dynamo.config.compiled_autograd) cannot trace a fused Linear's backward: "
+            "FORGE updates the weight at its gradient node, outside any graph it compiles. "
+            "Nothing was updated. torch.compile(model) compiles forward and backward with "
+            "forge.optim; run backward without compiled autograd.")
 
 
 def _has_post_accumulate_hook() -> bool:
@@ -466,6 +483,7 @@ class _RoutingMixin:
             "segments also does this: use use_reentrant=False.")
 
     def _linear_backward(self, slot: _Slot, x, dy, weight):
+        _refuse_compiled_autograd()
         if slot.armed:  # a second use of W in this backward, or the last backward's call
             self._settle_armed(slot)
         if self._deferring:
@@ -742,6 +760,7 @@ class _RoutingMixin:
         self._on_weight_grad_ready(slot, (arrived,))
 
     def _on_param_grad_ready(self, slot: _Slot) -> None:
+        _refuse_compiled_autograd()
         p = slot.param
         if p.grad is None:
             return
