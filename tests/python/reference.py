@@ -265,6 +265,16 @@ def ordered_concat(model: nn.Module) -> nn.Module:
     return model
 
 
+def nothing_held_after_step(model: nn.Module, opt) -> bool:
+    """After opt.step(): no parameter holds gradient memory. A fused weight keeps a
+    ConsumedGrad (no storage), where torch.optim's gradient would stay until zero_grad; every
+    other .grad is None."""
+    def fused(p):
+        return opt._slots[id(p)].mode == "fused"
+    return all(p.grad is None or (fused(p) and isinstance(p.grad, forge.optim.ConsumedGrad))
+               for p in model.parameters())
+
+
 def stock_loop_error(make_forge, make_torch, loop, steps_device: str = "cpu",
                      make_model: Optional[Callable[[], nn.Module]] = None):
     """(forge vs stock torch, bound): the same loop with forge (dense deferred gradients, dW by

@@ -223,6 +223,7 @@ def test_changing_layout_after_states_exist():
     opt = forge.optim.SGD(model, lr=0.1, momentum=0.9)
     lm_loss(model, 0).backward()
     opt.step()
+    opt.zero_grad()
     opt.param_groups[0]["momentum"] = 0.0
     with pytest.raises(RuntimeError, match="changed the update rule"):
         lm_loss(model, 1).backward()

@@ -17,7 +17,7 @@ import forge._prehook
 import forge.optim
 from forge import _lib
 from conftest import DEVICES, format_devices, requires_cuda
-from reference import assert_contract, trajectories
+from reference import assert_contract, nothing_held_after_step, trajectories
 from tiny_models import Routed, TinyTransformer, lm_loss, routed_loss
 
 
@@ -64,7 +64,7 @@ def test_accumulation_materializes_gradients():
     lm_loss(model, 1).backward()
     assert model.blocks[0].up.weight.grad is not None, "the documented memory cost"
     opt.step()
-    assert all(p.grad is None for p in model.parameters()), "step() frees what it applied"
+    assert nothing_held_after_step(model, opt), "step() frees what it applied"
 
 
 def test_accumulate_grad_switches_between_steps_only():
@@ -74,6 +74,7 @@ def test_accumulate_grad_switches_between_steps_only():
     with pytest.raises(RuntimeError, match="between steps"):
         opt.accumulate_grad = True
     opt.step()
+    opt.zero_grad()
     opt.accumulate_grad = True
     lm_loss(model, 1).backward()
     lm_loss(model, 2).backward()
@@ -207,6 +208,91 @@ def test_an_expert_given_no_tokens_steps_on_a_zero_gradient(mode):
             opt.zero_grad()
     error, bound = _routed_error(mode, loop)
     assert error <= bound, (error, bound)
+
+
+# What a step leaves in .grad. torch.optim keeps each gradient until zero_grad: set_to_none
+# removes it, set_to_none=False zeroes it (and a parameter holding zeros steps on them, reached
+# by a backward or not), no zero_grad adds the next step's gradients to it. forge keeps no
+# weight gradient: the first two are exact, the third is refused before anything changes.
+
+_ZEROERS = {"opt": lambda model, opt: opt.zero_grad(set_to_none=False),
+            "model": lambda model, opt: model.zero_grad(set_to_none=False)}
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+@pytest.mark.parametrize("zeroer", sorted(_ZEROERS))
+def test_zero_grad_keeping_zeros_steps_what_no_backward_reached(mode, zeroer):
+    """zero_grad(set_to_none=False), the optimizer's or the model's: an expert left out of a
+    step's forward keeps a zero gradient, so torch.optim steps it on zeros (moments decay,
+    weight decay applies); forge does the same, in every mode."""
+    def loop(model, opt, device):
+        for step in range(6):
+            routed_loss(model, step, skip=(step % 2,) if step in (2, 3, 5) else ()).backward()
+            opt.step()
+            _ZEROERS[zeroer](model, opt)
+    error, bound = _routed_error(mode, loop)
+    assert error <= bound, (error, bound)
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+def test_a_loop_without_zero_grad_is_refused_before_anything_changes(mode):
+    """No zero_grad between two steps: torch.optim would add the second step's gradients to
+    the first's, which forge no longer has. Refused, naming the weights, before any weight or
+    state changes; after opt.zero_grad() the loop goes on."""
+    torch.manual_seed(0)
+    model = Routed()
+    opt = forge.optim.AdamW(model, lr=1e-2, weight_decay=0.1, mode=mode)
+    routed_loss(model, 0).backward()
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    states = {k: v.clone() for p in model.parameters() for k, v in opt.state[p].items()
+              if torch.is_tensor(v)}
+    with pytest.raises(RuntimeError, match="no zero_grad"):
+        routed_loss(model, 1).backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert all(torch.equal(v, opt.state[p][k]) for p in model.parameters()
+               for k, v in opt.state[p].items() if torch.is_tensor(v) and k in states)
+    assert all(opt.state[p]["step"] == 1 for p in model.parameters())
+    opt.zero_grad()
+    routed_loss(model, 1).backward()
+    opt.step()
+    assert all(opt.state[p]["step"] == 2 for p in model.parameters())
+
+
+def test_zeroing_a_gradient_applied_inside_backward_is_refused():
+    """Immediate mode: zero_grad(set_to_none=False) between backward and opt.step() would
+    make torch.optim step on zeros, but the update already ran: refused, naming the weight,
+    before any gradient is zeroed."""
+    torch.manual_seed(0)
+    model = Routed()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode="immediate")
+    routed_loss(model, 0).backward()
+    bias_grad = model.out.bias.grad.clone()
+    with pytest.raises(RuntimeError, match="zeroed before opt.step"):
+        opt.zero_grad(set_to_none=False)
+    assert torch.equal(model.out.bias.grad, bias_grad)
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+def test_reading_an_applied_gradient_after_step_says_why(mode):
+    """After opt.step() a fused weight's .grad stands for the gradient torch.optim would still
+    hold: reading it raises, saying the step applied it and FORGE keeps none; zero_grad
+    removes it, detach() too (a plain optimizer could not use it)."""
+    torch.manual_seed(0)
+    model = Routed()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode=mode)
+    routed_loss(model, 0).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="applied by opt.step"):
+        model.inp.weight.grad.norm()
+    assert model.inp.bias.grad is None
+    opt.zero_grad()
+    assert model.inp.weight.grad is None
+    routed_loss(model, 1).backward()
+    opt.step()
+    opt.detach()
+    assert all(p.grad is None for p in model.parameters())
 
 
 # ---- the per-Linear host fast path: objects made once and reused across steps

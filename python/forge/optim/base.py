@@ -234,6 +234,12 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._slots: Dict[int, _Slot] = {}
         self._step_id = 0                 # number of completed step() calls
         self._cohort: list = []           # this step's FactoredGrads, weakly (routing.py)
+        # What steps leave in .grad (deferred.py, ConsumedGrad): the fused weights whose
+        # ConsumedGrad the last step() left, the step whose first callback checked them
+        # (_check_left_grads), and whether the loop zeroed them keeping them (set_to_none=False)
+        self._left: list = []
+        self._left_checked = -1
+        self._grads_zeroed = False
         self._cohort_step = -1
         self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._stats_outputs: Dict[torch.device, _lib.StepOutputs] = {}  # pointers into _stats
@@ -342,6 +348,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 "forge.graphs.CUDAGraphStep given this optimizer: every replay would repeat this "
                 "step's step number, lr and rounding seed; capture it with "
                 "forge.graphs.CUDAGraphStep(fn, optimizers=[..., this optimizer])", stacklevel=2)
+        if self._left_checked != self._step_id:
+            self._check_left_grads()
         if not self._deferring and self._checked_step != self._step_id:
             self._check_step()  # (a refusal first: before the warning below, or any update)
         self._settle_all()  # (calls the C++ pre-hook made, or ones it never reached)
@@ -360,6 +368,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._step_deferred()
         else:
             self._step_immediate()
+        if self._grads_zeroed:
+            self._step_on_zeros()
+        self._grads_zeroed = False
         if not deferred and self.max_grad_norm is not None and self._stats:
             # lagged clipping: the true norm is the consumed one over the coefficient used
             consumed = math.sqrt(sum(float(sq.item()) for sq, _ in self._stats.values()))
@@ -382,7 +393,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             if grad is None:
                 continue
             if isinstance(grad, ConsumedGrad):
-                p.grad = None
+                if slot.mode == "fused":
+                    self._left.append(slot)  # (kept: where torch's gradient would stay)
+                else:
+                    p.grad = None
                 continue
             if slot.updated_at == self._step_id:
                 raise RuntimeError(
@@ -400,6 +414,65 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._update_batch(batch)
         for slot, _, _ in batch:  # (only once applied: a refused batch keeps them)
             slot.param.grad = None
+
+    def _leave_consumed(self, slot) -> None:
+        """After a parameter's update in step(): a fused weight keeps its ConsumedGrad in .grad,
+        where torch.optim's gradient would stay until zero_grad; any other gets None."""
+        consumed = slot.consumed_grad() if slot.mode == "fused" else None
+        slot.param.grad = consumed
+        if consumed is not None:
+            self._left.append(slot)
+
+    def _check_left_grads(self) -> None:
+        """At a step's first callback (a Linear's backward, the first update, or step()):
+        what the last step left in the fused weights' .grad. torch.optim would add this step's
+        gradients to the ones it applied unless the loop zeroed them: where the loop set them to
+        None nothing is left; where it zeroed them (set_to_none=False) the weight starts this
+        step from a zero gradient, and the step then also updates, on zeros, the parameters
+        that had a gradient before and that no backward of it reaches (_step_on_zeros); a
+        gradient left as it was is refused, before anything is updated."""
+        stale = []
+        for slot in self._left:
+            g = slot.param.grad
+            if type(g) is not ConsumedGrad:
+                continue  # (set to None, or replaced by the loop)
+            if g.zeroed:
+                g.zeroed = False
+                slot.param.grad = None
+                self._grads_zeroed = True
+            else:
+                stale.append(slot.name)
+        if stale:
+            raise RuntimeError(
+                f"forge: the gradient of {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''} "
+                "applied by the last opt.step() is still in .grad: no zero_grad() since, so "
+                "torch.optim would add this step's gradients to it, and FORGE keeps no weight "
+                "gradient to add to. Call opt.zero_grad() (or model.zero_grad()) after each "
+                "opt.step(); to accumulate micro-batches, run their backwards before one "
+                "opt.step() with mode='deferred' (or 'auto'). Nothing was updated.")
+        self._left = []
+        self._left_checked = self._step_id
+
+    def _step_on_zeros(self) -> None:
+        """The loop zeroed the last step's gradients keeping them (zero_grad(set_to_none=False)):
+        torch.optim steps every parameter that holds a gradient tensor, so each parameter
+        updated before (a gradient tensor in torch's place) that no backward of this step
+        reached steps on zeros: its moments decay and weight decay applies. DTensor shards
+        (FSDP2, tensor parallel) are left as they are: their .grad is not kept."""
+        batch = []
+        for slot in self._slots.values():
+            p = slot.param
+            if slot.updated_at < 0 or slot.updated_at == self._step_id or slot.dtensor \
+                    or p.grad is not None:
+                continue
+            if slot.mode == "fused":  # (one weight's zeros at a time)
+                self._update(slot, grad=torch.zeros_like(p), scale=1.0)
+                self._leave_consumed(slot)
+                if p.grad is not None:
+                    p.grad.zeroed = True  # (zeros, as torch's gradient is now)
+            else:
+                batch.append((slot, torch.zeros_like(p), None))
+        self._update_batch(batch)
 
     def _step_deferred(self) -> None:
         held = [(slot, slot.param.grad) for slot in self._slots.values()
@@ -439,10 +512,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             else:
                 batch.append((slot, distributed.grad_as_param(grad, slot.param), clip))
                 continue
-            slot.param.grad = None
+            self._leave_consumed(slot)
         self._update_batch(batch)
         for slot, _, _ in batch:
-            slot.param.grad = None
+            self._leave_consumed(slot)
 
     def _reduce_stats(self) -> None:
         """The step's statistics summed over every rank (each element was counted by one)."""
@@ -488,7 +561,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         """A backward ran since the last step() (an update ran, or a gradient is held)."""
         self._settle_all()
         return any(s.updated_at == self._step_id or s.pending or s.partial is not None
-                   or s.held is not None or s.param.grad is not None
+                   or s.held is not None
+                   or (s.param.grad is not None and type(s.param.grad) is not ConsumedGrad)
                    for s in self._slots.values())
 
     def _lapse_ready(self) -> None:
@@ -506,6 +580,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             slot.clear_backward()
             slot.held = None
         super().zero_grad(set_to_none=set_to_none)
+        if not set_to_none:  # (torch keeps zeros: _step_on_zeros)
+            self._grads_zeroed = True
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)

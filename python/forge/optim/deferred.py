@@ -19,9 +19,14 @@ opt.step() then runs the fused GEMM + update once over all the tokens, with `sca
 gradient scale (forge_hparams.grad_scale).
 
 ConsumedGrad is the `.grad` of a parameter whose update already ran inside backward
-(immediate mode), until opt.step(): any operation on it raises, naming the parameter and the
-way out, so a loop that clips, unscales or accumulates is told instead of silently clipping
-nothing.
+(immediate mode), until opt.step(), and of a fused weight after opt.step() (in either mode),
+where torch.optim would still hold the gradient it applied. Any operation on it raises, naming
+the parameter and the way out, so a loop that clips, unscales or accumulates is told instead
+of silently clipping nothing; but zero_grad: set_to_none=True removes it, set_to_none=False
+marks it zeroed, which the next step reads (base.py, _check_left_grads): a zeroed one is a
+zero gradient that this step's adds to (and one no backward reaches steps on zeros, as
+torch.optim steps every parameter holding a gradient), one left as it was is refused, since
+torch would add the new gradient to the applied one.
 """
 from __future__ import annotations
 
@@ -416,19 +421,31 @@ def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
 
 
 class ConsumedGrad(torch.Tensor):
-    """The .grad of a parameter whose update already ran inside backward (immediate mode),
-    until opt.step(): every operation on it raises (see the file header)."""
+    """The .grad of a parameter whose update already ran (see the file header): made once per
+    parameter (_Slot.consumed_grad); `zeroed` once a zero_grad(set_to_none=False) zeroed it
+    after its step."""
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, name: str, mode: str):
+    def __new__(cls, param: torch.Tensor, slot):
         return torch.Tensor._make_wrapper_subclass(
             cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False)
 
-    def __init__(self, param: torch.Tensor, name: str, mode: str):
-        self.param_name, self.opt_mode = name, mode
+    def __init__(self, param: torch.Tensor, slot):
+        self.param_name = slot.name
+        self.slot_ref = weakref.ref(slot)
+        self.zeroed = False
 
     def __repr__(self, *, tensor_contents=None):
-        return f"ConsumedGrad({self.param_name}: applied inside backward)"
+        return f"ConsumedGrad({self.param_name}: applied{', zeroed' if self.zeroed else ''})"
+
+    def _before_step(self) -> Tuple[bool, str]:
+        """(whether the update ran in the step not yet closed by opt.step(), the optimizer's
+        mode)."""
+        slot = self.slot_ref()
+        opt = slot.opt_ref() if slot is not None else None
+        if opt is None:
+            return False, "?"
+        return slot.updated_at == opt._step_id, opt._mode_name()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -436,18 +453,34 @@ class ConsumedGrad(torch.Tensor):
             return args[0]
         if func in (_aten.zero_.default, _aten._foreach_zero_.default):
             targets = args[0] if func is _aten._foreach_zero_.default else [args[0]]
+            for t in targets:  # (every one checked before any is zeroed)
+                if isinstance(t, ConsumedGrad) and t._before_step()[0]:
+                    raise RuntimeError(
+                        f"forge: the gradient of '{t.param_name}' was zeroed before opt.step(), "
+                        f"but it was already applied to the weight inside backward (mode="
+                        f"'{t._before_step()[1]}'), where torch.optim would step on zeros. "
+                        "Call zero_grad() after opt.step() (or before backward), or build the "
+                        "optimizer with mode='deferred' (or 'auto').")
             for t in targets:
-                if not isinstance(t, ConsumedGrad):
+                if isinstance(t, ConsumedGrad):
+                    t.zeroed = True
+                else:
                     t.zero_()
             return None if func is _aten._foreach_zero_.default else args[0]
-        consumed = [a for a in _flat(args) if isinstance(a, ConsumedGrad)]
-        first = consumed[0]
+        first = next(a for a in _flat(args) if isinstance(a, ConsumedGrad))
+        before_step, mode = first._before_step()
+        if before_step:
+            raise RuntimeError(
+                f"forge: the gradient of '{first.param_name}' was already applied to the weight "
+                f"inside backward (mode='{mode}'), so {func} cannot see or change it. Clipping: "
+                "pass max_grad_norm= to the forge optimizer; clipping by hand, GradScaler, "
+                "gradient accumulation or reading gradients before opt.step(): build the "
+                "optimizer with mode='deferred' (or 'auto').")
         raise RuntimeError(
-            f"forge: the gradient of '{first.param_name}' was already applied to the weight inside "
-            f"backward (mode='{first.opt_mode}'), so {func} cannot see or change it. Clipping: pass "
-            "max_grad_norm= to the forge optimizer; clipping by hand, GradScaler, gradient "
-            "accumulation or reading gradients before opt.step(): build the optimizer with "
-            "mode='deferred' (or 'auto').")
+            f"forge: the gradient of '{first.param_name}' was applied by opt.step() and is not "
+            f"kept (FORGE never holds a weight's whole gradient), so {func} cannot see or "
+            "change it. Read gradients between backward and opt.step(), with mode='deferred' "
+            "(or 'auto').")
 
 
 def _flat(args):

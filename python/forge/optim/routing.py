@@ -165,8 +165,7 @@ class _Slot:
             return None  # (a DTensor's .grad must be a DTensor: freed instead)
         if consumed is None or consumed.dtype != self.param.dtype \
                 or consumed.device != self.param.device:
-            opt = self.opt_ref()
-            consumed = self._consumed = ConsumedGrad(self.param, self.name, opt._mode_name())
+            consumed = self._consumed = ConsumedGrad(self.param, self)
         return consumed
 
     def clear_backward(self) -> None:
@@ -346,6 +345,8 @@ class _RoutingMixin:
                 slot.record.enabled = False
                 slot.record = slot.record_call = slot.cpp_linear = None
             slot.acc_node = None
+            if type(slot.param.grad) is ConsumedGrad:  # (a plain optimizer could not use it)
+                slot.param.grad = None
             for m in slot.modules:
                 _linear.unpatch(m, slot.param)
             slot.modules.clear()
@@ -484,6 +485,8 @@ class _RoutingMixin:
 
     def _linear_backward(self, slot: _Slot, x, dy, weight):
         _refuse_compiled_autograd()
+        if self._left_checked != self._step_id:
+            self._check_left_grads()  # (before this backward reads or updates any weight)
         if slot.armed:  # a second use of W in this backward, or the last backward's call
             self._settle_armed(slot)
         if self._deferring:
