@@ -348,6 +348,64 @@ def test_tensor_methods_on_a_factored_gradient_are_torchs(method):
     assert torch.allclose(model[0].weight, w - 0.1 * expected, atol=1e-7)
 
 
+_SCALINGS = {
+    "div_": lambda grads: [g.div_(2) for g in grads],
+    "itruediv": lambda grads: [g.__itruediv__(torch.tensor(2.0)) for g in grads],
+    "foreach_div_": lambda grads: torch._foreach_div_(grads, 2.0),
+    "mul_": lambda grads: [g.mul_(0.5) for g in grads],
+}
+
+
+@pytest.mark.parametrize("scaling", sorted(_SCALINGS))
+def test_a_loop_scaling_gradients_by_hand_matches_torch(scaling):
+    """A hand-written accumulation that scales the summed gradients by one number before the
+    step (p.grad /= steps, torch._foreach_div_, mul_): it goes into the factored gradient's
+    scale, no dW formed (no warning), within the loop bound of torch.optim doing the same on
+    dW summed in forge's order."""
+    from tolerances import LOOP_RTOL, ULP_SENSITIVITY_FACTOR
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    models = {"forge": copy.deepcopy(base)}
+    models.update({k: ordered_concat(copy.deepcopy(base)) for k in ("ref", "ulp")})
+    opts = {"forge": forge.optim.AdamW(models["forge"], lr=1e-2, weight_decay=0.1,
+                                       mode="deferred", deferred_store="factors"),
+            "ref": torch.optim.AdamW(models["ref"].parameters(), lr=1e-2, weight_decay=0.1),
+            "ulp": PerturbedBeforeStep(torch.optim.AdamW(models["ulp"].parameters(), lr=1e-2,
+                                                         weight_decay=0.1))}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for key, model in models.items():
+            for step in range(4):
+                for micro in range(MICRO):
+                    lm_loss(model, step * MICRO + micro).backward()
+                if key != "forge":
+                    model.move_ordered_grads()
+                _SCALINGS[scaling]([p.grad for p in model.parameters() if p.grad is not None])
+                opts[key].step()
+                opts[key].zero_grad()
+    formed = [str(w.message) for w in caught if "formed dW" in str(w.message)]
+    assert not formed, formed
+    error = max_normwise(models["forge"], models["ref"])
+    bound = max(LOOP_RTOL, ULP_SENSITIVITY_FACTOR * max_normwise(models["ulp"], models["ref"]))
+    assert error <= bound, (error, bound)
+
+
+def test_a_factored_gradient_multiplied_by_a_tensor_forms_dw():
+    """mul_ by a tensor of W's shape (a mask) has no factored form: dW is formed once, with a
+    warning, and the step applies the masked gradient."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    opt = forge.optim.SGD(model, lr=0.1, mode="deferred", deferred_store="factors")
+    x = torch.randn(8, 64)
+    model(x).square().sum().backward()
+    expected = (2 * model(x).detach()).t().matmul(x)
+    mask = (torch.arange(64 * 64).reshape(64, 64) % 3 > 0).float()
+    with pytest.warns(UserWarning, match="formed dW"):
+        model[0].weight.grad.mul_(mask)
+    w = model[0].weight.detach().clone()
+    opt.step()
+    assert torch.allclose(model[0].weight, w - 0.1 * expected * mask, atol=1e-7)
+
+
 def test_accumulation_concatenates_tokens_without_a_gradient():
     model = TinyTransformer(dim=64)
     opt = forge.optim.AdamW(model, mode="deferred", deferred_store="factors")

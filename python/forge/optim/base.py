@@ -235,11 +235,11 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._step_id = 0                 # number of completed step() calls
         self._cohort: list = []           # this step's FactoredGrads, weakly (routing.py)
         # What steps leave in .grad (deferred.py, ConsumedGrad): the fused weights whose
-        # ConsumedGrad the last step() left, the step whose first callback checked them
-        # (_check_left_grads), and whether the loop zeroed them keeping them (set_to_none=False)
+        # ConsumedGrad the last step() left, and whether the loop zeroed them keeping them
+        # (set_to_none=False); the step whose first callback ran _begin_step
         self._left: list = []
-        self._left_checked = -1
         self._grads_zeroed = False
+        self._begun_step = -1
         self._cohort_step = -1
         self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._stats_outputs: Dict[torch.device, _lib.StepOutputs] = {}  # pointers into _stats
@@ -348,13 +348,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 "forge.graphs.CUDAGraphStep given this optimizer: every replay would repeat this "
                 "step's step number, lr and rounding seed; capture it with "
                 "forge.graphs.CUDAGraphStep(fn, optimizers=[..., this optimizer])", stacklevel=2)
-        if self._left_checked != self._step_id:
-            self._check_left_grads()
+        if self._begun_step != self._step_id:
+            self._begin_step()
         if not self._deferring and self._checked_step != self._step_id:
             self._check_step()  # (a refusal first: before the warning below, or any update)
         self._settle_all()  # (calls the C++ pre-hook made, or ones it never reached)
         self._lapse_ready()
-        missed = [s.name for s in self._slots.values() if s.pending or s.partial is not None]
+        missed = [s for s in self._slots.values() if s.pending or s.partial is not None]
+        missed = [s.name for s in missed if not self._recover_replaced_node(s)]
         if missed:
             warnings.warn(
                 "forge: backward ran through the nn.Linear of " + ", ".join(missed) + " but "
@@ -423,6 +424,12 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if consumed is not None:
             self._left.append(slot)
 
+    def _begin_step(self) -> None:
+        """A step's first callback (a Linear's backward, the step's first update, or step()),
+        before anything of the step is read or updated."""
+        self._check_left_grads()
+        self._begun_step = self._step_id
+
     def _check_left_grads(self) -> None:
         """At a step's first callback (a Linear's backward, the first update, or step()):
         what the last step left in the fused weights' .grad. torch.optim would add this step's
@@ -451,7 +458,6 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 "opt.step(); to accumulate micro-batches, run their backwards before one "
                 "opt.step() with mode='deferred' (or 'auto'). Nothing was updated.")
         self._left = []
-        self._left_checked = self._step_id
 
     def _step_on_zeros(self) -> None:
         """The loop zeroed the last step's gradients keeping them (zero_grad(set_to_none=False)):
@@ -680,7 +686,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             st["step"] = step
         self._step_id = step_id
         self._states_loaded += 1  # new state tensors: a captured step no longer reads them
-        self._checked_step = -1
+        self._checked_step = self._begun_step = -1
         self._lapse_ready()
         for slot in self._slots.values():
             slot.updated_at = -1

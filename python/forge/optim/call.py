@@ -164,8 +164,8 @@ class _CallMixin:
         """Before the first update of a step: everything the step's updates read is checked
         (parameters, every group's hyper-parameters, every state tensor and step count), so a
         step is refused before it writes anything, never after some parameters changed."""
-        if self._left_checked != self._step_id:
-            self._check_left_grads()  # (what the last step left in .grad: base.py)
+        if self._begun_step != self._step_id:
+            self._begin_step()  # (what the last step left: base.py)
         if self._step_id == 0 and distributed.world_size() > 1:  # (a wrapper made later)
             model = self._model_ref()
             if model is not None:

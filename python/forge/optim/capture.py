@@ -120,6 +120,7 @@ class _CaptureMixin:
         cap.stats = self._last_stats if cap.steps == 1 else None
         cap.slots.sort(key=lambda entry: entry[0].index)  # NOTE: a group's slots adjacent
         self._step_id, self._last_stats = cap.step_id, cap.last_stats
+        self._begun_step = -1
         self._stats, self._stats_outputs = {}, {}
         for slot in self._slots.values():
             slot.clear_backward()

@@ -11,7 +11,8 @@ are the fused step's operands (x: [T, cols], dy: [T, rows] of a [rows, cols] wei
 pair over swapped, (dY, X), so everything here holds for it unchanged. It is a
 torch.Tensor of W's shape, dtype and device that owns no storage of that size, so a training
 loop's own code can work on it: torch.nn.utils.clip_grad_norm_ takes its norm
-(linalg_vector_norm, computed exactly without forming dW) and scales it (mul_), GradScaler's
+(linalg_vector_norm, computed exactly without forming dW) and scales it (mul_; a loop's own
+p.grad /= steps, div_, alike), GradScaler's
 unscale_ checks it for NaN/Inf and unscales it (_amp_foreach_non_finite_check_and_unscale_),
 zero_grad(set_to_none=False) zeroes it. Any other operation materializes dW once (fp32, in
 `dense`) and runs on that: always correct, and it says so with a warning naming the operation.
@@ -23,7 +24,7 @@ ConsumedGrad is the `.grad` of a parameter whose update already ran inside backw
 where torch.optim would still hold the gradient it applied. Any operation on it raises, naming
 the parameter and the way out, so a loop that clips, unscales or accumulates is told instead
 of silently clipping nothing; but zero_grad: set_to_none=True removes it, set_to_none=False
-marks it zeroed, which the next step reads (base.py, _check_left_grads): a zeroed one is a
+marks it zeroed, which the next step reads (base.py, _begin_step): a zeroed one is a
 zero gradient that this step's adds to (and one no backward reaches steps on zeros, as
 torch.optim steps every parameter holding a gradient), one left as it was is refused, since
 torch would add the new gradient to the applied one.
@@ -31,6 +32,7 @@ torch would add the new gradient to the applied one.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 import warnings
 import weakref
 from typing import List, Optional, Tuple
@@ -41,8 +43,12 @@ _aten = torch.ops.aten
 
 # Operations that return their first argument unchanged in meaning (views of the gradient).
 _ALIASES = {_aten.detach.default, _aten.alias.default}
+_MUL = {_aten.mul_.Tensor, _aten.mul_.Scalar}
+_DIV = {_aten.div_.Tensor, _aten.div_.Scalar}
 _FOREACH_MUL = {_aten._foreach_mul_.Scalar, _aten._foreach_mul_.Tensor,
                 _aten._foreach_mul_.List, _aten._foreach_mul_.ScalarList}
+_FOREACH_DIV = {_aten._foreach_div_.Scalar, _aten._foreach_div_.Tensor,
+                _aten._foreach_div_.List, _aten._foreach_div_.ScalarList}
 
 # NOTE: ‖dYᵀX‖² = Σᵢⱼ (X Xᵀ)ᵢⱼ (dY dYᵀ)ᵢⱼ costs T²·(in + out) multiply-adds against the
 # T·in·out of forming dW; the Gram identity is used where it is cheaper, in row blocks of at
@@ -196,22 +202,28 @@ class FactoredGrad(torch.Tensor):
             if args[2:] or kwargs.get("dim") is not None:
                 return _materialized_op(func, args, kwargs)
             return g.norm_of(float(ord))
-        if func in (_aten.mul_.Tensor, _aten.mul_.Scalar):
+        # A scaling by one number (a clip coefficient, 1 / accumulation steps) goes into
+        # `scale`: the fused step applies it as one multiply per element, where torch divides
+        # (within an ulp, as GradScaler's unscale and the clip). By a tensor: formed dW.
+        if (func in _MUL or func in _DIV) and not kwargs:
             g, factor = args[0], args[1]
-            g.touched = True
-            g.scale_by(factor)
-            return g
-        if func in _FOREACH_MUL:
+            if isinstance(g, FactoredGrad) and _is_number(factor):
+                g.touched = True
+                g.scale_by(factor if func in _MUL else _reciprocal(factor))
+                return g
+        if (func in _FOREACH_MUL or func in _FOREACH_DIV) and not kwargs:
             grads, factors = args[0], args[1]
             per = factors if isinstance(factors, (list, tuple)) else [factors] * len(grads)
-            plain = [(t, f) for t, f in zip(grads, per) if not isinstance(t, FactoredGrad)]
-            for t, f in zip(grads, per):
-                if isinstance(t, FactoredGrad):
-                    t.touched = True
-                    t.scale_by(f)
-            for t, f in plain:
-                t.mul_(f)
-            return None
+            if all(_is_number(f) for t, f in zip(grads, per) if isinstance(t, FactoredGrad)):
+                for t, f in zip(grads, per):
+                    if isinstance(t, FactoredGrad):
+                        t.touched = True
+                        t.scale_by(f if func in _FOREACH_MUL else _reciprocal(f))
+                    elif func in _FOREACH_MUL:
+                        t.mul_(f)
+                    else:
+                        t.div_(f)
+                return None
         if func is _aten._amp_foreach_non_finite_check_and_unscale_.default:
             grads, found_inf, inv_scale = args
             plain = [t for t in grads if not isinstance(t, FactoredGrad)]
@@ -234,6 +246,17 @@ class FactoredGrad(torch.Tensor):
                     t.zero_()
             return None if func is _aten._foreach_zero_.default else args[0]
         return _materialized_op(func, args, kwargs)
+
+
+def _is_number(f) -> bool:
+    """A Python number or a one-element tensor (not a gradient)."""
+    if isinstance(f, (bool, int, float)):
+        return True
+    return torch.is_tensor(f) and f.numel() == 1 and not isinstance(f, (FactoredGrad, ConsumedGrad))
+
+
+def _reciprocal(f):
+    return 1.0 / f if not torch.is_tensor(f) else 1.0 / f.double()
 
 
 def _materialized_op(func, args, kwargs):
@@ -469,6 +492,14 @@ class ConsumedGrad(torch.Tensor):
             return None if func is _aten._foreach_zero_.default else args[0]
         first = next(a for a in _flat(args) if isinstance(a, ConsumedGrad))
         before_step, mode = first._before_step()
+        if func is _aten._to_copy.default and not before_step:
+            # (a model moved or cast after its step: Module._apply converts each .grad too, as
+            # it would torch's gradient; the moved one stands for the same applied gradient)
+            moved = ConsumedGrad(SimpleNamespace(
+                shape=first.shape, dtype=kwargs.get("dtype") or first.dtype,
+                device=kwargs.get("device") or first.device), first.slot_ref())
+            moved.zeroed = first.zeroed
+            return moved
         if before_step:
             raise RuntimeError(
                 f"forge: the gradient of '{first.param_name}' was already applied to the weight "

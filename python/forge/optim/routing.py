@@ -320,13 +320,38 @@ class _RoutingMixin:
             return
         self._settle_all()
         for slot in self._slots.values():
-            if slot.mode != "fused":
-                continue
-            for h in slot.handles:
-                h.remove()
-            slot.handles.clear()
-            slot.acc_node = None  # the only reference: the node goes, the next one is new
-            self._hook_weight_node(slot)
+            if slot.mode == "fused":
+                self._rehook(slot)
+
+    def _rehook(self, slot: _Slot) -> None:
+        """Hooks W's AccumulateGrad node anew: the one torch holds now, or a new one."""
+        for h in slot.handles:
+            h.remove()
+        slot.handles.clear()
+        slot.acc_node = None  # the only reference: the node goes, the next one is new
+        self._hook_weight_node(slot)
+
+    def _recover_replaced_node(self, slot: _Slot) -> bool:
+        """At step(), for a fused weight whose Linear's backward ran but whose node hooks did
+        not. torch makes a parameter a new AccumulateGrad node when its data changes dtype or
+        device (model.double() then model.float(), say: the step refuses the weight while it
+        differs from what the optimizer was built for, not once it is back), and the hooks were
+        on the old one. Where that new node ran, it left the stand-in (and any gradient from a
+        use outside the Linear) in W.grad, as where pre-hooks are skipped: the update runs from
+        there (_on_weight_grad_done), and W is hooked on its new node for the next steps.
+        Returns whether it ran (False: the node is the hooked one, or it never ran)."""
+        if slot.dtensor:
+            return False
+        p = slot.param
+        with torch.enable_grad():
+            node = p.view_as(p).grad_fn.next_functions[0][0]
+        if node is slot.acc_node:
+            return False
+        ran = type(p.grad) is torch.Tensor
+        if ran:
+            self._on_weight_grad_done(slot)
+        self._rehook(slot)
+        return ran
 
     def detach(self) -> None:
         """Gives the model back: plain nn.Linear forwards, no hooks. The optimizer is
@@ -485,8 +510,8 @@ class _RoutingMixin:
 
     def _linear_backward(self, slot: _Slot, x, dy, weight):
         _refuse_compiled_autograd()
-        if self._left_checked != self._step_id:
-            self._check_left_grads()  # (before this backward reads or updates any weight)
+        if self._begun_step != self._step_id:
+            self._begin_step()  # (before this backward reads or updates any weight)
         if slot.armed:  # a second use of W in this backward, or the last backward's call
             self._settle_armed(slot)
         if self._deferring:
