@@ -472,6 +472,7 @@ class ConsumedGrad(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in _ALIASES:
             return args[0]
         if func in (_aten.zero_.default, _aten._foreach_zero_.default):
