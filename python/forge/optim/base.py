@@ -425,19 +425,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._left.append(slot)
 
     def _begin_step(self) -> None:
-        """A step's first callback (a Linear's backward, the step's first update, or step()),
-        before anything of the step is read or updated."""
-        self._check_left_grads()
-        self._begun_step = self._step_id
-
-    def _check_left_grads(self) -> None:
-        """At a step's first callback (a Linear's backward, the first update, or step()):
-        what the last step left in the fused weights' .grad. torch.optim would add this step's
-        gradients to the ones it applied unless the loop zeroed them: where the loop set them to
-        None nothing is left; where it zeroed them (set_to_none=False) the weight starts this
-        step from a zero gradient, and the step then also updates, on zeros, the parameters
-        that had a gradient before and that no backward of it reaches (_step_on_zeros); a
-        gradient left as it was is refused, before anything is updated."""
+        """At a step's first callback (a Linear's backward, the first update, or step()),
+        before anything of the step is read or updated: what the last step left in the fused
+        weights' .grad. torch.optim would add this step's gradients to the ones it applied
+        unless the loop zeroed them: where the loop set them to None nothing is left; where it
+        zeroed them (set_to_none=False) the weight starts this step from a zero gradient, and
+        the step then also updates, on zeros, the parameters that had a gradient before and
+        that no backward of it reaches (_step_on_zeros); a gradient left as it was is refused,
+        before anything is updated."""
         stale = []
         for slot in self._left:
             g = slot.param.grad
@@ -458,6 +453,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 "opt.step(); to accumulate micro-batches, run their backwards before one "
                 "opt.step() with mode='deferred' (or 'auto'). Nothing was updated.")
         self._left = []
+        self._begun_step = self._step_id
 
     def _step_on_zeros(self) -> None:
         """The loop zeroed the last step's gradients keeping them (zero_grad(set_to_none=False)):
