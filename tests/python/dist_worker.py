@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 VOCAB, HEADS, SEQ, BATCH, LAYERS = 128, 4, 8, 4, 1
 COLLECTIVE_TIMEOUT_S = 300  # a whole spawn takes 10-30 s on 2 busy cores
 DIM, FFN = 128, 256  # set_dims: 256, 512 where int8 column shards of 4 ranks need 64 columns
+SKIP_MLP = False
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +79,8 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
+        if SKIP_MLP:  # (a branch a step's backward does not reach: job_loops)
+            return x
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -153,6 +156,17 @@ def parallelize(model, mesh, sp: bool):
     return parallelize_module(model, mesh, tp_plan(sp))
 
 
+def fsdp(model, mesh):
+    """FSDP2 over mesh: a unit per layer and the root."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -218,10 +232,6 @@ def job_fsdp(rank, world, args):
     import forge.optim
     from reference import torch_optimizer
     from torch.distributed.device_mesh import init_device_mesh
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (world,))
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     measured = {}
@@ -232,9 +242,7 @@ def job_fsdp(rank, world, args):
         for key in ("forge_fsdp", "forge_1", "torch_fsdp", "torch_1"):
             model = copy.deepcopy(base)
             if key.endswith("fsdp"):
-                for layer in model.layers:
-                    fully_shard(layer, mesh=mesh)
-                fully_shard(model, mesh=mesh)
+                fsdp(model, mesh)
             if key.startswith("forge"):
                 opt = getattr(forge.optim, name)(model, **kwargs, **forge_kw)
             else:
@@ -247,6 +255,98 @@ def job_fsdp(rank, world, args):
             "torch_fsdp_vs_1": max_normwise(runs["torch_fsdp"][0], runs["torch_1"][0]),
             "grad_norm_rel": max(abs(a - b) / b for a, b in
                                  zip(runs["forge_fsdp"][1], runs["forge_1"][1]))}
+    return measured
+
+
+# The loops of job_loops: after each step opt.zero_grad(set_to_none=False) or
+# model.zero_grad(set_to_none=False), leaving the MLP out of every other step ("opt_zeros",
+# "model_zeros"); opt.zero_grad() after every step but the first ("missed_zero_grad");
+# clip_grad_norm_ before each step ("clip"; FSDP2 only: tensor parallel leaves the norms plain
+# tensors, which torch's clip_grad_norm_ refuses to mix with DTensors); two micro-batches a
+# step ("accumulate").
+LOOPS = ("opt_zeros", "model_zeros", "missed_zero_grad", "clip", "accumulate")
+
+
+def job_loops(rank, world, args):
+    """The training loops users have, on shards (tensor parallel, FSDP2), as in one process:
+    gradients zeroed keeping them step what a step's backward left out on zeros, as
+    torch.optim does; a loop that never zeroes them is refused at the next backward with
+    weights, states and step counts unchanged, and goes on once it zeroes them; clipping and
+    micro-batches match. Each forge run is measured against torch.optim on the same sharding,
+    with what torch itself moves between that sharding and one process as the allowance."""
+    import forge.optim
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    steps = args["steps"]
+
+    def run(setup, make_opt, loop, refuse_at=None):
+        global SKIP_MLP
+        model = make_model()
+        rows = slice(None)
+        if setup == "tp":
+            parallelize(model, mesh, sp=False)
+        elif setup == "fsdp":
+            fsdp(model, mesh)
+            rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        opt = make_opt(model)
+        refusal = None
+        micro = 2 if loop == "accumulate" else 1
+        for step in range(steps):
+            SKIP_MLP = loop.endswith("_zeros") and step % 2 == 1
+            if step == refuse_at:  # (the loop left out zero_grad after the last step)
+                before = snapshot(opt)
+                try:
+                    loss_of(model, step, rows).backward()
+                    refusal = "not refused"
+                except RuntimeError as e:
+                    refusal = str(e)
+                after = snapshot(opt)
+                refusal = (refusal, len(before) == len(after) and all(
+                    torch.equal(a, b) for a, b in zip(before, after)))
+                opt.zero_grad()
+            for m in range(micro):
+                (loss_of(model, micro * step + m, rows) / micro).backward()
+            SKIP_MLP = False
+            if loop == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # (every step clips)
+            opt.step()
+            if loop == "opt_zeros":
+                opt.zero_grad(set_to_none=False)
+            elif loop == "model_zeros":
+                model.zero_grad(set_to_none=False)
+            elif loop != "missed_zero_grad" or step + 1 != refuse_at:
+                opt.zero_grad()
+        return model, refusal, getattr(opt, "mode", None)
+
+    def snapshot(opt):
+        """Every parameter, state and step count of opt, as full tensors (collective; the
+        parameters as the optimizer holds them: FSDP2 swaps the module's own during a
+        forward and backward)."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        return [full(p).detach().clone() for p in params] + [
+            full(v).detach().clone() if torch.is_tensor(v) else torch.tensor(v)
+            for p in params for _, v in sorted(opt.state[p].items())]
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    measured = {}
+    for setup in ("tp", "fsdp"):
+        for loop in LOOPS:
+            if loop == "clip" and setup == "tp":
+                continue
+            torch_run, _, _ = run(setup, adamw, loop)
+            torch_1, _, _ = run("one process", adamw, loop)
+            allowance = max_normwise(torch_run, torch_1)
+            for mode in ("immediate", "deferred", "auto"):
+                if loop in ("clip", "accumulate") and mode == "immediate":
+                    continue  # (refused, by name, in one process as on shards)
+                forge_run, refusal, mode_after = run(setup, lambda m: forge.optim.AdamW(
+                    m, lr=1e-2, weight_decay=0.1, mode=mode), loop,
+                    refuse_at=1 if loop == "missed_zero_grad" else None)
+                measured[f"{setup}-{loop}-{mode}"] = {
+                    "forge_vs_torch": max_normwise(forge_run, torch_run),
+                    "torch_vs_1": allowance, "refusal": refusal, "mode_after": mode_after}
     return measured
 
 
@@ -347,8 +447,8 @@ def job_dcp_load(rank, world, args):
     return {"same_states": same_states, "differ": differ[:5], "continued_vs_saver": error}
 
 
-JOBS = {"tp": job_tp, "fsdp": job_fsdp, "ddp": job_ddp, "dcp_save": job_dcp_save,
-        "dcp_load": job_dcp_load}
+JOBS = {"tp": job_tp, "fsdp": job_fsdp, "loops": job_loops, "ddp": job_ddp,
+        "dcp_save": job_dcp_save, "dcp_load": job_dcp_load}
 
 
 def run(rank: int, world: int, out_dir: str, port: int, jobs) -> None:

@@ -8,6 +8,10 @@ groups of 2 and 4 ranks that the tests spawn themselves (dist_worker.py runs in 
   bit, which the C++ suite checks); grad_norm and the non-finite count are global.
 - FSDP2 (fully_shard): the update runs on the shard after the reduce-scatter; forge tracks
   single-process forge on the whole batch within what torch FSDP2 moves.
+- The training loops users have, on shards as in one process: gradients zeroed keeping them
+  (the optimizer's zero_grad or the model's) step what no backward reached on zeros, as
+  torch.optim does; a loop that never zeroes them is refused before anything changes;
+  clipping and micro-batches match torch.optim (mode='auto' stays deferred on shards).
 - DDP is refused before any weight changes, however the optimizer meets it.
 - torch.distributed.checkpoint: int8 states saved at 4 ranks load bit for bit at 4, 2 and 1;
   resumed at 4 the run continues bit-exactly.
@@ -36,6 +40,7 @@ pytestmark = pytest.mark.skipif(
     reason="torch 2.4's DTensor does not run these CPU process groups")
 
 STEPS = 3
+LOOP_STEPS = 4  # (job_loops: the MLP is left out of steps 1 and 3)
 
 
 def _free_port() -> int:
@@ -96,6 +101,7 @@ def results(tmp_path_factory):
                             ("dcp_load", {"dir": checkpoint})], tmp)
     measured[2] = spawn(2, [("tp", {"cases": TP2, "steps": STEPS}),
                             ("fsdp", {"cases": FSDP2, "steps": STEPS}),
+                            ("loops", {"steps": LOOP_STEPS}),
                             ("ddp", {}),
                             ("dcp_load", {"dir": checkpoint})], tmp)
     measured[1] = spawn(1, [("dcp_load", {"dir": checkpoint})], tmp)
@@ -103,8 +109,9 @@ def results(tmp_path_factory):
 
 
 def _assert_tracks(forge_error, torch_error, what, record_difference):
-    """forge's parallel run against its single-process run: within CONTRACT_RTOL, or
-    SUM_ORDER_FACTOR times what torch.optim moves between the same two runs."""
+    """forge's run against its reference (its single-process run, or torch.optim's on the
+    same sharding): within CONTRACT_RTOL, or SUM_ORDER_FACTOR times what torch.optim moves
+    between the sharded and the single-process run."""
     from tolerances import CONTRACT_RTOL, GRAD_NORM_RTOL, SUM_ORDER_FACTOR
     record_difference(what, forge_error)
     assert forge_error <= max(CONTRACT_RTOL, SUM_ORDER_FACTOR * torch_error), \
@@ -130,6 +137,24 @@ def test_fsdp2_tracks_one_process_on_the_whole_batch(results, world, case, recor
     _assert_tracks(m["forge_fsdp_vs_1"], m["torch_fsdp_vs_1"], f"FSDP{world} {case['id']}",
                    record_difference)
     assert m["grad_norm_rel"] <= GRAD_NORM_RTOL, m
+
+
+LOOP_CASES = [(setup, loop, mode) for setup in ("tp", "fsdp") for loop in dist_worker.LOOPS
+              for mode in ("immediate", "deferred", "auto")
+              if not (loop == "clip" and setup == "tp")
+              and not (loop in ("clip", "accumulate") and mode == "immediate")]
+
+
+@pytest.mark.parametrize("setup,loop,mode", LOOP_CASES, ids=["-".join(c) for c in LOOP_CASES])
+def test_training_loops_on_shards_match_torch(results, setup, loop, mode, record_difference):
+    m = results[2]["loops"][f"{setup}-{loop}-{mode}"]
+    _assert_tracks(m["forge_vs_torch"], m["torch_vs_1"], f"{setup} {loop} loop", record_difference)
+    if loop == "missed_zero_grad":
+        refusal, unchanged = m["refusal"]
+        assert "no zero_grad() since" in refusal, refusal
+        assert unchanged  # weights, states and step counts, where it was refused
+    if mode == "auto":  # (it cannot see a DTensor gradient's use: never goes immediate)
+        assert m["mode_after"] == "deferred"
 
 
 @pytest.mark.parametrize("how", ["wrapper", "inner", "later"])

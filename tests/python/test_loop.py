@@ -164,6 +164,38 @@ def test_dense_and_auto_stores_match_torch(store, record_difference):
     assert error <= bound, (error, bound)
 
 
+def test_auto_mode_sees_micro_batches_on_a_parameter_outside_linears(caplog):
+    """mode='auto' and a loop accumulating micro-batches, on a model whose largest parameter
+    is a convolution's (updated by its gradient hook, not fused): the first step sees the
+    second backward reach it and stays deferred, so the loop matches torch.optim throughout
+    (it must not go immediate and refuse the next step's second micro-batch inside backward,
+    after the first one's updates ran)."""
+    from reference import stock_loop_error
+    from tiny_models import Convolutional, conv_loss
+    from forge.optim.routing import BATCHED_MAX_ELEMENTS
+    assert Convolutional().conv.weight.numel() > BATCHED_MAX_ELEMENTS  # (the hook path)
+    made = []
+
+    def make_forge(model, **kw):
+        made.append(forge.optim.AdamW(model, lr=1e-2, weight_decay=0.1, **kw))
+        return made[-1]
+
+    def accumulating(model, opt, device):
+        for step in range(4):
+            for m in range(MICRO):
+                (conv_loss(model, step * MICRO + m, device) / MICRO).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with caplog.at_level(logging.INFO, logger="forge"):
+        error, bound = stock_loop_error(
+            make_forge, lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+            accumulating, make_model=Convolutional)
+    assert made[0].mode == "deferred"
+    assert "stays deferred: the gradient of conv.weight" in caplog.text
+    assert error <= bound, (error, bound)
+
+
 def test_auto_mode_stays_deferred_for_a_loop_that_clips(caplog):
     """mode='auto' (the default): a loop that clips is exact from its first step on."""
     name, kwargs = "AdamW", dict(lr=1e-2, weight_decay=0.1)

@@ -173,3 +173,20 @@ def routed_loss(model, step: int, device="cpu", empty=(), skip=()):
     for i in empty:
         route[route == i] = 1 - i
     return model(x.to(device), route.to(device), skip).square().mean()
+
+
+class Convolutional(nn.Module):
+    """A convolution whose weight (32·256·3·3 = 73,728 elements) is large enough for the hook
+    path, and no nn.Linear: a model none of whose parameters is fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(32, 256, 3)
+
+    def forward(self, x):  # x: [B, 32, 5, 5]
+        return torch.tanh(self.conv(x)).mean((1, 2, 3))
+
+
+def conv_loss(model, step: int, device="cpu"):
+    g = torch.Generator().manual_seed(3000 + step)
+    return model(torch.randn(2, 32, 5, 5, generator=g).to(device)).square().mean()

@@ -27,7 +27,7 @@ from .call import _CallMixin, _as_float
 from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
 from . import distributed
-from .deferred import ConsumedGrad, FactoredGrad, fill_sum_sqs, sum_sq_fp64
+from .deferred import FactoredGrad, consumed_of, fill_sum_sqs, sum_sq_fp64
 from . import summary as _summary
 from .states import (BLOCK_FORMATS, MIN_8BIT_SIZE, STORAGE_KEYS, _StatesMixin,
                      check_storage_options)
@@ -223,6 +223,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._distributed = distributed.world_size() > 1 and any(
             distributed.is_dtensor(p) for p in all_params)
         self._wrapper_check = None
+        self._backward_start = None  # the model's forward hook with FSDP2 shards (routing.py)
         if distributed.world_size() > 1:
             distributed.check_no_replicating_wrapper(model)
             # A DDP / FSDP1 wrapper made after the optimizer: refused at the model's first
@@ -234,8 +235,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._slots: Dict[int, _Slot] = {}
         self._step_id = 0                 # number of completed step() calls
         self._cohort: list = []           # this step's FactoredGrads, weakly (routing.py)
-        # What steps leave in .grad (deferred.py, ConsumedGrad): the fused weights whose
-        # ConsumedGrad the last step() left, and whether the loop zeroed them keeping them
+        # What steps leave in .grad (deferred.py, ConsumedGrad): the parameters whose
+        # ConsumedGrad the last step() left (_Slot.keeps_consumed), and whether the loop
+        # zeroed them keeping them
         # (set_to_none=False); the step whose first callback ran _begin_step
         self._left: list = []
         self._grads_zeroed = False
@@ -393,8 +395,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             grad = p.grad
             if grad is None:
                 continue
-            if isinstance(grad, ConsumedGrad):
-                if slot.mode == "fused":
+            if consumed_of(grad) is not None:
+                if slot.keeps_consumed:
                     self._left.append(slot)  # (kept: where torch's gradient would stay)
                 else:
                     p.grad = None
@@ -417,9 +419,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             slot.param.grad = None
 
     def _leave_consumed(self, slot) -> None:
-        """After a parameter's update in step(): a fused weight keeps its ConsumedGrad in .grad,
-        where torch.optim's gradient would stay until zero_grad; any other gets None."""
-        consumed = slot.consumed_grad() if slot.mode == "fused" else None
+        """After a parameter's update in step(): a fused weight or an FSDP2 shard keeps its
+        ConsumedGrad in .grad, where torch.optim's gradient would stay until zero_grad; any
+        other gets None (_Slot.keeps_consumed)."""
+        consumed = slot.consumed_grad() if slot.keeps_consumed else None
         slot.param.grad = consumed
         if consumed is not None:
             self._left.append(slot)
@@ -435,8 +438,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         before anything is updated."""
         stale = []
         for slot in self._left:
-            g = slot.param.grad
-            if type(g) is not ConsumedGrad:
+            g = consumed_of(slot.param.grad)
+            if g is None:
                 continue  # (set to None, or replaced by the loop)
             if g.zeroed:
                 g.zeroed = False
@@ -459,19 +462,18 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         """The loop zeroed the last step's gradients keeping them (zero_grad(set_to_none=False)):
         torch.optim steps every parameter that holds a gradient tensor, so each parameter
         updated before (a gradient tensor in torch's place) that no backward of this step
-        reached steps on zeros: its moments decay and weight decay applies. DTensor shards
-        (FSDP2, tensor parallel) are left as they are: their .grad is not kept."""
+        reached steps on zeros: its moments decay and weight decay applies."""
         batch = []
         for slot in self._slots.values():
             p = slot.param
-            if slot.updated_at < 0 or slot.updated_at == self._step_id or slot.dtensor \
-                    or p.grad is not None:
+            if slot.updated_at < 0 or slot.updated_at == self._step_id or p.grad is not None:
                 continue
-            if slot.mode == "fused":  # (one weight's zeros at a time)
-                self._update(slot, grad=torch.zeros_like(p), scale=1.0)
+            if slot.keeps_consumed or slot.dtensor:  # (one parameter's zeros at a time)
+                self._update(slot, grad=distributed.grad_as_param(torch.zeros_like(p), p),
+                             scale=1.0)
                 self._leave_consumed(slot)
                 if p.grad is not None:
-                    p.grad.zeroed = True  # (zeros, as torch's gradient is now)
+                    consumed_of(p.grad).zeroed = True  # (zeros, as torch's gradient is now)
             else:
                 batch.append((slot, torch.zeros_like(p), None))
         self._update_batch(batch)
@@ -480,7 +482,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         held = [(slot, slot.param.grad) for slot in self._slots.values()
                 if slot.param.grad is not None]
         for slot, grad in held:
-            if isinstance(grad, ConsumedGrad):
+            if consumed_of(grad) is not None:
                 raise RuntimeError(f"forge: parameter '{slot.name}' holds the gradient of an "
                                    "update that already ran inside backward")
             if not isinstance(grad, FactoredGrad) and grad.is_sparse:
@@ -530,15 +532,23 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
     def _decide_auto(self, held) -> None:
         """End of an auto optimizer's first step: stay deferred if the loop used a gradient
-        before opt.step(), else run immediate from the next step."""
+        before opt.step() (or may have: a DTensor's use is not seen), else run immediate from
+        the next step."""
         touched = [slot.name for slot, g in held
                    if (isinstance(g, FactoredGrad) and (g.touched or len(g.parts) > 1))
-                   or (not isinstance(g, FactoredGrad) and slot.mode == "hook"
-                       and slot.grad_version is not None and g._version != slot.grad_version)]
+                   or (not isinstance(g, FactoredGrad) and slot.mode == "hook" and (
+                       slot.grad_arrivals > 1 or (slot.grad_version is not None
+                                                  and g._version != slot.grad_version)))]
         reasons = []
         if touched:
             reasons.append("the gradient of " + ", ".join(touched[:3])
                            + (" ..." if len(touched) > 3 else "") + " was used or accumulated")
+        if any(slot.dtensor for slot in self._slots.values()):
+            # NOTE: an in-place op on a DTensor gradient (clip_grad_norm_'s _foreach_mul_)
+            # may leave both its and its local tensor's version counters as they were
+            reasons.append("the model has DTensor parameters (tensor parallel, FSDP2), whose "
+                           "gradients' use by the loop cannot be seen; build the optimizer with "
+                           "mode='immediate' where the loop never reads a gradient")
         if self.max_grad_norm is not None:
             reasons.append("max_grad_norm is set")
         if self._loop_needs_grads or getattr(self, "_optimizer_step_pre_hooks", None) \
@@ -564,7 +574,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._settle_all()
         return any(s.updated_at == self._step_id or s.pending or s.partial is not None
                    or s.held is not None
-                   or (s.param.grad is not None and type(s.param.grad) is not ConsumedGrad)
+                   or (s.param.grad is not None and consumed_of(s.param.grad) is None)
                    for s in self._slots.values())
 
     def _lapse_ready(self) -> None:

@@ -27,7 +27,8 @@ of silently clipping nothing; but zero_grad: set_to_none=True removes it, set_to
 marks it zeroed, which the next step reads (base.py, _begin_step): a zeroed one is a
 zero gradient that this step's adds to (and one no backward reaches steps on zeros, as
 torch.optim steps every parameter holding a gradient), one left as it was is refused, since
-torch would add the new gradient to the applied one.
+torch would add the new gradient to the applied one. A DTensor parameter's (tensor parallel,
+FSDP2) is a DTensor of its layout whose local tensor is the ConsumedGrad (consumed_of).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ _aten = torch.ops.aten
 
 # Operations that return their first argument unchanged in meaning (views of the gradient).
 _ALIASES = {_aten.detach.default, _aten.alias.default}
+# (DTensor.from_local's view of its local tensor: a new tensor standing for the same gradient)
+_SAME_SHAPE_VIEWS = {_aten.view.default, _aten._unsafe_view.default}
 _MUL = {_aten.mul_.Tensor, _aten.mul_.Scalar}
 _DIV = {_aten.div_.Tensor, _aten.div_.Scalar}
 _FOREACH_MUL = {_aten._foreach_mul_.Scalar, _aten._foreach_mul_.Tensor,
@@ -195,6 +198,8 @@ class FactoredGrad(torch.Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:
             return args[0]
+        if func in _SAME_SHAPE_VIEWS and tuple(args[1]) == tuple(args[0].shape):
+            return args[0]._like()
         if func is _aten.linalg_vector_norm.default:
             g = args[0]
             g.touched = True
@@ -461,6 +466,14 @@ class ConsumedGrad(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         return f"ConsumedGrad({self.param_name}: applied{', zeroed' if self.zeroed else ''})"
 
+    def _like(self, dtype=None, device=None) -> "ConsumedGrad":
+        """Another ConsumedGrad standing for the same applied gradient (a view, a copy after
+        the model was moved or cast)."""
+        other = ConsumedGrad(SimpleNamespace(shape=self.shape, dtype=dtype or self.dtype,
+                                             device=device or self.device), self.slot_ref())
+        other.zeroed = self.zeroed
+        return other
+
     def _before_step(self) -> Tuple[bool, str]:
         """(whether the update ran in the step not yet closed by opt.step(), the optimizer's
         mode)."""
@@ -475,6 +488,8 @@ class ConsumedGrad(torch.Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:
             return args[0]
+        if func in _SAME_SHAPE_VIEWS and tuple(args[1]) == tuple(args[0].shape):
+            return args[0]._like()
         if func in (_aten.zero_.default, _aten._foreach_zero_.default):
             targets = args[0] if func is _aten._foreach_zero_.default else [args[0]]
             for t in targets:  # (every one checked before any is zeroed)
@@ -496,11 +511,7 @@ class ConsumedGrad(torch.Tensor):
         if func is _aten._to_copy.default and not before_step:
             # (a model moved or cast after its step: Module._apply converts each .grad too, as
             # it would torch's gradient; the moved one stands for the same applied gradient)
-            moved = ConsumedGrad(SimpleNamespace(
-                shape=first.shape, dtype=kwargs.get("dtype") or first.dtype,
-                device=kwargs.get("device") or first.device), first.slot_ref())
-            moved.zeroed = first.zeroed
-            return moved
+            return first._like(kwargs.get("dtype"), kwargs.get("device"))
         if before_step:
             raise RuntimeError(
                 f"forge: the gradient of '{first.param_name}' was already applied to the weight "
@@ -513,6 +524,15 @@ class ConsumedGrad(torch.Tensor):
             f"kept (FORGE never holds a weight's whole gradient), so {func} cannot see or "
             "change it. Read gradients between backward and opt.step(), with mode='deferred' "
             "(or 'auto').")
+
+
+def consumed_of(grad) -> Optional[ConsumedGrad]:
+    """The ConsumedGrad a .grad is (or, a DTensor's, holds as its local tensor); None for
+    any other gradient."""
+    if type(grad) is ConsumedGrad:
+        return grad
+    local = getattr(grad, "_local_tensor", None)
+    return local if type(local) is ConsumedGrad else None
 
 
 def _flat(args):

@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from .. import _linear, _prehook
 from . import distributed
-from .deferred import ConsumedGrad, FactoredGrad
+from .deferred import ConsumedGrad, FactoredGrad, consumed_of
 
 if TYPE_CHECKING:
     from .base import _ForgeOptimizer
@@ -129,10 +129,13 @@ class _Slot:
         self.modules: List[nn.Linear] = []
         self.warned_multi_use = False
         # Deferred mode: the gradient of earlier backwards while another runs (see
-        # _linear_backward), and a hook parameter's .grad version when backward left it.
+        # _linear_backward), and a hook parameter's .grad version when backward last left it
+        # and how many backwards did (an auto optimizer's first step reads both).
         self.held: Optional[torch.Tensor] = None
         self.grad_version: Optional[int] = None
-        self._consumed: Optional[ConsumedGrad] = None
+        self.grad_arrivals = 0
+        self._consumed: Optional[torch.Tensor] = None  # consumed_grad()
+        self.fsdp_shard = False  # FSDP2 manages it (set by _attach)
         # The host's fast path (call.py): the forge_param checked this step (and the step),
         # the (state dict, param group) checked with it, and the forge_wgrad_args kept for
         # this parameter with what its struct fields hold.
@@ -158,15 +161,29 @@ class _Slot:
         record = self.record
         return record is not None and record.busy
 
-    def consumed_grad(self) -> ConsumedGrad:
-        """The .grad left on this parameter once its update ran inside backward (made once)."""
+    def consumed_grad(self) -> torch.Tensor:
+        """The .grad left on this parameter once its update ran (made once): a ConsumedGrad,
+        or for a DTensor parameter a DTensor of its layout holding one as its local tensor."""
         consumed = self._consumed
-        if self.dtensor:
-            return None  # (a DTensor's .grad must be a DTensor: freed instead)
         if consumed is None or consumed.dtype != self.param.dtype \
                 or consumed.device != self.param.device:
-            consumed = self._consumed = ConsumedGrad(self.param, self)
+            if self.dtensor:
+                local = ConsumedGrad(distributed.local(self.param), self)
+                consumed = distributed.as_state(local, self.param, tuple(self.param.shape))
+            else:
+                consumed = ConsumedGrad(self.param, self)
+            self._consumed = consumed
         return consumed
+
+    @property
+    def keeps_consumed(self) -> bool:
+        """Whether the ConsumedGrad stays in .grad after opt.step(), where torch.optim's
+        gradient would stay until zero_grad (base.py, _begin_step reads it): a fused weight's
+        (the update comes before any other gradient could accumulate into it), and an FSDP2
+        shard's (FSDP2 accumulates into it, after the step's first callback: _BackwardStart).
+        Any other parameter's AccumulateGrad may run before a step's first callback, so its
+        .grad is None after opt.step()."""
+        return self.mode == "fused" or self.fsdp_shard
 
     def clear_backward(self) -> None:
         """Forgets what backward handed over since the last update (pending pairs, the fp32
@@ -260,6 +277,41 @@ def _param_grad_ready(ref) -> None:
     opt = slot.opt_ref() if slot is not None else None
     if opt is not None and opt._attached:
         opt._on_param_grad_ready(slot)
+
+
+class _BackwardStart:
+    """A model with FSDP2 shards: its forward hook. FSDP2 adds a shard's reduced gradient into
+    its .grad before any of FORGE's callbacks of the step runs, so the step's first callback
+    (_begin_step: what the last step left in .grad, zeroed or stale) is the start of the
+    backward: a hook on the forward's outputs, run as the first of them gets its gradient."""
+
+    def __init__(self, opt_ref):
+        self.opt_ref = opt_ref
+
+    def __call__(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._started, mode="any")
+
+    def _started(self, grad) -> None:
+        opt = self.opt_ref()
+        if opt is not None and opt._attached and opt._begun_step != opt._step_id:
+            opt._begin_step()
+
+
+def _tensors_in(output):
+    """The tensors of a forward's output (a tensor, or tuples, lists and mappings of them:
+    transformers' ModelOutput is a mapping)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors_in(item)
 
 
 def _add_dw(acc: Optional[torch.Tensor], x2: torch.Tensor, dy2: torch.Tensor) -> torch.Tensor:
@@ -358,9 +410,10 @@ class _RoutingMixin:
         unusable afterwards (except state_dict())."""
         if not self._attached:
             return
-        if self._wrapper_check is not None:
-            self._wrapper_check.remove()
-            self._wrapper_check = None
+        for handle in (self._wrapper_check, self._backward_start):
+            if handle is not None:
+                handle.remove()
+        self._wrapper_check = self._backward_start = None
         self._settle_all()
         for slot in self._slots.values():
             for h in slot.handles:
@@ -370,7 +423,7 @@ class _RoutingMixin:
                 slot.record.enabled = False
                 slot.record = slot.record_call = slot.cpp_linear = None
             slot.acc_node = None
-            if type(slot.param.grad) is ConsumedGrad:  # (a plain optimizer could not use it)
+            if consumed_of(slot.param.grad) is not None:  # (a plain optimizer could not use it)
                 slot.param.grad = None
             for m in slot.modules:
                 _linear.unpatch(m, slot.param)
@@ -412,7 +465,8 @@ class _RoutingMixin:
                 refusals.insert(0, "nn.MultiheadAttention's out_proj, whose weight it reads "
                                    "directly, never through the Linear's forward")
             kind = None
-            if distributed.is_fsdp_managed(model, p) and post_hook:
+            fsdp_shard = distributed.is_fsdp_managed(model, p)
+            if fsdp_shard and post_hook:
                 mode, reason = "hook", "an FSDP2 shard: its gradient arrives reduce-scattered"
             elif len(p_names) > 1:
                 mode, reason = "deferred", "shared/tied (one parameter under several names)"
@@ -436,6 +490,7 @@ class _RoutingMixin:
                                             "applied in opt.step()")
             slot = _Slot(self, p, index_of[id(p)], p_names, mode)
             slot.kind, slot.reason = kind, reason
+            slot.fsdp_shard = fsdp_shard
             if mode == "fused" and slot.dtensor:
                 slot.layouts = distributed.fused_layouts(p, slot.name)
             self._slots[id(p)] = slot
@@ -457,6 +512,11 @@ class _RoutingMixin:
                 slot = self._slots[id(p)]
                 if not slot.dtensor:
                     slot.counts = dist.get_rank() == 0
+        if self._backward_start is None and any(s.fsdp_shard for s in self._slots.values()):
+            # NOTE: prepended, so its hook on the outputs comes before FSDP2's own (the
+            # root's pre-backward): a stale gradient is refused before FSDP2 starts anything
+            self._backward_start = model.register_forward_hook(
+                _BackwardStart(weakref.ref(self)), prepend=True)
         if shared:
             warnings.warn(
                 "forge: parameters used in more than one place take the materialized-gradient "
@@ -794,6 +854,7 @@ class _RoutingMixin:
             return
         if self._deferring:
             slot.grad_version = p.grad._version  # a change before step(): the loop used it
+            slot.grad_arrivals += 1  # more than one backward before step(): accumulated
             return
         if slot.updated_at == self._step_id:
             raise self._second_update_error(slot)

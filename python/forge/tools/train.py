@@ -354,6 +354,9 @@ def make_optimizer(model: nn.Module, spec: OptimizerSpec, args, device: torch.de
         if getattr(args, opt) is not None:
             kwargs[opt] = getattr(args, opt)
     kwargs["seed"] = args.seed
+    # (this loop never reads a gradient before step(): every update runs inside backward from
+    # the first step on, also on shards, where mode='auto' would stay deferred)
+    kwargs["mode"] = "immediate"
     try:
         opt = getattr(forge_optim, spec.class_name)(model, **kwargs)
     except (ValueError, TypeError) as e:
