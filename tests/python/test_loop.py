@@ -353,7 +353,8 @@ def test_factored_gradient_holds_no_dense_dw_until_an_operation_needs_one():
 
 _TENSOR_METHODS = {"norm": lambda g: g.norm(), "norm_1": lambda g: g.norm(1),
                    "add": lambda g: g.add(1.0), "multiply": lambda g: g.multiply(2.0),
-                   "mul": lambda g: g.mul(2.0)}
+                   "mul": lambda g: g.mul(2.0), "view": lambda g: g.view(g.shape),
+                   "flatten": lambda g: g.flatten()}
 
 
 @pytest.mark.parametrize("method", sorted(_TENSOR_METHODS))

@@ -198,8 +198,6 @@ class FactoredGrad(torch.Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:
             return args[0]
-        if func in _SAME_SHAPE_VIEWS and tuple(args[1]) == tuple(args[0].shape):
-            return args[0]._like()
         if func is _aten.linalg_vector_norm.default:
             g = args[0]
             g.touched = True
