@@ -261,6 +261,74 @@ def test_a_loop_without_zero_grad_is_refused_before_anything_changes(mode):
     assert all(opt.state[p]["step"] == 2 for p in model.parameters())
 
 
+@pytest.mark.parametrize("mode,detach", [("auto", True), ("auto", False), ("deferred", False),
+                                         ("immediate", True)])
+def test_a_loss_reaching_another_optimizers_weights_matches_torch(mode, detach,
+                                                                  record_difference):
+    """A GAN (or actor-critic) loop: the generator's loss reaches the discriminator's weights
+    after the discriminator's step, and the loop zeroes that gradient before the next one
+    (the discriminator's loss reaches the generator's alike where it does not detach). torch
+    adds it to the applied one and discards the sum; forge holds it (that step runs deferred)
+    and discards it with the zero_grad: both models as torch.optim trains them. (Explicit
+    immediate mode without detach updates the generator inside the discriminator's backward
+    at the first step, as it must; it is refused at the second backward.)"""
+    from reference import PerturbedBeforeStep, max_normwise
+    from tiny_models import Adversarial, adversarial_step
+    from tolerances import LOOP_RTOL, ULP_SENSITIVITY_FACTOR
+    torch.manual_seed(0)
+    base = Adversarial()
+    runs = {}
+    for key in ("forge", "torch", "torch_ulp"):
+        pair = Adversarial()
+        pair.load_state_dict(base.state_dict())
+        # (SGD with momentum: a wrong gradient shows, and the summation orders of forge's
+        # kernel and torch's GEMM stay at rounding, where Adam's normalization amplifies them)
+        if key == "forge":
+            d_opt, g_opt = (forge.optim.SGD(m, lr=0.05, momentum=0.9, weight_decay=0.1,
+                                            mode=mode)
+                            for m in (pair.discriminator, pair.generator))
+        else:
+            d_opt, g_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9,
+                                            weight_decay=0.1)
+                            for m in (pair.discriminator, pair.generator))
+            if key == "torch_ulp":
+                d_opt, g_opt = PerturbedBeforeStep(d_opt), PerturbedBeforeStep(g_opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the discriminator applied twice in its loss)
+            for step in range(5):
+                adversarial_step(pair, d_opt, g_opt, step, detach)
+        runs[key] = pair
+    error = max_normwise(runs["forge"], runs["torch"])
+    record_difference(f"adversarial loop, {mode}", error)
+    assert error <= max(LOOP_RTOL, ULP_SENSITIVITY_FACTOR * max_normwise(runs["torch_ulp"],
+                                                                         runs["torch"]))
+
+
+def test_stepping_on_a_gradient_over_an_applied_one_is_refused():
+    """No zero_grad between two steps, the second one's gradient read (clip_grad_norm_) or
+    stepped on: torch.optim would use the sum of the two steps' gradients, which forge no
+    longer has. Refused, naming the weights, before any weight or state changes, in every
+    mode (the step holds its gradients); opt.zero_grad() then discards both, as torch's."""
+    torch.manual_seed(0)
+    model = Routed()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode="immediate")
+    routed_loss(model, 0).backward()
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    routed_loss(model, 1).backward()
+    assert opt.mode == "deferred"  # (held until step() or zero_grad)
+    with pytest.raises(RuntimeError, match="no zero_grad"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="no zero_grad"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    opt.zero_grad()
+    assert opt.mode == "immediate"
+    routed_loss(model, 1).backward()
+    opt.step()
+    assert all(opt.state[p]["step"] == 2 for p in model.parameters())
+
+
 def test_zeroing_a_gradient_applied_inside_backward_is_refused():
     """Immediate mode: zero_grad(set_to_none=False) between backward and opt.step() would
     make torch.optim step on zeros, but the update already ran: refused, naming the weight,

@@ -190,3 +190,32 @@ class Convolutional(nn.Module):
 def conv_loss(model, step: int, device="cpu"):
     g = torch.Generator().manual_seed(3000 + step)
     return model(torch.randn(2, 32, 5, 5, generator=g).to(device)).square().mean()
+
+
+class Adversarial(nn.Module):
+    """A generator and a discriminator (two Linears each), as a GAN or an actor-critic pair is
+    trained: two optimizers, and each one's loss reaches the other's weights."""
+
+    def __init__(self, dim=DIM, noise=16):
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(noise, 64), nn.Tanh(), nn.Linear(64, dim))
+        self.discriminator = nn.Sequential(nn.Linear(dim, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.noise = noise
+
+
+def adversarial_step(pair, d_opt, g_opt, step: int, detach: bool) -> None:
+    """One step of the usual loop: the discriminator's (on generated samples, detached or
+    not: the generator's weights get a gradient then, which g_opt.zero_grad() discards), then
+    the generator's (its loss reaches the discriminator's weights, whose gradient
+    d_opt.zero_grad() discards at the next step)."""
+    g = torch.Generator().manual_seed(4000 + step)
+    real = torch.randn(12, pair.generator[-1].out_features, generator=g)
+    z = torch.randn(12, pair.noise, generator=g)
+    d, gen = pair.discriminator, pair.generator
+    d_opt.zero_grad()
+    fake = gen(z)
+    (d(fake.detach() if detach else fake) - d(real)).mean().backward()
+    d_opt.step()
+    g_opt.zero_grad()
+    (-d(gen(z))).mean().backward()
+    g_opt.step()

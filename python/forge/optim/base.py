@@ -241,6 +241,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         # (set_to_none=False); the step whose first callback ran _begin_step
         self._left: list = []
         self._grads_zeroed = False
+        # A held step's (_hold_step) mode outside it (_deferring's value), None outside one
+        self._mode_outside_hold: Optional[bool] = None
         self._begun_step = -1
         self._cohort_step = -1
         self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -290,8 +292,11 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._mode, self._deferred_store = "deferred", "grad"
         else:
             self._mode, self._deferred_store = self._requested
-        self._deferring = self._mode != "immediate" and (self._mode != "auto"
-                                                         or self._step_id == 0)
+        deferring = self._mode != "immediate" and (self._mode != "auto" or self._step_id == 0)
+        if self._mode_outside_hold is not None:  # (a held step: its mode after it)
+            self._mode_outside_hold = deferring
+        else:
+            self._deferring = deferring
         self._lapse_ready()
 
     @property
@@ -325,7 +330,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         """torch.optim's; in immediate mode the updates have run before step() is called, so
         a pre-hook cannot run before them: refused there, and an auto optimizer stays
         deferred."""
-        if not self._deferring:
+        if not self._deferring or self._mode_outside_hold is False:
             raise RuntimeError(
                 "forge: a step pre-hook runs before the update, but this optimizer updates "
                 f"inside backward (mode='{self._mode_name()}'); build it with "
@@ -384,6 +389,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._stats = {}
         self._stats_outputs = {}
         self._last_clip_norm, self._clip_norm = self._clip_norm, None
+        self._end_hold()
         self._backward_scale = self._lagged_clip_scale() if not self._deferring else 1.0
         self._step_id += 1
         return loss
@@ -434,7 +440,12 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         unless the loop zeroed them: where the loop set them to None nothing is left; where it
         zeroed them (set_to_none=False) the weight starts this step from a zero gradient, and
         the step then also updates, on zeros, the parameters that had a gradient before and
-        that no backward of it reaches (_step_on_zeros); a gradient left as it was is refused,
+        that no backward of it reaches (_step_on_zeros). Where one is left as it was, torch
+        would add this step's gradients to it, which matters only if the loop steps before
+        it zeroes them (another model's loss reaching these weights, as a GAN's generator
+        loss reaches the discriminator, is zeroed first): the step holds every gradient until
+        step() (_hold_step), and a weight's lands on top of the applied one (FactoredGrad's
+        on_applied), refused where read or stepped on. A DTensor shard's is refused here,
         before anything is updated."""
         stale = []
         for slot in self._left:
@@ -446,17 +457,28 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 slot.param.grad = None
                 self._grads_zeroed = True
             else:
-                stale.append(slot.name)
-        if stale:
-            raise RuntimeError(
-                f"forge: the gradient of {', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''} "
-                "applied by the last opt.step() is still in .grad: no zero_grad() since, so "
-                "torch.optim would add this step's gradients to it, and FORGE keeps no weight "
-                "gradient to add to. Call opt.zero_grad() (or model.zero_grad()) after each "
-                "opt.step(); to accumulate micro-batches, run their backwards before one "
-                "opt.step() with mode='deferred' (or 'auto'). Nothing was updated.")
+                stale.append(slot)
         self._left = []
         self._begun_step = self._step_id
+        if stale:
+            shards = [slot.name for slot in stale if slot.dtensor]
+            if shards:
+                raise RuntimeError(_applied_still_held(shards, "Nothing was updated."))
+            self._hold_step()
+
+    def _hold_step(self) -> None:
+        """This step runs deferred, whatever the mode: every gradient waits in .grad until
+        step() (or zero_grad). An immediate optimizer is immediate again after it, or from
+        the zero_grad(set_to_none=True) that leaves nothing held."""
+        if self._mode_outside_hold is None:
+            self._mode_outside_hold = self._deferring
+            self._deferring = True
+            self._lapse_ready()
+
+    def _end_hold(self) -> None:
+        if self._mode_outside_hold is not None:
+            self._deferring, self._mode_outside_hold = self._mode_outside_hold, None
+            self._lapse_ready()
 
     def _step_on_zeros(self) -> None:
         """The loop zeroed the last step's gradients keeping them (zero_grad(set_to_none=False)):
@@ -481,10 +503,12 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
     def _step_deferred(self) -> None:
         held = [(slot, slot.param.grad) for slot in self._slots.values()
                 if slot.param.grad is not None]
+        applied = [slot.name for slot, grad in held if consumed_of(grad) is not None
+                   or (isinstance(grad, FactoredGrad) and grad.on_applied)]
+        if applied:  # (the last step's gradient, with or without this step's on top)
+            raise RuntimeError(_applied_still_held(applied, "Nothing was updated; the "
+                                                   "gradients stay as they are."))
         for slot, grad in held:
-            if consumed_of(grad) is not None:
-                raise RuntimeError(f"forge: parameter '{slot.name}' holds the gradient of an "
-                                   "update that already ran inside backward")
             if not isinstance(grad, FactoredGrad) and grad.is_sparse:
                 raise RuntimeError(f"forge: parameter '{slot.name}' has a sparse gradient, "
                                    "which FORGE does not support")
@@ -594,6 +618,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         super().zero_grad(set_to_none=set_to_none)
         if not set_to_none:  # (torch keeps zeros: _step_on_zeros)
             self._grads_zeroed = True
+        else:  # nothing is held: a held step goes on in the optimizer's mode
+            self._end_hold()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -803,6 +829,15 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError(f"parameter '{name}': already driven by "
                                  f"{'this' if owner is self else 'another'} forge optimizer"
                                  f"{'' if owner is self else '; call its .detach() first'}")
+
+
+def _applied_still_held(names, then: str) -> str:
+    return (f"forge: the gradient of {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
+            "applied by the last opt.step() is still in .grad (under any this step's backward "
+            "added): no zero_grad() since, so torch.optim would step on their sum, and FORGE "
+            "keeps no weight gradient to add to. Call opt.zero_grad() (or model.zero_grad()) "
+            "after each opt.step(); to accumulate micro-batches, run their backwards before "
+            f"one opt.step() with mode='deferred' (or 'auto'). {then}")
 
 
 class _WrapperCheck:

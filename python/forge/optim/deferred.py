@@ -20,15 +20,17 @@ opt.step() then runs the fused GEMM + update once over all the tokens, with `sca
 gradient scale (forge_hparams.grad_scale).
 
 ConsumedGrad is the `.grad` of a parameter whose update already ran inside backward
-(immediate mode), until opt.step(), and of a fused weight after opt.step() (in either mode),
-where torch.optim would still hold the gradient it applied. Any operation on it raises, naming
-the parameter and the way out, so a loop that clips, unscales or accumulates is told instead
-of silently clipping nothing; but zero_grad: set_to_none=True removes it, set_to_none=False
-marks it zeroed, which the next step reads (base.py, _begin_step): a zeroed one is a
-zero gradient that this step's adds to (and one no backward reaches steps on zeros, as
-torch.optim steps every parameter holding a gradient), one left as it was is refused, since
-torch would add the new gradient to the applied one. A DTensor parameter's (tensor parallel,
-FSDP2) is a DTensor of its layout whose local tensor is the ConsumedGrad (consumed_of).
+(immediate mode), until opt.step(), and of a fused weight or an FSDP2 shard after opt.step()
+(in either mode), where torch.optim would still hold the gradient it applied. Any operation
+on it raises, naming the parameter and the way out, so a loop that clips, unscales or
+accumulates is told instead of silently clipping nothing; but zero_grad: set_to_none=True
+removes it, set_to_none=False marks it zeroed, which the next step reads (base.py,
+_begin_step): a zeroed one is a zero gradient that this step's adds to (and one no backward
+reaches steps on zeros, as torch.optim steps every parameter holding a gradient); onto one
+left as it was torch would add the next gradient, so that gradient is held as a FactoredGrad
+marked on_applied, which only zeroing may touch (base.py, _hold_step). A DTensor parameter's
+(tensor parallel, FSDP2) is a DTensor of its layout whose local tensor is the ConsumedGrad
+(consumed_of).
 """
 from __future__ import annotations
 
@@ -93,6 +95,9 @@ class FactoredGrad(torch.Tensor):
         self.dense: Optional[torch.Tensor] = None  # dW in fp32, once an operation needed it
         self._sum_sq: Optional[torch.Tensor] = None  # ‖Σ dY_kᵀ X_k‖² (fp64), unscaled
         self.touched = False                 # a training loop operated on it
+        # the last step's gradient, applied and not kept, is under this one (torch's .grad
+        # would be their sum): nothing but zeroing it may read or step on it
+        self.on_applied = False
         # weak references to the FactoredGrads of the same optimizer step (this one among
         # them): the first norm asked of one computes every one's, batched (fill_sum_sqs)
         self.cohort: Optional[List["weakref.ReferenceType"]] = None
@@ -190,6 +195,7 @@ class FactoredGrad(torch.Tensor):
 
     def zero(self) -> None:
         self.parts, self.dense, self.scale, self._sum_sq = [], None, 1.0, None
+        self.on_applied = False
 
     # ---------------------------------------------------------------- dispatch
 
@@ -198,6 +204,15 @@ class FactoredGrad(torch.Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:
             return args[0]
+        if func not in (_aten.zero_.default, _aten._foreach_zero_.default):
+            on_applied = [t.param_name for t in _flat(args)
+                          if isinstance(t, FactoredGrad) and t.on_applied]
+            if on_applied:
+                raise RuntimeError(
+                    f"forge: the gradient of {', '.join(on_applied[:3])} is this step's on top "
+                    "of the one the last opt.step() applied (no zero_grad() since), which FORGE "
+                    f"does not keep, so {func} cannot see their sum. Call opt.zero_grad() after "
+                    "each opt.step().")
         if func is _aten.linalg_vector_norm.default:
             g = args[0]
             g.touched = True

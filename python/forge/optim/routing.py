@@ -777,6 +777,21 @@ class _RoutingMixin:
         held, slot.held = slot.held, None
         if held is None:
             held = p.grad  # (the fallback path has taken autograd's sum out already)
+        if consumed_of(held) is not None:
+            # the last step's gradient, left in .grad (a held step: base.py, _begin_step):
+            # this one goes on top of it, in factors whatever their size, marked so
+            held = FactoredGrad(p, slot.name)
+            held.on_applied = True
+            held.cohort = self._step_cohort()
+            held.cohort.append(weakref.ref(held))
+            if slot.pending and len(slot.pending) == 1 and slot.partial is None \
+                    and outside is None and not slot.dtensor:
+                x2, _, dy2, *_ = slot.pending[0]
+                held.add_factors(_linear.rows_2d(x2), _linear.rows_2d(dy2))
+            else:
+                held.materialize().add_(self._summed_weight_grad(slot, outside))
+            p.grad = held
+            return
         if len(slot.pending) == 1 and slot.partial is None and outside is None:
             x2, _, dy2, *_ = slot.pending[0]
             x2, dy2 = _linear.rows_2d(x2), _linear.rows_2d(dy2)
