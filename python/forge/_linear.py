@@ -349,9 +349,20 @@ def why_not_patchable(module: nn.Module) -> Optional[str]:
     if fwd is not None and not (isinstance(fwd, types.MethodType)
                                 and fwd.__func__ in _FORGE_FORWARDS):
         return f"the forward of this {base.__name__} was replaced on the instance"
-    if getattr(module, "weight", None) is None or module.weight.dim() != 2:
+    weight = registered_weight(module)
+    if weight is None:
+        return (f"this {base.__name__}'s weight is not a parameter of its own (parametrized: "
+                "computed in each forward)")
+    if weight.dim() != 2:
         return f"this {base.__name__} has no 2-d weight"
     return None
+
+
+def registered_weight(module: nn.Module) -> Optional[torch.Tensor]:
+    """The module's own parameter named weight, or None. (Not getattr: a parametrized weight
+    (torch.nn.utils.parametrize) is computed by each read, and spectral_norm's read runs a
+    power iteration that updates the module's buffers.)"""
+    return module._parameters.get("weight")
 
 
 def can_patch(module: nn.Module) -> bool:
@@ -362,7 +373,7 @@ def can_patch(module: nn.Module) -> bool:
 
 
 def patch(module: nn.Module, slot) -> None:
-    _SLOTS[id(module.weight)] = weakref.ref(slot)
+    _SLOTS[id(registered_weight(module))] = weakref.ref(slot)
     forward = _forge_conv1d_forward if layer_kind(module) == "Conv1D" else _forge_linear_forward
     module.forward = types.MethodType(forward, module)
 

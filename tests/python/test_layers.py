@@ -282,6 +282,43 @@ def test_multihead_attention_weights_take_the_elementwise_path(device, record_di
     assert_contract(errors, device)
 
 
+class Parametrized(nn.Module):
+    """nn.Linear layers whose weight torch.nn.utils.parametrize computes in each forward:
+    spectral_norm (a power iteration on buffers at each training forward) and weight_norm."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils import parametrizations
+        self.inp = nn.Linear(DIM, 32)
+        self.spectral = parametrizations.spectral_norm(nn.Linear(32, 32))
+        self.normed = parametrizations.weight_norm(nn.Linear(32, 16))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.spectral(torch.tanh(self.inp(x))))
+        return self.head(torch.tanh(self.normed(h)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parametrized_weights_take_the_elementwise_path(device, record_difference):
+    """A parametrized Linear's weight is read, never fused (its layer computes it from the
+    parametrization's own parameters in each forward); building the optimizer reads no such
+    weight, so spectral_norm's buffers stay as they were and training matches torch.optim."""
+    torch.manual_seed(0)
+    model = Parametrized()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    opt = forge.optim.SGD(model, lr=0.05, momentum=0.9)
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    modes = {s.name: (s.mode, s.reason) for s in opt._slots.values()}
+    assert modes["inp.weight"][0] == modes["head.weight"][0] == "fused"
+    assert modes["spectral.parametrizations.weight.original"][0] == "batched"
+    assert "parametrized" in modes["normed.parametrizations.weight.original1"][1]
+    errors = trajectories(Parametrized, "SGD", dict(lr=0.05, momentum=0.9), device, steps=5,
+                          loss_fn=regression_loss)
+    record_difference("SGD parametrized Linears", errors["forge_vs_ordered"])
+    assert_contract(errors, device)
+
+
 def test_summary_and_construction_log(caplog):
     """summary(): fused / element-wise / deferred / frozen, with bytes; one INFO line."""
     model = Conv1DNet()

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .. import _lib
+from .. import _lib, _linear
 from .call import _CallMixin, _as_float
 from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
@@ -794,7 +794,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
     def _check_params(self, model: nn.Module, params: Sequence[torch.Tensor],
                       names: Dict[int, List[str]]) -> None:
-        sparse = {id(m.weight) for m in model.modules()
+        sparse = {id(_linear.registered_weight(m)) for m in model.modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
         for p in params:
             if id(p) not in names:

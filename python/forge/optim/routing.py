@@ -334,6 +334,9 @@ def _elementwise_reason(model: nn.Module, p: torch.Tensor, name: str, mods, refu
         owner = model.get_submodule(owner_name) if owner_name else model
     except AttributeError:
         owner = None
+    if type(owner).__name__ == "ParametrizationList":
+        return ("a parametrized weight (torch.nn.utils.parametrize): its layer computes the "
+                "weight it uses from it in each forward")
     if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)):
         return "embedding"
     if p.dim() < 2:
@@ -446,12 +449,12 @@ class _RoutingMixin:
                                                    for p in g["params"])}
         layers: Dict[int, List[nn.Module]] = {}  # id(weight) -> its nn.Linear / Conv1D layers
         for m in model.modules():
-            if _linear.layer_kind(m) is not None and isinstance(
-                    getattr(m, "weight", None), torch.Tensor):
-                layers.setdefault(id(m.weight), []).append(m)
+            weight = _linear.registered_weight(m)
+            if _linear.layer_kind(m) is not None and weight is not None:
+                layers.setdefault(id(weight), []).append(m)
         # nn.MultiheadAttention keeps out_proj as an nn.Linear but reads its weight directly
         # (F.multi_head_attention_forward), never calling its forward: nothing to reroute
-        direct = {id(m.out_proj.weight) for m in model.modules()
+        direct = {id(_linear.registered_weight(m.out_proj)) for m in model.modules()
                   if isinstance(m, nn.MultiheadAttention)}
         post_hook, pre_hook = _has_post_accumulate_hook(), _has_node_prehook()
         self._any_cuda = self._any_cuda or any(p.is_cuda for p in params)
