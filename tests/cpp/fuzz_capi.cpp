@@ -375,10 +375,14 @@ std::vector<Corruption> corruptions() {
          s.wgrad.hparams.lr_decay = -0.5; e = "hparams.lr_decay"; return true; }},
       {"overlap_states", kWgrad, [](S& s, Rng& r, std::string& e) {
          if (s.num_states() < 2) return false;
-         s.wgrad.param.state[1] = bytes_of(s.wgrad.param.state[0]) + (r.integer(0, 1) ? 0 : 8); e = "param.state[1]"; return true; }},
+         // (8 bytes in only where state[0] is longer than that: 16 elements, 16 bytes at least)
+         const bool inside = s.param.size() >= 16 && r.integer(0, 1);
+         s.wgrad.param.state[1] = bytes_of(s.wgrad.param.state[0]) + (inside ? 8 : 0); e = "param.state[1]"; return true; }},
       {"overlap_weight_state", kWgrad, [](S& s, Rng&, std::string& e) {
          if (s.num_states() == 0) return false;
-         s.wgrad.param.weight = s.wgrad.param.state[0]; e = "param.state[0]"; return true; }},
+         // (the weight moved there may also reach the next buffer, a master say: the message
+         // names the first overlap found, with the weight in it)
+         s.wgrad.param.weight = s.wgrad.param.state[0]; e = "overlaps param.weight"; return true; }},
       {"overlap_absmax", kWgrad, [](S& s, Rng&, std::string& e) {
          if (s.num_states() < 2 || !s.has_blocks()) return false;
          s.wgrad.param.state_absmax[1] = s.wgrad.param.state_absmax[0]; e = "param.state_absmax[1]"; return true; }},
