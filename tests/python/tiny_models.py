@@ -200,7 +200,7 @@ class Adversarial(nn.Module):
         super().__init__()
         self.generator = nn.Sequential(nn.Linear(noise, 64), nn.Tanh(), nn.Linear(64, dim))
         self.discriminator = nn.Sequential(nn.Linear(dim, 64), nn.Tanh(), nn.Linear(64, 1))
-        self.noise = noise
+        self.noise, self.dim = noise, dim
 
 
 def adversarial_step(pair, d_opt, g_opt, step: int, detach: bool) -> None:
@@ -209,7 +209,7 @@ def adversarial_step(pair, d_opt, g_opt, step: int, detach: bool) -> None:
     the generator's (its loss reaches the discriminator's weights, whose gradient
     d_opt.zero_grad() discards at the next step)."""
     g = torch.Generator().manual_seed(4000 + step)
-    real = torch.randn(12, pair.generator[-1].out_features, generator=g)
+    real = torch.randn(12, pair.dim, generator=g)
     z = torch.randn(12, pair.noise, generator=g)
     d, gen = pair.discriminator, pair.generator
     d_opt.zero_grad()
