@@ -41,7 +41,11 @@ def _driving_slot(weight: torch.Tensor):
     if slot is None or slot.param is not weight or not slot.is_live() or slot.mode != "fused":
         return None
     opt = slot.opt_ref()
-    if opt is None or opt._deferring:
+    if opt is None:
+        return None
+    if opt._begun_step != opt._step_id:
+        opt._begin_step()  # (the step's first callback: it may hold the step, deferring it)
+    if opt._deferring:
         return None
     return slot
 

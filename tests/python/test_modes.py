@@ -304,18 +304,23 @@ def test_a_loss_reaching_another_optimizers_weights_matches_torch(mode, detach,
                                                                          runs["torch"]))
 
 
-def test_stepping_on_a_gradient_over_an_applied_one_is_refused():
+@pytest.mark.parametrize("make_model", ["Routed", "FusedHeadLM", "HookLast"])
+def test_stepping_on_a_gradient_over_an_applied_one_is_refused(make_model):
     """No zero_grad between two steps, the second one's gradient read (clip_grad_norm_) or
     stepped on: torch.optim would use the sum of the two steps' gradients, which forge no
     longer has. Refused, naming the weights, before any weight or state changes, in every
-    mode (the step holds its gradients); opt.zero_grad() then discards both, as torch's."""
+    mode (the step holds its gradients), whatever callback comes first in backward (a
+    Linear's, forge.loss's fused head, a hook parameter's); opt.zero_grad() then discards
+    both, as torch's."""
+    import tiny_models
+    from tiny_models import first_callback_loss
     torch.manual_seed(0)
-    model = Routed()
+    model = getattr(tiny_models, make_model)()
     opt = forge.optim.AdamW(model, lr=1e-2, mode="immediate")
-    routed_loss(model, 0).backward()
+    first_callback_loss(model, 0).backward()
     opt.step()
     weights = [p.detach().clone() for p in model.parameters()]
-    routed_loss(model, 1).backward()
+    first_callback_loss(model, 1).backward()
     assert opt.mode == "deferred"  # (held until step() or zero_grad)
     with pytest.raises(RuntimeError, match="no zero_grad"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -324,7 +329,7 @@ def test_stepping_on_a_gradient_over_an_applied_one_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     opt.zero_grad()
     assert opt.mode == "immediate"
-    routed_loss(model, 1).backward()
+    first_callback_loss(model, 1).backward()
     opt.step()
     assert all(opt.state[p]["step"] == 2 for p in model.parameters())
 

@@ -219,3 +219,37 @@ def adversarial_step(pair, d_opt, g_opt, step: int, detach: bool) -> None:
     g_opt.zero_grad()
     (-d(gen(z))).mean().backward()
     g_opt.step()
+
+
+class FusedHeadLM(nn.Module):
+    """A Linear, then a head whose cross entropy is forge.loss.head_cross_entropy's: the
+    head's update runs in that loss's backward, the first callback of a step."""
+
+    def __init__(self, dim=DIM, vocab=VOCAB):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+
+class HookLast(nn.Module):
+    """A Linear, then a parameter read by F.linear, large enough for the hook path: its hook
+    is the first callback of a step."""
+
+    def __init__(self, dim=DIM, wide=320):
+        super().__init__()
+        self.inp = nn.Linear(dim, wide)
+        self.out = nn.Parameter(torch.randn(wide, wide) * wide ** -0.5)
+
+
+def first_callback_loss(model, step: int, device="cpu"):
+    """Batch number `step` through a Routed, FusedHeadLM or HookLast model."""
+    g = torch.Generator().manual_seed(5000 + step)
+    x = torch.randn(12, DIM, generator=g).to(device)
+    if isinstance(model, Routed):
+        return routed_loss(model, step, device)
+    h = torch.tanh(model.inp(x))
+    if isinstance(model, FusedHeadLM):
+        import forge.loss
+        targets = torch.randint(0, VOCAB, (12,), generator=g).to(device)
+        return forge.loss.head_cross_entropy(h, model.head, targets)
+    return F.linear(h, model.out).square().mean()

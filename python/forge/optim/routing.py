@@ -574,7 +574,8 @@ class _RoutingMixin:
     def _linear_backward(self, slot: _Slot, x, dy, weight):
         _refuse_compiled_autograd()
         if self._begun_step != self._step_id:
-            self._begin_step()  # (before this backward reads or updates any weight)
+            self._begin_step()  # (before this backward reads or updates any weight, and
+            # before deciding where the update runs: it may hold the step)
         if slot.armed:  # a second use of W in this backward, or the last backward's call
             self._settle_armed(slot)
         if self._deferring:
@@ -686,6 +687,8 @@ class _RoutingMixin:
 
     def _on_weight_grad_ready(self, slot: _Slot, grads) -> Optional[tuple]:
         """W's AccumulateGrad pre-hook: every use of W in this backward is done."""
+        if self._begun_step != self._step_id:
+            self._begin_step()  # (a gradient from outside the Linear alone: the step's first)
         if slot.armed:  # (the C++ pre-hook's: what it did not take, armed or not)
             self._settle_armed(slot)
         arrived = grads[0] if grads else None
@@ -870,6 +873,8 @@ class _RoutingMixin:
         p = slot.param
         if p.grad is None:
             return
+        if self._begun_step != self._step_id:
+            self._begin_step()  # (before deciding where this update runs: it may hold the step)
         if self._deferring:
             slot.grad_version = p.grad._version  # a change before step(): the loop used it
             slot.grad_arrivals += 1  # more than one backward before step(): accumulated
