@@ -434,8 +434,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._left.append(slot)
 
     def _begin_step(self) -> None:
-        """At a step's first callback (a Linear's backward, the first update, or step()),
-        before anything of the step is read or updated: what the last step left in the fused
+        """At a step's first callback (a Linear's backward, a gradient hook, the fused head's
+        backward, the first update, or step()), before anything of the step is read or
+        updated, or where an update runs decided: what the last step left in the fused
         weights' .grad. torch.optim would add this step's gradients to the ones it applied
         unless the loop zeroed them: where the loop set them to None nothing is left; where it
         zeroed them (set_to_none=False) the weight starts this step from a zero gradient, and
