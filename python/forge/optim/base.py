@@ -274,7 +274,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
     @property
     def mode(self) -> str:
         """Where updates run now: "deferred" or "immediate" (an "auto" optimizer is deferred
-        for its first step, then one of the two; see MODES)."""
+        for its first step, then one of the two; see MODES). Any optimizer is deferred for a
+        step whose backward met the last step's gradient still in .grad (_hold_step)."""
         return "deferred" if self._deferring else "immediate"
 
     @property
