@@ -1189,6 +1189,14 @@ def merge_rounds(rows: List[dict]) -> List[dict]:
 
 
 def main(argv=None) -> int:
+    code = _run(argv)
+    if _PARALLEL is not None:  # (under torchrun: the process may end there)
+        from forge.tools import parallel
+        parallel.leave(code)
+    return code
+
+
+def _run(argv) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:

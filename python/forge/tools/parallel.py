@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Dict, Optional
 
 import torch
@@ -72,6 +73,26 @@ def from_environment(tp: int, fsdp: bool, device_name: str) -> Optional[Parallel
         dist.init_process_group("nccl" if use_cuda else "gloo")
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return Parallel(world, rank, local_rank, tp, dp, fsdp, mesh, device)
+
+
+def leave(code: Optional[int] = None) -> Optional[int]:
+    """The end of forge-train or forge-bench in a process that joined a process group: the
+    group is destroyed and, given an exit code, the process ends here with it (stdout and
+    stderr flushed). Returns code where no group was made.
+    NOTE: without the interpreter's finalization. A gloo worker thread may still be dropping
+    the last collective's tensors then, which takes the GIL, and the rank aborts after its work
+    is done ("terminate called without an active exception"; torch's ProcessGroupGloo::runLoop
+    -> TensorImpl::decref_pyobject -> PyEval_AcquireThread, pytorch/pytorch#190489), and
+    torchrun then fails the run (seen in the 4-rank forge-train test on 2 busy cores)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return code
+    dist.destroy_process_group()
+    if code is None:
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _names(model: nn.Module) -> Dict[str, str]:

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 if TYPE_CHECKING:  # annotations only: each function imports torch where it uses it
     import torch
@@ -987,12 +987,17 @@ def main(argv=None) -> int:
     # set wins, and a process that imported torch already keeps what it has.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        try:
-            train(args, explicit)
-        finally:
-            dist = sys.modules.get("torch.distributed")
-            if dist is not None and dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
+        code = _run(args, explicit)
+    except BaseException:
+        _leave_process_group()
+        raise
+    return _leave_process_group(code)
+
+
+def _run(args, explicit) -> int:
+    """train(), its expected failures as an exit code and a message."""
+    try:
+        train(args, explicit)
     except TrainError as e:
         print(f"forge-train: error: {e}", file=sys.stderr)
         return 2
@@ -1010,6 +1015,14 @@ def main(argv=None) -> int:
               "--activation-checkpointing or --bf16", file=sys.stderr)
         return 2
     return 0
+
+
+def _leave_process_group(code: Optional[int] = None) -> Optional[int]:
+    """Under torchrun: parallel.leave (the process ends there when code is given)."""
+    if "torch.distributed" not in sys.modules:
+        return code
+    from forge.tools import parallel
+    return parallel.leave(code)
 
 
 def _out_of_memory(e: Exception) -> bool:
