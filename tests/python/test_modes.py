@@ -334,6 +334,23 @@ def test_stepping_on_a_gradient_over_an_applied_one_is_refused(make_model):
     assert all(opt.state[p]["step"] == 2 for p in model.parameters())
 
 
+def test_micro_batches_over_an_applied_gradient_are_refused():
+    """No zero_grad after a step, then two backwards before the next: the second adds to the
+    first, still on top of the applied gradient (dense gradients: the factors would be
+    larger), so step() is refused, nothing changed."""
+    torch.manual_seed(0)
+    model = Routed()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode="deferred", deferred_store="grad")
+    routed_loss(model, 0).backward()
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    routed_loss(model, 1).backward()
+    routed_loss(model, 2).backward()
+    with pytest.raises(RuntimeError, match="no zero_grad"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
 def test_zeroing_a_gradient_applied_inside_backward_is_refused():
     """Immediate mode: zero_grad(set_to_none=False) between backward and opt.step() would
     make torch.optim step on zeros, but the update already ran: refused, naming the weight,

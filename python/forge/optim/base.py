@@ -237,8 +237,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._cohort: list = []           # this step's FactoredGrads, weakly (routing.py)
         # What steps leave in .grad (deferred.py, ConsumedGrad): the parameters whose
         # ConsumedGrad the last step() left (_Slot.keeps_consumed), and whether the loop
-        # zeroed them keeping them
-        # (set_to_none=False); the step whose first callback ran _begin_step
+        # zeroed them keeping them (set_to_none=False); the step whose first callback ran
+        # _begin_step
         self._left: list = []
         self._grads_zeroed = False
         # A held step's (_hold_step) mode outside it (_deferring's value), None outside one
@@ -505,6 +505,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
     def _step_deferred(self) -> None:
         held = [(slot, slot.param.grad) for slot in self._slots.values()
                 if slot.param.grad is not None]
+        for slot, grad in held:
+            if consumed_of(grad) is not None and slot.updated_at == self._step_id:
+                raise RuntimeError(f"forge: parameter '{slot.name}' holds the gradient of an "
+                                   "update that already ran inside backward")
         applied = [slot.name for slot, grad in held if consumed_of(grad) is not None
                    or (isinstance(grad, FactoredGrad) and grad.on_applied)]
         if applied:  # (the last step's gradient, with or without this step's on top)

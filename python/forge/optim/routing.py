@@ -783,13 +783,15 @@ class _RoutingMixin:
         held, slot.held = slot.held, None
         if held is None:
             held = p.grad  # (the fallback path has taken autograd's sum out already)
-        if consumed_of(held) is not None:
+        if consumed_of(held) is not None or (isinstance(held, FactoredGrad) and held.on_applied):
             # the last step's gradient, left in .grad (a held step: base.py, _begin_step):
-            # this one goes on top of it, in factors whatever their size, marked so
-            held = FactoredGrad(p, slot.name)
-            held.on_applied = True
-            held.cohort = self._step_cohort()
-            held.cohort.append(weakref.ref(held))
+            # this backward's goes on top of it (and of any earlier one's), in a FactoredGrad
+            # whatever its size, marked so
+            if not isinstance(held, FactoredGrad):
+                held = FactoredGrad(p, slot.name)
+                held.on_applied = True
+                held.cohort = self._step_cohort()
+                held.cohort.append(weakref.ref(held))
             if slot.pending and len(slot.pending) == 1 and slot.partial is None \
                     and outside is None and not slot.dtensor:
                 x2, _, dy2, *_ = slot.pending[0]
