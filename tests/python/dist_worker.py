@@ -265,6 +265,12 @@ def job_fsdp(rank, world, args):
 # tensors, which torch's clip_grad_norm_ refuses to mix with DTensors); two micro-batches a
 # step ("accumulate").
 LOOPS = ("opt_zeros", "model_zeros", "missed_zero_grad", "clip", "accumulate")
+# (setup, loop, forge mode) of job_loops; immediate mode refuses a clip or a second backward
+# by name, in one process as on shards
+LOOP_CASES = [(setup, loop, mode) for setup in ("tp", "fsdp") for loop in LOOPS
+              for mode in ("immediate", "deferred", "auto")
+              if not (loop == "clip" and setup == "tp")
+              and not (loop in ("clip", "accumulate") and mode == "immediate")]
 
 
 def job_loops(rank, world, args):
@@ -330,23 +336,19 @@ def job_loops(rank, world, args):
     def adamw(model):
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
-    measured = {}
-    for setup in ("tp", "fsdp"):
-        for loop in LOOPS:
-            if loop == "clip" and setup == "tp":
-                continue
+    measured, torch_runs = {}, {}
+    for setup, loop, mode in LOOP_CASES:
+        if (setup, loop) not in torch_runs:
             torch_run, _, _ = run(setup, adamw, loop)
             torch_1, _, _ = run("one process", adamw, loop)
-            allowance = max_normwise(torch_run, torch_1)
-            for mode in ("immediate", "deferred", "auto"):
-                if loop in ("clip", "accumulate") and mode == "immediate":
-                    continue  # (refused, by name, in one process as on shards)
-                forge_run, refusal, mode_after = run(setup, lambda m: forge.optim.AdamW(
-                    m, lr=1e-2, weight_decay=0.1, mode=mode), loop,
-                    refuse_at=1 if loop == "missed_zero_grad" else None)
-                measured[f"{setup}-{loop}-{mode}"] = {
-                    "forge_vs_torch": max_normwise(forge_run, torch_run),
-                    "torch_vs_1": allowance, "refusal": refusal, "mode_after": mode_after}
+            torch_runs[setup, loop] = (torch_run, max_normwise(torch_run, torch_1))
+        torch_run, allowance = torch_runs[setup, loop]
+        forge_run, refusal, mode_after = run(setup, lambda m: forge.optim.AdamW(
+            m, lr=1e-2, weight_decay=0.1, mode=mode), loop,
+            refuse_at=1 if loop == "missed_zero_grad" else None)
+        measured[f"{setup}-{loop}-{mode}"] = {
+            "forge_vs_torch": max_normwise(forge_run, torch_run),
+            "torch_vs_1": allowance, "refusal": refusal, "mode_after": mode_after}
     return measured
 
 

@@ -139,13 +139,8 @@ def test_fsdp2_tracks_one_process_on_the_whole_batch(results, world, case, recor
     assert m["grad_norm_rel"] <= GRAD_NORM_RTOL, m
 
 
-LOOP_CASES = [(setup, loop, mode) for setup in ("tp", "fsdp") for loop in dist_worker.LOOPS
-              for mode in ("immediate", "deferred", "auto")
-              if not (loop == "clip" and setup == "tp")
-              and not (loop in ("clip", "accumulate") and mode == "immediate")]
-
-
-@pytest.mark.parametrize("setup,loop,mode", LOOP_CASES, ids=["-".join(c) for c in LOOP_CASES])
+@pytest.mark.parametrize("setup,loop,mode", dist_worker.LOOP_CASES,
+                         ids=["-".join(c) for c in dist_worker.LOOP_CASES])
 def test_training_loops_on_shards_match_torch(results, setup, loop, mode, record_difference):
     m = results[2]["loops"][f"{setup}-{loop}-{mode}"]
     _assert_tracks(m["forge_vs_torch"], m["torch_vs_1"], f"{setup} {loop} loop", record_difference)
