@@ -211,6 +211,20 @@ def test_an_expert_given_no_tokens_steps_on_a_zero_gradient(mode):
     assert error <= bound, (error, bound)
 
 
+@pytest.mark.parametrize("mode", ["deferred", "auto"])
+def test_clipping_a_step_where_an_expert_got_no_token_matches_torch(mode):
+    """clip_grad_norm_ over a step where an expert got no token: its deferred gradient (a
+    backward of 0 tokens) has norm 0, as torch's zero gradient."""
+    def loop(model, opt, device):
+        for step in range(6):
+            routed_loss(model, step, empty=(step % 2,) if step in (0, 3, 4) else ()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    error, bound = _routed_error(mode, loop)
+    assert error <= bound, (error, bound)
+
+
 # What a step leaves in .grad. torch.optim keeps each gradient until zero_grad: set_to_none
 # removes it, set_to_none=False zeroes it (and a parameter holding zeros steps on them, reached
 # by a backward or not), no zero_grad adds the next step's gradients to it. forge keeps no

@@ -446,6 +446,8 @@ def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
     x = xs[0] if len(xs) == 1 else torch.cat(xs)
     dy = dys[0] if len(dys) == 1 else torch.cat(dys)
     tokens = x.size(0)
+    if tokens == 0:  # (backwards of no tokens: an expert no token was routed to)
+        return torch.zeros((), dtype=torch.float64, device=device)
     # NOTE: a weight's sum in as few launches as its blocks allow (the host issues these for
     # every weight of a clipped step): the products, one multiply, one reduction into fp64.
     sums = []
