@@ -250,6 +250,20 @@ def test_zero_grad_keeping_zeros_steps_what_no_backward_reached(mode, zeroer):
 
 
 @pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+def test_zeros_kept_only_where_torch_holds_a_gradient(mode):
+    """zero_grad(set_to_none=False) after each step, but once zero_grad() (to None): an expert
+    left out of every step from then on holds no gradient in torch (zeroing keeps nothing
+    where there is nothing), so torch.optim never steps it again; forge neither."""
+    def loop(model, opt, device):
+        for step in range(6):
+            routed_loss(model, step, skip=(1,) if step >= 3 else ()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=step == 2)
+    error, bound = _routed_error(mode, loop)
+    assert error <= bound, (error, bound)
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
 def test_a_loop_without_zero_grad_is_refused_before_anything_changes(mode):
     """No zero_grad between two steps: torch.optim would add the second step's gradients to
     the first's, which forge no longer has. Refused, naming the weights, before any weight or

@@ -390,6 +390,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._stats = {}
         self._stats_outputs = {}
         self._last_clip_norm, self._clip_norm = self._clip_norm, None
+        for slot in self._slots.values():
+            if slot.updated_at == self._step_id:
+                slot.grad_kept = True  # (torch's gradient stays until a zero_grad)
         self._end_hold()
         self._backward_scale = self._lagged_clip_scale() if not self._deferring else 1.0
         self._step_id += 1
@@ -453,7 +456,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         for slot in self._left:
             g = consumed_of(slot.param.grad)
             if g is None:
-                continue  # (set to None, or replaced by the loop)
+                slot.grad_kept = False  # (set to None, or replaced by the loop)
+                continue
             if g.zeroed:
                 g.zeroed = False
                 slot.param.grad = None
@@ -486,11 +490,12 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         """The loop zeroed the last step's gradients keeping them (zero_grad(set_to_none=False)):
         torch.optim steps every parameter that holds a gradient tensor, so each parameter
         updated before (a gradient tensor in torch's place) that no backward of this step
-        reached steps on zeros: its moments decay and weight decay applies."""
+        reached steps on zeros: its moments decay and weight decay applies. (One whose
+        gradient a zero_grad set to None before is not: torch holds none for it.)"""
         batch = []
         for slot in self._slots.values():
             p = slot.param
-            if slot.updated_at < 0 or slot.updated_at == self._step_id or p.grad is not None:
+            if not slot.grad_kept or slot.updated_at == self._step_id or p.grad is not None:
                 continue
             if slot.keeps_consumed or slot.dtensor:  # (one parameter's zeros at a time)
                 self._update(slot, grad=distributed.grad_as_param(torch.zeros_like(p), p),
@@ -625,6 +630,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if not set_to_none:  # (torch keeps zeros: _step_on_zeros)
             self._grads_zeroed = True
         else:  # nothing is held: a held step goes on in the optimizer's mode
+            for slot in self._slots.values():
+                slot.grad_kept = False
             self._end_hold()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

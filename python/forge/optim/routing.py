@@ -134,6 +134,9 @@ class _Slot:
         self.held: Optional[torch.Tensor] = None
         self.grad_version: Optional[int] = None
         self.grad_arrivals = 0
+        # Whether torch.optim would hold a gradient tensor for it now: one since a step updated
+        # it, until a zero_grad set it to None (base.py, _step_on_zeros reads it)
+        self.grad_kept = False
         self._consumed: Optional[torch.Tensor] = None  # consumed_grad()
         self.fsdp_shard = False  # FSDP2 manages it (set by _attach)
         # The host's fast path (call.py): the forge_param checked this step (and the step),
