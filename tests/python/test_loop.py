@@ -1,7 +1,8 @@
 """test_loop.py — the training loop users already have, around forge.optim: gradient
 clipping (torch.nn.utils.clip_grad_norm_ and max_grad_norm=), torch.amp.GradScaler (its
 unscale, inf check and skipped steps), gradient accumulation over micro-batches, step
-pre-hooks, and the three modes (deferred, immediate, auto). Exact against torch.optim doing
+pre-hooks, and the three modes (deferred, immediate, auto); and random loops drawn from these
+(and from the ways to zero gradients) against torch.optim. Exact against torch.optim doing
 the same, or refused before a weight changes. Bounds: tolerances.py.
 
 The reference: the same model under torch.optim, with every nn.Linear weight gradient summed
@@ -576,3 +577,96 @@ def test_a_loops_first_norm_computes_the_steps_factored_norms_together():
     del grads, g
     opt.zero_grad(set_to_none=True)
     assert all(r() is None for r in refs)  # freed by reference counts: no cycle holds them
+
+
+# ------------------------------------------------------------------ random loops
+
+RANDOM_LOOPS = 30   # loops per mode, seeds 0..29
+RANDOM_LOOP_STEPS = 8
+
+
+def _random_loop(seed: int, mode: str):
+    """One loop drawn at random, run on three copies of a Routed model: forge, torch.optim,
+    and torch.optim with 1-ulp perturbed gradients. The loop zeroes gradients one way
+    throughout (the optimizer's or the model's, to None or to zeros; before backward or after
+    step()), and each step draws one or two backwards (an expert left out, or given no token),
+    a clip_grad_norm_, and a forgotten zero_grad. Immediate mode draws no clip and one
+    backward, auto draws them once for the whole loop (what they refuse by name is their
+    contract, test_modes.py). Returns (forge vs torch, torch vs its perturbed run) after each
+    step, and the refusals: (step, message, whether forge's weights were unchanged by it)."""
+    import random
+    from tiny_models import Routed, routed_loss
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    base = Routed()
+    models = {key: copy.deepcopy(base) for key in ("forge", "torch", "ulp")}
+    sgd = dict(lr=0.05, momentum=0.9, weight_decay=0.1)
+    opts = {"forge": forge.optim.SGD(models["forge"], mode=mode, **sgd),
+            "torch": torch.optim.SGD(models["torch"].parameters(), **sgd),
+            "ulp": PerturbedBeforeStep(torch.optim.SGD(models["ulp"].parameters(), **sgd))}
+    whose = rng.choice(["opt", "model"])
+    to_none = rng.random() < 0.5
+    before = rng.random() < 0.5
+    clip_always = mode == "auto" and rng.random() < 0.4
+    micro_always = mode == "auto" and rng.random() < 0.4
+
+    def zero(key):
+        (opts[key] if whose == "opt" else models[key]).zero_grad(set_to_none=to_none)
+
+    # whether the next backward lands on a step's gradients no zero_grad removed: torch would
+    # step on their sum (so may forge refuse, by name, before anything changes)
+    errors, refusals, stepped, forgot = [], [], False, False
+    for step in range(RANDOM_LOOP_STEPS):
+        forgets = step > 0 and rng.random() < 0.15
+        micro = 2 if micro_always or (mode == "deferred" and rng.random() < 0.3) else 1
+        clip = clip_always or (mode == "deferred" and rng.random() < 0.3)
+        routes = [rng.choice([{}, {}, {"skip": (1,)}, {"empty": (0,)}]) for _ in range(micro)]
+
+        def one_step(key):
+            if before and not forgets:
+                zero(key)
+            for m, route in enumerate(routes):
+                (routed_loss(models[key], 10 * step + m, **route) / micro).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(models[key].parameters(), 0.5)
+            opts[key].step()
+            if not before and not forgets:
+                zero(key)
+
+        lands_on_a_step = (before and forgets and stepped) or (not before and forgot)
+        weights = [p.detach().clone() for p in models["forge"].parameters()]
+        try:
+            one_step("forge")
+        except RuntimeError as e:
+            unchanged = all(torch.equal(a, p) for a, p in zip(weights, models["forge"].parameters()))
+            refusals.append((step, str(e), lands_on_a_step, unchanged))
+            for key in opts:  # the loop's way out: zero_grad, and on
+                opts[key].zero_grad()
+            stepped = forgot = False
+            continue
+        for key in ("torch", "ulp"):
+            one_step(key)
+        stepped, forgot = True, forgets
+        errors.append((max_normwise(models["forge"], models["torch"]),
+                       max_normwise(models["ulp"], models["torch"])))
+    return errors, refusals
+
+
+@pytest.mark.parametrize("mode", ["deferred", "auto", "immediate"])
+def test_random_loops_match_torch_or_are_refused_before_a_change(mode):
+    """Random training loops (_random_loop) against torch.optim: after every step forge's
+    weights are torch's within CONTRACT_RTOL or SUM_ORDER_FACTOR times torch's own move under
+    1-ulp gradients (forge's kernel sums tokens in its own order), and a step is refused only
+    where the loop forgot a zero_grad (torch would step on the sum of two steps' gradients),
+    by name, before any weight changed."""
+    from tolerances import CONTRACT_RTOL, SUM_ORDER_FACTOR
+    refused = 0
+    for seed in range(RANDOM_LOOPS):
+        errors, refusals = _random_loop(seed, mode)
+        for step, (error, ulp) in enumerate(errors):
+            assert error <= max(CONTRACT_RTOL, SUM_ORDER_FACTOR * ulp), (seed, step, error, ulp)
+        for step, message, lands_on_a_step, unchanged in refusals:
+            assert lands_on_a_step and "no zero_grad() since" in message, (seed, step, message)
+            assert unchanged, (seed, step, message)
+        refused += len(refusals)
+    assert refused > 0  # (the draws include forgotten zero_grads: the refusal is exercised)
