@@ -117,7 +117,6 @@ DebugSwitches read_debug_switches() {
   }
   if (const char* v = std::getenv("FORGE_DEBUG_EPILOGUE_PREFETCH"))
     d.epilogue_prefetch = v[0] != '0';
-  if (const char* v = std::getenv("FORGE_DEBUG_SR_IN_PHASE")) d.sr_in_phase = v[0] == '1';
   if (const char* v = std::getenv("FORGE_DEBUG_PREFETCH_LEAD")) {
     const int lead = std::atoi(v);
     d.prefetch_lead = lead > 0 ? lead : kPrefetchLeadTokens;

@@ -77,8 +77,6 @@ constexpr int kStaggerMinWaves = 3;
 //   FORGE_DEBUG_STAGGER_NS=ns        the two-CTA Hopper kernel's stagger (0: off). Default:
 //                                    kStaggerNs.
 //   FORGE_DEBUG_EPILOGUE_PREFETCH=0  no L2 prefetch of the update's operands. Default: on.
-//   FORGE_DEBUG_SR_IN_PHASE=1        stagger and L2 prefetch for a stochastically rounded
-//                                    weight as for a nearest-rounded one. Default: neither.
 //   FORGE_DEBUG_PREFETCH_LEAD=tokens issue that prefetch this many tokens before the main
 //                                    loop's end. Default: kPrefetchLeadTokens.
 //   FORGE_DEBUG_TRACE=addr:records   (hex device address, count) the Hopper kernels write
@@ -99,7 +97,6 @@ struct DebugSwitches {
   int group_m = 0;              // 0: group_height
   int stagger_ns = kStaggerNs;
   bool epilogue_prefetch = true;
-  bool sr_in_phase = false;
   int prefetch_lead = kPrefetchLeadTokens;
   unsigned long long trace_address = 0;  // 0: no trace
   int64_t trace_records = 0;
@@ -267,7 +264,7 @@ constexpr WgradPlan plan_wgrad(const WgradFacts& f, const DebugSwitches& d) {
   // SR weight + SR states, prefetch on -> off: 37.2 -> 35.6 ms at T = 512, 72.6 -> 69.1 at
   // 2048, 118.2 -> 115.4 at 4096; SR weight + int8 states and bf16 nearest unchanged in total.
   plan.path = WgradPath::kSm90TwoCta;
-  const bool ctas_in_phase = f.weight_format != FORGE_WEIGHT_BF16_STOCHASTIC || d.sr_in_phase;
+  const bool ctas_in_phase = f.weight_format != FORGE_WEIGHT_BF16_STOCHASTIC;
   plan.stagger_ns = splits == 1 && tiles >= kStaggerMinWaves * 2 * f.num_sms && ctas_in_phase
                         ? d.stagger_ns
                         : 0;

@@ -462,16 +462,6 @@ TEST(WgradPlanDebug, GroupStaggerAndPrefetchKnobs) {
   p = plan(h200(4096, 4096, 512), d);
   EXPECT_EQ(p.stagger_ns, 1000);
   EXPECT_FALSE(p.prefetch);
-  // A stochastically rounded weight: neither, unless the switch says its CTAs run in phase.
-  d = DebugSwitches{};
-  const WgradFacts f = h200(4096, 4096, 512, FORGE_WEIGHT_BF16_STOCHASTIC);
-  p = plan(f, d);
-  EXPECT_EQ(p.stagger_ns, 0);
-  EXPECT_FALSE(p.prefetch);
-  d.sr_in_phase = true;
-  p = plan(f, d);
-  EXPECT_EQ(p.stagger_ns, forge::cuda::kStaggerNs);
-  EXPECT_TRUE(p.prefetch);
 }
 
 TEST(ElementwiseBlocks, OneCtaPerEightWarpsUpTo16PerSm) {
