@@ -124,15 +124,36 @@ def torch_optimizer(name: str, params, **kwargs):
     return getattr(torch.optim, name)(params, **kwargs)
 
 
-def normwise(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a − b| / max|b| over one tensor (see tolerances.py for why not element-wise)."""
+def normwise(a: torch.Tensor, b: torch.Tensor, scale: Optional[float] = None) -> float:
+    """max|a − b| / max|b| over one tensor (see tolerances.py for why not element-wise), or
+    / scale where given."""
     a, b = a.detach().double(), b.detach().double()
-    scale = b.abs().max().item()
+    scale = b.abs().max().item() if scale is None else scale
     return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
 
 
 def max_normwise(model_a: nn.Module, model_b: nn.Module) -> float:
     return max(normwise(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+class TrajectoryNormwise:
+    """normwise with each tensor's scale the largest max|b| it has had so far (observe() after
+    each step). A small tensor whose values pass near zero (a scalar bias changing sign) would
+    otherwise divide an update's rounding, an ulp of the values it came from, by almost
+    nothing."""
+
+    def __init__(self, model_b: nn.Module):
+        self.scales = [0.0 for _ in model_b.parameters()]
+        self.observe(model_b)
+
+    def observe(self, model_b: nn.Module) -> None:
+        self.scales = [max(s, b.detach().abs().max().item())
+                       for s, b in zip(self.scales, model_b.parameters())]
+
+    def max_normwise(self, model_a: nn.Module, model_b: nn.Module) -> float:
+        self.observe(model_b)
+        return max(normwise(a, b, s)
+                   for a, b, s in zip(model_a.parameters(), model_b.parameters(), self.scales))
 
 
 def trajectories(make_model: Callable[[], nn.Module], name: str, kwargs: Dict, device: str,
