@@ -5,7 +5,9 @@ relative"). Element-wise relative error is not a usable metric for these rules: 
 element whose gradient is cancellation noise (|g| ≪ max|g|, or g ≈ −wd·w with coupled
 decay) is normalised by Adam/RMSprop/Adagrad into an O(lr) step whose size depends on the
 last bits of g, so a 1-ulp change of g moves that one element by a large *relative*
-amount while the tensor as a whole moves by ~1e-7.
+amount while the tensor as a whole moves by ~1e-7. A tensor whose values all pass near zero
+(a one-element bias changing sign) is measured against the largest max|b| it has had
+(reference.TrajectoryNormwise, in the random-loop test): its rounding is an ulp of those values.
 """
 
 # The contract, fp32 model + fp32 states, against torch.optim given dW summed over tokens
