@@ -9,8 +9,8 @@ Every benchmark writes a JSON file; this turns it into rows of the one append-on
   bench/host_overhead.py     (host-overhead.json: host time per Linear per step)
   forge-bench                (forge-bench-*.json: whole training steps; forge-parity-*.json)
 and refuses anything else. Rows: date (UTC), gpu, commit, benchmark, case, variant, metric,
-value, command. The commit defaults to `git rev-parse --short HEAD` of this checkout, with
-"+dirty" when the tree has uncommitted changes. bench/render.py renders the current tables
+value, command (--ab marks an A/B call's runs). The commit defaults to `git rev-parse --short
+HEAD` of this checkout, with "+dirty" when the tree has uncommitted changes. bench/render.py renders the current tables
 from the table.
 """
 from __future__ import annotations
@@ -27,6 +27,11 @@ from typing import Dict, Iterable, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 TABLE = os.path.join(HERE, "results", "results.csv")
 COLUMNS = ("date", "gpu", "commit", "benchmark", "case", "variant", "metric", "value", "command")
+
+
+# The mark of an A/B comparison's runs (--ab): alternated within one call to compare settings
+# or builds; in the table, never current (render.py).
+AB_MARK = "(gpu_check.sh ab)"
 
 
 class RecordError(ValueError):
@@ -199,6 +204,10 @@ def main(argv=None) -> int:
     parser.add_argument("json", nargs="+", help="a benchmark's JSON output")
     parser.add_argument("--commit", default=None, help="the measured commit (default: HEAD)")
     parser.add_argument("--table", default=TABLE, help=f"the table (default {TABLE})")
+    parser.add_argument("--ab", metavar="SETTING", default=None,
+                        help="runs of a `gpu_check.sh ab` call with this setting (\"default\" or "
+                             "VAR=value[,VAR=value...]): their commands are marked so, and "
+                             "render.py never takes them as current")
     args = parser.parse_args(argv)
     commit = args.commit or current_commit()
     # Every file is read before any row is appended: one bad file leaves the table as it was.
@@ -207,6 +216,11 @@ def main(argv=None) -> int:
     except (OSError, KeyError, json.JSONDecodeError, RecordError) as e:
         print(f"record: {type(e).__name__}: {e}; nothing appended", file=sys.stderr)
         return 1
+    if args.ab is not None:
+        setting = "" if args.ab == "default" else args.ab.replace(",", " ") + " "
+        for _, batch in batches:
+            for row in batch:
+                row["command"] = f"{AB_MARK} {setting}{row['command']}"
     rows = [row for _, batch in batches for row in batch]
     try:
         append(rows, args.table)

@@ -3,7 +3,9 @@
     python3 bench/render.py [--table bench/results/results.csv] [--out bench/results]
 
 For every (benchmark, case, variant, metric) the latest row of bench/results/results.csv is
-current. Writes, replacing what was there:
+current, except the rows of an A/B comparison (their command marked "(gpu_check.sh ab)": runs
+alternated to compare settings or builds within one call) and rows measured with a
+FORGE_DEBUG_* switch set: they stay in the table and are never current. Writes, replacing what was there:
   wgrad.md / wgrad.png     the fused step over Llama-3.1-8B's 224 linear layers against
                            cuBLAS dW and the unfused ways (bench/wgrad_bench,
                            bench/torch_unfused.py), totals and per layer
@@ -53,6 +55,8 @@ WGRAD_LAYER = [
 def current(rows: List[Dict[str, str]]) -> Dict[Tuple[str, str, str, str], Dict[str, str]]:
     latest: Dict[Tuple[str, str, str, str], Dict[str, str]] = {}
     for r in rows:
+        if r["command"].startswith(record.AB_MARK) or "FORGE_DEBUG_" in r["command"]:
+            continue  # (a comparison's run, an experiment's setting)
         key = (r["benchmark"], r["case"], r["variant"], r["metric"])
         if key not in latest or r["date"] >= latest[key]["date"]:
             latest[key] = r

@@ -45,3 +45,27 @@ def test_a_missing_file_appends_nothing(tmp_path):
     assert not table.exists()
     assert record.main([good, "--commit", "abc1234", "--table", str(table)]) == 0
     assert len(record.read(str(table))) == 3
+
+
+def test_ab_runs_are_recorded_but_never_current(tmp_path):
+    """The runs of an A/B call (record.py --ab SETTING) go into the table, their commands
+    marked with the setting, and render.py's current figures stay the last plain run's."""
+    record = load_record()
+    render = bench_scripts.load("render")
+    table = tmp_path / "results.csv"
+    assert record.main([wgrad_json(tmp_path, "wgrad_bench"), "--commit", "abc1234",
+                        "--table", str(table)]) == 0
+    later = json.loads((tmp_path / "bench.json").read_text())
+    later["date"] = "2026-12-04 16:00 UTC"
+    later["model_totals_ms"]["512"]["fused_bf16_sr"] = 99.0
+    (tmp_path / "bench.json").write_text(json.dumps(later))
+    for setting in ("default", "FORGE_DEBUG_STAGGER_NS=0,FORGE_DEBUG_GROUP_M=1"):
+        assert record.main([str(tmp_path / "bench.json"), "--commit", "abc1234", "--ab",
+                            setting, "--table", str(table)]) == 0
+    rows = record.read(str(table))
+    assert len(rows) == 9
+    assert rows[-1]["command"] == ("(gpu_check.sh ab) FORGE_DEBUG_STAGGER_NS=0 "
+                                   "FORGE_DEBUG_GROUP_M=1 wgrad_bench")
+    assert rows[3]["command"] == "(gpu_check.sh ab) wgrad_bench"
+    totals = [r for r in render.current(rows).values() if r["case"].startswith("llama")]
+    assert [r["value"] for r in totals] == ["35.4"], totals
