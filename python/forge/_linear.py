@@ -6,6 +6,9 @@ calls FusedLinearFunction:
     backward: dX = dY·W with the OLD weight, db = Σ dY   (returned to autograd)
               (X, dY) handed to the optimizer's slot      (no dW is formed)
               None for W: the weight never gets a .grad.
+The hand-off is made only where the backward accumulates W's gradient (weight_grad_use):
+torch.autograd.grad naming W gets dW as torch computes it, one of an input (or
+backward(inputs=...) without W) hands nothing over.
 transformers' Conv1D (GPT-2 and its relatives: y = x·W + b with W stored [in, out], a
 transposed Linear) gets FusedConv1DFunction: the same, with dW = Xᵀ·dY. The fused step
 takes, for a parameter [rows, cols], x: [T, cols] and dy: [T, rows] and computes
@@ -46,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _lib, _ops
+from . import _lib, _ops, _prehook
 
 # id(weight) -> weakref to the optimizer's slot of that weight
 _SLOTS: Dict[int, "weakref.ReferenceType"] = {}
@@ -155,6 +158,50 @@ def stream_of_handle(handle: int, device_index: int) -> "torch.cuda.Stream":
     return torch.cuda.ExternalStream(handle, device=device_index)
 
 
+def refuse_compiled_autograd() -> None:
+    """Raises inside a backward that compiled autograd (torch._dynamo.compiled_autograd) runs:
+    it traces the backward into a graph, hooks included, and the updates made from them are not
+    torch's (measured: deferred mode diverged). The backward's first callback calls this, before
+    any update; the C++ nodes refuse it alike (csrc/prehook.cpp)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is not None and (ca.compiled_autograd_enabled
+                           or getattr(ca, "in_compiled_autograd_region", False)):
+        raise RuntimeError(
+            "forge: compiled autograd (torch._dynamo.compiled_autograd, or "
+            "torch._dynamo.config.compiled_autograd) cannot trace a fused Linear's backward: "
+            "FORGE updates the weight at its gradient node, outside any graph it compiles. "
+            "Nothing was updated. torch.compile(model) compiles forward and backward with "
+            "forge.optim; run backward without compiled autograd.")
+
+
+# What the running backward does with a fused weight's gradient (csrc/prehook.cpp's GradUse):
+# drops it (torch.autograd.grad of an input, backward(inputs=...) without W), accumulates it
+# (backward(): the fused step's hand-off), or returns it (torch.autograd.grad naming W).
+GRAD_DROPPED, GRAD_ACCUMULATED, GRAD_RETURNED = 0, 1, 2
+
+
+def weight_grad_use(param: torch.Tensor, node=None) -> int:
+    """What the running backward does with the gradient of `param` (input 1 of the Python
+    backward node `node`, where there is one). A non-leaf is never fused: for it,
+    GRAD_ACCUMULATED means that its gradient flows on into the graph."""
+    cpp = _prehook.get()
+    if cpp is not None:
+        return cpp.weight_grad_use(param)
+    if node is not None:
+        fn = node.next_functions[1][0]
+    elif param.grad_fn is not None:
+        fn = param.grad_fn
+    else:
+        with torch.enable_grad():
+            fn = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad
+    if fn is None:
+        return GRAD_DROPPED
+    try:
+        return GRAD_ACCUMULATED if torch._C._will_engine_execute_node(fn) else GRAD_DROPPED
+    except RuntimeError:  # (torch refuses to say it of a leaf whose gradient autograd.grad
+        return GRAD_RETURNED  # returns: the only case it refuses during a backward)
+
+
 # An input X that can be recomputed (set by forge.lean): X._forge_recompute = (fn, inputs),
 # with fn(*inputs) equal to X bit for bit, computable again in backward (no grad), and the
 # inputs kept for backward anyway. The Linear then keeps the inputs instead of X.
@@ -211,7 +258,7 @@ class FusedLinearFunction(torch.autograd.Function):
             db = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).sum(0)  # [out]
             if db.dtype != ctx.bias_dtype:
                 db = db.to(ctx.bias_dtype)
-        dw = ctx.slot.linear_backward(x, dy, weight) if ctx.needs_input_grad[1] else None
+        dw = ctx.slot.linear_backward(x, dy, weight, ctx) if ctx.needs_input_grad[1] else None
         return dx, dw, db, None, None, None
 
 
@@ -303,7 +350,7 @@ class FusedConv1DFunction(torch.autograd.Function):
             db = dy2.sum(0)                                                  # [out]
             if db.dtype != ctx.bias_dtype:
                 db = db.to(ctx.bias_dtype)
-        dw = ctx.slot.linear_backward(dy, x, weight) if ctx.needs_input_grad[1] else None
+        dw = ctx.slot.linear_backward(dy, x, weight, ctx) if ctx.needs_input_grad[1] else None
         return dx, dw, db, None, None, None
 
 

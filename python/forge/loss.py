@@ -85,13 +85,20 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, lse, targets = ctx.saved_tensors
         vocab = weight.shape[0]
-        slot = _driving_slot(weight) if ctx.needs_input_grad[1] else None
+        # W's update runs here only where this backward accumulates W's gradient; one that
+        # returns it (torch.autograd.grad naming W) gets dW, one that does not reach W nothing
+        if ctx.needs_input_grad[1]:
+            _linear.refuse_compiled_autograd()
+        use = _linear.weight_grad_use(weight, ctx) if ctx.needs_input_grad[1] \
+            else _linear.GRAD_DROPPED
+        slot = _driving_slot(weight) if use == _linear.GRAD_ACCUMULATED \
+            and not weight._backward_hooks else None  # (a hook on W sees its whole dW)
         w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
         valid = targets != ctx.ignore_index
         scale = (grad.float() / ctx.count) * valid.float()                   # [N]
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         dw = None
-        if ctx.needs_input_grad[1] and slot is None:
+        if use != _linear.GRAD_DROPPED and slot is None:
             dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if slot is not None:
             opt = slot.opt_ref()

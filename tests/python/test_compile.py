@@ -243,6 +243,64 @@ def test_outside_use_in_the_graph_takes_the_materialized_path():
     _assert_same_bits(eager, compiled)
 
 
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+def test_autograd_grad_of_an_input_hands_nothing_over(mode):
+    """torch.autograd.grad of the input through the compiled backward (an adversarial
+    example) reaches the hand-offs but not the weights' gradient nodes: nothing is handed over,
+    and the steps on the perturbed inputs have the eager run's bits."""
+    def run(model, opt):
+        for step in range(STEPS):
+            x, target = _batch(step)
+            x.requires_grad_(True)
+            (gx,) = torch.autograd.grad((model(x) * target).sum(), x)
+            assert all(not s.pending and s.partial is None and not s.uses and not s.in_graph_uses
+                       for s in opt._slots.values())
+            ((model((x + 0.1 * gx.sign()).detach()) * target).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    model = MLP()
+    eager = run(model, forge.optim.AdamW(model, lr=1e-2, mode=mode))
+    model = MLP()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode=mode)
+    compiled = run(torch.compile(model, backend="aot_eager"), opt)
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert torch.equal(a, b), f"parameter {i} differs from the eager run"
+
+
+def test_autograd_grad_of_a_weight_through_the_graph_is_refused():
+    """The compiled hand-off returns a stand-in, not a gradient: torch.autograd.grad naming a
+    fused weight is refused, naming it, before anything changes; eager returns it."""
+    model = MLP()
+    opt = forge.optim.AdamW(model, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    x, target = _batch(0)
+    with pytest.raises(RuntimeError, match="gradient of the fused weight 'd.weight'"):
+        torch.autograd.grad((compiled(x) * target).sum(), [model.d.weight])
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    (g,) = torch.autograd.grad((model(x) * target).sum(), [model.d.weight])
+    assert g.shape == model.d.weight.shape and bool(g.any())
+
+
+def test_a_tensor_hook_on_a_fused_weight_is_refused_in_the_graph():
+    """A hook on W needs W's whole gradient; the compiled hand-off makes none: refused by name,
+    nothing updated."""
+    model = MLP()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode="immediate")
+    model.d.weight.register_hook(lambda g: g * 0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch._dynamo.reset()
+    x, target = _batch(0)
+    with pytest.raises(RuntimeError, match="'d.weight' has a tensor hook"):
+        (torch.compile(model, backend="aot_eager")(x) * target).sum().backward()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def test_detach_and_a_new_optimizer_recompile():
     """After detach() the compiled model is a plain one (W gets its .grad); a new optimizer
     fuses again, with the eager run's bits."""

@@ -40,6 +40,32 @@ def test_matches_linear_then_cross_entropy(block):
     assert rel(got[2], head.weight.grad) <= HEAD_CE_RTOL
 
 
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+def test_backwards_not_accumulating_into_the_head_leave_it_alone(mode):
+    """With a forge optimizer driving the head: torch.autograd.grad of the hidden states
+    (nothing reaches W) updates nothing; torch.autograd.grad naming W returns dW as the
+    unfused head computes it, updating nothing; then backward() updates the head as usual."""
+    torch.manual_seed(0)
+    n, d, vocab = 37, 24, 301
+    hidden = torch.randn(n, d, requires_grad=True)
+    head = torch.nn.Linear(d, vocab, bias=False)
+    targets = torch.randint(0, vocab, (n,))
+    opt = forge.optim.SGD(torch.nn.Sequential(head), lr=0.1, mode=mode)
+    before = head.weight.detach().clone()
+    (dh,) = torch.autograd.grad(forge.loss.head_cross_entropy(hidden, head, targets, block=64),
+                                hidden)
+    assert torch.equal(head.weight, before) and head.weight.grad is None
+    (dw,) = torch.autograd.grad(forge.loss.head_cross_entropy(hidden, head, targets, block=64),
+                                [head.weight])
+    want = torch.autograd.grad(F.cross_entropy(F.linear(hidden, head.weight), targets),
+                               [head.weight])[0]
+    assert rel(dw, want) <= HEAD_CE_RTOL
+    assert torch.equal(head.weight, before) and head.weight.grad is None and not opt.state
+    forge.loss.head_cross_entropy(hidden, head, targets, block=64).backward()
+    opt.step()
+    assert rel(head.weight - before, -0.1 * want) <= HEAD_CE_RTOL
+
+
 def test_bad_arguments_are_refused():
     head = torch.nn.Linear(4, 10)
     with pytest.raises(ValueError, match="without bias"):

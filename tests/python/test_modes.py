@@ -18,7 +18,7 @@ import forge._prehook
 import forge.optim
 from forge import _lib
 from conftest import DEVICES, format_devices, requires_cuda
-from reference import assert_contract, nothing_held_after_step, trajectories
+from reference import assert_contract, normwise, nothing_held_after_step, trajectories
 from tiny_models import Routed, TinyTransformer, lm_loss, routed_loss
 
 
@@ -143,17 +143,179 @@ def test_no_grad_and_eval_forward_do_not_update():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_backward_that_skips_a_weight_leaves_it_untouched():
-    """torch.autograd.grad(loss, x) runs the Linear backwards but not the weights'
-    gradient nodes: like torch.optim (no .grad), no update, and step() says so."""
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+def test_backward_that_skips_a_weight_leaves_it_untouched(mode):
+    """torch.autograd.grad(loss, x) runs the Linear backwards but not the weights' gradient
+    nodes: like torch.optim (no .grad), step() updates nothing, and nothing is left over."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
-    opt = forge.optim.SGD(model, lr=0.1)
+    opt = forge.optim.SGD(model, lr=0.1, mode=mode)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(5, 4, requires_grad=True)
     (gx,) = torch.autograd.grad(model(x).sum(), x)
-    with pytest.warns(UserWarning, match="never reached the weight"):
+    assert all(not s.pending and s.partial is None and not s.armed and not s.uses
+               for s in opt._slots.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+# Backwards that do not accumulate into a fused weight's .grad. torch.autograd.grad of an
+# input (an adversarial example, a gradient penalty) runs the Linears' backwards but not the
+# weights' gradient nodes; backward(inputs=...) without a weight likewise; torch.autograd.grad
+# naming a weight returns its gradient and leaves .grad alone. None of them may leave anything
+# for the next backward's update, and the last must return torch's gradient.
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _inputs(step):
+    torch.manual_seed(100 + step)
+    return torch.randn(6, 8, requires_grad=True)
+
+
+def _adversarial(model, opt, device):
+    """FGSM: the input's gradient by torch.autograd.grad, then a step on the perturbed input."""
+    for step in range(6):
+        x = _inputs(step)
+        (gx,) = torch.autograd.grad(model(x).square().mean(), x)
+        model((x + 0.1 * gx.sign()).detach()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _penalty(model, opt, device):
+    """WGAN-GP style: the input's gradient with create_graph=True, its norm in the loss (the
+    penalty reaches the weights through the backward's own products)."""
+    for step in range(6):
+        x = _inputs(step)
+        out = model(x)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (out.square().mean() + 10 * (gx.norm(dim=1) - 1).square().mean()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _input_only_backward(model, opt, device):
+    """backward(inputs=[x]) first (x.grad only), then the loss's backward."""
+    for step in range(6):
+        x = _inputs(step)
+        out = model(x)
+        out.abs().mean().backward(inputs=[x], retain_graph=True)
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _clean_then_adversarial(model, opt, device):
+    """FGSM written with backward(): the clean pass's weight gradients are zeroed before the
+    adversarial pass, so the step must not see them."""
+    for step in range(6):
+        x = _inputs(step)
+        model(x).square().mean().backward()
+        x_adv = (x + 0.1 * x.grad.sign()).detach()
+        opt.zero_grad()
+        model(x_adv).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+_NON_ACCUMULATING = {"adversarial": _adversarial, "penalty": _penalty,
+                     "input_only_backward": _input_only_backward}
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+@pytest.mark.parametrize("loop", sorted(_NON_ACCUMULATING))
+def test_backward_not_reaching_the_weights_leaves_nothing_for_the_next(mode, loop):
+    """A backward that does not accumulate into the fused weights' .grad hands nothing over:
+    the step is torch's, in every mode (the stale hand-off was once summed into the next
+    backward's update)."""
+    from reference import stock_loop_error
+    error, bound = stock_loop_error(
+        lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        _NON_ACCUMULATING[loop], make_model=_mlp)
+    assert error <= bound, (error, bound)
+
+
+def test_auto_stays_deferred_where_a_gradient_is_zeroed_before_the_step():
+    """An auto optimizer whose first step saw a weight gradient zeroed between a backward and
+    opt.step() stays deferred (immediate mode would have applied it inside that backward), and
+    the loop is torch's."""
+    from reference import stock_loop_error
+    made = []
+
+    def make(m):
+        made.append(forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1))
+        return made[-1]
+    error, bound = stock_loop_error(
+        make, lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        _clean_then_adversarial, make_model=_mlp)
+    assert error <= bound, (error, bound)
+    assert made[0].mode == "deferred"
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph):
+    """torch.autograd.grad naming the parameters returns the fused weights' gradients as torch
+    computes them (not the stand-in the fused step hands over), .grad untouched, and the
+    training steps between are torch's."""
+    from reference import stock_loop_error
+    seen = []  # per run and step: the gradients autograd.grad returned
+
+    def loop(model, opt, device):
+        for step in range(4):
+            x = _inputs(step).detach()
+            params = list(model.parameters())
+            grads = torch.autograd.grad(model(x).square().mean(), params,
+                                        create_graph=create_graph)
+            assert all(p.grad is None for p in params)
+            seen.append([(g.detach().clone(), g.requires_grad) for g in grads])
+            model(x).abs().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    error, bound = stock_loop_error(
+        lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
+        make_model=_mlp)
+    assert error <= bound, (error, bound)
+    forge_run, stock_run = seen[:4], seen[4:8]
+    for (name, _), (g, g_graph), (w, w_graph) in zip(_mlp().named_parameters(), forge_run[0],
+                                                     stock_run[0]):
+        assert torch.equal(g, w) and g_graph == w_graph, name  # (the same weights: step 0)
+    for forge_grads, stock_grads in zip(forge_run, stock_run):
+        for (g, _), (w, _) in zip(forge_grads, stock_grads):
+            assert normwise(g, w) <= bound, (normwise(g, w), bound)
+
+
+_HOOKS = {"mask": lambda g: g * _HOOK_MASK, "clamp": lambda g: g.clamp(-1e-3, 1e-3)}
+_HOOK_MASK = (torch.rand(16, 16, generator=torch.Generator().manual_seed(0)) > 0.5).float()
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+@pytest.mark.parametrize("hook", sorted(_HOOKS))
+def test_a_tensor_hook_on_a_fused_weight_sees_its_gradient(mode, hook):
+    """W.register_hook (a gradient mask, a clamp) gets W's whole gradient and the update uses
+    what it returns, as with torch.optim: such a weight's gradient is materialized (warned
+    once), its neighbours stay fused."""
+    from reference import stock_loop_error
+
+    def loop(model, opt, device):
+        model[2].weight.register_hook(_HOOKS[hook])  # (on each run's copy of the model)
+        for step in range(4):
+            model(_inputs(step).detach()).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    with pytest.warns(UserWarning, match="'2.weight' has a tensor hook"):
+        error, bound = stock_loop_error(
+            lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
+            lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
+            make_model=_mlp)
+    assert error <= bound, (error, bound)
 
 
 def _compiled_autograd():

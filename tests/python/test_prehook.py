@@ -180,6 +180,8 @@ def test_cpp_prehook_falls_back_for_second_and_outside_uses(cpp, device, monkeyp
 @pytest.mark.parametrize("device", DEVICES)
 def test_cpp_prehook_a_backward_that_misses_a_weight_changes_nothing_of_it(cpp, device,
                                                                            monkeypatch):
+    """backward(inputs=...) naming one weight: its update runs at its node; the other
+    Linears' backwards run (for dX) but arm nothing, so step() finds nothing left over."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
                           nn.Linear(8, 4)).to(device)
@@ -191,14 +193,13 @@ def test_cpp_prehook_a_backward_that_misses_a_weight_changes_nothing_of_it(cpp, 
         opt.zero_grad()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
-    # the last Linear's weight node is reached; the two others' backwards run (for dX) and
-    # arm, but their weight nodes are not
     xg = x.clone().requires_grad_(True)
     model(xg).sum().backward(inputs=[xg, model[4].weight])
     assert calls_made_in_cpp(opt) == ["4.weight"]
-    assert [s.name for s in opt._slots.values() if s.record is not None and s.record.armed] \
-        == ["0.weight", "2.weight"]
-    with pytest.warns(UserWarning, match="never reached"):
+    assert not any(s.record is not None and s.record.armed or s.pending
+                   for s in opt._slots.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         opt.step()
     opt.zero_grad()
     for n, p in model.named_parameters():
@@ -252,3 +253,39 @@ def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
         assert opt.state[p]["step"] == steps[n], n
+
+
+_REFUSED_THEN_EXIT = """
+import torch, torch.nn as nn
+import forge.optim
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+opt = forge.optim.AdamW(model, lr=1e-2, mode="immediate")
+x = torch.randn(3, 8)
+for _ in range(2):
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+ready_wgrad = opt._ready_wgrad
+def wrong_version(slot, *args):
+    ready = ready_wgrad(slot, *args)
+    ready[2].abi_version = 0
+    return ready
+opt._ready_wgrad = wrong_version
+try:
+    model(x).sum().backward()
+except Exception as e:
+    assert "abi_version" in str(e), e
+    print("refused")
+"""
+
+
+def test_cpp_prehook_a_process_exits_after_a_refused_call(cpp):
+    """After a call refused inside the C++ pre-hook, the process still exits: torch 2.4 keeps
+    the failed backward's nodes queued until the thread's exit, after the interpreter's, and
+    their records then must not wait for the GIL."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _REFUSED_THEN_EXIT], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, FORGE_CPP_PREHOOK="1"))
+    assert done.returncode == 0 and "refused" in done.stdout, done.stderr[-2000:]

@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -101,6 +102,14 @@ struct Record {
   py::object linear_fallback;  // the Python Linear backward: (x, dy, weight) -> dW or None
 
   ~Record() {
+    if (!Py_IsInitialized()) {
+      // The interpreter is gone: a node still queued when the process exits (torch 2.4 keeps
+      // a failed backward's nodes in the thread's ready queue until its thread-local
+      // destructors run). Taking the GIL would wait forever; the objects go with the process.
+      for (py::object* o : {&keep, &fallback, &post_fallback, &on_error, &linear_fallback})
+        o->release();
+      return;
+    }
     // (the node that owns the hook may go on autograd's thread, without the GIL)
     py::gil_scoped_acquire gil;
     keep = py::object();
@@ -276,6 +285,27 @@ NodePtr make_node() {
   }
 }
 
+// What the running backward does with a weight's gradient. A fused Linear's backward hands
+// W's update over only where it is accumulated; torch.autograd.grad naming W returns it
+// instead (materialized, as torch computes it), and a backward that does not reach W
+// (autograd.grad of an input, backward(inputs=...) without W) drops it, so nothing of it may
+// wait for a later backward. (A weight that is not a leaf is never fused: "accumulated" then
+// means its gradient flows on into the graph.)
+enum GradUse : int { kGradDropped = 0, kGradAccumulated = 1, kGradReturned = 2 };
+
+int weight_grad_use(const at::Tensor& weight) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return kGradAccumulated;  // backward()
+  const torch::autograd::Edge edge = torch::autograd::impl::gradient_edge(weight);
+  const auto it = edge.is_valid() ? exec_info->find(edge.function.get()) : exec_info->end();
+  if (it == exec_info->end()) return kGradDropped;
+  if (it->second.captures_) {
+    for (const auto& capture : *it->second.captures_)
+      if (capture.input_idx_ == static_cast<int>(edge.input_nr)) return kGradReturned;
+  }
+  return it->second.needed_ ? kGradAccumulated : kGradDropped;
+}
+
 // y = x·Wᵀ + b's backward: dX = dY·W (the weight as the forward saw it), db = Σ dY, and W's
 // update armed in its record (or handed to the Python Linear backward). The same operations
 // as forge/_linear.py's FusedLinearFunction.backward, so the same bits.
@@ -307,9 +337,10 @@ struct FusedLinearBackward : torch::autograd::Node {
     }
     if (should_compute_output(1)) {
       Record& r = *record;
-      if (r.try_arm(x, dy)) {
+      const int use = weight_grad_use(r.weight);
+      if (use == kGradAccumulated && r.try_arm(x, dy)) {
         out[1] = r.stand_in;
-      } else {
+      } else if (use != kGradDropped) {
         py::gil_scoped_acquire gil;
         py::object dw = r.linear_fallback(x, dy, w);
         if (!dw.is_none()) out[1] = dw.cast<at::Tensor>();
@@ -393,6 +424,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              [](const Record& r) { return r.ready_epoch == r.clock->epoch; })
       .def_readwrite("enabled", &Record::enabled);
   m.def("install", &install);
+  m.def("weight_grad_use", &weight_grad_use);
   m.def("fused_linear", &fused_linear, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("record"), py::arg("compute_dtype") = py::none());
   m.def("set_operand_layout", [](std::vector<std::pair<size_t, size_t>> fields) {

@@ -367,8 +367,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if missed:
             warnings.warn(
                 "forge: backward ran through the nn.Linear of " + ", ".join(missed) + " but "
-                "never reached the weight's gradient node (torch.autograd.grad or "
-                "backward(inputs=...) without it?), so it was not updated this step", stacklevel=2)
+                "never reached the weight's gradient node, so it was not updated this step",
+                stacklevel=2)
         for slot in self._slots.values():
             slot.clear_backward()
             self._restore_held(slot)
@@ -570,14 +570,27 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         before opt.step() (or may have: a DTensor's use is not seen), else run immediate from
         the next step."""
         touched = [slot.name for slot, g in held
-                   if (isinstance(g, FactoredGrad) and (g.touched or len(g.parts) > 1))
+                   if (slot.mode == "fused" and slot.grad_arrivals > 1)
+                   or (isinstance(g, FactoredGrad) and (g.touched or len(g.parts) > 1))
                    or (not isinstance(g, FactoredGrad) and slot.mode == "hook" and (
                        slot.grad_arrivals > 1 or (slot.grad_version is not None
                                                   and g._version != slot.grad_version)))]
+        # A gradient a backward made and the loop set aside before opt.step() (zero_grad
+        # between a backward and the step: a clean pass for an adversarial input, a skipped
+        # batch): immediate mode would have applied it inside that backward.
+        kept = {id(slot) for slot, _ in held}
+        discarded = [slot.name for slot in self._slots.values()
+                     if slot.mode in ("fused", "hook") and slot.grad_arrivals == 1
+                     and id(slot) not in kept]
         reasons = []
         if touched:
             reasons.append("the gradient of " + ", ".join(touched[:3])
-                           + (" ..." if len(touched) > 3 else "") + " was used or accumulated")
+                           + (" ..." if len(touched) > 3 else "")
+                           + " was used, accumulated or made anew")
+        if discarded:
+            reasons.append("the gradient of " + ", ".join(discarded[:3])
+                           + (" ..." if len(discarded) > 3 else "")
+                           + " was zeroed between a backward and opt.step()")
         if any(slot.dtensor for slot in self._slots.values()):
             # NOTE: an in-place op on a DTensor gradient (clip_grad_norm_'s _foreach_mul_)
             # may leave both its and its local tensor's version counters as they were

@@ -207,7 +207,8 @@ class _CallMixin:
                     slot.checked = (st, group)
                     if ready_wgrad and slot.mode == "fused" and not slot.dtensor:
                         slot.ready = self._ready_wgrad(slot, st, hparams, devices)
-                        if slot.ready is not None and slot.record is not None:
+                        if slot.ready is not None and slot.record is not None \
+                                and not p._backward_hooks:  # (a hooked W: the Python path)
                             readied.append(slot.record)
         for record in readied:
             record.ready()

@@ -32,7 +32,6 @@ _update (call.py) when a parameter's gradient is complete.
 """
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -56,22 +55,6 @@ _FORCE_NO_HOOKS = False
 # backward (tens of µs each, 113 of them on Qwen3-0.6B), where freeing a gradient this small
 # early saves nothing: up to 256 KiB each in fp32.
 BATCHED_MAX_ELEMENTS = 1 << 16
-
-
-def _refuse_compiled_autograd() -> None:
-    """Raises inside a backward that compiled autograd (torch._dynamo.compiled_autograd) runs:
-    it traces the backward into a graph, hooks included, and the updates made from them are not
-    torch's (measured: deferred mode diverged). The backward's first callback calls this, before
-    any update; the C++ nodes refuse it alike (csrc/prehook.cpp)."""
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    if ca is not None and (ca.compiled_autograd_enabled
-                           or getattr(ca, "in_compiled_autograd_region", False)):
-        raise RuntimeError(
-            "forge: compiled autograd (torch._dynamo.compiled_autograd, or "
-            "torch._dynamo.config.compiled_autograd) cannot trace a fused Linear's backward: "
-            "FORGE updates the weight at its gradient node, outside any graph it compiles. "
-            "Nothing was updated. torch.compile(model) compiles forward and backward with "
-            "forge.optim; run backward without compiled autograd.")
 
 
 def _has_post_accumulate_hook() -> bool:
@@ -128,9 +111,11 @@ class _Slot:
         self.param_cache: Optional[Tuple[tuple, Any]] = None
         self.modules: List[nn.Linear] = []
         self.warned_multi_use = False
+        self.warned_hooked = False
         # Deferred mode: the gradient of earlier backwards while another runs (see
-        # _linear_backward), and a hook parameter's .grad version when backward last left it
-        # and how many backwards did (an auto optimizer's first step reads both).
+        # _linear_backward), a hook parameter's .grad version when backward last left it, and
+        # how many backwards left a hook or fused parameter a gradient (an auto optimizer's
+        # first step reads both).
         self.held: Optional[torch.Tensor] = None
         self.grad_version: Optional[int] = None
         self.grad_arrivals = 0
@@ -204,19 +189,37 @@ class _Slot:
         opt = self.opt_ref()
         return opt is not None and opt._attached
 
-    def linear_backward(self, x, dy, weight):
+    def linear_backward(self, x, dy, weight, node=None):
         """x: [..., cols], dy: [..., rows], the fused step's operands for this [rows, cols]
         parameter (dW = dyᵀ·x): a Linear's input and output gradient, a Conv1D's output
-        gradient and input."""
+        gradient and input. `node`: the Linear's backward node, where it is a Python one."""
+        _linear.refuse_compiled_autograd()
+        use = _linear.weight_grad_use(self.param, node)
+        if use == _linear.GRAD_DROPPED:
+            return None
         opt = self.opt_ref()
-        if opt is None or not opt._attached:
-            return _materialize_dw(x, dy, weight)  # plain nn.Linear behaviour
+        if use == _linear.GRAD_RETURNED or opt is None or not opt._attached:
+            return _materialize_dw(x, dy, weight)  # what torch returns; plain nn.Linear's
         return opt._linear_backward(self, x, dy, weight)
 
     def hand_off_in_graph(self, x, dy, weight) -> torch.Tensor:
         """linear_backward for forge::wgrad_hand_off, a compiled backward's hand-off: the op
         returns a tensor of one layout (the stand-in's), so a second use of W in this backward
         gets the stand-in too; the pre-hook then sees their sum (_on_weight_grad_ready)."""
+        use = _linear.weight_grad_use(self.param)
+        if use == _linear.GRAD_DROPPED:
+            return weight.new_zeros(()).expand(weight.shape)  # (the engine drops it)
+        if use == _linear.GRAD_RETURNED:
+            raise RuntimeError(
+                f"forge: torch.autograd.grad asked for the gradient of the fused weight "
+                f"'{self.name}' through a compiled model's backward, whose hand-off returns no "
+                "gradient. Nothing was updated. Run that model uncompiled, or take the "
+                "gradient with backward() and read it from .grad (mode='deferred')")
+        if self.param._backward_hooks:
+            raise RuntimeError(
+                f"forge: the fused weight '{self.name}' has a tensor hook (register_hook), "
+                "which needs its whole gradient, and a compiled backward's hand-off makes none. "
+                "Run that model uncompiled, or take the hook off")
         opt = self.opt_ref()
         if opt is None or not opt._attached:
             raise RuntimeError(
@@ -575,7 +578,7 @@ class _RoutingMixin:
             "segments also does this: use use_reentrant=False.")
 
     def _linear_backward(self, slot: _Slot, x, dy, weight):
-        _refuse_compiled_autograd()
+        _linear.refuse_compiled_autograd()
         if self._begun_step != self._step_id:
             self._begin_step()  # (before this backward reads or updates any weight, and
             # before deciding where the update runs: it may hold the step)
@@ -588,6 +591,16 @@ class _RoutingMixin:
                 slot.held, slot.param.grad = slot.param.grad, None
         elif slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
+        if slot.param._backward_hooks and not slot.dtensor:
+            # a tensor hook (W.register_hook: a gradient mask, a clamp) must see W's whole
+            # gradient: it arrives at W's node as from a use outside the Linear, hooked
+            if not slot.warned_hooked:
+                slot.warned_hooked = True
+                warnings.warn(
+                    f"forge: weight '{slot.name}' has a tensor hook (register_hook): its "
+                    "gradient is materialized for the hook, then updated (no fused step)",
+                    stacklevel=2)
+            return _materialize_dw(x, dy, weight)
         if slot.layouts is not None:  # tensor parallel: this rank's columns / full tokens
             mesh = slot.param.device_mesh
             x = distributed.as_local_rows(x, slot.layouts[0], mesh)
@@ -783,6 +796,7 @@ class _RoutingMixin:
         of its X and dY while that is smaller than dW, else a dense .grad) and leaves it in
         W.grad for the loop and opt.step()."""
         p = slot.param
+        slot.grad_arrivals += 1  # (an auto optimizer's first step reads it)
         held, slot.held = slot.held, None
         if held is None:
             held = p.grad  # (the fallback path has taken autograd's sum out already)
@@ -874,7 +888,7 @@ class _RoutingMixin:
         self._on_weight_grad_ready(slot, (arrived,))
 
     def _on_param_grad_ready(self, slot: _Slot) -> None:
-        _refuse_compiled_autograd()
+        _linear.refuse_compiled_autograd()
         p = slot.param
         if p.grad is None:
             return
