@@ -173,8 +173,8 @@ def _mlp():
 
 
 def _inputs(step):
-    torch.manual_seed(100 + step)
-    return torch.randn(6, 8, requires_grad=True)
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(100 + step),
+                       requires_grad=True)
 
 
 def _adversarial(model, opt, device):
@@ -230,9 +230,9 @@ _NON_ACCUMULATING = {"adversarial": _adversarial, "penalty": _penalty,
 @pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
 @pytest.mark.parametrize("loop", sorted(_NON_ACCUMULATING))
 def test_backward_not_reaching_the_weights_leaves_nothing_for_the_next(mode, loop):
-    """A backward that does not accumulate into the fused weights' .grad hands nothing over:
-    the step is torch's, in every mode (the stale hand-off was once summed into the next
-    backward's update)."""
+    """A backward that does not accumulate into the fused weights' .grad hands nothing over
+    (a hand-off would wait in the slot and join the next backward's update): the step is
+    torch's, in every mode."""
     from reference import stock_loop_error
     error, bound = stock_loop_error(
         lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
