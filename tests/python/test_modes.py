@@ -3,9 +3,11 @@
 In immediate mode the update runs inside backward, so a second backward before step() is an
 error, raised before it changes a weight; accumulate_grad=True (deferred, dense gradients in
 .grad, step() applies them: exact, with torch.optim's memory) accumulates. The training loop
-around the step (clipping, GradScaler, deferred factored gradients): test_loop.py. Also: the
-fallback for torch without the autograd hooks, closures, and giving the model back (detach,
-or the optimizer being garbage-collected).
+around the step (clipping, GradScaler, deferred factored gradients): test_loop.py. Also:
+backwards that do not accumulate into a fused weight (torch.autograd.grad of an input or of
+the weights, backward(inputs=...)), tensor hooks on fused weights, the fallback for torch
+without the autograd hooks, closures, and giving the model back (detach, or the optimizer
+being garbage-collected).
 """
 import gc
 import warnings
