@@ -243,6 +243,30 @@ def test_backward_not_reaching_the_weights_leaves_nothing_for_the_next(mode, loo
     assert error <= bound, (error, bound)
 
 
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+def test_a_second_order_loop_matches_torch(mode):
+    """MAML: the weights' gradients by torch.autograd.grad with create_graph=True, a step of
+    them taken functionally, and the outer loss's backward through both, into the weights."""
+    from torch.func import functional_call
+    from reference import stock_loop_error
+
+    def loop(model, opt, device):
+        names = [n for n, _ in model.named_parameters()]
+        for step in range(4):
+            params = list(model.parameters())
+            grads = torch.autograd.grad(model(_inputs(step)).square().mean(), params,
+                                        create_graph=True)
+            fast = {n: p - 0.1 * g for n, p, g in zip(names, params, grads)}
+            functional_call(model, fast, (_inputs(step + 10),)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    error, bound = stock_loop_error(
+        lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
+        make_model=_mlp)
+    assert error <= bound, (error, bound)
+
+
 def test_auto_stays_deferred_where_a_gradient_is_zeroed_before_the_step():
     """An auto optimizer whose first step saw a weight gradient zeroed between a backward and
     opt.step() stays deferred (immediate mode would have applied it inside that backward), and
