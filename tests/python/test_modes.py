@@ -179,6 +179,15 @@ def _inputs(step):
                        requires_grad=True)
 
 
+def _mlp_error(mode, loop, make_forge=None):
+    """(forge vs torch.optim AdamW on an _mlp through `loop`, the bound)."""
+    from reference import stock_loop_error
+    return stock_loop_error(
+        make_forge or (lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode)),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
+        make_model=_mlp)
+
+
 def _adversarial(model, opt, device):
     """FGSM: the input's gradient by torch.autograd.grad, then a step on the perturbed input."""
     for step in range(6):
@@ -235,11 +244,7 @@ def test_backward_not_reaching_the_weights_leaves_nothing_for_the_next(mode, loo
     """A backward that does not accumulate into the fused weights' .grad hands nothing over
     (a hand-off would wait in the slot and join the next backward's update): the step is
     torch's, in every mode."""
-    from reference import stock_loop_error
-    error, bound = stock_loop_error(
-        lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
-        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
-        _NON_ACCUMULATING[loop], make_model=_mlp)
+    error, bound = _mlp_error(mode, _NON_ACCUMULATING[loop])
     assert error <= bound, (error, bound)
 
 
@@ -248,7 +253,6 @@ def test_a_second_order_loop_matches_torch(mode):
     """MAML: the weights' gradients by torch.autograd.grad with create_graph=True, a step of
     them taken functionally, and the outer loss's backward through both, into the weights."""
     from torch.func import functional_call
-    from reference import stock_loop_error
 
     def loop(model, opt, device):
         names = [n for n, _ in model.named_parameters()]
@@ -260,10 +264,7 @@ def test_a_second_order_loop_matches_torch(mode):
             functional_call(model, fast, (_inputs(step + 10),)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    error, bound = stock_loop_error(
-        lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
-        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
-        make_model=_mlp)
+    error, bound = _mlp_error(mode, loop)
     assert error <= bound, (error, bound)
 
 
@@ -271,15 +272,12 @@ def test_auto_stays_deferred_where_a_gradient_is_zeroed_before_the_step():
     """An auto optimizer whose first step saw a weight gradient zeroed between a backward and
     opt.step() stays deferred (immediate mode would have applied it inside that backward), and
     the loop is torch's."""
-    from reference import stock_loop_error
     made = []
 
     def make(m):
         made.append(forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1))
         return made[-1]
-    error, bound = stock_loop_error(
-        make, lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
-        _clean_then_adversarial, make_model=_mlp)
+    error, bound = _mlp_error("auto", _clean_then_adversarial, make)
     assert error <= bound, (error, bound)
     assert made[0].mode == "deferred"
 
@@ -290,7 +288,6 @@ def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph
     """torch.autograd.grad naming the parameters returns the fused weights' gradients as torch
     computes them (not the stand-in the fused step hands over), .grad untouched, and the
     training steps between are torch's."""
-    from reference import stock_loop_error
     seen = []  # per run and step: the gradients autograd.grad returned
 
     def loop(model, opt, device):
@@ -304,10 +301,7 @@ def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph
             model(x).abs().mean().backward()
             opt.step()
             opt.zero_grad()
-    error, bound = stock_loop_error(
-        lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
-        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
-        make_model=_mlp)
+    error, bound = _mlp_error(mode, loop)
     assert error <= bound, (error, bound)
     forge_run, stock_run = seen[:4], seen[4:8]
     for (name, _), (g, g_graph), (w, w_graph) in zip(_mlp().named_parameters(), forge_run[0],
@@ -328,7 +322,6 @@ def test_a_tensor_hook_on_a_fused_weight_sees_its_gradient(mode, hook):
     """W.register_hook (a gradient mask, a clamp) gets W's whole gradient and the update uses
     what it returns, as with torch.optim: such a weight's gradient is materialized (warned
     once), its neighbours stay fused."""
-    from reference import stock_loop_error
 
     def loop(model, opt, device):
         model[2].weight.register_hook(_HOOKS[hook])  # (on each run's copy of the model)
@@ -337,10 +330,7 @@ def test_a_tensor_hook_on_a_fused_weight_sees_its_gradient(mode, hook):
             opt.step()
             opt.zero_grad()
     with pytest.warns(UserWarning, match="'2.weight' has a tensor hook"):
-        error, bound = stock_loop_error(
-            lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode),
-            lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
-            make_model=_mlp)
+        error, bound = _mlp_error(mode, loop)
     assert error <= bound, (error, bound)
 
 
