@@ -10,8 +10,8 @@ Every benchmark writes a JSON file; this turns it into rows of the one append-on
   forge-bench                (forge-bench-*.json: whole training steps; forge-parity-*.json)
 and refuses anything else. Rows: date (UTC), gpu, commit, benchmark, case, variant, metric,
 value, command (--ab marks an A/B call's runs). The commit defaults to `git rev-parse --short
-HEAD` of this checkout, with "+dirty" when the tree has uncommitted changes. bench/render.py renders the current tables
-from the table.
+HEAD` of this checkout, with "+dirty" when the tree has uncommitted changes. bench/render.py
+renders the current tables from the table.
 """
 from __future__ import annotations
 

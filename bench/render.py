@@ -5,7 +5,8 @@
 For every (benchmark, case, variant, metric) the latest row of bench/results/results.csv is
 current, except the rows of an A/B comparison (their command marked "(gpu_check.sh ab)": runs
 alternated to compare settings or builds within one call) and rows measured with a
-FORGE_DEBUG_* switch set: they stay in the table and are never current. Writes, replacing what was there:
+FORGE_DEBUG_* switch set: they stay in the table and are never current. Writes, replacing what
+was there:
   wgrad.md / wgrad.png     the fused step over Llama-3.1-8B's 224 linear layers against
                            cuBLAS dW and the unfused ways (bench/wgrad_bench,
                            bench/torch_unfused.py), totals and per layer

@@ -570,11 +570,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         before opt.step() (or may have: a DTensor's use is not seen), else run immediate from
         the next step."""
         touched = [slot.name for slot, g in held
-                   if (slot.mode == "fused" and slot.grad_arrivals > 1)
+                   if (slot.mode in ("fused", "hook") and slot.grad_arrivals > 1)
                    or (isinstance(g, FactoredGrad) and (g.touched or len(g.parts) > 1))
-                   or (not isinstance(g, FactoredGrad) and slot.mode == "hook" and (
-                       slot.grad_arrivals > 1 or (slot.grad_version is not None
-                                                  and g._version != slot.grad_version)))]
+                   or (slot.mode == "hook" and slot.grad_version is not None
+                       and g._version != slot.grad_version)]
         # A gradient a backward made and the loop set aside before opt.step() (zero_grad
         # between a backward and the step: a clean pass for an adversarial input, a skipped
         # batch): immediate mode would have applied it inside that backward.

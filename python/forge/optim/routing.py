@@ -206,6 +206,7 @@ class _Slot:
         """linear_backward for forge::wgrad_hand_off, a compiled backward's hand-off: the op
         returns a tensor of one layout (the stand-in's), so a second use of W in this backward
         gets the stand-in too; the pre-hook then sees their sum (_on_weight_grad_ready)."""
+        _linear.refuse_compiled_autograd()
         use = _linear.weight_grad_use(self.param)
         if use == _linear.GRAD_DROPPED:
             return weight.new_zeros(()).expand(weight.shape)  # (the engine drops it)
@@ -578,7 +579,6 @@ class _RoutingMixin:
             "segments also does this: use use_reentrant=False.")
 
     def _linear_backward(self, slot: _Slot, x, dy, weight):
-        _linear.refuse_compiled_autograd()
         if self._begun_step != self._step_id:
             self._begin_step()  # (before this backward reads or updates any weight, and
             # before deciding where the update runs: it may hold the step)
