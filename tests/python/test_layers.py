@@ -29,7 +29,7 @@ import torch.utils.checkpoint as tuc
 
 import forge
 from conftest import DEVICES
-from reference import (PerturbedBeforeStep, assert_contract, max_normwise, ordered_concat,
+from reference import (PerturbedByOneUlp, assert_contract, max_normwise, ordered_concat,
                        trajectories)
 from tolerances import GRAD_NORM_RTOL, HF_LOSS_RTOL, LOOP_RTOL, ULP_SENSITIVITY_FACTOR
 
@@ -170,7 +170,7 @@ def test_conv1d_deferred_clip_and_accumulation(record_difference):
     opts = {"forge": forge.optim.AdamW(model, mode="deferred", deferred_store="factors",
                                        **kwargs),
             "ref": torch.optim.AdamW(refs["ref"].parameters(), **kwargs),
-            "ulp": PerturbedBeforeStep(torch.optim.AdamW(refs["ulp"].parameters(), **kwargs))}
+            "ulp": PerturbedByOneUlp(torch.optim.AdamW(refs["ulp"].parameters(), **kwargs))}
     models = {"forge": model, **refs}
     norms = {k: [] for k in models}
     for step in range(steps):

@@ -19,7 +19,7 @@ import torch
 import forge
 import forge.optim
 from conftest import DEVICES
-from reference import (PerturbedBeforeStep, TrajectoryNormwise, max_normwise,
+from reference import (PerturbedByOneUlp, TrajectoryNormwise, max_normwise,
                        nothing_held_after_step, ordered_concat, torch_optimizer)
 from test_contract import CONFIGS, config_id
 from tiny_models import TinyTransformer, lm_loss
@@ -90,8 +90,8 @@ def loop_errors(name, kwargs, device, forge_options, use_scaler=True):
             "stock": torch_optimizer(name, models["stock"].parameters(), **kwargs),
             "ref": torch_optimizer(name, models["ref"].parameters(), **kwargs),
             "ref64": torch_optimizer(name, models["ref64"].parameters(), **kwargs),
-            "ulp": PerturbedBeforeStep(torch_optimizer(name, models["ulp"].parameters(),
-                                                       **kwargs))}
+            "ulp": PerturbedByOneUlp(torch_optimizer(name, models["ulp"].parameters(),
+                                                     **kwargs))}
     linear = {id(m.weight) for key in ("ref64", "ulp") for m in models[key].modules()
               if isinstance(m, torch.nn.Linear)}
 
@@ -404,8 +404,8 @@ def test_a_loop_scaling_gradients_by_hand_matches_torch(scaling):
     opts = {"forge": forge.optim.AdamW(models["forge"], lr=1e-2, weight_decay=0.1,
                                        mode="deferred", deferred_store="factors"),
             "ref": torch.optim.AdamW(models["ref"].parameters(), lr=1e-2, weight_decay=0.1),
-            "ulp": PerturbedBeforeStep(torch.optim.AdamW(models["ulp"].parameters(), lr=1e-2,
-                                                         weight_decay=0.1))}
+            "ulp": PerturbedByOneUlp(torch.optim.AdamW(models["ulp"].parameters(), lr=1e-2,
+                                                       weight_decay=0.1))}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for key, model in models.items():
@@ -603,7 +603,7 @@ def _random_loop(seed: int, mode: str):
     sgd = dict(lr=0.05, momentum=0.9, weight_decay=0.1)
     opts = {"forge": forge.optim.SGD(models["forge"], mode=mode, **sgd),
             "torch": torch.optim.SGD(models["torch"].parameters(), **sgd),
-            "ulp": PerturbedBeforeStep(torch.optim.SGD(models["ulp"].parameters(), **sgd))}
+            "ulp": PerturbedByOneUlp(torch.optim.SGD(models["ulp"].parameters(), **sgd))}
     whose = rng.choice(["opt", "model"])
     to_none = rng.random() < 0.5
     before = rng.random() < 0.5

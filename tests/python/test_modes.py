@@ -174,24 +174,24 @@ def _mlp():
                                torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
-def _inputs(step):
-    return torch.randn(6, 8, generator=torch.Generator().manual_seed(100 + step),
-                       requires_grad=True)
+def _inputs(step, device):
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(100 + step)).to(
+        device).requires_grad_()
 
 
-def _mlp_error(mode, loop, make_forge=None):
-    """(forge vs torch.optim AdamW on an _mlp through `loop`, the bound)."""
+def _mlp_error(mode, loop, device, make_forge=None):
+    """(forge vs torch.optim AdamW on an _mlp on `device` through `loop`, the bound)."""
     from reference import stock_loop_error
     return stock_loop_error(
         make_forge or (lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode)),
         lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), loop,
-        make_model=_mlp)
+        steps_device=device, make_model=lambda: _mlp().to(device))
 
 
 def _adversarial(model, opt, device):
     """FGSM: the input's gradient by torch.autograd.grad, then a step on the perturbed input."""
     for step in range(6):
-        x = _inputs(step)
+        x = _inputs(step, device)
         (gx,) = torch.autograd.grad(model(x).square().mean(), x)
         model((x + 0.1 * gx.sign()).detach()).square().mean().backward()
         opt.step()
@@ -202,7 +202,7 @@ def _penalty(model, opt, device):
     """WGAN-GP style: the input's gradient with create_graph=True, its norm in the loss (the
     penalty reaches the weights through the backward's own products)."""
     for step in range(6):
-        x = _inputs(step)
+        x = _inputs(step, device)
         out = model(x)
         (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
         (out.square().mean() + 10 * (gx.norm(dim=1) - 1).square().mean()).backward()
@@ -213,7 +213,7 @@ def _penalty(model, opt, device):
 def _input_only_backward(model, opt, device):
     """backward(inputs=[x]) first (x.grad only), then the loss's backward."""
     for step in range(6):
-        x = _inputs(step)
+        x = _inputs(step, device)
         out = model(x)
         out.abs().mean().backward(inputs=[x], retain_graph=True)
         out.square().mean().backward()
@@ -225,7 +225,7 @@ def _clean_then_adversarial(model, opt, device):
     """FGSM written with backward(): the clean pass's weight gradients are zeroed before the
     adversarial pass, so the step must not see them."""
     for step in range(6):
-        x = _inputs(step)
+        x = _inputs(step, device)
         model(x).square().mean().backward()
         x_adv = (x + 0.1 * x.grad.sign()).detach()
         opt.zero_grad()
@@ -238,18 +238,20 @@ _NON_ACCUMULATING = {"adversarial": _adversarial, "penalty": _penalty,
                      "input_only_backward": _input_only_backward}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
 @pytest.mark.parametrize("loop", sorted(_NON_ACCUMULATING))
-def test_backward_not_reaching_the_weights_leaves_nothing_for_the_next(mode, loop):
+def test_backward_not_reaching_the_weights_leaves_nothing_for_the_next(mode, loop, device):
     """A backward that does not accumulate into the fused weights' .grad hands nothing over
     (a hand-off would wait in the slot and join the next backward's update): the step is
     torch's, in every mode."""
-    error, bound = _mlp_error(mode, _NON_ACCUMULATING[loop])
+    error, bound = _mlp_error(mode, _NON_ACCUMULATING[loop], device)
     assert error <= bound, (error, bound)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
-def test_a_second_order_loop_matches_torch(mode):
+def test_a_second_order_loop_matches_torch(mode, device):
     """MAML: the weights' gradients by torch.autograd.grad with create_graph=True, a step of
     them taken functionally, and the outer loss's backward through both, into the weights."""
     from torch.func import functional_call
@@ -258,17 +260,18 @@ def test_a_second_order_loop_matches_torch(mode):
         names = [n for n, _ in model.named_parameters()]
         for step in range(4):
             params = list(model.parameters())
-            grads = torch.autograd.grad(model(_inputs(step)).square().mean(), params,
+            grads = torch.autograd.grad(model(_inputs(step, device)).square().mean(), params,
                                         create_graph=True)
             fast = {n: p - 0.1 * g for n, p, g in zip(names, params, grads)}
-            functional_call(model, fast, (_inputs(step + 10),)).square().mean().backward()
+            functional_call(model, fast, (_inputs(step + 10, device),)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    error, bound = _mlp_error(mode, loop)
+    error, bound = _mlp_error(mode, loop, device)
     assert error <= bound, (error, bound)
 
 
-def test_auto_stays_deferred_where_a_gradient_is_zeroed_before_the_step():
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_stays_deferred_where_a_gradient_is_zeroed_before_the_step(device):
     """An auto optimizer whose first step saw a weight gradient zeroed between a backward and
     opt.step() stays deferred (immediate mode would have applied it inside that backward), and
     the loop is torch's."""
@@ -277,14 +280,15 @@ def test_auto_stays_deferred_where_a_gradient_is_zeroed_before_the_step():
     def make(m):
         made.append(forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1))
         return made[-1]
-    error, bound = _mlp_error("auto", _clean_then_adversarial, make)
+    error, bound = _mlp_error("auto", _clean_then_adversarial, device, make)
     assert error <= bound, (error, bound)
     assert made[0].mode == "deferred"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
 @pytest.mark.parametrize("create_graph", [False, True])
-def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph):
+def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph, device):
     """torch.autograd.grad naming the parameters returns the fused weights' gradients as torch
     computes them (not the stand-in the fused step hands over), .grad untouched, and the
     training steps between are torch's."""
@@ -292,7 +296,7 @@ def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph
 
     def loop(model, opt, device):
         for step in range(4):
-            x = _inputs(step).detach()
+            x = _inputs(step, device).detach()
             params = list(model.parameters())
             grads = torch.autograd.grad(model(x).square().mean(), params,
                                         create_graph=create_graph)
@@ -301,7 +305,7 @@ def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph
             model(x).abs().mean().backward()
             opt.step()
             opt.zero_grad()
-    error, bound = _mlp_error(mode, loop)
+    error, bound = _mlp_error(mode, loop, device)
     assert error <= bound, (error, bound)
     forge_run, stock_run = seen[:4], seen[4:8]
     for (name, _), (g, g_graph), (w, w_graph) in zip(_mlp().named_parameters(), forge_run[0],
@@ -312,13 +316,14 @@ def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph
             assert normwise(g, w) <= bound, (normwise(g, w), bound)
 
 
-_HOOKS = {"mask": lambda g: g * _HOOK_MASK, "clamp": lambda g: g.clamp(-1e-3, 1e-3)}
+_HOOKS = {"mask": lambda g: g * _HOOK_MASK.to(g.device), "clamp": lambda g: g.clamp(-1e-3, 1e-3)}
 _HOOK_MASK = (torch.rand(16, 16, generator=torch.Generator().manual_seed(0)) > 0.5).float()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
 @pytest.mark.parametrize("hook", sorted(_HOOKS))
-def test_a_tensor_hook_on_a_fused_weight_sees_its_gradient(mode, hook):
+def test_a_tensor_hook_on_a_fused_weight_sees_its_gradient(mode, hook, device):
     """W.register_hook (a gradient mask, a clamp) gets W's whole gradient and the update uses
     what it returns, as with torch.optim: such a weight's gradient is materialized (warned
     once), its neighbours stay fused."""
@@ -326,11 +331,11 @@ def test_a_tensor_hook_on_a_fused_weight_sees_its_gradient(mode, hook):
     def loop(model, opt, device):
         model[2].weight.register_hook(_HOOKS[hook])  # (on each run's copy of the model)
         for step in range(4):
-            model(_inputs(step).detach()).square().mean().backward()
+            model(_inputs(step, device).detach()).square().mean().backward()
             opt.step()
             opt.zero_grad()
     with pytest.warns(UserWarning, match="'2.weight' has a tensor hook"):
-        error, bound = _mlp_error(mode, loop)
+        error, bound = _mlp_error(mode, loop, device)
     assert error <= bound, (error, bound)
 
 
@@ -478,7 +483,7 @@ def test_a_loss_reaching_another_optimizers_weights_matches_torch(mode, detach,
     and discards it with the zero_grad: both models as torch.optim trains them. (Explicit
     immediate mode without detach updates the generator inside the discriminator's backward
     at the first step, as it must; it is refused at the second backward.)"""
-    from reference import PerturbedBeforeStep, max_normwise
+    from reference import PerturbedByOneUlp, max_normwise
     from tiny_models import Adversarial, adversarial_step
     from tolerances import LOOP_RTOL, ULP_SENSITIVITY_FACTOR
     torch.manual_seed(0)
@@ -498,7 +503,7 @@ def test_a_loss_reaching_another_optimizers_weights_matches_torch(mode, detach,
                                             weight_decay=0.1)
                             for m in (pair.discriminator, pair.generator))
             if key == "torch_ulp":
-                d_opt, g_opt = PerturbedBeforeStep(d_opt), PerturbedBeforeStep(g_opt)
+                d_opt, g_opt = PerturbedByOneUlp(d_opt), PerturbedByOneUlp(g_opt)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the discriminator applied twice in its loss)
             for step in range(5):
