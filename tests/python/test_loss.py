@@ -66,6 +66,27 @@ def test_backwards_not_accumulating_into_the_head_leave_it_alone(mode):
     assert rel(head.weight - before, -0.1 * want) <= HEAD_CE_RTOL
 
 
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_create_graph_through_the_head_is_refused_before_it_updates(how):
+    """The head's backward takes the logits' gradient without a graph, so its gradients could
+    not be differentiated: create_graph=True through it (a gradient penalty on the hidden
+    states, on .grad) is refused by name, the head and its optimizer untouched."""
+    torch.manual_seed(0)
+    n, d, vocab = 37, 24, 301
+    hidden = torch.randn(n, d, requires_grad=True)
+    head = torch.nn.Linear(d, vocab, bias=False)
+    targets = torch.randint(0, vocab, (n,))
+    opt = forge.optim.SGD(torch.nn.Sequential(head), lr=0.1, mode="deferred")
+    before = head.weight.detach().clone()
+    loss = forge.loss.head_cross_entropy(hidden, head, targets, block=64)
+    with pytest.raises(RuntimeError, match="head_cross_entropy's backward is not itself"):
+        if how == "backward":
+            loss.backward(create_graph=True)
+        else:
+            torch.autograd.grad(loss, hidden, create_graph=True)
+    assert torch.equal(head.weight, before) and head.weight.grad is None and not opt.state
+
+
 def test_bad_arguments_are_refused():
     head = torch.nn.Linear(4, 10)
     with pytest.raises(ValueError, match="without bias"):

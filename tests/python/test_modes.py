@@ -270,6 +270,66 @@ def test_a_second_order_loop_matches_torch(mode, device):
     assert error <= bound, (error, bound)
 
 
+def _penalty_through_grad(model, opt, device):
+    """A gradient-norm penalty read from .grad: backward(create_graph=True), then the
+    penalty's own backward through the gradients, into the same .grad."""
+    for step in range(4):
+        model(_inputs(step, device).detach()).square().mean().backward(create_graph=True)
+        sum(p.grad.square().sum() for p in model.parameters()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["deferred", "auto"])
+def test_a_penalty_through_grad_after_create_graph_matches_torch(mode, device):
+    """backward(create_graph=True) leaves each fused weight's dW in .grad with its graph (made
+    as torch makes it), so a penalty differentiated through .grad steps as with torch.optim;
+    auto stays deferred."""
+    made = []
+
+    def make(m):
+        made.append(forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode))
+        return made[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's own about create_graph, forge's "2 uses")
+        error, bound = _mlp_error(mode, _penalty_through_grad, device, make)
+    assert error <= bound, (error, bound)
+    assert made[0].mode == "deferred"
+
+
+@pytest.mark.parametrize("cpp_prehook", [True, False], ids=["cpp", "python"])
+@pytest.mark.parametrize("after_auto", [False, True], ids=["immediate", "auto"])
+def test_create_graph_is_refused_where_updates_run_inside_backward(after_auto, cpp_prehook,
+                                                                    monkeypatch):
+    """Immediate mode (or auto once it went immediate) would apply the gradient that a
+    backward with create_graph=True must leave in .grad: refused by name before any weight
+    or state changes; a plain backward then steps as usual."""
+    if not cpp_prehook:
+        monkeypatch.setattr(forge._prehook, "get", lambda: None)
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode="auto" if after_auto else "immediate")
+    if after_auto:  # a first step of a loop that reads no gradient: auto goes immediate
+        model(_inputs(0, "cpu").detach()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.mode == "immediate"
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: {n: t.clone() for n, t in v.items() if torch.is_tensor(t)}
+             for k, v in opt.state.items()}
+    with pytest.raises(RuntimeError, match="create_graph=True reached '4.weight'"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's own about create_graph)
+            model(_inputs(1, "cpu").detach()).square().mean().backward(create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(t, opt.state[k][n]) for k, v in state.items() for n, t in v.items())
+    opt.zero_grad()
+    model(_inputs(1, "cpu").detach()).square().mean().backward()
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_auto_stays_deferred_where_a_gradient_is_zeroed_before_the_step(device):
     """An auto optimizer whose first step saw a weight gradient zeroed between a backward and

@@ -338,7 +338,8 @@ struct FusedLinearBackward : torch::autograd::Node {
     if (should_compute_output(1)) {
       Record& r = *record;
       const int use = weight_grad_use(r.weight);
-      if (use == kGradAccumulated && r.try_arm(x, dy)) {
+      // (a backward with create_graph=True: the Python path makes dW with its graph)
+      if (use == kGradAccumulated && !at::GradMode::is_enabled() && r.try_arm(x, dy)) {
         out[1] = r.stand_in;
       } else if (use != kGradDropped) {
         py::gil_scoped_acquire gil;

@@ -196,6 +196,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._deferring = self._mode != "immediate"
         self._clip_norm: Optional[torch.Tensor] = None  # this step's norm before clipping
         self._loop_needs_grads = False  # a step pre-hook was registered (auto mode)
+        self._graphed_grads = False  # a backward with create_graph=True reached a fused weight
         # The gradient scale of updates that run inside backward: the lagged clip coefficient
         # in immediate mode with max_grad_norm, else 1.
         self._backward_scale = 1.0
@@ -596,6 +597,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             reasons.append("the model has DTensor parameters (tensor parallel, FSDP2), whose "
                            "gradients' use by the loop cannot be seen; build the optimizer with "
                            "mode='immediate' where the loop never reads a gradient")
+        if self._graphed_grads:
+            reasons.append("a backward with create_graph=True made gradients to differentiate")
         if self.max_grad_norm is not None:
             reasons.append("max_grad_norm is set")
         if self._loop_needs_grads or getattr(self, "_optimizer_step_pre_hooks", None) \

@@ -578,7 +578,22 @@ class _RoutingMixin:
             "to accumulate micro-batches. A parameter used in several reentrant checkpoint "
             "segments also does this: use use_reentrant=False.")
 
+    def _create_graph_error(self, slot: _Slot) -> RuntimeError:
+        return RuntimeError(
+            f"forge: a backward with create_graph=True reached '{slot.name}', whose update "
+            f"runs inside backward (mode='{self._mode_name()}'): its gradient in .grad could "
+            "not be differentiated. Nothing was updated. Build the optimizer with "
+            "mode='deferred' (or 'auto', deciding at the first step), or take the gradients "
+            "with torch.autograd.grad(..., create_graph=True)")
+
     def _linear_backward(self, slot: _Slot, x, dy, weight):
+        if torch.is_grad_enabled():
+            # backward(create_graph=True): .grad must hold dW with its graph (a gradient
+            # penalty through .grad, Hessian-vector products), as torch computes it
+            if not self._deferring:
+                raise self._create_graph_error(slot)
+            self._graphed_grads = True
+            return _materialize_dw(x, dy, weight)
         if self._begun_step != self._step_id:
             self._begin_step()  # (before this backward reads or updates any weight, and
             # before deciding where the update runs: it may hold the step)
@@ -724,6 +739,8 @@ class _RoutingMixin:
                 pending.clear()
                 slot.uses = slot.in_graph_uses = 0
                 return (None,) if arrived is not None else None
+        if not self._deferring and torch.is_grad_enabled():
+            raise self._create_graph_error(slot)  # (a weight reached only outside its Linear)
         outside = None if arrived is None or arrived is slot.marker else \
             self._outside_grad(slot, arrived)
         slot.marker = None
@@ -898,6 +915,8 @@ class _RoutingMixin:
             slot.grad_version = p.grad._version  # a change before step(): the loop used it
             slot.grad_arrivals += 1  # more than one backward before step(): accumulated
             return
+        if torch.is_grad_enabled():
+            raise self._create_graph_error(slot)
         if slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
         self._update(slot, grad=distributed.grad_as_param(p.grad, p))
