@@ -440,6 +440,37 @@ def test_a_factored_gradient_multiplied_by_a_tensor_forms_dw():
     assert torch.allclose(model[0].weight, w - 0.1 * expected * mask, atol=1e-7)
 
 
+def test_a_factored_gradients_data_takes_what_is_assigned():
+    """`.data = t` on a factored gradient (torch.nn.utils.vector_to_parameters over the
+    gradients, as a flat-vector gradient transform writes them back) replaces its value, as on
+    torch's dense gradient: the step applies t. Another shape is refused, naming the weight."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    opt = forge.optim.SGD(model, lr=0.1, mode="deferred", deferred_store="factors")
+    model(torch.randn(8, 64)).square().sum().backward()
+    g = model[0].weight.grad
+    assert isinstance(g, forge.optim.FactoredGrad)
+    new = torch.randn(64, 64)
+    torch.nn.utils.vector_to_parameters(new.reshape(-1), [g])
+    assert torch.equal(model[0].weight.grad, new)
+    with pytest.raises(RuntimeError, match=r"gradient of 0.weight is \[64, 64\]; .data cannot"):
+        g.data = torch.zeros(64, 63)
+    w = model[0].weight.detach().clone()
+    opt.step()
+    assert torch.equal(model[0].weight, w - 0.1 * new)
+
+
+def test_an_applied_gradients_data_cannot_be_assigned():
+    """Immediate mode: the gradient already applied refuses `.data = t` (no dispatched
+    operation, so not its other refusals' path), where torch's gradient would take t."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    opt = forge.optim.SGD(model, lr=0.1, mode="immediate")
+    model(torch.randn(8, 64)).square().sum().backward()
+    with pytest.raises(RuntimeError, match="already applied to the weight inside backward.*"
+                       "the assignment of .data"):
+        model[0].weight.grad.data = torch.zeros(64, 64)
+    opt.step()
+
+
 def test_accumulation_concatenates_tokens_without_a_gradient():
     model = TinyTransformer(dim=64)
     opt = forge.optim.AdamW(model, mode="deferred", deferred_store="factors")

@@ -346,6 +346,31 @@ def test_auto_stays_deferred_where_a_gradient_is_zeroed_before_the_step(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_auto_stays_deferred_where_the_loop_replaces_a_gradient(device):
+    """A loop that assigns each .grad a new tensor (p.grad = p.grad * mask) before the step
+    uses the gradients: auto stays deferred, and the loop is torch's."""
+    made = []
+
+    def make(m):
+        made.append(forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1))
+        return made[-1]
+
+    def loop(model, opt, device):
+        masks = torch.Generator().manual_seed(7)
+        for step in range(4):
+            model(_inputs(step, device).detach()).square().mean().backward()
+            for p in model.parameters():
+                p.grad = p.grad * (torch.rand(p.shape, generator=masks) > 0.5).to(device)
+            opt.step()
+            opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (forge's "formed dW" for the mask)
+        error, bound = _mlp_error("auto", loop, device, make)
+    assert error <= bound, (error, bound)
+    assert made[0].mode == "deferred"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
 @pytest.mark.parametrize("create_graph", [False, True])
 def test_autograd_grad_of_the_weights_returns_torchs_gradient(mode, create_graph, device):

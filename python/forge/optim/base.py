@@ -572,6 +572,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         the next step."""
         touched = [slot.name for slot, g in held
                    if (slot.mode in ("fused", "hook") and slot.grad_arrivals > 1)
+                   or (slot.grad_left is not None and slot.grad_left() is not g)
                    or (isinstance(g, FactoredGrad) and (g.touched or len(g.parts) > 1))
                    or (slot.mode == "hook" and slot.grad_version is not None
                        and g._version != slot.grad_version)]
@@ -586,7 +587,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if touched:
             reasons.append("the gradient of " + ", ".join(touched[:3])
                            + (" ..." if len(touched) > 3 else "")
-                           + " was used, accumulated or made anew")
+                           + " was used, accumulated, replaced or made anew")
         if discarded:
             reasons.append("the gradient of " + ", ".join(discarded[:3])
                            + (" ..." if len(discarded) > 3 else "")

@@ -197,6 +197,23 @@ class FactoredGrad(torch.Tensor):
         self.parts, self.dense, self.scale, self._sum_sq = [], None, 1.0, None
         self.on_applied = False
 
+    # NOTE: `g.data = t` (torch.nn.utils.vector_to_parameters over gradients) is no dispatched
+    # operation: torch's setter would swap the wrapper's empty storage and leave the factors
+    # standing for the gradient. The gradient takes t's values instead.
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if tuple(value.shape) != tuple(self.shape):
+            raise RuntimeError(
+                f"forge: the gradient of {self.param_name} is {list(self.shape)}; .data cannot "
+                f"take a tensor of shape {list(value.shape)}")
+        self.zero()
+        self.touched = True
+        self.dense = value.detach().to(device=self.device, dtype=torch.float32, copy=True)
+
     # ---------------------------------------------------------------- dispatch
 
     @classmethod
@@ -489,6 +506,33 @@ class ConsumedGrad(torch.Tensor):
         other.zeroed = self.zeroed
         return other
 
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:  # (no dispatched operation: FactoredGrad's)
+        if isinstance(value, ConsumedGrad):  # (Module._apply's cast of .grad: its _to_copy)
+            torch.Tensor.data.__set__(self, value)
+        else:
+            self._refuse("the assignment of .data")
+
+    def _refuse(self, what) -> None:
+        """Raises: this applied gradient cannot be read or changed by `what`."""
+        before_step, mode = self._before_step()
+        if before_step:
+            raise RuntimeError(
+                f"forge: the gradient of '{self.param_name}' was already applied to the weight "
+                f"inside backward (mode='{mode}'), so {what} cannot see or change it. Clipping: "
+                "pass max_grad_norm= to the forge optimizer; clipping by hand, GradScaler, "
+                "gradient accumulation or reading gradients before opt.step(): build the "
+                "optimizer with mode='deferred' (or 'auto').")
+        raise RuntimeError(
+            f"forge: the gradient of '{self.param_name}' was applied by opt.step() and is not "
+            f"kept (FORGE never holds a weight's whole gradient), so {what} cannot see or "
+            "change it. Read gradients between backward and opt.step(), with mode='deferred' "
+            "(or 'auto').")
+
     def _before_step(self) -> Tuple[bool, str]:
         """(whether the update ran in the step not yet closed by opt.step(), the optimizer's
         mode)."""
@@ -522,23 +566,11 @@ class ConsumedGrad(torch.Tensor):
                     t.zero_()
             return None if func is _aten._foreach_zero_.default else args[0]
         first = next(a for a in _flat(args) if isinstance(a, ConsumedGrad))
-        before_step, mode = first._before_step()
-        if func is _aten._to_copy.default and not before_step:
+        if func is _aten._to_copy.default and not first._before_step()[0]:
             # (a model moved or cast after its step: Module._apply converts each .grad too, as
             # it would torch's gradient; the moved one stands for the same applied gradient)
             return first._like(kwargs.get("dtype"), kwargs.get("device"))
-        if before_step:
-            raise RuntimeError(
-                f"forge: the gradient of '{first.param_name}' was already applied to the weight "
-                f"inside backward (mode='{mode}'), so {func} cannot see or change it. Clipping: "
-                "pass max_grad_norm= to the forge optimizer; clipping by hand, GradScaler, "
-                "gradient accumulation or reading gradients before opt.step(): build the "
-                "optimizer with mode='deferred' (or 'auto').")
-        raise RuntimeError(
-            f"forge: the gradient of '{first.param_name}' was applied by opt.step() and is not "
-            f"kept (FORGE never holds a weight's whole gradient), so {func} cannot see or "
-            "change it. Read gradients between backward and opt.step(), with mode='deferred' "
-            "(or 'auto').")
+        first._refuse(func)
 
 
 def consumed_of(grad) -> Optional[ConsumedGrad]:

@@ -113,11 +113,12 @@ class _Slot:
         self.warned_multi_use = False
         self.warned_hooked = False
         # Deferred mode: the gradient of earlier backwards while another runs (see
-        # _linear_backward), a hook parameter's .grad version when backward last left it, and
-        # how many backwards left a hook or fused parameter a gradient (an auto optimizer's
-        # first step reads both).
+        # _linear_backward), a hook parameter's .grad version when backward last left it, the
+        # .grad backward last left (a weak reference), and how many backwards left a hook or
+        # fused parameter a gradient (an auto optimizer's first step reads the last three).
         self.held: Optional[torch.Tensor] = None
         self.grad_version: Optional[int] = None
+        self.grad_left: Optional[weakref.ReferenceType] = None
         self.grad_arrivals = 0
         # Whether torch.optim would hold a gradient tensor for it now: one since a step updated
         # it, until a zero_grad set it to None (base.py, _step_on_zeros reads it)
@@ -758,6 +759,7 @@ class _RoutingMixin:
                 "then updated once", stacklevel=2)
         if self._deferring:
             self._defer_weight_grad(slot, outside)
+            slot.grad_left = weakref.ref(slot.param.grad)
         elif slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
         elif len(slot.pending) == 1 and slot.partial is None and outside is None \
@@ -913,6 +915,7 @@ class _RoutingMixin:
             self._begin_step()  # (before deciding where this update runs: it may hold the step)
         if self._deferring:
             slot.grad_version = p.grad._version  # a change before step(): the loop used it
+            slot.grad_left = weakref.ref(p.grad)  # another tensor at step(): the loop's
             slot.grad_arrivals += 1  # more than one backward before step(): accumulated
             return
         if torch.is_grad_enabled():
