@@ -183,6 +183,17 @@ class _RMSNormRecomputation(_Recomputation):
         return grad_x, None, grad_weight
 
 
+def _refuse_create_graph(what: str) -> None:
+    """In a backward: grad mode is on inside it only under create_graph=True, whose gradients
+    a backward without a graph of its own would hand on as constants (second-order terms
+    silently lost)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"forge: {what} has a backward that is not itself differentiable, and a backward "
+            "or torch.autograd.grad with create_graph=True went through it. Run that model "
+            "without forge.lean for it")
+
+
 class _RecomputeInBackward(torch.autograd.Function):
     """apply(recomputation, n, *activations, *params): recomputation(*activations) without a
     graph in forward; in backward the gradients with respect to the n activations and the
@@ -199,6 +210,7 @@ class _RecomputeInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _refuse_create_graph("enable_lean_activations' recomputation")
         return (None, None) + ctx.recomputation.grads(ctx.saved_tensors, grad)
 
 
@@ -372,6 +384,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _refuse_create_graph("forge.lean.cross_entropy")
         logits, safe_targets, valid, lse, count = ctx.saved_tensors
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)

@@ -255,6 +255,37 @@ def test_cross_entropy_rejects_mismatched_shapes():
         lean.cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
 
 
+class _TinyRMSNorm(nn.Module):
+    forge_lean_role = "rms_norm"
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+@pytest.mark.parametrize("where", ["recomputation", "cross_entropy"])
+def test_create_graph_through_a_lean_backward_is_refused(where):
+    """A lean backward hands its gradients on without a graph of their own, so under
+    create_graph=True (a penalty differentiated through the gradients) the second-order terms
+    would be lost: refused by name, as torch refuses what it cannot differentiate twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_TinyRMSNorm(16), nn.Linear(16, 10))
+    x, targets = torch.randn(5, 16), torch.randint(0, 10, (5,))
+    if where == "recomputation":
+        assert lean.enable_lean_activations(model)["rms_norm"] == 1
+        loss = F.cross_entropy(model(x), targets)
+    else:
+        loss = lean.cross_entropy(model(x), targets)
+    with pytest.raises(RuntimeError, match="not itself differentiable"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    loss.backward()  # (without create_graph: as usual)
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_an_activation_that_is_f_silu_gets_the_written_out_backward():
     """transformers 5's SiLUActivation (its forward calls F.silu) and nn.SiLU take _SiluProduct
     (no nested autograd call in backward); an x · sigmoid(x), which rounds differently, and a
