@@ -158,6 +158,17 @@ def stream_of_handle(handle: int, device_index: int) -> "torch.cuda.Stream":
     return torch.cuda.ExternalStream(handle, device=device_index)
 
 
+def refuse_create_graph(what: str, instead: str) -> None:
+    """Raises in the backward of `what` under create_graph=True (grad mode is on inside a
+    backward's nodes only then): its backward makes its gradients without a graph of their
+    own, so a penalty differentiated through them would lose its second-order terms."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"forge: {what}'s backward is not itself differentiable, and a backward or "
+            f"torch.autograd.grad with create_graph=True went through it. Nothing was updated. "
+            f"{instead}")
+
+
 def refuse_compiled_autograd() -> None:
     """Raises inside a backward that compiled autograd (torch._dynamo.compiled_autograd) runs:
     it traces the backward into a graph, hooks included, and the updates made from them are not

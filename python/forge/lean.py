@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from forge._linear import RECOMPUTE_ATTR, autocast_dtype
+from forge._linear import RECOMPUTE_ATTR, autocast_dtype, refuse_create_graph
 
 
 class _Recomputation:
@@ -183,17 +183,6 @@ class _RMSNormRecomputation(_Recomputation):
         return grad_x, None, grad_weight
 
 
-def _refuse_create_graph(what: str) -> None:
-    """In a backward: grad mode is on inside it only under create_graph=True, whose gradients
-    a backward without a graph of its own would hand on as constants (second-order terms
-    silently lost)."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"forge: {what} has a backward that is not itself differentiable, and a backward "
-            "or torch.autograd.grad with create_graph=True went through it. Run that model "
-            "without forge.lean for it")
-
-
 class _RecomputeInBackward(torch.autograd.Function):
     """apply(recomputation, n, *activations, *params): recomputation(*activations) without a
     graph in forward; in backward the gradients with respect to the n activations and the
@@ -210,7 +199,8 @@ class _RecomputeInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _refuse_create_graph("enable_lean_activations' recomputation")
+        refuse_create_graph("forge.lean's recomputation",
+                            "Run that model without enable_lean_activations for it")
         return (None, None) + ctx.recomputation.grads(ctx.saved_tensors, grad)
 
 
@@ -384,7 +374,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _refuse_create_graph("forge.lean.cross_entropy")
+        refuse_create_graph("forge.lean.cross_entropy", "Use F.cross_entropy for that loss")
         logits, safe_targets, valid, lse, count = ctx.saved_tensors
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)

@@ -83,13 +83,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "forge: head_cross_entropy's backward is not itself differentiable (it takes "
-                "the logits' gradient in chunks, without a graph), and a backward or "
-                "torch.autograd.grad with create_graph=True went through it. Nothing was "
-                "updated. Compute such a loss as F.cross_entropy(F.linear(hidden, weight), "
-                "targets)")
+        _linear.refuse_create_graph(
+            "head_cross_entropy", "Compute such a loss as F.cross_entropy(F.linear(hidden, "
+            "weight), targets)")
         hidden, weight, lse, targets = ctx.saved_tensors
         vocab = weight.shape[0]
         # W's update runs here only where this backward accumulates W's gradient; one that
