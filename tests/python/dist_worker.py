@@ -263,13 +263,18 @@ def job_fsdp(rank, world, args):
 # "model_zeros"); opt.zero_grad() after every step but the first ("missed_zero_grad");
 # clip_grad_norm_ before each step ("clip"; FSDP2 only: tensor parallel leaves the norms plain
 # tensors, which torch's clip_grad_norm_ refuses to mix with DTensors); two micro-batches a
-# step ("accumulate").
-LOOPS = ("opt_zeros", "model_zeros", "missed_zero_grad", "clip", "accumulate")
+# step ("accumulate"); a tensor hook clamping one fused weight's gradient ("hook": FSDP2's
+# sharded parameter is outside autograd's graph, so the hook never runs, with torch.optim as
+# with forge); an L2 penalty on one fused weight, a use outside its Linear ("penalty"; tensor
+# parallel only: FSDP2 swaps the parameters a forward sees).
+LOOPS = ("opt_zeros", "model_zeros", "missed_zero_grad", "clip", "accumulate", "hook",
+         "penalty")
 # (setup, loop, forge mode) of job_loops; immediate mode refuses a clip or a second backward
 # by name, in one process as on shards
 LOOP_CASES = [(setup, loop, mode) for setup in ("tp", "fsdp") for loop in LOOPS
               for mode in ("immediate", "deferred", "auto")
               if not (loop == "clip" and setup == "tp")
+              and not (loop == "penalty" and setup == "fsdp")
               and not (loop in ("clip", "accumulate") and mode == "immediate")]
 
 
@@ -294,6 +299,9 @@ def job_loops(rank, world, args):
         elif setup == "fsdp":
             fsdp(model, mesh)
             rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        weight = model.layers[0].mlp.up.weight  # (a fused weight, the hook's or the penalty's)
+        if loop == "hook":
+            weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
         opt = make_opt(model)
         refusal = None
         micro = 2 if loop == "accumulate" else 1
@@ -311,7 +319,10 @@ def job_loops(rank, world, args):
                     torch.equal(a, b) for a, b in zip(before, after)))
                 opt.zero_grad()
             for m in range(micro):
-                (loss_of(model, micro * step + m, rows) / micro).backward()
+                loss = loss_of(model, micro * step + m, rows) / micro
+                if loop == "penalty":
+                    loss = loss + 0.1 * full(weight.square().sum())
+                loss.backward()
             SKIP_MLP = False
             if loop == "clip":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # (every step clips)

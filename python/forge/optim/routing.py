@@ -607,7 +607,11 @@ class _RoutingMixin:
                 slot.held, slot.param.grad = slot.param.grad, None
         elif slot.updated_at == self._step_id:
             raise self._second_update_error(slot)
-        if slot.param._backward_hooks and not slot.dtensor:
+        if slot.layouts is not None:  # tensor parallel: this rank's columns / full tokens
+            mesh = slot.param.device_mesh
+            x = distributed.as_local_rows(x, slot.layouts[0], mesh)
+            dy = distributed.as_local_rows(dy, slot.layouts[1], mesh)
+        if slot.param._backward_hooks:
             # a tensor hook (W.register_hook: a gradient mask, a clamp) must see W's whole
             # gradient: it arrives at W's node as from a use outside the Linear, hooked
             if not slot.warned_hooked:
@@ -616,11 +620,10 @@ class _RoutingMixin:
                     f"forge: weight '{slot.name}' has a tensor hook (register_hook): its "
                     "gradient is materialized for the hook, then updated (no fused step)",
                     stacklevel=2)
+            if slot.dtensor:  # (this rank's shard, as a DTensor of the weight's layout)
+                dw = _materialize_dw(x, dy, distributed.local(weight))
+                return distributed.as_state(dw, weight, tuple(weight.shape))
             return _materialize_dw(x, dy, weight)
-        if slot.layouts is not None:  # tensor parallel: this rank's columns / full tokens
-            mesh = slot.param.device_mesh
-            x = distributed.as_local_rows(x, slot.layouts[0], mesh)
-            dy = distributed.as_local_rows(dy, slot.layouts[1], mesh)
         x2, ldx = _linear.as_rows(x, slot.cols)
         dy2, lddy = _linear.as_rows(dy, slot.rows)
         if dy.is_cuda:
@@ -807,8 +810,10 @@ class _RoutingMixin:
         for x2, _, dy2, *_ in slot.pending:
             grad = _add_dw(grad, x2, dy2)
         if outside is not None:
+            if slot.dtensor:  # (an outside use's DTensor gradient, as this rank's shard)
+                outside = distributed.grad_as_param(outside, slot.param)
             grad = outside.float() if grad is None else grad.add_(outside)
-        return grad.reshape(slot.param.shape)
+        return grad.reshape(slot.local().shape)
 
     def _defer_weight_grad(self, slot: _Slot, outside) -> None:
         """Deferred mode: adds this backward's gradient of W to what it holds (a FactoredGrad
@@ -864,6 +869,13 @@ class _RoutingMixin:
         if isinstance(held, FactoredGrad):  # the factors outgrew dW: dense from here on
             held = held.scaled_dense()
         # (a dense gradient in W's dtype, as autograd would keep it)
+        if slot.dtensor:  # (this rank's shard: a DTensor of the weight's layout)
+            if held is None:
+                p.grad = distributed.as_state(dw.to(p.dtype), p, tuple(p.shape))
+            else:
+                distributed.local(held).add_(dw.to(held.dtype))
+                p.grad = held
+            return
         p.grad = dw.to(p.dtype) if held is None else held.add_(dw.to(held.dtype))
 
     def _step_cohort(self) -> list:
