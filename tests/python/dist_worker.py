@@ -261,8 +261,9 @@ def job_fsdp(rank, world, args):
 # The loops of job_loops: after each step opt.zero_grad(set_to_none=False) or
 # model.zero_grad(set_to_none=False), leaving the MLP out of every other step ("opt_zeros",
 # "model_zeros"); opt.zero_grad() after every step but the first ("missed_zero_grad");
-# clip_grad_norm_ before each step ("clip"; FSDP2 only: tensor parallel leaves the norms plain
-# tensors, which torch's clip_grad_norm_ refuses to mix with DTensors); two micro-batches a
+# clip_grad_norm_ before each step ("clip"; FSDP2, and tensor parallel with sequence parallel
+# ("tp_sp"): plain tensor parallel leaves the norms plain tensors, which torch's
+# clip_grad_norm_ refuses to mix with DTensors); two micro-batches a
 # step ("accumulate"); a tensor hook clamping one fused weight's gradient ("hook": FSDP2's
 # sharded parameter is outside autograd's graph, so the hook never runs, with torch.optim as
 # with forge); an L2 penalty on one fused weight, a use outside its Linear ("penalty"; tensor
@@ -271,10 +272,9 @@ LOOPS = ("opt_zeros", "model_zeros", "missed_zero_grad", "clip", "accumulate", "
          "penalty")
 # (setup, loop, forge mode) of job_loops; immediate mode refuses a clip or a second backward
 # by name, in one process as on shards
-LOOP_CASES = [(setup, loop, mode) for setup in ("tp", "fsdp") for loop in LOOPS
+LOOP_CASES = [(setup, loop, mode) for setup in ("tp", "tp_sp", "fsdp") for loop in LOOPS
               for mode in ("immediate", "deferred", "auto")
-              if not (loop == "clip" and setup == "tp")
-              and not (loop == "penalty" and setup == "fsdp")
+              if {"tp": loop != "clip", "tp_sp": loop == "clip", "fsdp": loop != "penalty"}[setup]
               and not (loop in ("clip", "accumulate") and mode == "immediate")]
 
 
@@ -294,8 +294,8 @@ def job_loops(rank, world, args):
         global SKIP_MLP
         model = make_model()
         rows = slice(None)
-        if setup == "tp":
-            parallelize(model, mesh, sp=False)
+        if setup in ("tp", "tp_sp"):
+            parallelize(model, mesh, sp=setup == "tp_sp")
         elif setup == "fsdp":
             fsdp(model, mesh)
             rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
