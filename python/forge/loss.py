@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from . import _linear
+from .optim import distributed
 
 # NOTE: vocabulary rows per block: the block's fp32 logits are tokens × this × 4 bytes (64 MiB
 # at 8192 tokens); larger blocks only add memory, the products are GEMMs either way.
@@ -138,6 +139,7 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Ten
     hidden[:, :-1] against labels[:, 1:]). head: an nn.Linear without bias."""
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ValueError("head_cross_entropy: head must be an nn.Linear without bias")
+    _refuse_sharded_head(head.weight, "head_cross_entropy")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"head_cross_entropy: hidden {list(hidden.shape)} and targets "
                          f"{list(targets.shape)} do not match")
@@ -149,6 +151,14 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Ten
         h = h.to(dtype)
     with torch.autocast(hidden.device.type, enabled=False):
         return _HeadCrossEntropy.apply(h, head.weight, targets.reshape(-1), ignore_index, block)
+
+
+def _refuse_sharded_head(weight: torch.Tensor, what: str) -> None:
+    if distributed.is_dtensor(weight):
+        raise ValueError(
+            f"{what}: the head's weight is a DTensor (tensor parallel), whose vocabulary blocks "
+            "this loss does not shard. Compute the logits with the head and the loss with "
+            "torch.distributed.tensor.parallel.loss_parallel")
 
 
 def _fused_head_forward(self, input_ids=None, labels=None, **kwargs):
@@ -174,6 +184,7 @@ def enable_fused_head(model: nn.Module) -> nn.Module:
             or head.bias is not None:
         raise ValueError(f"enable_fused_head: {type(model).__name__} has no .model and bias-free "
                          ".lm_head nn.Linear (a Hugging Face *ForCausalLM)")
+    _refuse_sharded_head(head.weight, "enable_fused_head")
     if "_forge_dense_forward" not in model.__dict__:
         model._forge_dense_forward = model.forward
         model.forward = types.MethodType(_fused_head_forward, model)

@@ -363,6 +363,27 @@ def job_loops(rank, world, args):
     return measured
 
 
+def job_head(rank, world, args):
+    """forge.loss's chunked head refuses a tensor-parallel head by name, before anything runs."""
+    import forge.loss
+    from torch.distributed.device_mesh import init_device_mesh
+    model = make_model()
+    parallelize(model, init_device_mesh("cpu", (world,)), sp=False)
+    causal_lm = nn.Module()
+    causal_lm.model, causal_lm.lm_head = nn.Identity(), model.head
+    refusals = {}
+    for what, call in (
+            ("head_cross_entropy", lambda: forge.loss.head_cross_entropy(
+                torch.randn(2, DIM), model.head, torch.zeros(2, dtype=torch.long))),
+            ("enable_fused_head", lambda: forge.loss.enable_fused_head(causal_lm))):
+        try:
+            call()
+            refusals[what] = "not refused"
+        except ValueError as e:
+            refusals[what] = str(e)
+    return refusals
+
+
 def job_ddp(rank, world, args):
     """DDP is refused before any weight changes, however the optimizer meets the model."""
     import forge.optim
@@ -460,7 +481,7 @@ def job_dcp_load(rank, world, args):
     return {"same_states": same_states, "differ": differ[:5], "continued_vs_saver": error}
 
 
-JOBS = {"tp": job_tp, "fsdp": job_fsdp, "loops": job_loops, "ddp": job_ddp,
+JOBS = {"tp": job_tp, "fsdp": job_fsdp, "loops": job_loops, "ddp": job_ddp, "head": job_head,
         "dcp_save": job_dcp_save, "dcp_load": job_dcp_load}
 
 

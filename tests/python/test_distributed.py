@@ -103,6 +103,7 @@ def results(tmp_path_factory):
                             ("fsdp", {"cases": FSDP2, "steps": STEPS}),
                             ("loops", {"steps": LOOP_STEPS}),
                             ("ddp", {}),
+                            ("head", {}),
                             ("dcp_load", {"dir": checkpoint})], tmp)
     measured[1] = spawn(1, [("dcp_load", {"dir": checkpoint})], tmp)
     return measured
@@ -150,6 +151,12 @@ def test_training_loops_on_shards_match_torch(results, setup, loop, mode, record
         assert unchanged  # weights, states and step counts, where it was refused
     if mode == "auto":  # (it cannot see a DTensor gradient's use: never goes immediate)
         assert m["mode_after"] == "deferred"
+
+
+@pytest.mark.parametrize("what", ["head_cross_entropy", "enable_fused_head"])
+def test_fused_head_refuses_a_tensor_parallel_head(results, what):
+    refusal = results[2]["head"][what]
+    assert refusal.startswith(what) and "DTensor (tensor parallel)" in refusal, refusal
 
 
 @pytest.mark.parametrize("how", ["wrapper", "inner", "later"])
