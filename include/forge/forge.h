@@ -38,7 +38,7 @@ extern "C" {
 #define FORGE_API __attribute__((visibility("default")))
 #endif
 
-#define FORGE_ABI_VERSION 5
+#define FORGE_ABI_VERSION 6
 /* Elements of a row that share one absmax (int8 and fp8 states). */
 #define FORGE_INT8_BLOCK 64
 /* Most optimizer states any rule keeps per parameter element. */
@@ -124,6 +124,10 @@ typedef struct {
   int32_t maximize;
   double beta1, beta2, eps;  /* Adam family, Lion (beta1, beta2) */
   double momentum_decay;     /* NAdam */
+  double mu_product;         /* NAdam: μ_1 ⋯ μ_step, the product of its momentum factors through
+                                this step (torch's state['mu_product'] after this step's
+                                factor), in [0, 1); -1 (forge_hparams_default's): computed, for
+                                a beta1 and momentum_decay constant since step 1 */
   double alpha;              /* RMSprop */
   double momentum;           /* SGD_MOMENTUM, RMSprop */
   double dampening;          /* SGD_MOMENTUM */
@@ -134,14 +138,14 @@ typedef struct {
   double grad_scale;         /* the gradient is multiplied by this before anything (1 = none) */
   uint64_t seed;             /* stochastic rounding: bits = hash(seed, step, stream, the
                                 element's index; forge_param says which index) */
-  /* CUDA graphs. NULL: the step uses step, lr and seed above, as they are at the call.
-   * Otherwise FORGE_RUN_SCALARS_BYTES of memory on the step's device, 16-byte aligned,
-   * holding what forge_run_scalars_fill() wrote from hyper-parameters that differ from
-   * these in step, lr and seed only. The step reads its step-dependent scalars from there
+  /* CUDA graphs. NULL: the step uses step, lr, seed and mu_product above, as they are at
+   * the call. Otherwise FORGE_RUN_SCALARS_BYTES of memory on the step's device, 16-byte
+   * aligned, holding what forge_run_scalars_fill() wrote from hyper-parameters that differ
+   * from these in step, lr, seed and mu_product only. The step reads its step-dependent scalars from there
    * when it runs, so a captured launch replays with whatever was copied there before the
    * replay. The other fields are still checked here, and choose the kernel.
    * The buffer carries a tag (its last 32 bytes: a fill marker, the ABI version, the rule,
-   * the state count, a hash of every field but step, lr and seed, and a checksum of the
+   * the state count, a hash of every field but step, lr, seed and mu_product, and a checksum of the
    * rest). The CPU backend checks it at every call and refuses, naming hparams.run_scalars,
    * a buffer that is unfilled, filled for another rule, state count or other
    * hyper-parameters, or changed since the fill. The CUDA backend refuses at the call a

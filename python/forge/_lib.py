@@ -22,11 +22,12 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 INT8_BLOCK = 64
 MAX_STATES = 3
 # Bytes of a run-scalars buffer (Hparams.run_scalars, Library.run_scalars_fill): what a
-# CUDA-graph-captured step reads its step, lr and seed dependent scalars from when it runs.
+# CUDA-graph-captured step reads its step, lr, seed and mu_product dependent scalars from
+# when it runs.
 RUN_SCALARS_BYTES = 256
 
 # forge_enum: the enumerations the library names (Library.enum_names, .enum_code)
@@ -89,7 +90,8 @@ class Hparams(ctypes.Structure):  # forge_hparams
                 ("lr", _c_double), ("weight_decay", _c_double),
                 ("decoupled_weight_decay", _c_int32), ("maximize", _c_int32),
                 ("beta1", _c_double), ("beta2", _c_double), ("eps", _c_double),
-                ("momentum_decay", _c_double), ("alpha", _c_double), ("momentum", _c_double),
+                ("momentum_decay", _c_double), ("mu_product", _c_double), ("alpha", _c_double),
+                ("momentum", _c_double),
                 ("dampening", _c_double), ("nesterov", _c_int32), ("centered", _c_int32),
                 ("lr_decay", _c_double), ("initial_accumulator_value", _c_double),
                 ("grad_scale", _c_double), ("seed", ctypes.c_uint64),
@@ -396,9 +398,10 @@ class Library:
                    "forge_state_from_fp32")
 
     def run_scalars_fill(self, hp: Hparams, address: int, nbytes: int) -> None:
-        """Writes the scalars a step with hp's step, lr and seed reads into the host memory
-        at `address` (`nbytes` >= RUN_SCALARS_BYTES); hp.run_scalars is ignored. Called
-        once per parameter before every graph replay: passed as the per-update calls below."""
+        """Writes the scalars a step with hp's step, lr, seed and mu_product reads into the
+        host memory at `address` (`nbytes` >= RUN_SCALARS_BYTES); hp.run_scalars is ignored.
+        Called once per parameter before every graph replay: passed as the per-update calls
+        below."""
         status = self._lib.forge_run_scalars_fill(hp, address, nbytes)
         if status:
             self.check(status, "forge_run_scalars_fill")

@@ -49,6 +49,7 @@ forge_status default_hparams(int rule, forge_hparams* out) {
   hp.beta2 = 0.999;
   hp.eps = 1e-8;
   hp.momentum_decay = 4e-3;
+  hp.mu_product = -1.0;  // (computed: the product for a constant beta1)
   hp.alpha = 0.99;
   for (const auto& d : info->defaults)
     if (d.field >= 0) set_field(hp, d.field, d.value);
@@ -137,6 +138,10 @@ forge_status validate_hparams(const forge_hparams& hp, RuleScalars* scalars) {
     const double x = field_value(hp, r.field);
     if (!in_range(x, r)) return range_error(r, x, info->name);
   }
+  if (rule_reads(*info, kFieldMuProduct) && hp.mu_product != -1.0 &&
+      !(hp.mu_product >= 0.0 && hp.mu_product < 1.0))
+    return fail(kBad, "hparams.mu_product: must be in [0, 1) (the product of NAdam's momentum "
+                "factors through this step) or -1 (computed), got %g", hp.mu_product);
   if (rule_reads(*info, kFieldNesterov) && hp.nesterov && hp.dampening != 0)
     return fail(kBad, "hparams.nesterov: needs dampening == 0 (as torch.optim.SGD), got %g",
                 hp.dampening);
@@ -229,7 +234,9 @@ RuleScalars make_rule_scalars(const forge_hparams& hp) {
     case FORGE_RULE_NADAM: {
       const double mu = nadam_mu(hp.beta1, hp.momentum_decay, t);
       const double mu_next = nadam_mu(hp.beta1, hp.momentum_decay, t + 1.0);
-      const double mu_product = nadam_mu_product(hp.beta1, hp.momentum_decay, hp.step);
+      const double mu_product = hp.mu_product >= 0.0
+                                    ? hp.mu_product
+                                    : nadam_mu_product(hp.beta1, hp.momentum_decay, hp.step);
       k.bc2 = static_cast<float>(bc2);
       k.nadam_coef_grad = static_cast<float>(-hp.lr * (1.0 - mu) / (1.0 - mu_product));
       k.nadam_coef_avg = static_cast<float>(-hp.lr * mu_next / (1.0 - mu_product * mu_next));

@@ -22,6 +22,7 @@ const FieldInfo kFields[kFieldCount] = {
     FORGE_FIELD(beta2, kDouble),
     FORGE_FIELD(eps, kDouble),
     FORGE_FIELD(momentum_decay, kDouble),
+    FORGE_FIELD(mu_product, kDouble),
     FORGE_FIELD(alpha, kDouble),
     FORGE_FIELD(momentum, kDouble),
     FORGE_FIELD(dampening, kDouble),
@@ -72,7 +73,7 @@ const RuleInfo kRules[FORGE_RULE_COUNT] = {
      2},
     // FORGE_RULE_NADAM
     {"NAdam",
-     kAdam | bit(kFieldMomentumDecay),
+     kAdam | bit(kFieldMomentumDecay) | bit(kFieldMuProduct),
      {{kFieldLr, 2e-3}, {-1, 0}, {-1, 0}, {-1, 0}},
      {kUnit(kFieldBeta1), kUnit(kFieldBeta2), kEpsRange,
       {kFieldMomentumDecay, 0.0, kInf, false, false, nullptr}},

@@ -23,6 +23,7 @@ enum HparamField : int {
   kFieldBeta2,
   kFieldEps,
   kFieldMomentumDecay,
+  kFieldMuProduct,
   kFieldAlpha,
   kFieldMomentum,
   kFieldDampening,

@@ -12,7 +12,7 @@ uint64_t run_scalars_key(const forge_hparams& hp) {
   uint64_t h = mix64(0x4B45595F48504152ull ^ static_cast<uint64_t>(static_cast<uint32_t>(hp.abi_version)));
   h = mix64(h ^ static_cast<uint64_t>(static_cast<uint32_t>(hp.rule)));
   for (int f = 0; f < kFieldCount; ++f) {
-    if (f == kFieldStep || f == kFieldLr || f == kFieldSeed) continue;
+    if (f == kFieldStep || f == kFieldLr || f == kFieldSeed || f == kFieldMuProduct) continue;
     double v = field_value(hp, f);
     if (v == 0.0) v = 0.0;  // -0 and +0 compare equal: one key
     uint64_t bits;
@@ -66,7 +66,7 @@ forge_status run_scalars_check(const void* buffer, const forge_hparams& call,
                   tag.num_states, call_k.num_states);
     default:
       return fail(bad, "hparams.run_scalars: filled from hyper-parameters that differ from this "
-                  "call's in more than step, lr and seed");
+                  "call's in more than step, lr, seed and mu_product");
   }
 }
 

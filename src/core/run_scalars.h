@@ -71,7 +71,8 @@ enum RunScalarsTagCheck : int {
   kRunScalarsAbi,          // filled by a libforge of another ABI
   kRunScalarsRule,         // filled for another rule
   kRunScalarsNumStates,    // ... another state count
-  kRunScalarsHparams,      // ... hyper-parameters that differ in more than step, lr and seed
+  kRunScalarsHparams,      // ... hyper-parameters that differ in more than step, lr, seed and
+                           // mu_product
 };
 // `checksum`: run_scalars_checksum(buffer), however computed.
 FORGE_HD RunScalarsTagCheck run_scalars_tag_check(const RunScalarsTag& tag, uint64_t checksum,
@@ -88,7 +89,7 @@ FORGE_HD RunScalarsTagCheck run_scalars_tag_check(const RunScalarsTag& tag, uint
 
 // Host code (run_scalars.cpp); declared for every compilation pass, the CUDA backend's host
 // code included.
-// A hash of every forge_hparams field but step, lr, seed and run_scalars: the fields a
+// A hash of every forge_hparams field but step, lr, seed, mu_product and run_scalars: the fields a
 // buffer's scalars may differ in from the call that reads them (-0 and +0 hash alike).
 uint64_t run_scalars_key(const forge_hparams& hp);
 // Writes the buffer: `k` at offset 0, zeros, the tag. `out` holds FORGE_RUN_SCALARS_BYTES.

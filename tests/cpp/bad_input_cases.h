@@ -58,6 +58,7 @@ inline std::vector<BadCase> wgrad_cases() {
       {"rmsprop_alpha", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_RMSPROP; a.hparams.alpha = 1.0; }, bad, "hparams.alpha"},
       {"adagrad_lr_decay", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_ADAGRAD; a.hparams.lr_decay = -1; }, bad, "hparams.lr_decay"},
       {"nadam_momentum_decay", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.momentum_decay = NAN; }, bad, "hparams.momentum_decay"},
+      {"nadam_mu_product", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.mu_product = 1.0; }, bad, "hparams.mu_product"},
       // accepted in double, but the fp32 scalars the step computes with would not be finite
       // (or would be zero where a zero is invalid)
       {"lr_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.lr = 1e39; }, bad, "hparams.lr"},

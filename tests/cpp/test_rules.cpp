@@ -274,7 +274,8 @@ TEST(RuleQuery, FieldsAreThoseTheRuleReads) {
   const auto adamw = fields(FORGE_RULE_ADAMW);
   for (const char* f : {"beta1", "beta2", "eps", "decoupled_weight_decay"}) EXPECT_TRUE(has(adamw, f)) << f;
   for (const char* f : {"momentum", "alpha", "momentum_decay", "lr_decay"}) EXPECT_FALSE(has(adamw, f)) << f;
-  EXPECT_TRUE(has(fields(FORGE_RULE_NADAM), "momentum_decay"));
+  for (const char* f : {"momentum_decay", "mu_product"}) EXPECT_TRUE(has(fields(FORGE_RULE_NADAM), f)) << f;
+  EXPECT_FALSE(has(adamw, "mu_product"));
   const auto rms = fields(FORGE_RULE_RMSPROP);
   for (const char* f : {"alpha", "eps", "momentum", "centered"}) EXPECT_TRUE(has(rms, f)) << f;
   EXPECT_FALSE(has(rms, "beta1"));
@@ -351,6 +352,63 @@ TEST(NAdamMuProduct, LargestStepIsPromptAndFinite) {
   for (int64_t i = 0; i < p.size(); ++i) ASSERT_TRUE(std::isfinite(p.w(i))) << i;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
             kPromptSeconds);
+}
+
+// A beta1 that changes every step (torch's OneCycleLR cycles it): given the running product
+// in hparams.mu_product, as torch keeps it in state['mu_product'], the step follows the
+// textbook, which multiplies each step's mu with that step's beta1; the closed form (-1)
+// assumes the present beta1 for every step and does not. Products in [0, 1) are valid (each
+// mu < beta1 < 1); other values are refused by name, the weight untouched.
+TEST(NAdamMuProduct, GivenProductFollowsAChangingBeta1) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  forge_hparams hp = nadam_at(1, 0.9);
+  hp.lr = 1e-2;
+  HostParam given(5, 40, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+  given.randomize(rng, hp);
+  HostParam computed = given;
+  std::vector<Ref> ref(given.size());
+  for (int64_t i = 0; i < given.size(); ++i) ref[i].w = given.w(i);
+  double product = 1.0, computed_error = 0.0;
+  for (int64_t t = 1; t <= 12; ++t) {
+    hp.step = t;
+    hp.beta1 = 0.6 + 0.08 * static_cast<double>(t % 5);
+    product *= hp.beta1 * (1 - 0.5 * std::pow(0.96, static_cast<double>(t) * hp.momentum_decay));
+    std::vector<float> grad(given.size());
+    for (float& g : grad) g = rng.normal(1.0f);
+    hp.mu_product = product;
+    forge_elementwise_args a = elementwise_args(given, hp, grad);
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+    hp.mu_product = -1.0;
+    a = elementwise_args(computed, hp, grad);
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+    for (int64_t i = 0; i < given.size(); ++i) textbook_step(hp, t, grad[i], ref[i]);
+    double diff = 0, computed_diff = 0, norm = 0;
+    for (int64_t i = 0; i < given.size(); ++i) {
+      diff += (given.w(i) - ref[i].w) * (given.w(i) - ref[i].w);
+      computed_diff += (computed.w(i) - ref[i].w) * (computed.w(i) - ref[i].w);
+      norm += ref[i].w * ref[i].w;
+    }
+    ASSERT_LE(std::sqrt(diff / norm), kRuleVsDoubleRel) << "step " << t;
+    computed_error = std::max(computed_error, std::sqrt(computed_diff / norm));
+  }
+  EXPECT_GT(computed_error, 100 * kRuleVsDoubleRel);  // (the test can tell the two apart)
+  alignas(16) unsigned char run[FORGE_RUN_SCALARS_BYTES];
+  for (double ok : {0.0, 0.5}) {
+    hp.mu_product = ok;
+    EXPECT_EQ(forge_run_scalars_fill(&hp, run, sizeof(run)), FORGE_OK) << ok;
+  }
+  for (double bad : {-0.5, 1.0, 1.5, -2.0, static_cast<double>(INFINITY), static_cast<double>(NAN)}) {
+    hp.mu_product = bad;
+    const std::vector<uint8_t> before = given.snapshot();
+    std::vector<float> grad(given.size(), 0.5f);
+    const forge_elementwise_args a = elementwise_args(given, hp, grad);
+    EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(forge_last_error()).find("hparams.mu_product"), std::string::npos)
+        << forge_last_error();
+    EXPECT_EQ(given.snapshot(), before) << bad;
+  }
 }
 
 // Two param groups (two beta1) alternating at step ~10^6: every call is a new (beta1, step)

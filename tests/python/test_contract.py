@@ -67,6 +67,23 @@ def test_no_decay_groups_and_scheduler(device, record_difference):
     assert_contract(errors, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+@pytest.mark.parametrize("name", ["NAdam", "AdamW", "RAdam"])
+def test_one_cycle_schedule_cycling_beta1(name, mode, device, record_difference):
+    """OneCycleLR moves lr and, with cycle_momentum (its default), betas[0] every step. NAdam
+    weighs each step's momentum factor with that step's beta1 through its running
+    state['mu_product'], as torch.optim.NAdam does."""
+    def schedule(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS,
+                                                   base_momentum=0.6, max_momentum=0.95)
+
+    errors = trajectories(TinyTransformer, name, dict(lr=1e-2, weight_decay=0.1), device,
+                          steps=STEPS, make_schedule=schedule, forge_options=dict(mode=mode))
+    record_difference(f"{name} OneCycleLR ({mode})", errors["forge_vs_ordered"])
+    assert_contract(errors, device)
+
+
 def test_scheduler_changes_lr():
     import forge
     model = TinyTransformer()

@@ -63,7 +63,7 @@ def test_hparams_layout_matches_the_header():
     header = open(HEADER).read()
     assert f"#define FORGE_ABI_VERSION {_lib.ABI_VERSION}\n" in header
     assert f"#define FORGE_RUN_SCALARS_BYTES {_lib.RUN_SCALARS_BYTES}\n" in header
-    assert _lib.ABI_VERSION == 5 and forge.library()._lib.forge_abi_version() == 5
+    assert _lib.ABI_VERSION == 6 and forge.library()._lib.forge_abi_version() == 6
 
 
 class HostParam:
@@ -232,14 +232,20 @@ class HostRunScalars:
         self.device.copy_(self.staging[self.current])
 
 
-def test_capture_bookkeeping(monkeypatch):
+def _fp32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+@pytest.mark.parametrize("rule", ["AdamW", "NAdam"])
+def test_capture_bookkeeping(rule, monkeypatch):
     """What CUDAGraphStep drives, on the CPU with the kernels left out: a captured update
     points at its parameter's region and counts no step; each prepare_graph_replay counts one and
-    fills every region with that step's scalars (lr of the moment, seed + index)."""
+    fills every region with that step's scalars (lr of the moment, seed + index; NAdam's
+    product of momentum factors through that step, which moves on with it)."""
     torch.manual_seed(0)
     model = TinyTransformer()
-    opt = forge.optim.AdamW(model, lr=1e-2, seed=11,
-                            params=forge.optim.param_groups_no_decay(model, 0.1))
+    opt = getattr(forge.optim, rule)(model, lr=1e-2, seed=11,
+                                     params=forge.optim.param_groups_no_decay(model, 0.1))
     for step in range(2):
         lm_loss(model, step).backward()
         opt.step()
@@ -269,6 +275,7 @@ def test_capture_bookkeeping(monkeypatch):
     assert all(step == 3 for _, step in launched)
     assert all(opt.state[s.param]["step"] == 2 for s in slots), "a capture runs no step"
     assert opt._step_id == 2 and opt._last_stats is stats_before
+    products = {s.index: opt.state[s.param].get("mu_product") for s in slots}
     for i, lr in enumerate([5e-3, 0.0, 2e-2]):
         for group in opt.param_groups:
             group["lr"] = lr
@@ -279,6 +286,10 @@ def test_capture_bookkeeping(monkeypatch):
             expected = torch.zeros(_lib.RUN_SCALARS_BYTES, dtype=torch.uint8)
             hp = opt._hparams(opt._group_of(s), 3 + i, 11 + s.index)
             assert hp.lr == lr
+            if rule == "NAdam":
+                hp.mu_product = products[s.index] = _fp32(products[s.index] * _fp32(
+                    hp.beta1 * (1.0 - 0.5 * (0.96 ** ((3 + i) * hp.momentum_decay)))))
+                assert opt.state[s.param]["mu_product"] == hp.mu_product
             forge.library().run_scalars_fill(hp, expected.data_ptr(), _lib.RUN_SCALARS_BYTES)
             region = rs.device[s.index * _lib.RUN_SCALARS_BYTES:][:_lib.RUN_SCALARS_BYTES]
             assert torch.equal(region, expected), f"{s.name}, replay {i}"
@@ -385,12 +396,13 @@ def make_train_step(model, opt):
     return train_step
 
 
-def train_cuda(state_format, graphed, lrs, dtype=torch.bfloat16):
+def train_cuda(state_format, graphed, lrs, dtype=torch.bfloat16, rule="AdamW"):
     """(losses, [snapshot after each step]) of len(lrs) steps of a bf16 TinyTransformer."""
     torch.manual_seed(0)
     model = TinyTransformer().to("cuda", dtype)
-    opt = forge.optim.AdamW(model, lr=lrs[0], weight_decay=0.1, state_format=state_format,
-                            seed=11, min_8bit_size=0)  # (int8 on every parameter)
+    opt = getattr(forge.optim, rule)(model, lr=lrs[0], weight_decay=0.1,
+                                     state_format=state_format, seed=11,
+                                     min_8bit_size=0)  # (int8 on every parameter)
 
     train_step = make_train_step(model, opt)
     step = forge.graphs.CUDAGraphStep(train_step, optimizers=[opt], warmup=2) if graphed \
@@ -428,12 +440,14 @@ def assert_same(a, b, step):
 
 
 @requires_cuda
-@pytest.mark.parametrize("state_format", ["bf16", "int8"])
-def test_cuda_graph_step_is_bit_identical_to_eager(state_format, deterministic):
+@pytest.mark.parametrize("rule,state_format", [("AdamW", "bf16"), ("AdamW", "int8"),
+                                               ("NAdam", "bf16")])
+def test_cuda_graph_step_is_bit_identical_to_eager(rule, state_format, deterministic):
     """6 steps, warmup 2: two eager, the capture (and its replay), three replays; the lr
-    changes between steps (a scheduler's job): every replay uses its own step and lr."""
-    eager_losses, eager, _ = train_cuda(state_format, False, LRS)
-    graph_losses, graphed, opt = train_cuda(state_format, True, LRS)
+    changes between steps (a scheduler's job): every replay uses its own step and lr (and
+    NAdam's product of momentum factors, which goes on with each replay)."""
+    eager_losses, eager, _ = train_cuda(state_format, False, LRS, rule=rule)
+    graph_losses, graphed, opt = train_cuda(state_format, True, LRS, rule=rule)
     for i, (a, b) in enumerate(zip(eager, graphed)):
         assert torch.equal(eager_losses[i], graph_losses[i]), f"step {i}: loss"
         assert_same(a, b, i)

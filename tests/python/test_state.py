@@ -460,3 +460,83 @@ def test_version_1_state_dict_loads_with_min_8bit_size_0():
     again = forge.optim.AdamW(copied, state_format="int8", min_8bit_size=0)
     again.load_state_dict(saved)
     assert set(_formats(again, copied).values()) == {"int8"}
+
+
+def _nadam_run(make_opt, model, steps, start=0):
+    """`steps` NAdam steps of a two-layer model under a beta1 that changes every step."""
+    opt = make_opt(model)
+    for step in range(start, start + steps):
+        opt.param_groups[0]["betas"] = (0.6 + 0.07 * (step % 5), 0.999)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _two_layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize("saved_by", ["torch", "forge"])
+def test_nadam_state_dict_crosses_to_and_from_torch(saved_by):
+    """NAdam's state holds 'mu_product' as torch.optim.NAdam's does (the running product of
+    its momentum factors, bit for bit torch's fp32 value), so a checkpoint of either loads
+    into the other and the run goes on as torch's would, under a changing beta1 too."""
+    nadam = dict(lr=1e-2, weight_decay=0.1)
+
+    def torch_nadam(model):
+        return torch.optim.NAdam(model.parameters(), **nadam)
+
+    def forge_nadam(model):
+        return forge.optim.NAdam(model, **nadam)
+
+    first, then = (torch_nadam, forge_nadam) if saved_by == "torch" else (forge_nadam, torch_nadam)
+    reference = _two_layers()
+    torch_opt = _nadam_run(torch_nadam, reference, 3)
+    saved = _two_layers()
+    saved_opt = _nadam_run(first, saved, 3)
+    for p, q in zip(saved_opt.param_groups[0]["params"], torch_opt.param_groups[0]["params"]):
+        assert float(saved_opt.state[p]["mu_product"]) == float(torch_opt.state[q]["mu_product"])
+    checkpoint = copy.deepcopy({"model": saved.state_dict(), "opt": saved_opt.state_dict()})
+    resumed = _two_layers()
+    resumed.load_state_dict(checkpoint["model"])
+    opt = then(resumed)
+    opt.load_state_dict(checkpoint["opt"])
+    # (the loaded optimizer goes on: its own steps 3..5, as the reference's)
+    for step in range(3, 6):
+        for o, m in ((opt, resumed), (torch_opt, reference)):
+            o.param_groups[0]["betas"] = (0.6 + 0.07 * (step % 5), 0.999)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    for (name, a), b in zip(resumed.named_parameters(), reference.parameters()):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max(), name
+
+
+def test_nadam_state_dict_mu_product_checked_or_derived():
+    """A NAdam state without 'mu_product' (written before forge kept one) loads with the
+    product a constant beta1 gives; one outside [0, 1] is refused by name, nothing loaded."""
+    model = _two_layers()
+    opt = forge.optim.NAdam(model, lr=1e-2)
+    for step in range(3):
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    sd = copy.deepcopy(opt.state_dict())
+    kept = opt.state[model[0].weight]["mu_product"]
+    for st in sd["state"].values():
+        del st["mu_product"]
+    opt.load_state_dict(sd)
+    assert opt.state[model[0].weight]["mu_product"] == kept  # (beta1 was constant)
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["mu_product"] = torch.tensor(1.5)
+    before = {k: (v.clone() if torch.is_tensor(v) else v)
+              for k, v in opt.state[model[0].weight].items()}
+    with pytest.raises(ValueError, match="parameter '0.weight': state 'mu_product' must be"):
+        opt.load_state_dict(bad)
+    after = opt.state[model[0].weight]
+    assert all(torch.equal(v, after[k]) if torch.is_tensor(v) else v == after[k]
+               for k, v in before.items())

@@ -12,6 +12,7 @@ zero_grad(), state_dict() / load_state_dict(), param groups, and the step's by-p
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from .. import _lib, _linear
-from .call import _CallMixin, _as_float
+from .call import _CallMixin, _as_float, _fp32, _nadam_mu
 from .capture import _CaptureMixin, GraphCapture
 from .routing import _RoutingMixin, _Slot, _owner_of
 from . import distributed
@@ -134,6 +135,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
     """
 
     _torch_name = "?"
+    # Whether each parameter's state keeps a running 'mu_product' beside its step (NAdam's
+    # momentum factors, multiplied as torch.optim.NAdam multiplies them: call.py,
+    # _mu_product_through), which every update passes as hparams.mu_product.
+    _keeps_mu_product = False
 
     def __init__(self, model: nn.Module, params, defaults: Dict[str, Any], *,
                  state_format: str = "fp32", min_8bit_size: int = MIN_8BIT_SIZE,
@@ -722,11 +727,13 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             slot = self._slots[id(p)]
             fmt = self._check_saved_format(slot, group_of[id(p)], index, saved_formats)
             expected = self._state_spec(slot, group_of[id(p)], fmt=fmt)
-            keys = set(saved_state) - {"step"}
+            counters = ("step", "mu_product") if self._keeps_mu_product else ("step",)
+            keys = set(saved_state) - set(counters)
             if keys != set(expected) or "step" not in saved_state:
                 raise ValueError(f"load_state_dict: parameter '{slot.name}': saved states "
-                                 f"{sorted(saved_state)}, expected {sorted(expected)} + 'step' "
-                                 "(rule or state_format differs)")
+                                 f"{sorted(saved_state)}, expected {sorted(expected)} + "
+                                 f"{' + '.join(map(repr, counters))} (rule or state_format "
+                                 "differs)")
             for key, (dtype, shape) in expected.items():
                 t = saved_state[key]
                 if not torch.is_tensor(t) or t.dtype != dtype or tuple(t.shape) != shape:
@@ -736,15 +743,19 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                                      f"{list(getattr(t, 'shape', []))}")
             self._check_loaded_values(slot, group_of[id(p)], saved_state, fmt)
             step = _saved_count(saved_state["step"], f"parameter '{slot.name}': state 'step'")
-            plans.append((slot, saved_state, step))
+            mu_product = self._saved_mu_product(slot, group_of[id(p)], saved_state, step) \
+                if self._keeps_mu_product else None
+            plans.append((slot, saved_state, step, mu_product))
         for new, group in zip(new_groups, self.param_groups):
             group.update({k: v for k, v in new.items() if k != "params"})
         self.state.clear()
-        for slot, saved_state, step in plans:
+        for slot, saved_state, step, mu_product in plans:
             st = self._allocate_state(slot, self._group_of(slot), init=False)
             for key in self._state_spec(slot, self._group_of(slot)):
                 st[key].copy_(saved_state[key])
             st["step"] = step
+            if mu_product is not None:
+                st["mu_product"] = mu_product
         self._step_id = step_id
         self._states_loaded += 1  # new state tensors: a captured step no longer reads them
         self._checked_step = self._begun_step = -1
@@ -753,6 +764,28 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             slot.updated_at = -1
             slot.struct_step = -1  # (the step count restarts: no struct of before is reused)
             slot.clear_backward()
+
+    def _saved_mu_product(self, slot, group, saved_state, step: int) -> float:
+        """NAdam's saved 'mu_product' (torch.optim.NAdam's: a one-element tensor; forge's: a
+        float), as the fp32 value it holds, in [0, 1]. A state without one (saved by a forge
+        that computed it from the step) gets the product a constant beta1 gives, as torch's
+        fp32 state multiplies it."""
+        what = f"load_state_dict: parameter '{slot.name}': state 'mu_product'"
+        value = saved_state.get("mu_product")
+        if value is None:
+            return _constant_mu_product(_as_float(group["betas"][0], "betas"),
+                                        _as_float(group["momentum_decay"], "momentum_decay"),
+                                        step)
+        if torch.is_tensor(value):
+            if value.numel() != 1 or not value.is_floating_point():
+                raise ValueError(f"{what} must be one float, got a {value.dtype} tensor of "
+                                 f"shape {list(value.shape)}")
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{what} must be a number in [0, 1] (a product of momentum "
+                             f"factors), got {value!r}")
+        return _fp32(float(value))
 
     def _check_loaded_values(self, slot, group, saved_state, fmt: str) -> None:
         """Values a step could never have stored are refused: NaN/Inf anywhere (states,
@@ -919,6 +952,18 @@ def _global_pre_hooks() -> bool:
     import torch.optim.optimizer as torch_optimizer
     hooks = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
     return bool(hooks)
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_mu_product(beta1: float, momentum_decay: float, step: int) -> float:
+    """torch.optim.NAdam's fp32 state['mu_product'] after `step` steps with these constant
+    hyper-parameters (call.py, _CallMixin._mu_product_through, step by step)."""
+    product = 1.0
+    for t in range(1, step + 1):
+        product = _fp32(product * _fp32(_nadam_mu(beta1, momentum_decay, t)))
+        if product == 0.0:
+            break
+    return product
 
 
 def _saved_count(value, what: str) -> int:

@@ -14,6 +14,7 @@ update (_check_step).
 from __future__ import annotations
 
 import ctypes
+import struct
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -28,6 +29,16 @@ _OPERANDS, _OPERANDS_AT = _lib.WGRAD_OPERANDS
 # Entries of the optimizer's small caches (hyper-parameters, devices) before they are
 # emptied: a scheduler's new lr every step, or a new CUDA stream every step, stays bounded.
 _CACHE_LIMIT = 64
+
+
+def _fp32(x: float) -> float:
+    """x rounded to the nearest fp32 value (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _nadam_mu(beta1: float, momentum_decay: float, step: int) -> float:
+    """NAdam's momentum factor μ_step, in double as torch.optim.NAdam computes it."""
+    return beta1 * (1.0 - 0.5 * (0.96 ** (step * momentum_decay)))
 
 
 def _as_float(value, name: str) -> float:
@@ -277,7 +288,7 @@ class _CallMixin:
             return
         args, st, step = call
         self._lib.wgrad_step(args)
-        st["step"] = step
+        self._commit_step(st, step, args.hparams)
         slot.updated_at = self._step_id
 
     def _ready_for(self, slot, stream):
@@ -330,6 +341,8 @@ class _CallMixin:
         if held[3] is not outputs and outputs is not None:
             args.outputs, held[3] = outputs, outputs
         hp.step, hp.seed = step, self.seed + slot.index
+        if self._keeps_mu_product:
+            hp.mu_product = self._mu_product_through(self.state[slot.param], hp, step)
         if scale is None:
             scale = self._backward_scale
         if hp.grad_scale != scale:
@@ -369,7 +382,7 @@ class _CallMixin:
                                                 outputs, hparams, capturing)
             self._lib.elementwise_step(args)
         if last:
-            self._count_update(slot, st, step, capturing)
+            self._count_update(slot, st, step, capturing, args.hparams)
 
     def _update_batch(self, items) -> None:
         """Element-wise steps of several parameters in one libforge call
@@ -387,10 +400,10 @@ class _CallMixin:
                                                 outputs, hparams, capturing)
             calls.append(args)
             operands.append(grad)  # (alive until the call returns)
-            counts.append((slot, st, step, capturing))
+            counts.append((slot, st, step, capturing, args.hparams))
         self._lib.elementwise_step_batch(calls)
-        for slot, st, step, capturing in counts:
-            self._count_update(slot, st, step, capturing)
+        for slot, st, step, capturing, hp in counts:
+            self._count_update(slot, st, step, capturing, hp)
 
     def _call_parts(self, slot, stream):
         """What every update of slot's parameter passes: (its state dict, this update's
@@ -442,10 +455,25 @@ class _CallMixin:
         args.grad, args.grad_dtype = grad.data_ptr(), code
         return args, grad
 
-    def _count_update(self, slot, st, step: int, capturing: bool) -> None:
+    def _count_update(self, slot, st, step: int, capturing: bool, hp: _lib.Hparams) -> None:
         if not capturing:  # a captured update runs at each replay: prepare_graph_replay counts it
-            st["step"] = step
+            self._commit_step(st, step, hp)
         slot.updated_at = self._step_id
+
+    def _commit_step(self, st, step: int, hp: _lib.Hparams) -> None:
+        """A parameter's update with hp (its call's hyper-parameters) ran: its step count, and
+        NAdam's running product of momentum factors, move on."""
+        st["step"] = step
+        if self._keeps_mu_product:
+            st["mu_product"] = hp.mu_product
+
+    def _mu_product_through(self, st, hp: _lib.Hparams, step: int) -> float:
+        """NAdam's μ_1 ⋯ μ_step as torch.optim.NAdam keeps it: the fp32 state['mu_product']
+        (through step - 1) times this step's μ, made in double from hp's beta1 and
+        momentum_decay as torch makes it, both rounded to fp32 as torch's fp32 state multiplies
+        them. With the product carried, a beta1 that changes between steps (OneCycleLR's
+        cycle_momentum) weighs each step with its own, as torch does."""
+        return _fp32(st["mu_product"] * _fp32(_nadam_mu(hp.beta1, hp.momentum_decay, step)))
 
 
 def _as_operand(grad: torch.Tensor, p: torch.Tensor) -> Tuple[torch.Tensor, int]:

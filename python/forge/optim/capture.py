@@ -1,8 +1,8 @@
 """capture.py — a forge optimizer's part in a CUDA-graph capture (forge.graphs.CUDAGraphStep).
 
 While a step is captured, each update is launched with hparams.run_scalars pointing at the
-parameter's 256-byte region of a device buffer, from which the kernel reads its step, lr and
-seed dependent scalars when it runs; the capture advances no step count. Before each replay
+parameter's 256-byte region of a device buffer, from which the kernel reads its step, lr,
+seed (and NAdam's product of momentum factors) dependent scalars when it runs; the capture advances no step count. Before each replay
 prepare_graph_replay advances the counts, fills the regions from the param groups of that
 moment (so an LR scheduler applies) and copies them to the device in one transfer.
 
@@ -69,7 +69,7 @@ class GraphCapture:
 
 
 # What a captured update keeps: every field but these, which are read at each replay.
-_REPLAY_FIELDS = ("step", "lr", "seed", "run_scalars")
+_REPLAY_FIELDS = ("step", "lr", "seed", "mu_product", "run_scalars")
 
 
 def _fixed_hparams(hp: _lib.Hparams) -> tuple:
@@ -172,8 +172,10 @@ class _CaptureMixin:
             st = self.state[slot.param]
             step = st["step"] + 1
             hp.step, hp.seed = step, self.seed + slot.index
+            if self._keeps_mu_product:
+                hp.mu_product = self._mu_product_through(st, hp, step)
             self._lib.run_scalars_fill(hp, rs.host_address + slot.index * nbytes, nbytes)
-            st["step"] = step
+            self._commit_step(st, step, hp)
             slot.updated_at = step_id
         for rs in cap.run_scalars.values():
             rs.upload()

@@ -702,7 +702,7 @@ class _RoutingMixin:
             return
         if settled is True:
             hp = slot.kept_args["wgrad"][2]  # (hparams.step: the step the call made)
-            self.state[slot.param]["step"] = hp.step
+            self._commit_step(self.state[slot.param], hp.step, hp)
             slot.updated_at = self._step_id
             slot.marker = None
             slot.uses = slot.in_graph_uses = 0

@@ -73,6 +73,7 @@ class NAdam(_ForgeOptimizer):
     """torch.optim.NAdam (momentum_decay, decoupled_weight_decay), fused into backward."""
 
     _torch_name = "NAdam"
+    _keeps_mu_product = True  # (state['mu_product'], as torch.optim.NAdam keeps it)
 
     def __init__(self, model: nn.Module, lr=2e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, momentum_decay=4e-3, decoupled_weight_decay=False, *,

@@ -236,6 +236,8 @@ class _StatesMixin:
                 t = distributed.as_state(t, p, full[key][1], placements)
             st[key] = t
         st["step"] = 0
+        if self._keeps_mu_product:
+            st["mu_product"] = 1.0  # (NAdam's product of momentum factors: none yet)
         slot.signature = self._signature(slot, group)
         if init:
             if "master" in st:
