@@ -540,3 +540,44 @@ def test_nadam_state_dict_mu_product_checked_or_derived():
     after = opt.state[model[0].weight]
     assert all(torch.equal(v, after[k]) if torch.is_tensor(v) else v == after[k]
                for k, v in before.items())
+
+
+TORCH_RULES = [("SGD", dict(lr=0.1)), ("SGD", dict(lr=0.1, momentum=0.9)),
+               ("AdamW", dict(lr=1e-2)), ("Adam", dict(lr=1e-2, weight_decay=0.1)),
+               ("NAdam", dict(lr=1e-2)), ("RAdam", dict(lr=1e-2)),
+               ("RMSprop", dict(lr=1e-2, momentum=0.9, centered=True)),
+               ("Adagrad", dict(lr=1e-2, lr_decay=0.01))]
+
+
+@pytest.mark.parametrize("saved_by", ["torch", "forge"])
+@pytest.mark.parametrize("rule", TORCH_RULES,
+                         ids=[f"{n}-{'-'.join(map(str, k.values()))}" for n, k in TORCH_RULES])
+def test_checkpoints_cross_between_torch_and_forge(rule, saved_by):
+    """A checkpoint of torch.optim.<Rule> loads into forge.optim.<Rule> and one of forge's
+    into torch's (fp32 states: torch's layout, names and counters; torch.optim.SGD keeps no
+    'step'), and the next step from it is the step the saving kind would take from it."""
+    from tolerances import CONTRACT_RTOL
+    name, kwargs = rule
+    kinds = {"torch": lambda m: getattr(torch.optim, name)(m.parameters(), **kwargs),
+             "forge": lambda m: getattr(forge.optim, name)(m, **kwargs)}
+    loaded_by = "forge" if saved_by == "torch" else "torch"
+    model = _two_layers()
+    opt = kinds[saved_by](model)
+    for step in range(3):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum() \
+            .backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    resumed = {}
+    for kind in (saved_by, loaded_by):
+        resumed[kind] = _two_layers()
+        resumed[kind].load_state_dict(checkpoint["model"])
+        o = kinds[kind](resumed[kind])
+        o.load_state_dict(copy.deepcopy(checkpoint["opt"]))  # (torch's steps its tensors)
+        resumed[kind](torch.randn(4, 8, generator=torch.Generator().manual_seed(3))).square() \
+            .sum().backward()
+        o.step()
+    for (p_name, a), b in zip(resumed[loaded_by].named_parameters(),
+                              resumed[saved_by].parameters()):
+        assert (a - b).abs().max() <= CONTRACT_RTOL * b.abs().max(), p_name

@@ -139,6 +139,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
     # momentum factors, multiplied as torch.optim.NAdam multiplies them: call.py,
     # _mu_product_through), which every update passes as hparams.mu_product.
     _keeps_mu_product = False
+    # Whether torch.optim's own state of this rule holds a 'step' (SGD's does not: a torch
+    # checkpoint's momentum_buffer, which its first step makes, then stands for step 1).
+    _torch_keeps_step = True
 
     def __init__(self, model: nn.Module, params, defaults: Dict[str, Any], *,
                  state_format: str = "fp32", min_8bit_size: int = MIN_8BIT_SIZE,
@@ -729,6 +732,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             expected = self._state_spec(slot, group_of[id(p)], fmt=fmt)
             counters = ("step", "mu_product") if self._keeps_mu_product else ("step",)
             keys = set(saved_state) - set(counters)
+            if "step" not in saved_state and not self._torch_keeps_step and keys == set(expected):
+                saved_state = dict(saved_state, step=1)  # (torch.optim.SGD's, stepped)
             if keys != set(expected) or "step" not in saved_state:
                 raise ValueError(f"load_state_dict: parameter '{slot.name}': saved states "
                                  f"{sorted(saved_state)}, expected {sorted(expected)} + "

@@ -212,6 +212,7 @@ class SGD(_ForgeOptimizer):
     backward."""
 
     _torch_name = "SGD"
+    _torch_keeps_step = False  # (its momentum_buffer alone: made at the first step)
 
     def __init__(self, model: nn.Module, lr=1e-3, momentum=0.0, dampening=0.0,
                  weight_decay=0.0, nesterov=False, *, maximize=False, foreach=None,
