@@ -263,11 +263,11 @@ def job_fsdp(rank, world, args):
 # "model_zeros"); opt.zero_grad() after every step but the first ("missed_zero_grad");
 # clip_grad_norm_ before each step ("clip"; FSDP2, and tensor parallel with sequence parallel
 # ("tp_sp"): plain tensor parallel leaves the norms plain tensors, which torch's
-# clip_grad_norm_ refuses to mix with DTensors); two micro-batches a
-# step ("accumulate"); a tensor hook clamping one fused weight's gradient ("hook": FSDP2's
-# sharded parameter is outside autograd's graph, so the hook never runs, with torch.optim as
-# with forge); an L2 penalty on one fused weight, a use outside its Linear ("penalty"; tensor
-# parallel only: FSDP2 swaps the parameters a forward sees).
+# clip_grad_norm_ refuses to mix with DTensors); two micro-batches a step ("accumulate"); a
+# tensor hook clamping one fused weight's gradient ("hook": FSDP2's sharded parameter is
+# outside autograd's graph, so the hook never runs, with torch.optim as with forge); an L2
+# penalty on one fused weight, a use outside its Linear ("penalty"; tensor parallel only:
+# FSDP2 swaps the parameters a forward sees).
 LOOPS = ("opt_zeros", "model_zeros", "missed_zero_grad", "clip", "accumulate", "hook",
          "penalty")
 # (setup, loop, forge mode) of job_loops; immediate mode refuses a clip or a second backward

@@ -1,10 +1,11 @@
 """capture.py — a forge optimizer's part in a CUDA-graph capture (forge.graphs.CUDAGraphStep).
 
 While a step is captured, each update is launched with hparams.run_scalars pointing at the
-parameter's 256-byte region of a device buffer, from which the kernel reads its step, lr,
-seed (and NAdam's product of momentum factors) dependent scalars when it runs; the capture advances no step count. Before each replay
-prepare_graph_replay advances the counts, fills the regions from the param groups of that
-moment (so an LR scheduler applies) and copies them to the device in one transfer.
+parameter's 256-byte region of a device buffer, from which the kernel reads its step, lr and
+seed dependent scalars (and NAdam's product of momentum factors) when it runs; the capture
+advances no step count. Before each replay prepare_graph_replay advances the counts (and
+NAdam's products), fills the regions from the param groups of that moment (so an LR
+scheduler applies) and copies them to the device in one transfer.
 
 The public interface forge.graphs (or any capturing code) uses:
     opt.begin_graph_capture()            before the capture
