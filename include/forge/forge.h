@@ -141,12 +141,12 @@ typedef struct {
   /* CUDA graphs. NULL: the step uses step, lr, seed and mu_product above, as they are at
    * the call. Otherwise FORGE_RUN_SCALARS_BYTES of memory on the step's device, 16-byte
    * aligned, holding what forge_run_scalars_fill() wrote from hyper-parameters that differ
-   * from these in step, lr, seed and mu_product only. The step reads its step-dependent scalars from there
-   * when it runs, so a captured launch replays with whatever was copied there before the
-   * replay. The other fields are still checked here, and choose the kernel.
+   * from these in step, lr, seed and mu_product only. The step reads its step-dependent
+   * scalars from there when it runs, so a captured launch replays with whatever was copied
+   * there before the replay. The other fields are still checked here, and choose the kernel.
    * The buffer carries a tag (its last 32 bytes: a fill marker, the ABI version, the rule,
-   * the state count, a hash of every field but step, lr, seed and mu_product, and a checksum of the
-   * rest). The CPU backend checks it at every call and refuses, naming hparams.run_scalars,
+   * the state count, a hash of every field but step, lr, seed and mu_product, and a checksum
+   * of the rest). The CPU backend checks it at every call and refuses, naming hparams.run_scalars,
    * a buffer that is unfilled, filled for another rule, state count or other
    * hyper-parameters, or changed since the fill. The CUDA backend refuses at the call a
    * buffer that is not memory of the step's device, and checks the tag (the same checks) on

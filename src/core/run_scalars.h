@@ -89,8 +89,9 @@ FORGE_HD RunScalarsTagCheck run_scalars_tag_check(const RunScalarsTag& tag, uint
 
 // Host code (run_scalars.cpp); declared for every compilation pass, the CUDA backend's host
 // code included.
-// A hash of every forge_hparams field but step, lr, seed, mu_product and run_scalars: the fields a
-// buffer's scalars may differ in from the call that reads them (-0 and +0 hash alike).
+// A hash of every forge_hparams field but step, lr, seed, mu_product and run_scalars: the
+// fields a buffer's scalars may differ in from the call that reads them (-0 and +0 hash
+// alike).
 uint64_t run_scalars_key(const forge_hparams& hp);
 // Writes the buffer: `k` at offset 0, zeros, the tag. `out` holds FORGE_RUN_SCALARS_BYTES.
 void run_scalars_write(const forge_hparams& hp, const RuleScalars& k, void* out);
