@@ -2,8 +2,8 @@
 
     python3 bench/render.py [--table bench/results/results.csv] [--out bench/results]
 
-For every (benchmark, case, variant, metric) the latest row of bench/results/results.csv is
-current, except the rows of an A/B comparison (their command marked "(gpu_check.sh ab)": runs
+For every (GPU, benchmark, case, variant, metric) the latest row of bench/results/results.csv
+is current, except the rows of an A/B comparison (their command marked "(gpu_check.sh ab)": runs
 alternated to compare settings or builds within one call) and rows measured with a
 FORGE_DEBUG_* switch set: they stay in the table and are never current. Writes, replacing what
 was there:
@@ -13,7 +13,9 @@ was there:
   steps.md / steps.png     whole training steps (forge-bench): peak memory and step time
   parity.md                convergence parity (forge-bench --parity)
   host.md                  the host's cost per layer (bench/host_overhead.py)
-Every table says which date, GPU, commit and command its figures come from.
+Each page has one section per GPU (or host), ANCHORS.md's GPU first: a figure from one card
+never stands in a table beside another card's. Every section says which dates, commits and
+commands its figures come from; wgrad.png plots the first section's totals.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results")
+# The GPU of ../shared/ANCHORS.md and of the targets: its section comes first.
+ANCHOR_GPU = "NVIDIA H200"
 
 # wgrad_bench / torch_unfused variants shown in the totals, with their column titles.
 WGRAD_TOTALS = [
@@ -53,15 +57,27 @@ WGRAD_LAYER = [
 ]
 
 
-def current(rows: List[Dict[str, str]]) -> Dict[Tuple[str, str, str, str], Dict[str, str]]:
-    latest: Dict[Tuple[str, str, str, str], Dict[str, str]] = {}
+Key = Tuple[str, str, str, str]  # (benchmark, case, variant, metric)
+
+
+def current(rows: List[Dict[str, str]]) -> Dict[Tuple[str, str, str, str, str], Dict[str, str]]:
+    """The latest row per (gpu, benchmark, case, variant, metric)."""
+    latest: Dict[Tuple[str, str, str, str, str], Dict[str, str]] = {}
     for r in rows:
         if r["command"].startswith(record.AB_MARK) or "FORGE_DEBUG_" in r["command"]:
             continue  # (a comparison's run, an experiment's setting)
-        key = (r["benchmark"], r["case"], r["variant"], r["metric"])
+        key = (r["gpu"], r["benchmark"], r["case"], r["variant"], r["metric"])
         if key not in latest or r["date"] >= latest[key]["date"]:
             latest[key] = r
     return latest
+
+
+def by_gpu(cur) -> List[Tuple[str, Dict[Key, Dict[str, str]]]]:
+    """current()'s figures split per GPU: ANCHOR_GPU first, then the others by name."""
+    split: Dict[str, Dict[Key, Dict[str, str]]] = collections.defaultdict(dict)
+    for (gpu, *key), r in cur.items():
+        split[gpu][tuple(key)] = r
+    return sorted(split.items(), key=lambda item: (item[0] != ANCHOR_GPU, item[0]))
 
 
 def sources(rows) -> List[str]:
@@ -78,7 +94,15 @@ def fmt(value: str, digits: int = 1) -> str:
         return value
 
 
-def render_wgrad(cur, out: str) -> List[str]:
+WGRAD_TITLE = "The fused step over Llama-3.1-8B's 224 linear layers"
+WGRAD_INTRO = ("Milliseconds, sum over the layers of each layer's median (bench/wgrad_bench: L2 "
+               "flushed before each call, variants interleaved call by call; "
+               "bench/torch_unfused.py: torch's dW GEMM then `torch._fused_adamw_`). bf16 inputs "
+               "and weights, AdamW.")
+
+
+def render_wgrad(cur, png: str = "") -> List[str]:
+    """One GPU's totals and per-layer table; plots the totals into png when given."""
     totals = {}
     used = []
     for (bench, case, variant, metric), r in cur.items():
@@ -90,12 +114,7 @@ def render_wgrad(cur, out: str) -> List[str]:
         return []
     ts = sorted({t for _, _, t in totals})
     cols = [(b, v, title) for b, v, title in WGRAD_TOTALS if any((b, v, t) in totals for t in ts)]
-    lines = ["# The fused step over Llama-3.1-8B's 224 linear layers", "",
-             "Milliseconds, sum over the layers of each layer's median (bench/wgrad_bench: "
-             "L2 flushed before each call, variants interleaved call by call; "
-             "bench/torch_unfused.py: torch's dW GEMM then `torch._fused_adamw_`). bf16 inputs "
-             "and weights, AdamW.", "",
-             "| T | " + " | ".join(title for _, _, title in cols) + " |",
+    lines = ["| T | " + " | ".join(title for _, _, title in cols) + " |",
              "| --- |" + " --- |" * len(cols)]
     for t in ts:
         cells = [fmt(totals[(b, v, t)]) if (b, v, t) in totals else "" for b, v, _ in cols]
@@ -107,20 +126,22 @@ def render_wgrad(cur, out: str) -> List[str]:
         cases = sorted({r["case"] for r in layer_rows},
                        key=lambda c: (c.split(" T=")[0], int(c.split("T=")[1])))
         by = {(r["case"], r["variant"]): r["value"] for r in layer_rows}
-        lines += ["", "## Per layer (ms)", "",
+        lines += ["", "Per layer (ms):", "",
                   "| layer | " + " | ".join(t for _, t in WGRAD_LAYER) + " |",
                   "| --- |" + " --- |" * len(WGRAD_LAYER)]
         for c in cases:
             lines.append(f"| {c} | " + " | ".join(fmt(by.get((c, v), ""), 3)
                                                    for v, _ in WGRAD_LAYER) + " |")
         used += layer_rows
-    lines += ["", "Measured:"] + sources(used) + [""]
-    _plot_wgrad(totals, ts, cols, os.path.join(out, "wgrad.png"))
-    lines.insert(2, "![totals](wgrad.png)\n")
-    return lines
+    if png:
+        _plot_wgrad(totals, ts, cols, png)
+        lines = ["![totals](" + os.path.basename(png) + ")", ""] + lines
+    return lines + ["", "Measured:"] + sources(used)
 
 
 def _plot_wgrad(totals, ts, cols, path) -> None:
+    if not cols:
+        return  # (no variant of the totals table was measured)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -143,6 +164,13 @@ def _plot_wgrad(totals, ts, cols, path) -> None:
     plt.close(fig)
 
 
+STEPS_TITLE = "Whole training steps"
+STEPS_INTRO = ("forge-bench: random-init models from their public configs, batch 1, bf16 "
+               "parameters, median step of 8 after 2 warm-ups (forward, backward, optimizer), "
+               "peak = torch.cuda.max_memory_allocated. Cells: peak GiB, step ms (`-graph`: the "
+               "step replayed as one CUDA graph).")
+
+
 def render_steps(cur) -> List[str]:
     rows = [r for (b, _, _, _), r in cur.items() if b == "step"]
     if not rows:
@@ -150,12 +178,7 @@ def render_steps(cur) -> List[str]:
     cases = sorted({r["case"] for r in rows})
     variants = sorted({r["variant"] for r in rows})
     by = {(r["case"], r["variant"], r["metric"]): r["value"] for r in rows}
-    lines = ["# Whole training steps", "",
-             "forge-bench: random-init models from their public configs, batch 1, bf16 "
-             "parameters, median step of 8 after 2 warm-ups (forward, backward, optimizer), peak "
-             "= torch.cuda.max_memory_allocated. Cells: peak GiB, step ms (`-graph`: the step "
-             "replayed as one CUDA graph).", "",
-             "| case | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
+    lines = ["| case | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
     for c in cases:
         cells = []
         for v in variants:
@@ -167,19 +190,29 @@ def render_steps(cur) -> List[str]:
             else:
                 cells.append("")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return lines + ["", "Measured:"] + sources(rows) + [""]
+    return lines + ["", "Measured:"] + sources(rows)
 
 
-def render_simple(cur, bench: str, title: str, intro: str, digits: int) -> List[str]:
+def render_simple(cur, bench: str, digits: int) -> List[str]:
     rows = [r for (b, _, _, _), r in cur.items() if b == bench]
     if not rows:
         return []
-    lines = [f"# {title}", "", intro, "", "| case | variant | metric | value |",
-             "| --- | --- | --- | --- |"]
+    lines = ["| case | variant | metric | value |", "| --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (r["case"], r["variant"])):
         lines.append(f"| {r['case']} | {r['variant']} | {r['metric']} | "
                      f"{fmt(r['value'], digits)} |")
-    return lines + ["", "Measured:"] + sources(rows) + [""]
+    return lines + ["", "Measured:"] + sources(rows)
+
+
+def page(title: str, intro: str, cur, section) -> List[str]:
+    """A page: its title and intro, then one section per GPU that has figures for it
+    (section(figures of one GPU, whether it is the first section) -> lines, or [])."""
+    lines: List[str] = []
+    for gpu, figures in by_gpu(cur):
+        body = section(figures, not lines)
+        if body:
+            lines += ["", f"## {gpu}", ""] + body
+    return [f"# {title}", "", intro] + lines + [""] if lines else []
 
 
 def main(argv=None) -> int:
@@ -189,18 +222,22 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cur = current(record.read(args.table))
     os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, "wgrad.png")
     pages = {
-        "wgrad.md": render_wgrad(cur, args.out),
-        "steps.md": render_steps(cur),
-        "parity.md": render_simple(
-            cur, "parity", "Convergence parity",
+        "wgrad.md": page(WGRAD_TITLE, WGRAD_INTRO, cur,
+                         lambda figures, first: render_wgrad(figures, png if first else "")),
+        "steps.md": page(STEPS_TITLE, STEPS_INTRO, cur, lambda figures, _: render_steps(figures)),
+        "parity.md": page(
+            "Convergence parity",
             "forge-bench --parity: the ~100M model of forge-train, bf16, seq 512 × batch 8, "
-            "on text; mean |Δloss| over the second half of the run against the reference.", 4),
-        "host.md": render_simple(
-            cur, "host_overhead", "The host's cost per layer per step",
+            "on text; mean |Δloss| over the second half of the run against the reference.",
+            cur, lambda figures, _: render_simple(figures, "parity", 4)),
+        "host.md": page(
+            "The host's cost per layer per step",
             "bench/host_overhead.py: a stack of tiny Linears (or of element-wise parameters, "
             "`--layer scale`), so that only the host's work per layer is timed (median µs per "
-            "Linear or parameter per step).", 1),
+            "Linear or parameter per step).",
+            cur, lambda figures, _: render_simple(figures, "host_overhead", 1)),
     }
     for name, lines in pages.items():
         if lines:

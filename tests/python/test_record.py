@@ -69,3 +69,33 @@ def test_ab_runs_are_recorded_but_never_current(tmp_path):
     assert rows[3]["command"] == "(gpu_check.sh ab) wgrad_bench"
     totals = [r for r in render.current(rows).values() if r["case"].startswith("llama")]
     assert [r["value"] for r in totals] == ["35.4"], totals
+
+
+def test_each_gpu_keeps_its_own_current_figures(tmp_path):
+    """A later run on another card must not replace a figure in ANCHORS.md's GPU's table, nor
+    stand beside its figures: render.py keeps the latest row per GPU and writes one section per
+    GPU, the anchor's first."""
+    record = load_record()
+    render = bench_scripts.load("render")
+    table = tmp_path / "results.csv"
+    with open(wgrad_json(tmp_path, "wgrad_bench")) as f:
+        first = json.load(f)
+    first["model_totals_ms"] = {"512": {"fused_sr": 35.4}}  # a column of the totals table
+    (tmp_path / "bench.json").write_text(json.dumps(first))
+    assert record.main([str(tmp_path / "bench.json"), "--commit", "abc1234",
+                        "--table", str(table)]) == 0
+    later = dict(first, date="2026-12-04 16:00 UTC", gpu="NVIDIA H100 80GB HBM3",
+                 model_totals_ms={"512": {"fused_sr": 39.4}})
+    (tmp_path / "bench.json").write_text(json.dumps(later))
+    assert record.main([str(tmp_path / "bench.json"), "--commit", "def5678",
+                        "--table", str(table)]) == 0
+    cur = render.current(record.read(str(table)))
+    totals = {gpu: r["value"] for (gpu, _, case, _, _), r in cur.items()
+              if case.startswith("llama")}
+    assert totals == {"NVIDIA H200": "35.4", "NVIDIA H100 80GB HBM3": "39.4"}
+    out = tmp_path / "rendered"
+    assert render.main(["--table", str(table), "--out", str(out)]) == 0
+    page = (out / "wgrad.md").read_text()
+    h200, h100 = page.index("## NVIDIA H200"), page.index("## NVIDIA H100 80GB HBM3")
+    assert h200 < page.index("| 512 | 35.4 |") < h100 < page.index("| 512 | 39.4 |")
+    assert page.index("commit abc1234") < h100 < page.index("commit def5678")
