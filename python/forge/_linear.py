@@ -381,6 +381,12 @@ def _forge_conv1d_forward(self, input: torch.Tensor) -> torch.Tensor:
 
 
 _FORGE_FORWARDS = (_forge_linear_forward, _forge_conv1d_forward)
+# A patched layer holds one of these, bound, as its instance's `forward` (patch). Pickling the
+# layer (torch.save of a whole model) reduces a bound method to getattr(layer, the function's
+# __name__); named "forward", that is the layer's class forward when loaded: a saved model
+# holds no reference to FORGE, loads without it and trains as a plain model.
+for _forward in _FORGE_FORWARDS:
+    _forward.__name__ = "forward"
 
 
 def layer_kind(module: nn.Module) -> Optional[str]:
@@ -404,8 +410,7 @@ def why_not_patchable(module: nn.Module) -> Optional[str]:
         return (f"{type(module).__name__} replaces {base.__name__}.forward (its own "
                 "computation, e.g. a quantized or adapter layer)")
     fwd = module.__dict__.get("forward")
-    if fwd is not None and not (isinstance(fwd, types.MethodType)
-                                and fwd.__func__ in _FORGE_FORWARDS):
+    if fwd is not None and not _own_or_ours(module, fwd):
         return f"the forward of this {base.__name__} was replaced on the instance"
     weight = registered_weight(module)
     if weight is None:
@@ -414,6 +419,13 @@ def why_not_patchable(module: nn.Module) -> Optional[str]:
     if weight.dim() != 2:
         return f"this {base.__name__} has no 2-d weight"
     return None
+
+
+def _own_or_ours(module: nn.Module, fwd) -> bool:
+    """Whether an instance's `forward` is FORGE's (patch) or its class's own, bound to it (what
+    a layer pickled while patched holds once loaded)."""
+    return (isinstance(fwd, types.MethodType) and fwd.__self__ is module
+            and (fwd.__func__ in _FORGE_FORWARDS or fwd.__func__ is type(module).forward))
 
 
 def registered_weight(module: nn.Module) -> Optional[torch.Tensor]:

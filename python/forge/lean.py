@@ -43,7 +43,7 @@ log-probabilities.
 """
 from __future__ import annotations
 
-import types
+import functools
 from typing import Callable, Dict
 
 import torch
@@ -295,6 +295,10 @@ def _lean_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _activation_product(act: Callable, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return act(gate) * up
+
+
 def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -314,7 +318,8 @@ def _lean_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def enable_lean_activations(model: nn.Module) -> Dict[str, int]:
     """Wraps model's RMSNorms and SwiGLU MLPs in place (see the file header); returns how many
-    of each. Calling it again changes nothing."""
+    of each. Calling it again changes nothing. A model saved whole (torch.save(model)) loads
+    wrapped, where forge can be imported."""
     counts = {"rms_norm": 0, "swiglu_mlp": 0}
     for module in model.modules():
         if "_forge_lean" in module.__dict__:
@@ -324,7 +329,10 @@ def enable_lean_activations(model: nn.Module) -> Dict[str, int]:
             module._forge_dense_forward = module.forward
             # Known classes get the written-out backward (_RMSNormRecomputation).
             module._forge_norm_eps = _known_rms_norm_eps(module)
-            module.forward = types.MethodType(_lean_norm_forward, module)
+            # NOTE: a partial, not a bound method: torch.save of the whole model pickles it
+            # by reference to this file, and the loaded model stays wrapped (a bound method
+            # pickles as getattr(module, its name), which the module's class does not have).
+            module.forward = functools.partial(_lean_norm_forward, module)
             module._forge_lean = "rms_norm"
             counts["rms_norm"] += 1
         elif _is_swiglu_mlp(module):
@@ -333,8 +341,8 @@ def enable_lean_activations(model: nn.Module) -> Dict[str, int]:
             # (nn.SiLU; transformers 5's SiLUActivation, whose forward calls F.silu); any
             # other takes the generic recomputation and its nested autograd call.
             module._forge_product_fn = (_silu_product if act is None or _acts_as_silu(act)
-                                        else (lambda gate, up, _act=act: _act(gate) * up))
-            module.forward = types.MethodType(_lean_mlp_forward, module)
+                                        else functools.partial(_activation_product, act))
+            module.forward = functools.partial(_lean_mlp_forward, module)  # (as the norm's)
             module._forge_lean = "swiglu_mlp"
             counts["swiglu_mlp"] += 1
     return counts

@@ -175,17 +175,27 @@ def _fused_head_forward(self, input_ids=None, labels=None, **kwargs):
     return CausalLMOutputWithPast(loss=loss, logits=None)
 
 
+# A bound method pickles as getattr(model, its function's __name__): named "forward", a model
+# saved whole (torch.save) loads with its class's forward, the logits formed as without this
+# file, and enable_fused_head on it fuses the head again. (A partial would survive pickling
+# but is no method: wrappers such as accelerate's rebind model.forward.__func__.)
+_fused_head_forward.__name__ = "forward"
+
+
 def enable_fused_head(model: nn.Module) -> nn.Module:
     """Makes a Hugging Face *ForCausalLM (a .model and an .lm_head nn.Linear without bias)
     compute its training loss with head_cross_entropy: model(input_ids=..., labels=...).loss
-    as before, the logits never formed. Calls without labels are unchanged. Returns model."""
+    as before, the logits never formed. Calls without labels are unchanged. Returns model.
+    A model saved whole (torch.save(model)) loads with its class's forward: call this again."""
     head = getattr(model, "lm_head", None)
     if getattr(model, "model", None) is None or not isinstance(head, nn.Linear) \
             or head.bias is not None:
         raise ValueError(f"enable_fused_head: {type(model).__name__} has no .model and bias-free "
                          ".lm_head nn.Linear (a Hugging Face *ForCausalLM)")
     _refuse_sharded_head(head.weight, "enable_fused_head")
-    if "_forge_dense_forward" not in model.__dict__:
+    forward = model.__dict__.get("forward")
+    # (a forward of the instance's own: this file's, or a wrapper's around it, stays)
+    if forward is None or getattr(forward, "__func__", None) is type(model).forward:
         model._forge_dense_forward = model.forward
         model.forward = types.MethodType(_fused_head_forward, model)
     return model

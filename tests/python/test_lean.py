@@ -309,3 +309,31 @@ def test_an_activation_that_is_f_silu_gets_the_written_out_backward():
     lean.enable_lean_activations(plain)
     mlps = [m for m in plain.modules() if hasattr(m, "gate_proj")]
     assert mlps and all(m._forge_product_fn is lean._silu_product for m in mlps)
+
+
+class SiLU(nn.Module):
+    """x · sigmoid(x) under a name lean accepts for an MLP's activation: not F.silu's bits, so
+    its MLP takes the generic recomputation. (Module level: a saved model pickles it.)"""
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+def test_a_wrapped_model_saved_whole_loads_wrapped(tmp_path):
+    """torch.save(model) of a wrapped model loads wrapped, the generic product included: the
+    same loss and gradients bit for bit, and what autograd keeps is the wrapped model's."""
+    plain = hf_tiny("llama", torch.bfloat16)
+    plain.model.layers[0].mlp.act_fn = SiLU()
+    wrapped = copy.deepcopy(plain)
+    counts = lean.enable_lean_activations(wrapped)
+    assert wrapped.model.layers[0].mlp._forge_product_fn is not lean._silu_product
+    torch.save(wrapped, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert lean.enable_lean_activations(loaded) == counts  # already wrapped: nothing changes
+    tokens = batch(97)
+    (a, kept_a), (b, kept_b) = saved_bytes(wrapped, tokens), saved_bytes(loaded, tokens)
+    assert kept_b == kept_a < saved_bytes(plain, tokens)[1]
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    for (n, p), q in zip(wrapped.named_parameters(), loaded.parameters()):
+        assert torch.equal(p.grad, q.grad), n

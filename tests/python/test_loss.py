@@ -165,3 +165,27 @@ def test_hf_model_with_fused_head_trains_as_without(mode, record_difference):
     record_difference(f"fused head loss ({mode})", worst)
     assert worst <= HF_LOSS_RTOL["float32"], losses
     assert losses[True][-1] < losses[True][0]
+
+
+def test_a_model_saved_whole_loads_with_its_own_head_and_fuses_again(tmp_path):
+    """torch.save(model) with the fused head: the file loads (its forward is the class's,
+    the logits formed as without forge.loss); enable_fused_head on it fuses again, once."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = forge.loss.enable_fused_head(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    fused = model(input_ids=ids, labels=ids)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    plain = loaded(input_ids=ids, labels=ids)
+    assert plain.logits is not None
+    assert rel(plain.loss, fused.loss) <= HEAD_CE_RTOL
+    forge.loss.enable_fused_head(loaded)
+    dense = loaded._forge_dense_forward
+    forge.loss.enable_fused_head(loaded)  # again: nothing changes
+    assert loaded._forge_dense_forward == dense and dense.__func__ is type(loaded).forward
+    again = loaded(input_ids=ids, labels=ids)
+    assert again.logits is None and torch.equal(again.loss, fused.loss)

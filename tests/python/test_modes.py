@@ -134,6 +134,32 @@ def test_garbage_collected_optimizer_releases_the_model():
     opt.step()
 
 
+@pytest.mark.parametrize("mode", ["immediate", "deferred", "auto"])
+def test_a_model_saved_whole_loads_as_the_plain_model(mode, tmp_path):
+    """torch.save(model) while an optimizer fuses its Linears: the file holds no reference to
+    forge (a patched forward pickles as the class's own), loads as the plain model, and a new
+    forge optimizer on the loaded model fuses its Linears and follows torch.optim."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode=mode)
+    for step in range(2):
+        lm_loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    assert b"forge" not in path.read_bytes()
+    loaded = torch.load(path, weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+    lm_loss(loaded, 2).backward()
+    assert loaded.head.weight.grad is not None, "plain autograd"
+    errors = trajectories(lambda: torch.load(path, weights_only=False), "AdamW",
+                          dict(lr=1e-2), "cpu", steps=3, forge_options=dict(mode=mode))
+    assert_contract(errors, "cpu")
+    lm_loss(model, 2).backward()  # and the saved model trains on with its optimizer
+    opt.step()
+
+
 def test_no_grad_and_eval_forward_do_not_update():
     model = TinyTransformer()
     opt = forge.optim.AdamW(model)
