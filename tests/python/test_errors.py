@@ -1,8 +1,10 @@
 """test_errors.py — bad input is refused with a ValueError/TypeError naming the problem,
 and the model is left untouched (no patched forward, no hook: plain autograd still works).
 Errors of libforge itself surface as Python exceptions carrying forge_last_error()."""
+import copy
 import ctypes
 import ctypes.util
+import pickle
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,23 @@ def test_second_optimizer_on_the_same_model():
         forge.optim.SGD(model)
     opt.detach()
     forge.optim.SGD(model)
+
+
+def test_copying_or_pickling_the_optimizer_is_refused_by_name():
+    """torch.optim.Optimizer pickles defaults, state and param_groups only: a copy of a forge
+    optimizer would miss its slots and fail at its first step. Refused, pointing to
+    state_dict; the optimizer trains on."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model)
+    lm_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    for copy_it in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"forge.optim.AdamW cannot be copied or pickled"
+                                            r".*opt.state_dict\(\)"):
+            copy_it(opt)
+    lm_loss(model, 1).backward()
+    opt.step()
 
 
 @pytest.mark.parametrize("mode", ["immediate", "deferred"])

@@ -674,6 +674,15 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self.param_groups.pop()
             raise
 
+    def __getstate__(self):
+        # torch.optim.Optimizer pickles defaults, state and param_groups only: a copy (deepcopy,
+        # pickle) would miss the slots and raise on its first step. Refused here, by name.
+        raise TypeError(
+            f"forge.optim.{type(self).__name__} cannot be copied or pickled: it is bound to its "
+            "model's layers (patched forwards, autograd hooks, states in the library's formats). "
+            "Save opt.state_dict() and load it with load_state_dict into an optimizer made over "
+            "the model")
+
     def state_dict(self) -> Dict[str, Any]:
         """torch's layout ('state' by parameter index, 'param_groups') holding the raw
         state buffers (fp32, bf16, or int8 / fp8 codes + fp32 absmax, and the fp32 master), each
