@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 from typing import Callable, Dict, Optional
 
 import torch
@@ -160,11 +161,13 @@ def trajectories(make_model: Callable[[], nn.Module], name: str, kwargs: Dict, d
                  steps: int = 8, loss_fn=lm_loss, forge_options: Optional[Dict] = None,
                  forge_model_setup: Optional[Callable[[nn.Module], None]] = None,
                  make_schedule: Optional[Callable] = None, params_fn=None,
-                 micro_batches: int = 1) -> Dict[str, float]:
+                 micro_batches: int = 1, schedule_before_step: bool = False
+                 ) -> Dict[str, float]:
     """Trains forge / ordered / ordered+1ulp / stock copies of one model in lockstep and
     returns the largest normwise differences over every parameter and step.
     `forge_options` go to the forge optimizer only; `params_fn(model)` gives param groups;
-    `micro_batches` > 1 accumulates that many backward passes per step (loss / n each)."""
+    `micro_batches` > 1 accumulates that many backward passes per step (loss / n each);
+    `schedule_before_step`: the schedule steps between backward and opt.step()."""
     torch.manual_seed(0)
     base = make_model().to(device)
     models = {"forge": copy.deepcopy(base), "ordered": ordered(copy.deepcopy(base)),
@@ -190,9 +193,13 @@ def trajectories(make_model: Callable[[], nn.Module], name: str, kwargs: Dict, d
                 for p in model.parameters():
                     if p.grad is not None:
                         p.grad.mul_(1 + 2 ** -23)
+            if key in schedules and schedule_before_step:
+                with warnings.catch_warnings():  # (torch's: a scheduler stepped first)
+                    warnings.simplefilter("ignore")
+                    schedules[key].step()
             opts[key].step()
             opts[key].zero_grad()
-            if key in schedules:
+            if key in schedules and not schedule_before_step:
                 schedules[key].step()
         pairs = {"forge_vs_ordered": ("forge", "ordered"), "ulp_vs_ordered": ("ulp", "ordered"),
                  "stock_vs_ordered": ("stock", "ordered"), "forge_vs_stock": ("forge", "stock")}

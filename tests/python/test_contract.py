@@ -84,6 +84,23 @@ def test_one_cycle_schedule_cycling_beta1(name, mode, device, record_difference)
     assert_contract(errors, device)
 
 
+@pytest.mark.parametrize("mode", ["deferred", "auto"])
+@pytest.mark.parametrize("name", ["AdamW", "NAdam"])
+def test_a_schedule_stepped_between_backward_and_step(name, mode, record_difference):
+    """A loop that steps its scheduler after backward and before opt.step() (OneCycleLR: lr
+    and beta1): torch.optim applies the new values. So does deferred mode, at opt.step(), and
+    auto stays deferred for such a loop (immediate mode refuses it: test_loop.py)."""
+    def schedule(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS + 1,
+                                                   base_momentum=0.6, max_momentum=0.95)
+
+    errors = trajectories(TinyTransformer, name, dict(lr=1e-2, weight_decay=0.1), "cpu",
+                          steps=STEPS, make_schedule=schedule, forge_options=dict(mode=mode),
+                          schedule_before_step=True)
+    record_difference(f"{name} schedule before step ({mode})", errors["forge_vs_ordered"])
+    assert_contract(errors, "cpu")
+
+
 def test_scheduler_changes_lr():
     import forge
     model = TinyTransformer()

@@ -267,6 +267,27 @@ def test_immediate_mode_refuses_what_it_cannot_honour(what):
     assert all(torch.equal(a, p) for a, p in zip(after, model.parameters()))
 
 
+@pytest.mark.parametrize("mode", ["immediate", "auto"])
+def test_a_hyper_parameter_changed_after_updates_inside_backward_is_refused(mode):
+    """Updates that ran inside backward used the lr set then; torch.optim applies the lr of
+    opt.step(). A change in between is refused at opt.step(), naming it and the way out;
+    auto, immediate after a first step where nothing changed, refuses it likewise."""
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, lr=1e-2, mode=mode)
+    for step in range(3 if mode == "auto" else 1):
+        lm_loss(model, step).backward()
+        if step < 2 and mode == "auto":
+            opt.param_groups[0]["lr"] = 1e-2  # (set, unchanged: nothing to refuse)
+            opt.step()
+            opt.zero_grad()
+    assert opt.mode == "immediate"
+    opt.param_groups[0]["lr"] = 1e-3
+    with pytest.raises(RuntimeError, match=r"lr of param group 0 \(0\.01 -> 0\.001\) changed "
+                                           r"between backward and opt\.step\(\).*"
+                                           r"mode='deferred'"):
+        opt.step()
+
+
 def test_step_pre_hooks_run_before_the_update():
     model = TinyTransformer()
     opt = forge.optim.SGD(model, lr=0.1, mode="deferred")

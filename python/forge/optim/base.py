@@ -253,6 +253,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         # A held step's (_hold_step) mode outside it (_deferring's value), None outside one
         self._mode_outside_hold: Optional[bool] = None
         self._begun_step = -1
+        # Each group's hyper-parameters as the step's first backward saw them: [(group, bytes
+        # of its forge_hparams, or None where the values are refused later)]
+        self._backward_hparams: list = []
         self._cohort_step = -1
         self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._stats_outputs: Dict[torch.device, _lib.StepOutputs] = {}  # pointers into _stats
@@ -371,6 +374,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._check_step()  # (a refusal first: before the warning below, or any update)
         self._settle_all()  # (calls the C++ pre-hook made, or ones it never reached)
         self._lapse_ready()
+        if not self._deferring and not self._capturing:
+            self._refuse_hparams_changed_after_updates()
         missed = [s for s in self._slots.values() if s.pending or s.partial is not None]
         missed = [s.name for s in missed if not self._recover_replaced_node(s)]
         if missed:
@@ -437,6 +442,50 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         for slot, _, _ in batch:  # (only once applied: a refused batch keeps them)
             slot.param.grad = None
 
+    def _hparams_snapshot(self) -> list:
+        snapshot = []
+        for group in self.param_groups:
+            try:
+                snapshot.append((group, bytes(self._group_hparams(group)[0])))
+            except (KeyError, TypeError, ValueError, RuntimeError):
+                snapshot.append((group, None))  # (refused, by name, where an update reads it)
+        return snapshot
+
+    def _hparams_changed(self) -> Optional[str]:
+        """What a loop changed in a group's hyper-parameters since the step's first backward
+        (a scheduler stepped before opt.step(), an lr set there), in words; None if nothing."""
+        for group, before in self._backward_hparams:
+            if before is None:
+                continue
+            try:
+                now = self._group_hparams(group)[0]
+            except (KeyError, TypeError, ValueError, RuntimeError):
+                continue
+            if bytes(now) == before:
+                continue
+            old = _lib.Hparams.from_buffer_copy(before)
+            index = next((i for i, g in enumerate(self.param_groups) if g is group), "?")
+            return ", ".join(f"{name} of param group {index} ({getattr(old, name)!r} -> "
+                             f"{getattr(now, name)!r})" for name, _ in _lib.Hparams._fields_
+                             if getattr(old, name) != getattr(now, name))
+        return None
+
+    def _refuse_hparams_changed_after_updates(self) -> None:
+        """Updates ran inside this step's backward with the hyper-parameters set then; torch
+        applies those of opt.step(). Where the loop changed one in between, refused."""
+        changed = self._hparams_changed() if self._backward_hparams else None
+        if changed is None or not any(s.updated_at == self._step_id
+                                      for s in self._slots.values()):
+            return
+        auto = (" (mode='auto' went immediate after its first step, where nothing changed "
+                "there)" if self._mode == "auto" else "")
+        raise RuntimeError(
+            f"forge: {changed} changed between backward and opt.step(): the weights were "
+            f"updated inside backward with the values set then{auto}, where torch.optim applies "
+            "those of opt.step(). Change hyper-parameters before backward or after opt.step() "
+            "(an LR scheduler's step() after opt.step(), as torch asks), or use mode='deferred', "
+            "which applies them at opt.step()")
+
     def _leave_consumed(self, slot) -> None:
         """After a parameter's update in step(): a fused weight or an FSDP2 shard keeps its
         ConsumedGrad in .grad, where torch.optim's gradient would stay until zero_grad; any
@@ -475,6 +524,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 stale.append(slot)
         self._left = []
         self._begun_step = self._step_id
+        self._backward_hparams = self._hparams_snapshot()
         if stale:
             shards = [slot.name for slot in stale if slot.dtensor]
             if shards:
@@ -608,6 +658,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                            "mode='immediate' where the loop never reads a gradient")
         if self._graphed_grads:
             reasons.append("a backward with create_graph=True made gradients to differentiate")
+        changed = self._hparams_changed()
+        if changed:
+            reasons.append(f"{changed} changed between backward and opt.step()")
         if self.max_grad_norm is not None:
             reasons.append("max_grad_norm is set")
         if self._loop_needs_grads or getattr(self, "_optimizer_step_pre_hooks", None) \
