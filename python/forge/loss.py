@@ -193,9 +193,10 @@ def enable_fused_head(model: nn.Module) -> nn.Module:
         raise ValueError(f"enable_fused_head: {type(model).__name__} has no .model and bias-free "
                          ".lm_head nn.Linear (a Hugging Face *ForCausalLM)")
     _refuse_sharded_head(head.weight, "enable_fused_head")
-    forward = model.__dict__.get("forward")
-    # (a forward of the instance's own: this file's, or a wrapper's around it, stays)
-    if forward is None or getattr(forward, "__func__", None) is type(model).forward:
+    # Already made (this file's forward, or a wrapper's around it, stays) unless the model was
+    # saved whole and loaded: its forward is then its class's again
+    loaded = getattr(model.__dict__.get("forward"), "__func__", None) is type(model).forward
+    if "_forge_dense_forward" not in model.__dict__ or loaded:
         model._forge_dense_forward = model.forward
         model.forward = types.MethodType(_fused_head_forward, model)
     return model

@@ -6,6 +6,7 @@ equals the whole update bit for bit given the same dY; a Hugging Face model with
 enable_fused_head() trains as it does without. Bounds: tolerances.py.
 """
 import copy
+import types
 
 import pytest
 import torch
@@ -169,7 +170,8 @@ def test_hf_model_with_fused_head_trains_as_without(mode, record_difference):
 
 def test_a_model_saved_whole_loads_with_its_own_head_and_fuses_again(tmp_path):
     """torch.save(model) with the fused head: the file loads (its forward is the class's,
-    the logits formed as without forge.loss); enable_fused_head on it fuses again, once."""
+    the logits formed as without forge.loss); enable_fused_head on it fuses again, once. A
+    forward another library set on the instance before is fused over, as ever."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -189,3 +191,8 @@ def test_a_model_saved_whole_loads_with_its_own_head_and_fuses_again(tmp_path):
     assert loaded._forge_dense_forward == dense and dense.__func__ is type(loaded).forward
     again = loaded(input_ids=ids, labels=ids)
     assert again.logits is None and torch.equal(again.loss, fused.loss)
+    # a forward another library set on the instance first (accelerate's wrapper) is fused over
+    wrapped = transformers.LlamaForCausalLM(config)
+    wrapped.forward = types.MethodType(lambda self, **kw: type(self).forward(self, **kw), wrapped)
+    forge.loss.enable_fused_head(wrapped)
+    assert wrapped(input_ids=ids, labels=ids).logits is None
