@@ -64,6 +64,29 @@ def test_resume_is_bit_exact(dtype, state_format, master, device, deterministic)
                 assert value == other, key
 
 
+def test_state_dict_hooks_run_as_on_torch_optim():
+    """torch.optim's state-dict hooks on a forge optimizer, as on torch.optim.AdamW: a
+    state_dict post-hook sees the whole dict (forge's entry too) and may replace it; a load
+    pre-hook sees a copy and may rewrite it (here every group's lr); a load post-hook runs
+    after the load."""
+    for make in (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                 lambda m: forge.optim.AdamW(m, lr=1e-3)):
+        model = TinyTransformer()
+        opt = make(model)
+        train(model, opt, 1, 0, "cpu")
+        calls = []
+        opt.register_state_dict_post_hook(lambda o, sd: dict(sd, seen=sorted(sd)))
+        opt.register_load_state_dict_pre_hook(lambda o, sd: dict(sd, param_groups=[
+            dict(g, lr=0.5) for g in sd["param_groups"]]))
+        opt.register_load_state_dict_post_hook(lambda o: calls.append(o.param_groups[0]["lr"]))
+        saved = opt.state_dict()
+        forge_entry = ["forge"] if isinstance(opt, forge.optim.AdamW) else []
+        assert saved["seen"] == sorted(["state", "param_groups"] + forge_entry)
+        opt.load_state_dict(saved)
+        assert calls == [0.5] and all(g["lr"] == 0.5 for g in opt.param_groups)
+        assert all(g["lr"] == 1e-3 for g in saved["param_groups"])  # (the caller's dict)
+
+
 @pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8", "fp8"])
 def test_state_dict_round_trip(state_format):
     model = TinyTransformer()

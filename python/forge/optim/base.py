@@ -12,6 +12,7 @@ zero_grad(), state_dict() / load_state_dict(), param groups, and the step's by-p
 """
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -741,7 +742,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         state buffers (fp32, bf16, or int8 / fp8 codes + fp32 absmax, and the fp32 master), each
         parameter's 'step', and a 'forge' entry with the storage options."""
         self._settle_all()
-        sd = super().state_dict()
+        # torch.optim's post-hooks (register_state_dict_post_hook) run below, on the whole
+        # dict, 'forge' entry included
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = collections.OrderedDict()
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         # format_version 2 added state_formats: {parameter index: format} of every
         # parameter with states (version 1: state_format held for all of them)
         sd["forge"] = {"format_version": 2, "state_format": self.state_format,
@@ -749,6 +757,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                        "master_weights": self.master_weights,
                        "stochastic_rounding": self.stochastic_rounding, "seed": self.seed,
                        "step_id": self._step_id}
+        for hook in post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -756,8 +768,15 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         cast) and the group hyper-parameters. Refuses a mismatching layout. A state dict
         without forge's own entry (torch.distributed.checkpoint's, which keeps only 'state'
         and 'param_groups', or torch.optim's of the same rule with fp32 states) loads when
-        every state matches this optimizer's names, dtypes and shapes."""
+        every state matches this optimizer's names, dtypes and shapes. torch.optim's load
+        pre-hooks (register_load_state_dict_pre_hook) see, and may replace, a shallow copy of
+        the dict first; its post-hooks run after a load."""
         self._settle_all()
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         meta = state_dict.get("forge") or {}
         if "master_weights" in meta and meta["master_weights"] != self.master_weights:
             raise ValueError(f"load_state_dict: saved with master_weights="
@@ -831,6 +850,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             slot.updated_at = -1
             slot.struct_step = -1  # (the step count restarts: no struct of before is reused)
             slot.clear_backward()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def _saved_mu_product(self, slot, group, saved_state, step: int) -> float:
         """NAdam's saved 'mu_product' (torch.optim.NAdam's: a one-element tensor; forge's: a
