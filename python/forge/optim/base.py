@@ -531,6 +531,19 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             if shards:
                 raise RuntimeError(_applied_still_held(shards, "Nothing was updated."))
             self._hold_step()
+        elif not self._deferring:
+            self._hold_for_own_grads()
+
+    def _hold_for_own_grads(self) -> None:
+        """A fused weight may hold a gradient no step of this optimizer made: from a backward
+        before it was built or before the parameter was added to it, or one the loop put in
+        .grad. torch adds this step's gradient to it; an update inside backward would drop it.
+        The step runs deferred instead (_hold_step), which sums the two. (Not for DTensor
+        shards: under tensor parallel their .grad was found set at every step's first
+        callback, a case not examined further.)"""
+        if any(slot.mode == "fused" and not slot.dtensor and _own_grad(slot.param.grad)
+               for slot in self._slots.values()):
+            self._hold_step()
 
     def _hold_step(self) -> None:
         """This step runs deferred, whatever the mode: every gradient waits in .grad until
@@ -979,6 +992,14 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError(f"parameter '{name}': already driven by "
                                  f"{'this' if owner is self else 'another'} forge optimizer"
                                  f"{'' if owner is self else '; call its .detach() first'}")
+
+
+def _own_grad(grad) -> bool:
+    """Whether a .grad is a gradient of the parameter's own (a tensor autograd or the loop
+    put there), not one this optimizer left (ConsumedGrad) or holds (FactoredGrad)."""
+    if grad is None or consumed_of(grad) is not None:
+        return False
+    return not isinstance(getattr(grad, "_local_tensor", grad), FactoredGrad)
 
 
 def _applied_still_held(names, then: str) -> str:
