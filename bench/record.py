@@ -7,7 +7,8 @@ Every benchmark writes a JSON file; this turns it into rows of the one append-on
   bench/wgrad_bench          (bench.json: per-layer variants and the Llama-3.1-8B totals)
   bench/torch_unfused.py     (torch-unfused.json: the fused step against torch's unfused way)
   bench/host_overhead.py     (host-overhead.json: host time per Linear per step)
-  forge-bench                (forge-bench-*.json: whole training steps; forge-parity-*.json)
+  forge-bench                (forge-bench-*.json: whole training steps, with --profile their
+                             GPU time by kernel category; forge-parity-*.json)
 and refuses anything else. Rows: date (UTC), gpu, commit, benchmark, case, variant, metric,
 value, command (--ab marks an A/B call's runs). The commit defaults to `git rev-parse --short
 HEAD` of this checkout, with "+dirty" when the tree has uncommitted changes. bench/render.py
@@ -105,7 +106,8 @@ def host_overhead_rows(d: dict, base: dict) -> Iterable[dict]:
 
 
 def step_rows(d: dict, base: dict) -> Iterable[dict]:
-    """forge-bench's forge-bench-*.json: whole training steps."""
+    """forge-bench's forge-bench-*.json: whole training steps (and, profiled, their GPU time by
+    kernel category)."""
     env = d["environment"]
     mode_suffix = "-graph" if "--cuda-graph" in env.get("command", "") else ""
     base = dict(base, benchmark="step")
@@ -119,6 +121,9 @@ def step_rows(d: dict, base: dict) -> Iterable[dict]:
         for metric in ("peak_gib", "step_ms", "tokens_per_s"):
             if r.get(metric) is not None:
                 yield _row(base, case, variant, metric, r[metric])
+        # --profile: GPU ms per step by kernel category ("profile_ms <category>")
+        for category, ms in ((r.get("profile") or {}).get("categories") or {}).items():
+            yield _row(base, case, variant, f"profile_ms {category}", ms)
 
 
 def _step_case(r: dict) -> str:

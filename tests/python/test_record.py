@@ -99,3 +99,22 @@ def test_each_gpu_keeps_its_own_current_figures(tmp_path):
     h200, h100 = page.index("## NVIDIA H200"), page.index("## NVIDIA H100 80GB HBM3")
     assert h200 < page.index("| 512 | 35.4 |") < h100 < page.index("| 512 | 39.4 |")
     assert page.index("commit abc1234") < h100 < page.index("commit def5678")
+
+
+def test_a_profiled_step_records_its_kernel_categories(tmp_path):
+    """forge-bench --profile: each case's GPU ms per step by kernel category become rows of
+    their own metric beside the step's peak and time."""
+    record = load_record()
+    d = {"environment": {"date": "2026-12-05T16:09:57", "gpu": "NVIDIA H100 80GB HBM3",
+                         "command": "forge-bench --cuda-graph --profile 3"},
+         "results": [{"model": "llama-3.1-8b", "seq": 512, "ckpt": False, "mode": "forge-bf16",
+                      "status": "ok", "peak_gib": 48.95, "step_ms": 91.7,
+                      "profile": {"categories": {"forge wgrad + update": 43.252,
+                                                 "GEMM (cuBLAS)": 23.188}}}]}
+    path = tmp_path / "forge-bench.json"
+    path.write_text(json.dumps(d))
+    rows = {(r["variant"], r["metric"]): r["value"] for r in record.rows_of(str(path), "abc")}
+    assert rows == {("forge-bf16-graph", "peak_gib"): "48.95",
+                    ("forge-bf16-graph", "step_ms"): "91.7",
+                    ("forge-bf16-graph", "profile_ms forge wgrad + update"): "43.252",
+                    ("forge-bf16-graph", "profile_ms GEMM (cuBLAS)"): "23.188"}
