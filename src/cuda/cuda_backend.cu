@@ -156,6 +156,7 @@ void log_kernel_choice(const char* kernel, const RuleScalars& k, int weight_form
 // Per-device facts and one-time kernel attributes, cached (thread-safe).
 struct DeviceInfo {
   int num_sms = 0;
+  int dram_gbps = 0;  // peak DRAM bandwidth (heuristics.h's persistent windows)
   bool wgmma = false;  // the sm_90a kernels can run here (device_info says when)
   bool kernels_configured = false;
 };
@@ -168,6 +169,15 @@ forge_status device_info(int index, DeviceInfo* out) {
   DeviceInfo& info = g_devices[index];
   if (!info.kernels_configured) {
     FORGE_CUDA_TRY(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index));
+    // Peak DRAM bandwidth: two transfers per memory clock (kHz) over the bus (bits); 0 where
+    // the device does not report them.
+    int memory_khz = 0, bus_bits = 0;
+    if (cudaDeviceGetAttribute(&memory_khz, cudaDevAttrMemoryClockRate, index) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, index) != cudaSuccess) {
+      cudaGetLastError();  // a failed query's error is not the next call's
+      memory_khz = bus_bits = 0;
+    }
+    info.dram_gbps = static_cast<int>(2.0 * memory_khz * 1e3 * (bus_bits / 8) / 1e9);
     const bool verbose = debug_switches().log;
     auto configure = [&](const void* fn, const char* name, size_t smem_bytes,
                          int threads = kThreads) -> forge_status {
@@ -183,9 +193,9 @@ forge_status device_info(int index, DeviceInfo* out) {
         FORGE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fn, threads, smem_bytes));
         FORGE_CUDA_TRY(cudaFuncGetAttributes(&attr, fn));
         std::fprintf(stderr,
-                     "forge cuda: device %d, %d SMs: %s: %d CTAs/SM of %d threads, %d registers, "
-                     "%zu B local, %zu B static + %zu B dynamic shared\n",
-                     index, info.num_sms, name, ctas, threads, attr.numRegs,
+                     "forge cuda: device %d, %d SMs, %d GB/s: %s: %d CTAs/SM of %d threads, "
+                     "%d registers, %zu B local, %zu B static + %zu B dynamic shared\n",
+                     index, info.num_sms, info.dram_gbps, name, ctas, threads, attr.numRegs,
                      attr.localSizeBytes, attr.sharedSizeBytes, smem_bytes);
       }
       return FORGE_OK;
@@ -478,6 +488,7 @@ forge_status wgrad_step(const forge_wgrad_args& a, const RuleScalars& k) {
           : nullptr;
   WgradFacts facts;
   facts.num_sms = info.num_sms;
+  facts.dram_gbps = info.dram_gbps;
   facts.wgmma = info.wgmma;
   facts.x_dtype = a.x_dtype;
   facts.dy_dtype = a.dy_dtype;

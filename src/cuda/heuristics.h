@@ -5,6 +5,7 @@
 // gathers the facts, reads the debug switches once, and executes the plan.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "forge/forge.h"
@@ -106,42 +107,86 @@ struct DebugSwitches {
 // ---- the policy -----------------------------------------------------------------------------
 
 // Whether the persistent kernel is the faster one for a step of `tokens` tokens on a layer of
-// `tiles` tiles in these formats. `spec_kernel`: it has a specialized kernel for the step's
-// rule and formats (AdamW, bf16 or bf16-SR weight, bf16, bf16-SR or int8 states; bf16 inputs).
-// NOTE: measured on the H200 against the two-CTA kernel, interleaved. gate_proj and down_proj
-// of Llama-3.1-8B (27 tiles per SM), the persistent kernel's time against the two-CTA
-// kernel's, by T:
+// `tiles` tiles in these formats, on a card of `dram_gbps` GB/s of DRAM bandwidth (0:
+// unknown). `spec_kernel`: it has a specialized kernel for the step's rule and formats
+// (AdamW, bf16 or bf16-SR weight, bf16, bf16-SR, int8 or fp8 states; bf16 inputs).
+// NOTE: the windows are measured, per card, against the two-CTA kernel, interleaved; the two
+// cards measured have the same SMs and clocks and differ in DRAM bandwidth, which moves the
+// balance between the update and the GEMM, and the windows with it.
+// The H200 (4.8 TB/s): gate_proj and down_proj of Llama-3.1-8B (27 tiles per SM), the
+// persistent kernel's time against the two-CTA kernel's, by T:
 //   T:                    768     1024       2048         4096        8192
 //   bf16 W, bf16 states:  +1 %    -9 %       -6 to -12    -2 to 0     -2 to 0
 //   bf16 W, int8 states:  +9 %    0 to +2    -4 to -11    -6 to -9    -2 to -4
 //   SR W, SR states:      -2 %    -5 to -6   -3 to -10    -1 to +2    0 to +2
 //   SR W, int8 states:    +25 %   +14        -5 to +6     -2 to -7    -3 to -4
-// At T = 512 it is slower in every format: there its update, 8 warps per SM against up to 16
-// when both CTAs of the two-CTA kernel update, is the limit. On layers of few tiles per SM it
-// loses (k_proj, v_proj: 1.9), and on 7.8 (q_proj, o_proj) it is mixed.
-constexpr int64_t kPersistentMinTilesPerSm = 16;
+// fp8 states there take int8's windows (the same bytes; not measured apart). On layers of few
+// tiles per SM it loses (k_proj, v_proj: 1.9), and on 7.8 (q_proj, o_proj) it is mixed.
+// The H100 SXM (3.35 TB/s; medians of 3 in one call, `gpu_check.sh ab` with
+// FORGE_DEBUG_PERSISTENT=0 / 1 and `--tokens 512,1024,1536,2048,3072,4096,8192`), gate_proj /
+// down_proj, then q_proj (7.8 tiles per SM), %:
+//   T:                    512         1024        1536         2048         4096         8192
+//   bf16 W, bf16 states:  +1 / +3     -4 / -3     -6 / -5      -11 / -9     -8 / -10     -14 / -15
+//     q_proj:             +4          -10         -10          -5           -1           -6
+//   SR W, SR states:      +7 / +6     -8 / -9     -11 / -11    -12 / -12    -5 / -6      -12 / -11
+//     q_proj:             +3          -8          -4           +2           +4           -2
+//   bf16 W, int8 states:  -1 / -2     -10 / -11   -12 / -12    -18 / -17    -11 / -11    -13 / -12
+//     q_proj:             0           -8          -11          -11          -8           -8
+//   SR W, int8 states:    +14 / +14   0 / -1      -6 / -5      -13 / -13    -9 / -8      -12 / -12
+//     q_proj:             +18         +5          -1           -4           -7           -8
+//   bf16 W, fp8 states:   +8 / +6     -4 / -4     -11 / -10    -18 / -18    -11 / -12    -13 / -14
+//     q_proj:             +10         +1          -5           -9           -4           -7
+//   SR W, fp8 states:     +30 / +28   +10 / +10   +1 / +1      -9 / -8      -7 / -8      -11 / -12
+//     q_proj:             +35         +18         +8           +4           -2           -5
+// k_proj / v_proj (1.9 tiles per SM) lose on both cards at every T (+2 to +45 % on the H100).
+// At T = 512 the persistent kernel is slower in every format but one (its update, 8 warps per
+// SM against up to 16 when both CTAs of the two-CTA kernel update, is the limit).
+// A card takes the windows of the measured card nearest in DRAM bandwidth.
 struct PersistentWindow {
   int weight_format, state_format;
+  int64_t min_tiles_per_sm;
   int64_t min_tokens, max_tokens;  // [min, max]
 };
 constexpr int64_t kNoMaxTokens = INT64_MAX;
-constexpr PersistentWindow kPersistentWindows[] = {
-    {FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 1024, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 2048, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 1024, 4095},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 4096, kNoMaxTokens},
-    // fp8: int8's windows (the same bytes; not measured apart)
-    {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 2048, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 4096, kNoMaxTokens},
+constexpr int kPersistentH100MaxGbps = 4000;  // below: the H100's windows; else the H200's
+constexpr PersistentWindow kPersistentWindowsH200[] = {
+    {FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 16, 1024, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 16, 2048, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 16, 1024, 4095},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 16, 4096, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 16, 2048, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 16, 4096, kNoMaxTokens},
 };
-constexpr bool persistent_pays(int64_t tokens, int64_t tiles, int num_sms, int weight_format,
-                               int state_format, bool spec_kernel) {
-  if (!spec_kernel || tiles < kPersistentMinTilesPerSm * static_cast<int64_t>(num_sms))
-    return false;
-  for (const PersistentWindow& w : kPersistentWindows)
-    if (w.weight_format == weight_format && w.state_format == state_format)
-      return tokens >= w.min_tokens && tokens <= w.max_tokens;
+constexpr PersistentWindow kPersistentWindowsH100[] = {
+    {FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 7, 1024, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 16, 1024, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 7, 1024, 1536},
+    {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 7, 1024, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 16, 1536, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 7, 2048, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 16, 1024, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 7, 1536, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 16, 2048, kNoMaxTokens},
+    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 7, 4096, kNoMaxTokens},
+};
+template <std::size_t kCount>
+constexpr bool in_a_window(const PersistentWindow (&windows)[kCount], int64_t tokens,
+                           int64_t tiles, int num_sms, int weight_format, int state_format) {
+  for (const PersistentWindow& w : windows)
+    if (w.weight_format == weight_format && w.state_format == state_format &&
+        tiles >= w.min_tiles_per_sm * static_cast<int64_t>(num_sms) && tokens >= w.min_tokens &&
+        tokens <= w.max_tokens)
+      return true;
   return false;
+}
+constexpr bool persistent_pays(int64_t tokens, int64_t tiles, int num_sms, int dram_gbps,
+                               int weight_format, int state_format, bool spec_kernel) {
+  if (!spec_kernel) return false;
+  return dram_gbps > 0 && dram_gbps < kPersistentH100MaxGbps
+             ? in_a_window(kPersistentWindowsH100, tokens, tiles, num_sms, weight_format,
+                           state_format)
+             : in_a_window(kPersistentWindowsH200, tokens, tiles, num_sms, weight_format,
+                           state_format);
 }
 
 // The tile rasterization's group height for a layer of `tiles` tiles on `num_sms` SMs.
@@ -153,6 +198,7 @@ constexpr int group_height(int64_t tiles, int num_sms) {
 // What the launcher knows about a step when it chooses its kernel.
 struct WgradFacts {
   int num_sms = 0;
+  int dram_gbps = 0;   // peak DRAM bandwidth, GB/s (0: unknown)
   bool wgmma = false;  // the sm_90a kernels run on this device
   int x_dtype = FORGE_DTYPE_BF16, dy_dtype = FORGE_DTYPE_BF16;
   bool x_aligned16 = true, dy_aligned16 = true;  // base addresses
@@ -246,8 +292,8 @@ constexpr WgradPlan plan_wgrad(const WgradFacts& f, const DebugSwitches& d) {
       persistent_applies &&
       (d.persistent == PersistentOverride::kAlways ||
        (d.persistent == PersistentOverride::kAuto &&
-        persistent_pays(f.tokens, tiles, f.num_sms, f.weight_format, f.state_format,
-                        persistent_spec)));
+        persistent_pays(f.tokens, tiles, f.num_sms, f.dram_gbps, f.weight_format,
+                        f.state_format, persistent_spec)));
   if (use_persistent) {
     plan.path = WgradPath::kSm90Persistent;
     plan.persistent_spec = persistent_spec;

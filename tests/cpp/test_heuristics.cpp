@@ -24,13 +24,15 @@ using forge::cuda::WgradPath;
 using forge::cuda::WgradPlan;
 
 constexpr int kSms = 132;
+constexpr int kH200Gbps = 4915;  // what the H200 reports (memory clock × bus width)
+constexpr int kH100Gbps = 3352;  // the H100 SXM
 constexpr int64_t kMlpTiles = 112 * 32;  // 14336 × 4096 in 128 × 128 tiles: 27 per SM
 constexpr int64_t kQprojTiles = 32 * 32;  // 4096 × 4096: 7.8 per SM
 
 // ---- persistent_pays ------------------------------------------------------------------------
 
 bool mlp(int64_t tokens, int weight, int state) {
-  return persistent_pays(tokens, kMlpTiles, kSms, weight, state, true);
+  return persistent_pays(tokens, kMlpTiles, kSms, kH200Gbps, weight, state, true);
 }
 
 TEST(PersistentRule, BF16WeightAndStatesFromT1024) {
@@ -57,7 +59,8 @@ TEST(PersistentRule, StochasticWeightAndStatesFromT1024BelowT4096) {
 
 TEST(PersistentRule, OnlyLayersOfAtLeast16TilesPerSm) {
   auto bf16 = [](int64_t tiles) {
-    return persistent_pays(2048, tiles, kSms, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, true);
+    return persistent_pays(2048, tiles, kSms, kH200Gbps, FORGE_WEIGHT_BF16, FORGE_STATE_BF16,
+                           true);
   };
   EXPECT_FALSE(bf16(kQprojTiles));
   EXPECT_FALSE(bf16(16 * kSms - 1));
@@ -66,10 +69,74 @@ TEST(PersistentRule, OnlyLayersOfAtLeast16TilesPerSm) {
 
 TEST(PersistentRule, NeverWithoutASpecializedKernelOrOutsideItsFormats) {
   EXPECT_FALSE(
-      persistent_pays(2048, kMlpTiles, kSms, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, false));
+      persistent_pays(2048, kMlpTiles, kSms, kH200Gbps, FORGE_WEIGHT_BF16, FORGE_STATE_BF16,
+                      false));
   EXPECT_FALSE(mlp(2048, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_FP32));
   EXPECT_FALSE(mlp(2048, FORGE_WEIGHT_FP32, FORGE_STATE_FP32));
   EXPECT_FALSE(mlp(2048, FORGE_WEIGHT_BF16, FORGE_STATE_BF16_STOCHASTIC));
+}
+
+TEST(PersistentRule, Fp8StatesTakeInt8sWindowsOnTheH200) {
+  EXPECT_FALSE(mlp(1024, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64));
+  EXPECT_TRUE(mlp(2048, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64));
+  EXPECT_FALSE(mlp(2048, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64));
+  EXPECT_TRUE(mlp(4096, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64));
+}
+
+// The H100's windows (DRAM below 4 TB/s): wider, and on q_proj-sized layers too.
+bool h100(int64_t tokens, int64_t tiles, int weight, int state) {
+  return persistent_pays(tokens, tiles, kSms, kH100Gbps, weight, state, true);
+}
+
+TEST(PersistentRule, OnTheH100MlpLayersFromT1024ExceptSrWeightBeside1ByteStates) {
+  const int weights[] = {FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_STOCHASTIC};
+  const int states[] = {FORGE_STATE_BF16, FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,
+                        FORGE_STATE_FP8_BLOCK64};
+  for (int w : weights)
+    for (int s : states) {
+      // (a nearest weight beside SR states and the reverse have no specialized kernel)
+      if ((w == FORGE_WEIGHT_BF16 && s == FORGE_STATE_BF16_STOCHASTIC) ||
+          (w == FORGE_WEIGHT_BF16_STOCHASTIC && s == FORGE_STATE_BF16))
+        continue;
+      SCOPED_TRACE(std::to_string(w) + "/" + std::to_string(s));
+      EXPECT_FALSE(h100(512, kMlpTiles, w, s));
+      EXPECT_TRUE(h100(8192, kMlpTiles, w, s));
+      const bool sr_beside_1_byte =
+          w == FORGE_WEIGHT_BF16_STOCHASTIC && s != FORGE_STATE_BF16_STOCHASTIC;
+      EXPECT_EQ(h100(1024, kMlpTiles, w, s), !sr_beside_1_byte);
+    }
+  EXPECT_TRUE(h100(1536, kMlpTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64));
+  EXPECT_FALSE(h100(1536, kMlpTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64));
+  EXPECT_TRUE(h100(2048, kMlpTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64));
+  // the SR weight and states past the H200's window
+  EXPECT_TRUE(h100(4096, kMlpTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC));
+}
+
+TEST(PersistentRule, OnTheH100QprojSizedLayersInTheirWindows) {
+  EXPECT_TRUE(h100(1024, kQprojTiles, FORGE_WEIGHT_BF16, FORGE_STATE_BF16));
+  EXPECT_TRUE(h100(1024, kQprojTiles, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64));
+  EXPECT_TRUE(h100(1536, kQprojTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC));
+  EXPECT_FALSE(h100(2048, kQprojTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC));
+  EXPECT_FALSE(h100(1536, kQprojTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64));
+  EXPECT_TRUE(h100(2048, kQprojTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64));
+  EXPECT_FALSE(h100(1024, kQprojTiles, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64));
+  EXPECT_TRUE(h100(1536, kQprojTiles, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64));
+  EXPECT_FALSE(h100(3072, kQprojTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64));
+  EXPECT_TRUE(h100(4096, kQprojTiles, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64));
+  // k_proj-sized layers (1.9 tiles per SM) never
+  EXPECT_FALSE(h100(4096, 256, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64));
+  EXPECT_FALSE(h100(4096, 7 * kSms - 1, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64));
+}
+
+TEST(PersistentRule, ACardWithoutABandwidthTakesTheH200sWindows) {
+  for (int64_t tokens : {512, 1024, 2048, 4096, 8192})
+    for (int64_t tiles : {kQprojTiles, kMlpTiles})
+      EXPECT_EQ(persistent_pays(tokens, tiles, kSms, 0, FORGE_WEIGHT_BF16_STOCHASTIC,
+                                FORGE_STATE_BF16_STOCHASTIC, true),
+                persistent_pays(tokens, tiles, kSms, kH200Gbps, FORGE_WEIGHT_BF16_STOCHASTIC,
+                                FORGE_STATE_BF16_STOCHASTIC, true));
+  EXPECT_FALSE(persistent_pays(4096, kMlpTiles, kSms, 0, FORGE_WEIGHT_BF16_STOCHASTIC,
+                               FORGE_STATE_BF16_STOCHASTIC, true));
 }
 
 // ---- the plan -------------------------------------------------------------------------------
@@ -81,6 +148,7 @@ WgradFacts h200(int64_t rows, int64_t cols, int64_t tokens, int weight = FORGE_W
                 int state = FORGE_STATE_BF16) {
   WgradFacts f;
   f.num_sms = kSms;
+  f.dram_gbps = kH200Gbps;
   f.wgmma = true;
   f.x_dtype = f.dy_dtype = FORGE_DTYPE_BF16;
   f.x_aligned16 = f.dy_aligned16 = true;
