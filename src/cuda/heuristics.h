@@ -124,7 +124,9 @@ struct DebugSwitches {
 // tiles per SM it loses (k_proj, v_proj: 1.9), and on 7.8 (q_proj, o_proj) it is mixed.
 // The H100 SXM (3.35 TB/s; medians of 3 in one call, `gpu_check.sh ab` with
 // FORGE_DEBUG_PERSISTENT=0 / 1 and `--tokens 512,1024,1536,2048,3072,4096,8192`), gate_proj /
-// down_proj, then q_proj (7.8 tiles per SM), %:
+// down_proj, then q_proj (7.8 tiles per SM), %; a forced run also changes the kernels timed
+// beside each case and the card's clock with them, so these ratios guided the windows and
+// the A/B below decided them:
 //   T:                    512         1024        1536         2048         4096         8192
 //   bf16 W, bf16 states:  +1 / +3     -4 / -3     -6 / -5      -11 / -9     -8 / -10     -14 / -15
 //     q_proj:             +4          -10         -10          -5           -1           -6
@@ -141,7 +143,9 @@ struct DebugSwitches {
 // k_proj / v_proj (1.9 tiles per SM) lose on both cards at every T (+2 to +45 % on the H100).
 // At T = 512 the persistent kernel is slower in every format but one (its update, 8 warps per
 // SM against up to 16 when both CTAs of the two-CTA kernel update, is the limit).
-// A card takes the windows of the measured card nearest in DRAM bandwidth.
+// The H100 windows against the H200's on an H100, the two builds alternated in one call: each
+// of the 62 (layer, T, formats) cases whose kernel changed was faster, by 0.6 to 12.6 % (design
+// §4.4). A card takes the windows of the measured card nearest in DRAM bandwidth.
 struct PersistentWindow {
   int weight_format, state_format;
   int64_t min_tiles_per_sm;
