@@ -169,15 +169,14 @@ forge_status device_info(int index, DeviceInfo* out) {
   DeviceInfo& info = g_devices[index];
   if (!info.kernels_configured) {
     FORGE_CUDA_TRY(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, index));
-    // Peak DRAM bandwidth: two transfers per memory clock (kHz) over the bus (bits); 0 where
-    // the device does not report them.
+    // Peak DRAM bandwidth (0 where the device does not report its memory clock and bus).
     int memory_khz = 0, bus_bits = 0;
     if (cudaDeviceGetAttribute(&memory_khz, cudaDevAttrMemoryClockRate, index) != cudaSuccess ||
         cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, index) != cudaSuccess) {
       cudaGetLastError();  // a failed query's error is not the next call's
       memory_khz = bus_bits = 0;
     }
-    info.dram_gbps = static_cast<int>(2.0 * memory_khz * 1e3 * (bus_bits / 8) / 1e9);
+    info.dram_gbps = dram_gbps_of(memory_khz, bus_bits);
     const bool verbose = debug_switches().log;
     auto configure = [&](const void* fn, const char* name, size_t smem_bytes,
                          int threads = kThreads) -> forge_status {

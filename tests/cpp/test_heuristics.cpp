@@ -24,12 +24,19 @@ using forge::cuda::WgradPath;
 using forge::cuda::WgradPlan;
 
 constexpr int kSms = 132;
-constexpr int kH200Gbps = 4915;  // what the H200 reports (memory clock × bus width)
-constexpr int kH100Gbps = 3352;  // the H100 SXM
+constexpr int kH200Gbps = 4916;  // an H200-class card: 6144-bit bus at 3201 MHz
+constexpr int kH100Gbps = 3352;  // the H100 SXM as it reports itself: 5120 bits at 2619 MHz
 constexpr int64_t kMlpTiles = 112 * 32;  // 14336 × 4096 in 128 × 128 tiles: 27 per SM
 constexpr int64_t kQprojTiles = 32 * 32;  // 4096 × 4096: 7.8 per SM
 
 // ---- persistent_pays ------------------------------------------------------------------------
+
+TEST(DramBandwidth, FromTheMemoryClockAndBusTheDevicesReport) {
+  EXPECT_EQ(forge::cuda::dram_gbps_of(2619000, 5120), kH100Gbps);
+  EXPECT_EQ(forge::cuda::dram_gbps_of(3201000, 6144), kH200Gbps);
+  EXPECT_EQ(forge::cuda::dram_gbps_of(0, 5120), 0);
+  EXPECT_EQ(forge::cuda::dram_gbps_of(2619000, 0), 0);
+}
 
 bool mlp(int64_t tokens, int weight, int state) {
   return persistent_pays(tokens, kMlpTiles, kSms, kH200Gbps, weight, state, true);
