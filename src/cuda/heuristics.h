@@ -106,6 +106,15 @@ struct DebugSwitches {
 
 // ---- the policy -----------------------------------------------------------------------------
 
+// Peak DRAM bandwidth in GB/s from what the device reports: the memory clock in kHz
+// (cudaDevAttrMemoryClockRate), two transfers per clock, over a bus of `bus_bits`
+// (cudaDevAttrGlobalMemoryBusWidth). 0 where either is unknown.
+constexpr int dram_gbps_of(int memory_khz, int bus_bits) {
+  return memory_khz > 0 && bus_bits > 0
+             ? static_cast<int>(2 * static_cast<int64_t>(memory_khz) * (bus_bits / 8) / 1000000)
+             : 0;
+}
+
 // Whether the persistent kernel is the faster one for a step of `tokens` tokens on a layer of
 // `tiles` tiles in these formats, on a card of `dram_gbps` GB/s of DRAM bandwidth (0:
 // unknown). `spec_kernel`: it has a specialized kernel for the step's rule and formats
@@ -146,14 +155,6 @@ struct DebugSwitches {
 // The H100 windows against the H200's on an H100, the two builds alternated in one call: each
 // of the 62 (layer, T, formats) cases whose kernel changed was faster, by 0.6 to 12.6 % (design
 // §4.4). A card takes the windows of the measured card nearest in DRAM bandwidth.
-// Peak DRAM bandwidth in GB/s from what the device reports: the memory clock in kHz
-// (cudaDevAttrMemoryClockRate), two transfers per clock, over a bus of `bus_bits`
-// (cudaDevAttrGlobalMemoryBusWidth). 0 where either is unknown.
-constexpr int dram_gbps_of(int memory_khz, int bus_bits) {
-  return memory_khz > 0 && bus_bits > 0
-             ? static_cast<int>(2 * static_cast<int64_t>(memory_khz) * (bus_bits / 8) / 1000000)
-             : 0;
-}
 struct PersistentWindow {
   int weight_format, state_format;
   int64_t min_tiles_per_sm;

@@ -1,9 +1,9 @@
 // test_heuristics.cpp — the CUDA backend's kernel-choice policy (src/cuda/heuristics.h),
 // pinned on the CPU: the default choice of the persistent Hopper kernel (persistent_pays) on
-// the shapes it was measured on, and the whole plan (path, split-K, tile order, prefetch,
-// stagger, persistent grid) for Llama-3.1-8B's layers on a 132-SM H200, for split-K layers,
-// for the inputs that fall back from the Hopper kernels, for odd shapes and under the debug
-// overrides. The expected values are what the backend launches today: a change here is a
+// the shapes and cards it was measured on (the H200, the H100), and the whole plan (path,
+// split-K, tile order, prefetch, stagger, persistent grid) for Llama-3.1-8B's layers on a
+// 132-SM H200, for split-K layers, for the inputs that fall back from the Hopper kernels, for
+// odd shapes and under the debug overrides. The expected values are what the backend launches today: a change here is a
 // change of the kernels' launches, to be measured first.
 #include <gtest/gtest.h>
 
