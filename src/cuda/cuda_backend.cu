@@ -115,8 +115,10 @@ DebugSwitches read_debug_switches() {
     const int ns = std::atoi(v);
     d.stagger_ns = ns > 0 ? ns : 0;
   }
-  if (const char* v = std::getenv("FORGE_DEBUG_EPILOGUE_PREFETCH"))
-    d.epilogue_prefetch = v[0] != '0';
+  if (const char* v = std::getenv("FORGE_DEBUG_EPILOGUE_PREFETCH")) {
+    if (v[0] == '1') d.epilogue_prefetch = PrefetchOverride::kOn;
+    if (v[0] == '0') d.epilogue_prefetch = PrefetchOverride::kOff;
+  }
   if (const char* v = std::getenv("FORGE_DEBUG_PREFETCH_LEAD")) {
     const int lead = std::atoi(v);
     d.prefetch_lead = lead > 0 ? lead : kPrefetchLeadTokens;

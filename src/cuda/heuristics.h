@@ -77,7 +77,9 @@ constexpr int kStaggerMinWaves = 3;
 //                                    plain row-major order). Default: 0, group_height's choice.
 //   FORGE_DEBUG_STAGGER_NS=ns        the two-CTA Hopper kernel's stagger (0: off). Default:
 //                                    kStaggerNs.
-//   FORGE_DEBUG_EPILOGUE_PREFETCH=0  no L2 prefetch of the update's operands. Default: on.
+//   FORGE_DEBUG_EPILOGUE_PREFETCH=0|1 0: no L2 prefetch of the update's operands; 1: the
+//                                    prefetch on every card (with a nearest-rounded weight,
+//                                    no split-K). Default (unset): prefetch_pays.
 //   FORGE_DEBUG_PREFETCH_LEAD=tokens issue that prefetch this many tokens before the main
 //                                    loop's end. Default: kPrefetchLeadTokens.
 //   FORGE_DEBUG_TRACE=addr:records   (hex device address, count) the Hopper kernels write
@@ -90,6 +92,7 @@ constexpr int kStaggerMinWaves = 3;
 //                                    per kernel and formats), and each kernel's occupancy,
 //                                    registers and shared memory per device. Default: off.
 enum class PersistentOverride { kAuto, kAlways, kNever };
+enum class PrefetchOverride { kAuto, kOn, kOff };
 
 struct DebugSwitches {
   bool wgmma = true;
@@ -97,7 +100,7 @@ struct DebugSwitches {
   int64_t persistent_ctas = 0;  // 0: no cap
   int group_m = 0;              // 0: group_height
   int stagger_ns = kStaggerNs;
-  bool epilogue_prefetch = true;
+  PrefetchOverride epilogue_prefetch = PrefetchOverride::kAuto;
   int prefetch_lead = kPrefetchLeadTokens;
   unsigned long long trace_address = 0;  // 0: no trace
   int64_t trace_records = 0;
@@ -114,6 +117,24 @@ constexpr int dram_gbps_of(int memory_khz, int bus_bits) {
              ? static_cast<int>(2 * static_cast<int64_t>(memory_khz) * (bus_bits / 8) / 1000000)
              : 0;
 }
+
+// Whether a card's DRAM is of the H100's class (below 4 TB/s; unknown is not): the policies
+// measured on both cards differ there (persistent_pays, prefetch_pays).
+constexpr int kH100ClassMaxGbps = 4000;
+constexpr bool h100_class_dram(int dram_gbps) {
+  return dram_gbps > 0 && dram_gbps < kH100ClassMaxGbps;
+}
+
+// Whether the two-CTA kernels' L2 prefetch of the update's operands pays on this card.
+// NOTE: on the H200 it is neutral for bf16 states in total (31.3 ms at T = 512 on or off) and
+// mixed with int8 or master states (faster off at T = 512, slower off at 2048). On the H100 off
+// is as fast or faster at every T (`gpu_check.sh ab`, FORGE_DEBUG_EPILOGUE_PREFETCH=0 against
+// the default, two calls, medians of 3 and 5): Llama totals at T = 512 bf16 states 39.0 -> 37.5
+// and 39.1 -> 37.6 ms, int8 46.5 -> 44.8 and 46.8 -> 45.1, fp32 master 84.7 -> 70.8 and
+// 84.9 -> 70.8; at T = 2048 / 4096 master 100.2 -> 97.0 / 151.8 -> 144.2, the others within
+// 0.8 % (their MLP layers run the persistent kernel, which has no prefetch). The prefetch
+// competes with the other CTA's update for a DRAM the H100 has less of.
+constexpr bool prefetch_pays(int dram_gbps) { return !h100_class_dram(dram_gbps); }
 
 // Whether the persistent kernel is the faster one for a step of `tokens` tokens on a layer of
 // `tiles` tiles in these formats, on a card of `dram_gbps` GB/s of DRAM bandwidth (0:
@@ -161,7 +182,6 @@ struct PersistentWindow {
   int64_t min_tokens, max_tokens;  // [min, max]
 };
 constexpr int64_t kNoMaxTokens = INT64_MAX;
-constexpr int kPersistentH100MaxGbps = 4000;  // below: the H100's windows; else the H200's
 constexpr PersistentWindow kPersistentWindowsH200[] = {
     {FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 16, 1024, kNoMaxTokens},
     {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 16, 2048, kNoMaxTokens},
@@ -195,7 +215,7 @@ constexpr bool in_a_window(const PersistentWindow (&windows)[kCount], int64_t to
 constexpr bool persistent_pays(int64_t tokens, int64_t tiles, int num_sms, int dram_gbps,
                                int weight_format, int state_format, bool spec_kernel) {
   if (!spec_kernel) return false;
-  return dram_gbps > 0 && dram_gbps < kPersistentH100MaxGbps
+  return h100_class_dram(dram_gbps)
              ? in_a_window(kPersistentWindowsH100, tokens, tiles, num_sms, weight_format,
                            state_format)
              : in_a_window(kPersistentWindowsH200, tokens, tiles, num_sms, weight_format,
@@ -288,7 +308,9 @@ constexpr WgradPlan plan_wgrad(const WgradFacts& f, const DebugSwitches& d) {
   plan.splits = splits;
   plan.ktiles_per_split = per;
 
-  plan.prefetch = splits == 1 && d.epilogue_prefetch;
+  plan.prefetch = splits == 1 && (d.epilogue_prefetch == PrefetchOverride::kOn ||
+                                   (d.epilogue_prefetch == PrefetchOverride::kAuto &&
+                                    prefetch_pays(f.dram_gbps)));
   plan.prefetch_lead = d.prefetch_lead;
   plan.group_m = d.group_m > 0 ? d.group_m : group_height(tiles, f.num_sms);
 

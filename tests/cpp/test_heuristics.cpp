@@ -17,6 +17,7 @@ namespace {
 
 using forge::cuda::DebugSwitches;
 using forge::cuda::PersistentOverride;
+using forge::cuda::PrefetchOverride;
 using forge::cuda::persistent_pays;
 using forge::cuda::plan_wgrad;
 using forge::cuda::WgradFacts;
@@ -533,10 +534,27 @@ TEST(WgradPlanDebug, GroupStaggerAndPrefetchKnobs) {
   EXPECT_EQ(p.prefetch_lead, 512);
   EXPECT_TRUE(p.prefetch);
   d.stagger_ns = 1000;
-  d.epilogue_prefetch = false;
+  d.epilogue_prefetch = PrefetchOverride::kOff;
   p = plan(h200(4096, 4096, 512), d);
   EXPECT_EQ(p.stagger_ns, 1000);
   EXPECT_FALSE(p.prefetch);
+}
+
+TEST(WgradPlanDebug, PrefetchOffOnTheH100UnlessForcedOn) {
+  WgradFacts f = h200(4096, 4096, 512);
+  f.dram_gbps = kH100Gbps;
+  EXPECT_FALSE(plan(f).prefetch);
+  DebugSwitches d;
+  d.epilogue_prefetch = PrefetchOverride::kOn;
+  EXPECT_TRUE(plan(f, d).prefetch);
+  // still never beside a stochastically rounded weight
+  f.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
+  f.state_format = FORGE_STATE_BF16_STOCHASTIC;
+  EXPECT_FALSE(plan(f, d).prefetch);
+  // a card that reports no bandwidth takes the H200's rule
+  f = h200(4096, 4096, 512);
+  f.dram_gbps = 0;
+  EXPECT_TRUE(plan(f).prefetch);
 }
 
 TEST(ElementwiseBlocks, OneCtaPerEightWarpsUpTo16PerSm) {
