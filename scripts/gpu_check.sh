@@ -128,7 +128,9 @@ if [ "${1:-}" = ab ]; then
   # order of the runs every other repetition, and prints bench/ab_totals.py's medians and
   # lowest-highest ranges. The card's clock moves between runs:
   # compare only within one call. Results:
-  # $OUT/<label>-r<rep>/bench.md.
+  # $OUT/<label>-r<rep>/bench.md and bench.json, and setting.txt: the run's setting as given
+  # (the label drops its underscores), for `bench/record.py --ab "$(cat setting.txt)"`; a
+  # baseline build's runs say "default", their binary's path in the recorded command.
   # FORGE_AB_BASELINE=<commit> also builds the benchmark at that commit (a git worktree) and
   # runs it as the setting "base": a code change against its parent in one call. A build tree
   # holding bench/wgrad_bench (made beforehand) is taken as it is. Several (space-separated)
@@ -207,6 +209,7 @@ if [ "${1:-}" = ab ]; then
       IFS='|' read -r bin label setting <<<"$run"
       d="$OUT/$label-r$rep"
       mkdir -p "$d"
+      echo "$setting" >"$d/setting.txt"
       # A setting's VAR=value items go to the environment, its --flag items to the command line.
       env_args=() arg_items=()
       if [ "$setting" != default ]; then
