@@ -5,7 +5,6 @@
 // gathers the facts, reads the debug switches once, and executes the plan.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 
 #include "forge/forge.h"
@@ -177,49 +176,41 @@ constexpr bool prefetch_pays(int dram_gbps) { return !h100_class_dram(dram_gbps)
 // of the 62 (layer, T, formats) cases whose kernel changed was faster, by 0.6 to 12.6 % (design
 // §4.4). A card takes the windows of the measured card nearest in DRAM bandwidth.
 struct PersistentWindow {
+  bool h100;  // the H100's window (h100_class_dram), else the H200's
   int weight_format, state_format;
   int64_t min_tiles_per_sm;
   int64_t min_tokens, max_tokens;  // [min, max]
 };
 constexpr int64_t kNoMaxTokens = INT64_MAX;
-constexpr PersistentWindow kPersistentWindowsH200[] = {
-    {FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 16, 1024, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 16, 2048, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 16, 1024, 4095},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 16, 4096, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 16, 2048, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 16, 4096, kNoMaxTokens},
+constexpr bool kH200 = false, kH100 = true;
+constexpr PersistentWindow kPersistentWindows[] = {
+    {kH200, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 16, 1024, kNoMaxTokens},
+    {kH200, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 16, 2048, kNoMaxTokens},
+    {kH200, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 16, 1024, 4095},
+    {kH200, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 16, 4096, kNoMaxTokens},
+    {kH200, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 16, 2048, kNoMaxTokens},
+    {kH200, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 16, 4096, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 7, 1024, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 16, 1024, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 7, 1024, 1536},
+    {kH100, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 7, 1024, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 16, 1536, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 7, 2048, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 16, 1024, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 7, 1536, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 16, 2048, kNoMaxTokens},
+    {kH100, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 7, 4096, kNoMaxTokens},
 };
-constexpr PersistentWindow kPersistentWindowsH100[] = {
-    {FORGE_WEIGHT_BF16, FORGE_STATE_BF16, 7, 1024, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 16, 1024, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, 7, 1024, 1536},
-    {FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, 7, 1024, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 16, 1536, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, 7, 2048, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 16, 1024, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, 7, 1536, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 16, 2048, kNoMaxTokens},
-    {FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, 7, 4096, kNoMaxTokens},
-};
-template <std::size_t kCount>
-constexpr bool in_a_window(const PersistentWindow (&windows)[kCount], int64_t tokens,
-                           int64_t tiles, int num_sms, int weight_format, int state_format) {
-  for (const PersistentWindow& w : windows)
-    if (w.weight_format == weight_format && w.state_format == state_format &&
+constexpr bool persistent_pays(int64_t tokens, int64_t tiles, int num_sms, int dram_gbps,
+                               int weight_format, int state_format, bool spec_kernel) {
+  if (!spec_kernel) return false;
+  const bool h100 = h100_class_dram(dram_gbps);
+  for (const PersistentWindow& w : kPersistentWindows)
+    if (w.h100 == h100 && w.weight_format == weight_format && w.state_format == state_format &&
         tiles >= w.min_tiles_per_sm * static_cast<int64_t>(num_sms) && tokens >= w.min_tokens &&
         tokens <= w.max_tokens)
       return true;
   return false;
-}
-constexpr bool persistent_pays(int64_t tokens, int64_t tiles, int num_sms, int dram_gbps,
-                               int weight_format, int state_format, bool spec_kernel) {
-  if (!spec_kernel) return false;
-  return h100_class_dram(dram_gbps)
-             ? in_a_window(kPersistentWindowsH100, tokens, tiles, num_sms, weight_format,
-                           state_format)
-             : in_a_window(kPersistentWindowsH200, tokens, tiles, num_sms, weight_format,
-                           state_format);
 }
 
 // The tile rasterization's group height for a layer of `tiles` tiles on `num_sms` SMs.
