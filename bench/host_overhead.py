@@ -27,7 +27,8 @@ Linear (forge/_ops.py); the first warm-up step compiles.
 DIR (a checkout's python/ directory: `git worktree add /tmp/base REV`, then /tmp/base/python),
 in the same rounds and process as the two others: a change's before and after, compared where
 the host's drift cannot come between them (it moves these figures by tens of percent between
-processes). Both use the libforge this process loads.
+processes). Both use the libforge this process loads. Not with --compile (two packages cannot
+both define the forge:: operators): alternate the two checkouts' processes instead.
 
 Prints microseconds per Linear per step (median over the steps after 20 warm-ups); --json PATH
 also writes them for bench/record.py.
@@ -165,6 +166,11 @@ def main() -> int:
 
     if args.rounds < 1:
         p.error(f"--rounds: must be >= 1, got {args.rounds}")
+    if args.baseline and args.compile:
+        # (both packages would define the forge:: operators, and the second one's definition
+        # is refused: its compiled model would break the graph at every Linear)
+        p.error("--baseline with --compile: two FORGE packages in one process cannot both "
+                "register their operators; run each checkout's --compile in its own process")
     if args.hook_path:
         if args.layer != "scale":
             p.error("--hook-path: for --layer scale (a Linear's weight is fused)")
@@ -185,8 +191,6 @@ def main() -> int:
         baseline_model.load_state_dict(forge_model.state_dict())
         runs["baseline"] = (baseline_model, baseline_optim.AdamW(baseline_model, lr=1e-6,
                                                                  mode="immediate", **states))
-        if args.compile:
-            runs["baseline"] = (torch.compile(baseline_model), runs["baseline"][1])
     measured = {name: [] for name in runs}
     for r in range(args.rounds):
         for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):

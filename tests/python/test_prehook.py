@@ -177,6 +177,39 @@ def test_cpp_prehook_falls_back_for_second_and_outside_uses(cpp, device, monkeyp
             finish_step(models, opts)
 
 
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 8),
+                    reason="Dynamo traces the fused Linear's forward from torch 2.8 "
+                           "(test_compile.py)")
+@pytest.mark.parametrize("relu", [True, False])
+def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
+    """A compiled backward hands X and dY over in its graph (forge::wgrad_hand_off): the
+    hand-off arms the weight's record, and the C++ pre-hook makes each update, where a Linear
+    applied twice falls back (the graph sums its stand-ins); the same bits as the Python
+    hooks. Inductor, the backward with (relu) and without element-wise kernels."""
+    torch.manual_seed(0)
+    base = nn.ModuleDict({"a": nn.Linear(8, 16), "b": nn.Linear(16, 16, bias=False),
+                          "c": nn.Linear(16, 4)})
+
+    def forward(layers, x):
+        act = torch.relu if relu else (lambda t: t)
+        h = layers["b"](act(layers["a"](x)))
+        return layers["c"](act(layers["b"](act(h))))  # (b applied twice)
+
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (b's materialized path warns)
+        opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
+        torch._dynamo.reset()
+        steps = [torch.compile(lambda x, m=m: forward(m, x)) for m in models]
+        for step in range(STEPS):
+            x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(step))
+            for run in steps:
+                run(x).square().mean().backward()
+            made = calls_made_in_cpp(opts[0])
+            assert made == (["a.weight", "c.weight"] if step else []), made
+            finish_step(models, opts)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_cpp_prehook_a_backward_that_misses_a_weight_changes_nothing_of_it(cpp, device,
                                                                            monkeypatch):

@@ -678,7 +678,7 @@ class _RoutingMixin:
         takes the Python path: a parameter without states yet, a capture, another stream, an
         operand dtype the args do not fit. The step's first arming checks the step first
         (_check_step), as its first update would."""
-        if self._deferring or self._capturing or slot.layouts is not None or slot.in_graph_uses:
+        if self._deferring or self._capturing or slot.layouts is not None:
             return False
         if self._checked_step != self._step_id:
             self._check_step()  # (what the step's first update does: nothing has changed yet)
