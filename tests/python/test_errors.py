@@ -61,9 +61,14 @@ def test_bad_hyper_parameter(name, kwargs, error, match):
 
 
 def test_not_a_module():
+    """Parameters, or torch.optim's param groups, where the model goes: refused, saying
+    where the groups go."""
     model = TinyTransformer()
     with pytest.raises(TypeError, match="nn.Module"):
         forge.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"nn.Module to train, got list .*params="):
+        forge.optim.AdamW([{"params": list(model.parameters()), "weight_decay": 0.0}])
+    assert_untouched(model)
 
 
 def test_model_without_parameters():

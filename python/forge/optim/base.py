@@ -166,7 +166,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self._torch_name}: the first argument must be the nn.Module to "
                             f"train, got {type(model).__name__} (forge.optim takes the model, "
-                            "not model.parameters())")
+                            "not model.parameters(); param groups go in params=, after it)")
         check_storage_options(state_format, min_8bit_size)
         if stochastic_rounding is not None and not isinstance(stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding: must be a bool or None, got "
