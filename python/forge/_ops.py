@@ -8,11 +8,13 @@ AOTAutograd and Inductor:
 
   forge::wgrad_hand_off(x, dy, weight, key) -> W's gradient stand-in
       runs, when the compiled backward reaches it, the slot's own hand-off
-      (_Slot.hand_off_in_graph) for the slot registered under `key` (_linear.slot_of_key).
-      Its output is W's gradient in the graph, so it is never dead code: the slot's
-      stand-in, one zero expanded to W's shape (the fake gives the same layout; a new
-      tensor, never an alias of an input). W's AccumulateGrad pre-hook runs the fused step
-      after the compiled backward, as in eager.
+      (_Slot.hand_off_in_graph) for the slot registered under `key` (_linear.slot_of_key);
+      where the C++ part of fused Linears is built, its kernel first arms the slot's record
+      if the update is ready (forge/csrc/prehook.cpp), without Python. Its output is W's
+      gradient in the graph, so it is never dead code: the slot's stand-in, one zero
+      expanded to W's shape (the fake gives the same layout; a new tensor, never an alias
+      of an input). W's AccumulateGrad pre-hook runs the fused step after the compiled
+      backward, as in eager.
   forge::bias_grad(dy) -> Σ_t dY, summed by aten as the eager backward sums it (an
       Inductor reduction sums in its own order), so db has eager's bits.
 
@@ -32,16 +34,19 @@ import warnings
 
 import torch
 
-from . import _linear
+from . import _linear, _prehook
 
 _READY = None  # ready()'s answer, once known
 _LIB = None    # the torch.library.Library holding the operators (kept alive)
 
 
 def _define_ops() -> None:
-    """Registers the two operators: defined by schema, one Python kernel for every device
+    """Registers the two operators: defined by schema, one kernel for every device
     (CompositeExplicitAutograd) and a fake one. (torch.library.custom_op would wrap each call
-    in its own Python dispatch layers: 13 against 3 µs a call, docs/design.md §7.4.)"""
+    in its own Python dispatch layers: 13 against 3 µs a call, docs/design.md §7.4.) Where the
+    C++ part of fused Linears is built (forge/_prehook.py), the hand-off's kernel is its:
+    it arms a weight whose update is ready as the C++ Linear backward does, and calls the
+    Python one below for everything else."""
     global _LIB
     lib = torch.library.Library("forge", "FRAGMENT")
     tags = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -60,7 +65,11 @@ def _define_ops() -> None:
     def bias_grad(dy):
         return dy.reshape(-1, dy.shape[-1]).sum(0)
 
-    lib.impl("wgrad_hand_off", wgrad_hand_off, "CompositeExplicitAutograd")
+    cpp = _prehook.get()
+    if cpp is not None:  # (its kernel arms a ready weight's record, this one for the rest)
+        cpp.register_hand_off(wgrad_hand_off)
+    else:
+        lib.impl("wgrad_hand_off", wgrad_hand_off, "CompositeExplicitAutograd")
     lib.impl("bias_grad", bias_grad, "CompositeExplicitAutograd")
     torch.library.register_fake("forge::wgrad_hand_off",
                                 lambda x, dy, weight, key: weight.new_empty(()).expand(weight.shape),

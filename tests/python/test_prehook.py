@@ -182,10 +182,11 @@ def test_cpp_prehook_falls_back_for_second_and_outside_uses(cpp, device, monkeyp
                            "(test_compile.py)")
 @pytest.mark.parametrize("relu", [True, False])
 def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
-    """A compiled backward hands X and dY over in its graph (forge::wgrad_hand_off): the
-    hand-off arms the weight's record, and the C++ pre-hook makes each update, where a Linear
-    applied twice falls back (the graph sums its stand-ins); the same bits as the Python
-    hooks. Inductor, the backward with (relu) and without element-wise kernels."""
+    """A compiled backward hands X and dY over in its graph (forge::wgrad_hand_off): its C++
+    kernel arms the weight's record but for the step's first hand-off (Python's, which
+    checks the step) and a second use, and the C++ pre-hook makes each update but that of a
+    Linear applied twice (the graph sums its stand-ins); the same bits as the Python hooks.
+    Inductor, the backward with (relu) and without element-wise kernels."""
     torch.manual_seed(0)
     base = nn.ModuleDict({"a": nn.Linear(8, 16), "b": nn.Linear(16, 16, bias=False),
                           "c": nn.Linear(16, 4)})
@@ -196,15 +197,31 @@ def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
         return layers["c"](act(layers["b"](act(h))))  # (b applied twice)
 
     models = [copy.deepcopy(base), copy.deepcopy(base)]
+    entered = []  # the C++ optimizer's hand-offs that entered Python
+    python_hand_off = forge.optim.routing._Slot.hand_off_in_graph
+
+    def counted(slot, *args):
+        if slot.record is not None:
+            entered.append(slot.name)
+        return python_hand_off(slot, *args)
+
+    monkeypatch.setattr(forge.optim.routing._Slot, "hand_off_in_graph", counted)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (b's materialized path warns)
         opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
         torch._dynamo.reset()
         steps = [torch.compile(lambda x, m=m: forward(m, x)) for m in models]
         for step in range(STEPS):
+            entered.clear()
             x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(step))
             for run in steps:
                 run(x).square().mean().backward()
+            # (from the second step: the step's first hand-off, in the graph's order, and b's
+            # second; the first step makes the states in Python)
+            if step:
+                assert len(entered) == 2 and entered.count("b.weight") == 1, entered
+            else:
+                assert sorted(entered) == ["a.weight", "b.weight", "b.weight", "c.weight"]
             made = calls_made_in_cpp(opts[0])
             assert made == (["a.weight", "c.weight"] if step else []), made
             finish_step(models, opts)

@@ -14,10 +14,13 @@
 //     forge_wgrad_step through the library's function pointer, leaves the ConsumedGrad in
 //     W.grad and drops the gradient; Python commits the call's step count when it next meets
 //     the weight (Record::settle).
+//   - in a compiled backward (forge/_ops.py), the hand-off operator's kernel arms the record
+//     as the Linear's backward does, where it is ready, and returns the stand-in.
 // Anything else (not ready, armed already, another gradient, a refusal) goes to the Python
 // routing, with the GIL, which stays the reference; so does the post-hook's fallback, only
 // where no pre-hook ran.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -30,8 +33,10 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 
 namespace {
@@ -93,6 +98,7 @@ struct Record {
   int64_t ready_epoch = -1;    // the clock's epoch when Python readied the args; -1: not
   c10::StreamId stream_id = 0;  // the CUDA stream current then (the args hold its handle)
   State state = State::kIdle;
+  bool armed_in_graph = false;  // armed by a compiled backward's hand-off (hand_off)
   bool pre_ran = false;  // the pre-hook ran since the last post-hook
   bool enabled = true;   // false: gradients pass through (the optimizer was detached)
   py::object keep;       // the ctypes object at `args`, alive while the record is
@@ -134,6 +140,7 @@ struct Record {
     ldx = ldx_;
     lddy = lddy_;
     state = State::kArmed;
+    armed_in_graph = false;
     ready_epoch = -1;
   }
 
@@ -171,6 +178,7 @@ struct Record {
   py::object settle() {
     const State was = state;
     state = State::kIdle;
+    armed_in_graph = false;
     if (was == State::kIdle) return py::none();
     if (was == State::kCalled) return py::bool_(true);
     py::tuple pair = py::make_tuple(std::move(x), ldx, std::move(dy), lddy);
@@ -386,6 +394,56 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
+// A compiled backward's hand-off (forge::wgrad_hand_off(x, dy, weight, key), forge/_ops.py):
+// the record registered under the slot's key is armed as FusedLinearBackward arms it, and W's
+// stand-in returned; anything else goes to the operator's Python kernel (_Slot.hand_off_in_graph:
+// its checks and refusals, the step's first hand-off, which checks the step and readies the
+// records, a second use of W). Records are held weakly: a slot's new record replaces its old.
+std::mutex hand_off_mutex;
+std::unordered_map<int64_t, std::weak_ptr<Record>> hand_off_records;  // slot key -> record
+size_t hand_off_records_pruned_at = 0;  // the map's size after its last pruning
+py::object* hand_off_python = nullptr;  // the Python kernel (never freed: the operator is not)
+
+void register_hand_off_record(int64_t key, const std::shared_ptr<Record>& record) {
+  std::lock_guard<std::mutex> lock(hand_off_mutex);
+  hand_off_records[key] = record;
+  if (hand_off_records.size() > 2 * hand_off_records_pruned_at + 64) {  // (gone slots' keys)
+    for (auto it = hand_off_records.begin(); it != hand_off_records.end();)
+      it = it->second.expired() ? hand_off_records.erase(it) : std::next(it);
+    hand_off_records_pruned_at = hand_off_records.size();
+  }
+}
+
+at::Tensor hand_off(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& weight,
+                    int64_t key) {
+  std::shared_ptr<Record> record;
+  {
+    std::lock_guard<std::mutex> lock(hand_off_mutex);
+    auto it = hand_off_records.find(key);
+    if (it != hand_off_records.end()) record = it->second.lock();
+  }
+  // (a backward with create_graph=True: the Python path refuses or makes dW with its graph)
+  if (record && !at::GradMode::is_enabled() &&
+      weight_grad_use(record->weight) == kGradAccumulated && record->try_arm(x, dy)) {
+    record->armed_in_graph = true;
+    return record->stand_in;
+  }
+  py::gil_scoped_acquire gil;
+  return (*hand_off_python)(x, dy, weight, key).cast<at::Tensor>();
+}
+
+// The C++ kernel of forge::wgrad_hand_off for every device (CompositeExplicitAutograd, where
+// forge/_ops.py would register its Python one), with `python_kernel` behind it. Once per
+// process: the operator was defined by forge/_ops.py.
+void register_hand_off(py::object python_kernel) {
+  TORCH_CHECK(hand_off_python == nullptr, "forge: the hand-off's kernel is registered already");
+  hand_off_python = new py::object(std::move(python_kernel));
+  static auto* library = new torch::Library(torch::Library::IMPL, "forge",
+                                            c10::DispatchKey::CompositeExplicitAutograd,
+                                            __FILE__, __LINE__);
+  library->impl("wgrad_hand_off", TORCH_FN(hand_off));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -421,10 +479,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("armed", [](const Record& r) { return r.state == State::kArmed; })
       .def_property_readonly("called", [](const Record& r) { return r.state == State::kCalled; })
       .def_property_readonly("busy", [](const Record& r) { return r.state != State::kIdle; })
+      .def_property_readonly("armed_in_graph", [](const Record& r) { return r.armed_in_graph; })
       .def_property_readonly("is_ready",
                              [](const Record& r) { return r.ready_epoch == r.clock->epoch; })
       .def_readwrite("enabled", &Record::enabled);
   m.def("install", &install);
+  m.def("register_hand_off", &register_hand_off);
+  m.def("register_hand_off_record", &register_hand_off_record);
   m.def("weight_grad_use", &weight_grad_use);
   m.def("fused_linear", &fused_linear, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("record"), py::arg("compute_dtype") = py::none());

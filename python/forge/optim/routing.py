@@ -560,6 +560,7 @@ class _RoutingMixin:
                                      lambda status, ref=ref: _armed_call_failed(ref, status),
                                      lambda x, dy, w, ref=ref: _linear_fallback(ref, x, dy, w))
             cpp.install(slot.record)
+            cpp.register_hand_off_record(slot.key, slot.record)  # (a compiled backward's)
             if slot.kind == "Linear":
                 slot.cpp_linear = cpp.fused_linear
             return
@@ -696,8 +697,11 @@ class _RoutingMixin:
         """Once Python meets an armed weight again (its next use, its node's Python hooks,
         step()): a call the C++ pre-hook made is committed (the step count and updated_at, as
         _update_wgrad's success sets them); an armed call never made becomes the pending pair
-        the Python path expects (one use of W, its stand-in returned)."""
-        settled = slot.record.settle() if slot.record is not None else None
+        the Python path expects (one use of W, its stand-in returned; a compiled backward's,
+        where the C++ hand-off armed it, counted among in_graph_uses)."""
+        record = slot.record
+        in_graph = record is not None and record.armed_in_graph
+        settled = record.settle() if record is not None else None
         if settled is None:
             return
         if settled is True:
@@ -711,6 +715,8 @@ class _RoutingMixin:
         index = dy2.get_device() if dy2.is_cuda else None
         slot.pending.append((x2, ldx, dy2, lddy, slot.ready[1], index))
         slot.uses = max(slot.uses, 1)
+        if in_graph:  # (the C++ hand-off's use, which hand_off_in_graph did not count)
+            slot.in_graph_uses += 1
         slot.marker = slot.stand_in
 
     def _settle_all(self) -> None:
