@@ -1,5 +1,6 @@
 """_prehook.py — the C++ part of fused Linears (csrc/prehook.cpp), built against the torch in
-use: the fused weights' AccumulateGrad pre-hook and an nn.Linear forward with a C++ backward.
+use: the fused weights' AccumulateGrad pre-hook, an nn.Linear forward with a C++ backward, and
+the kernel of a compiled backward's hand-off (forge/_ops.py).
 
 A fused weight's update runs at its AccumulateGrad node; entering Python there and in the
 Linear's backward is the largest part of FORGE's host time per Linear on small models

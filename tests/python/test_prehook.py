@@ -181,7 +181,8 @@ def test_cpp_prehook_falls_back_for_second_and_outside_uses(cpp, device, monkeyp
                     reason="Dynamo traces the fused Linear's forward from torch 2.8 "
                            "(test_compile.py)")
 @pytest.mark.parametrize("relu", [True, False])
-def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, device, relu, monkeypatch):
     """A compiled backward hands X and dY over in its graph (forge::wgrad_hand_off): its C++
     kernel arms the weight's record but for the step's first hand-off (Python's, which
     checks the step) and a second use, and the C++ pre-hook makes each update but that of a
@@ -189,7 +190,7 @@ def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
     Inductor, the backward with (relu) and without element-wise kernels."""
     torch.manual_seed(0)
     base = nn.ModuleDict({"a": nn.Linear(8, 16), "b": nn.Linear(16, 16, bias=False),
-                          "c": nn.Linear(16, 4)})
+                          "c": nn.Linear(16, 4)}).to(device)
 
     def forward(layers, x):
         act = torch.relu if relu else (lambda t: t)
@@ -213,7 +214,7 @@ def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
         steps = [torch.compile(lambda x, m=m: forward(m, x)) for m in models]
         for step in range(STEPS):
             entered.clear()
-            x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(step)).to(device)
             for run in steps:
                 run(x).square().mean().backward()
             # (from the second step: the step's first hand-off, in the graph's order, and b's
