@@ -8,6 +8,8 @@ with a synchronize, so the figure is the wall time per step over LAYERS.
 --dtype bf16 runs the stack in bf16 with forge.optim's default states (stochastically rounded
 bf16), the configuration of forge-bench's forge-bf16 mode: on a Hopper GPU its steps take the
 TMA kernel, whose call also encodes two tensor maps (fp32 takes the SIMT kernel).
+--layer conv1d times transformers' Conv1D (GPT-2's transposed Linear, 16 × 16, with its bias)
+instead of nn.Linear (needs transformers).
 --layer scale times element-wise parameters instead: a stack of x * w with w a [1024]
 parameter (what a norm's weight costs: forge.optim's post-accumulate-grad hook and
 forge_elementwise_step per parameter, against torch's one multi-tensor step); its figure is
@@ -20,7 +22,8 @@ as they are): the stack is one graph, and FORGE's backward calls its custom oper
 Linear (forge/_ops.py); the first warm-up step compiles.
 
     python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100]
-                                  [--layer linear|scale] [--hook-path] [--steps 200] [--compile]
+                                  [--layer linear|conv1d|scale] [--hook-path] [--steps 200]
+                                  [--compile]
                                   [--profile N] [--baseline DIR]
 --profile N: then N more steps of each optimizer under cProfile (the top functions).
 --baseline DIR: also measure the forge.optim.AdamW of another FORGE, whose `forge` package is in
@@ -30,7 +33,7 @@ the host's drift cannot come between them (it moves these figures by tens of per
 processes). Both use the libforge this process loads. Not with --compile (two packages cannot
 both define the forge:: operators): alternate the two checkouts' processes instead.
 
-Prints microseconds per Linear per step (median over the steps after 20 warm-ups); --json PATH
+Prints microseconds per layer (or parameter) per step (median over the steps after 20 warm-ups); --json PATH
 also writes them for bench/record.py.
 """
 import argparse
@@ -137,7 +140,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--profile", type=int, default=0, metavar="N")
-    p.add_argument("--layer", choices=("linear", "scale"), default="linear",
+    p.add_argument("--layer", choices=("linear", "conv1d", "scale"), default="linear",
                    help="linear: 16x16 nn.Linear; scale: x * w, w of 1024 elements (see above)")
     p.add_argument("--hook-path", action="store_true",
                    help="--layer scale: the parameters on the hook path (see the file header)")
@@ -155,11 +158,18 @@ def main() -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    width = 16 if args.layer == "linear" else 1024
+    width = 1024 if args.layer == "scale" else 16
     x = torch.randn(4, width, device=device, dtype=dtype)
+    if args.layer == "conv1d":
+        try:
+            from transformers.pytorch_utils import Conv1D
+        except ImportError as e:
+            p.error(f"--layer conv1d: needs transformers ({e})")
 
     def layer():
-        return torch.nn.Linear(16, 16, bias=False) if args.layer == "linear" else Scale(width)
+        if args.layer == "linear":
+            return torch.nn.Linear(16, 16, bias=False)
+        return Conv1D(16, 16) if args.layer == "conv1d" else Scale(width)
 
     def stack():
         return torch.nn.Sequential(*[layer() for _ in range(args.layers)]).to(device, dtype)
@@ -205,16 +215,18 @@ def main() -> int:
         profile_steps(*runs["forge"], x, args.profile, "forge.optim.AdamW")
     compiled = (", hook path" if args.hook_path else "") + \
         (", torch.compile" if args.compile else "")
-    what = ("Linear", f"{args.layers} Linears of 16x16") if args.layer == "linear" else \
-        ("parameter", f"{args.layers} element-wise parameters of 1024")
+    what = {"linear": ("Linear", f"{args.layers} Linears of 16x16"),
+            "conv1d": ("Conv1D", f"{args.layers} Conv1Ds of 16x16 with bias"),
+            "scale": ("parameter", f"{args.layers} element-wise parameters of 1024")}[args.layer]
     print(f"host cost per {what[0]} per step ({what[1]}, {args.dtype}, {device}"
           f"{compiled}, torch {torch.__version__}, median of {args.rounds} round(s)): torch "
           f"AdamW(foreach) {torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us"
           + (f", {baseline} {baseline_us:.1f} us" if args.baseline else ""))
     if args.json:
-        shape = "Linears 16x16" if args.layer == "linear" else "element-wise params 1024"
+        shape = {"linear": "Linears 16x16", "conv1d": "Conv1Ds 16x16 with bias",
+                 "scale": "element-wise params 1024"}[args.layer]
         case = f"{args.layers} {shape} {args.dtype} {device.type}{compiled}"
-        metric = "us_per_linear" if args.layer == "linear" else "us_per_param"
+        metric = "us_per_param" if args.layer == "scale" else "us_per_linear"
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         with open(args.json, "w") as f:
             json.dump({"benchmark": "host_overhead", "gpu": gpu,

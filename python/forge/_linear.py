@@ -301,10 +301,10 @@ def _apply_fused(function, input: torch.Tensor, weight, bias, slot) -> torch.Ten
     if compute_dtype is None:
         return function.apply(input, weight, bias, slot, None, in_graph)
     input = input.to(compute_dtype)
-    cpp_linear = slot.cpp_linear
-    if (cpp_linear is not None and function is FusedLinearFunction and not compiling
+    cpp_linear = slot.cpp_linear  # (the C++ forward of the slot's layer kind)
+    if (cpp_linear is not None and not compiling
             and getattr(input, RECOMPUTE_ATTR, None) is None):
-        # (its inputs all of autocast's dtype, the forward's linear is the same under autocast)
+        # (its inputs all of autocast's dtype, the forward's product is the same under autocast)
         return cpp_linear(input, weight, bias, slot.record, compute_dtype)
     with torch.autocast(input.device.type, enabled=False):
         return function.apply(input, weight, bias, slot, compute_dtype, in_graph)
@@ -377,6 +377,13 @@ def _forge_conv1d_forward(self, input: torch.Tensor) -> torch.Tensor:
     slot = _live_slot(weight)
     if slot is None:
         return type(self).forward(self, input)  # Conv1D's own forward (checked in can_patch)
+    # NOTE: as _forge_linear_forward: the C++ Conv1D where the extension is built
+    if (_any_autocast is not None and not _any_autocast()
+            and not torch.compiler.is_compiling()):
+        cpp_conv1d = slot.cpp_linear
+        if cpp_conv1d is not None and getattr(input, RECOMPUTE_ATTR, None) is None:
+            return cpp_conv1d(input, weight, self.bias, slot.record)
+        return FusedConv1DFunction.apply(input, weight, self.bias, slot, None, False)
     return _apply_fused(FusedConv1DFunction, input, weight, self.bias, slot)
 
 

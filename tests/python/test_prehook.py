@@ -145,6 +145,38 @@ def test_cpp_linear_under_autocast_matches_the_python_function(cpp, device, monk
         finish_step(models, opts)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_conv1d_matches_the_python_function(cpp, device, autocast, monkeypatch):
+    """transformers' Conv1D (GPT-2's transposed Linear, W: [in, out]) on a 3-d input: the C++
+    forward and backward node (addmm over the rows, dX = dY·Wᵀ, the update's pair (dY, X)),
+    with and without bf16 autocast, and its bias or none; the same bits as the Python
+    Function, and every update from the second step armed and made in C++."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    no_bias = Conv1D(16, 16)
+    no_bias.bias = None  # (transformers' Conv1D always has one; a subclass may not)
+    base = nn.Sequential(Conv1D(16, 8), nn.Tanh(), no_bias, nn.Tanh(), Conv1D(4, 16)).to(device)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
+    assert all(s.kind == "Conv1D" for s in opts[0]._slots.values() if s.mode == "fused")
+    x = torch.randn(2, 3, 8, device=device)
+    for step in range(STEPS):
+        outs = []
+        for model in models:
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                outs.append(model(x))
+        assert outs[0].grad_fn.name() == "FusedConv1DBackward"
+        assert outs[1].grad_fn.name() != "FusedConv1DBackward"
+        assert outs[0].dtype == outs[1].dtype
+        assert torch.equal(outs[0], outs[1])
+        for out in outs:
+            out.float().square().mean().backward()
+        assert calls_made_in_cpp(opts[0]) == (["0.weight", "2.weight", "4.weight"] if step else [])
+        finish_step(models, opts)
+
+
 class TwiceAndOutside(nn.Module):
     """One Linear applied twice, another whose weight is also read outside it."""
 

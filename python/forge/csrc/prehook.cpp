@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -316,14 +317,19 @@ int weight_grad_use(const at::Tensor& weight) {
 
 // y = x·Wᵀ + b's backward: dX = dY·W (the weight as the forward saw it), db = Σ dY, and W's
 // update armed in its record (or handed to the Python Linear backward). The same operations
-// as forge/_linear.py's FusedLinearFunction.backward, so the same bits.
+// as forge/_linear.py's FusedLinearFunction.backward, so the same bits. With `conv1d`,
+// transformers' Conv1D (y = x·W + b, W: [in, out]) as FusedConv1DFunction.backward makes it:
+// dX = dY·Wᵀ in 2-d products, and the update's operand pair is (dY, X).
 struct FusedLinearBackward : torch::autograd::Node {
   torch::autograd::SavedVariable input, weight;
   std::shared_ptr<Record> record;
   std::optional<at::ScalarType> bias_dtype;     // none: no bias
   std::optional<at::ScalarType> compute_dtype;  // autocast's at forward; none: W's own
+  bool conv1d = false;
 
-  std::string name() const override { return "FusedLinearBackward"; }
+  std::string name() const override {
+    return conv1d ? "FusedConv1DBackward" : "FusedLinearBackward";
+  }
   FORGE_REFUSES_COMPILED_AUTOGRAD
 
   void release_variables() override {
@@ -337,27 +343,55 @@ struct FusedLinearBackward : torch::autograd::Node {
     at::Tensor x = input.unpack();
     at::Tensor w = weight.unpack();
     variable_list out(3);
-    if (should_compute_output(0))
-      out[0] = dy.matmul(compute_dtype ? w.to(*compute_dtype) : w);  // [..., in]
+    const at::Tensor dy2 = dy.dim() == 2 ? dy : dy.reshape({-1, dy.size(-1)});  // [T, out]
+    if (should_compute_output(0)) {
+      const at::Tensor wc = compute_dtype ? w.to(*compute_dtype) : w;
+      out[0] = conv1d ? dy2.mm(wc.t()).view(x.sizes()) : dy.matmul(wc);  // [..., in]
+    }
     if (bias_dtype && should_compute_output(2)) {
-      at::Tensor db = (dy.dim() == 2 ? dy : dy.reshape({-1, dy.size(-1)})).sum(0);  // [out]
+      at::Tensor db = dy2.sum(0);  // [out]
       out[2] = db.scalar_type() == *bias_dtype ? db : db.to(*bias_dtype);
     }
     if (should_compute_output(1)) {
       Record& r = *record;
+      // (the update's operands: dW = b_opᵀ·a_op, W [rows, cols], a_op [..., cols])
+      const at::Tensor& a_op = conv1d ? dy : x;
+      const at::Tensor& b_op = conv1d ? x : dy;
       const int use = weight_grad_use(r.weight);
       // (a backward with create_graph=True: the Python path makes dW with its graph)
-      if (use == kGradAccumulated && !at::GradMode::is_enabled() && r.try_arm(x, dy)) {
+      if (use == kGradAccumulated && !at::GradMode::is_enabled() && r.try_arm(a_op, b_op)) {
         out[1] = r.stand_in;
       } else if (use != kGradDropped) {
         py::gil_scoped_acquire gil;
-        py::object dw = r.linear_fallback(x, dy, w);
+        py::object dw = r.linear_fallback(a_op, b_op, w);
         if (!dw.is_none()) out[1] = dw.cast<at::Tensor>();
       }
     }
     return out;
   }
 };
+
+// y's autograd history: a FusedLinearBackward node (conv1d: Conv1D's) over x, weight, bias.
+at::Tensor with_fused_backward(at::Tensor y, const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& bias, std::shared_ptr<Record> record,
+                               std::optional<at::ScalarType> compute_dtype, bool conv1d) {
+  // NOTE: a product reshaped to a 3-d input's rows is a view of the 2-d one; the node's output
+  // must not be a view (autograd would rebuild a view's grad_fn from its base after an
+  // in-place op), and the base is this call's own buffer.
+  if (y.is_view()) y = at::_unsafe_view(y, y.sizes());
+  if (!torch::autograd::compute_requires_grad(x, weight, bias)) return y;
+  NodePtr node = make_node<FusedLinearBackward>();
+  auto& n = static_cast<FusedLinearBackward&>(*node);
+  n.set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+  n.input = torch::autograd::SavedVariable(x, false);
+  n.weight = torch::autograd::SavedVariable(weight, false);
+  n.record = std::move(record);
+  n.compute_dtype = compute_dtype;
+  n.conv1d = conv1d;
+  if (bias.defined()) n.bias_dtype = bias.scalar_type();
+  torch::autograd::set_history(y, node);
+  return y;
+}
 
 // F.linear(x, weight, bias) with a FusedLinearBackward node (forge/_linear.py's fast path);
 // with compute_dtype (autocast's, x already cast by the caller) W and b are cast to it, as
@@ -376,22 +410,31 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
     } else {
       y = at::linear(x, weight, bias_);
     }
-    // NOTE: a 3-d input with a bias comes back as a view of the 2-d product; the node's
-    // output must not be a view (autograd would rebuild a view's grad_fn from its base after
-    // an in-place op), and the base is this call's own buffer.
-    if (y.is_view()) y = at::_unsafe_view(y, y.sizes());
   }
-  if (!torch::autograd::compute_requires_grad(x, weight, bias)) return y;
-  NodePtr node = make_node<FusedLinearBackward>();
-  auto& n = static_cast<FusedLinearBackward&>(*node);
-  n.set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
-  n.input = torch::autograd::SavedVariable(x, false);
-  n.weight = torch::autograd::SavedVariable(weight, false);
-  n.record = std::move(record);
-  n.compute_dtype = compute_dtype;
-  if (bias.defined()) n.bias_dtype = bias.scalar_type();
-  torch::autograd::set_history(y, node);
-  return y;
+  return with_fused_backward(std::move(y), x, weight, bias, std::move(record), compute_dtype,
+                             false);
+}
+
+// transformers' Conv1D forward, y = x·W + b with W: [in, out], as FusedConv1DFunction.forward
+// computes it (torch.addmm over x's rows, as Conv1D's own forward), with its backward node.
+at::Tensor fused_conv1d(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias_, std::shared_ptr<Record> record,
+                        std::optional<at::ScalarType> compute_dtype) {
+  const at::Tensor bias = bias_.has_value() ? *bias_ : at::Tensor();
+  at::Tensor y;
+  {
+    at::AutoGradMode no_grad(false);
+    const at::Tensor w = compute_dtype ? weight.to(*compute_dtype) : weight;  // [in, out]
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)});                        // [T, in]
+    at::Tensor y2 = bias.defined()
+                        ? at::addmm(compute_dtype ? bias.to(*compute_dtype) : bias, x2, w)
+                        : x2.mm(w);  // [T, out]
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(w.size(1));
+    y = y2.view(shape);  // [..., out]
+  }
+  return with_fused_backward(std::move(y), x, weight, bias, std::move(record), compute_dtype,
+                             true);
 }
 
 // A compiled backward's hand-off (forge::wgrad_hand_off(x, dy, weight, key), forge/_ops.py):
@@ -488,6 +531,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_hand_off_record", &register_hand_off_record);
   m.def("weight_grad_use", &weight_grad_use);
   m.def("fused_linear", &fused_linear, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("record"), py::arg("compute_dtype") = py::none());
+  m.def("fused_conv1d", &fused_conv1d, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("record"), py::arg("compute_dtype") = py::none());
   m.def("set_operand_layout", [](std::vector<std::pair<size_t, size_t>> fields) {
     TORCH_CHECK(fields.size() == kOperands, "forge: ", kOperands, " operand fields expected");

@@ -137,8 +137,9 @@ class _Slot:
         self.kept_args: Dict[str, Any] = {}
         # The C++ part (forge/_prehook.py), where built: its record of this weight (the kept
         # call, armed by a Linear's backward and made by W's node pre-hook), what was last
-        # given to it (args, stand-in, ConsumedGrad), and the extension's Linear (the fused
-        # forward with the C++ backward node; None: FusedLinearFunction).
+        # given to it (args, stand-in, ConsumedGrad), and the extension's forward of this
+        # layer's kind, fused_linear or fused_conv1d (with the C++ backward node; None:
+        # FusedLinearFunction or FusedConv1DFunction).
         self.record = None
         self.record_call: Optional[tuple] = None
         self.cpp_linear = None
@@ -561,8 +562,7 @@ class _RoutingMixin:
                                      lambda x, dy, w, ref=ref: _linear_fallback(ref, x, dy, w))
             cpp.install(slot.record)
             cpp.register_hand_off_record(slot.key, slot.record)  # (a compiled backward's)
-            if slot.kind == "Linear":
-                slot.cpp_linear = cpp.fused_linear
+            slot.cpp_linear = cpp.fused_linear if slot.kind == "Linear" else cpp.fused_conv1d
             return
         slot.handles.append(slot.acc_node.register_prehook(python_prehook))
         # Fallback: torch 2.4's non-reentrant checkpoint runs W's AccumulateGrad without its

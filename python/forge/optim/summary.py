@@ -130,7 +130,7 @@ def describe(opt, verbose: bool = False) -> str:
                 and _prehook.failure else "(sharded or detached)")
         lines.append(f"  fused weights' update inside backward: the C++ pre-hook for {in_cpp}"
                      f" (of which {sum(1 for s in fused_slots if s.cpp_linear is not None)} "
-                     f"with the C++ Linear backward){why}")
+                     f"with the C++ Linear or Conv1D backward){why}")
     parts = [f"{fmt} {_bytes(b)} ({_plural(n, 'parameter')})"
              for fmt, (n, b) in sorted(states.items()) if b]
     lines.append("  optimizer states (made at each parameter's first update): "
