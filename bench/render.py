@@ -234,9 +234,9 @@ def main(argv=None) -> int:
             cur, lambda figures, _: render_simple(figures, "parity", 4)),
         "host.md": page(
             "The host's cost per layer per step",
-            "bench/host_overhead.py: a stack of tiny Linears (or of element-wise parameters, "
-            "`--layer scale`), so that only the host's work per layer is timed (median µs per "
-            "Linear or parameter per step).",
+            "bench/host_overhead.py: a stack of tiny Linears (or transformers Conv1Ds, "
+            "`--layer conv1d`, or element-wise parameters, `--layer scale`), so that only the "
+            "host's work per layer is timed (median µs per layer or parameter per step).",
             cur, lambda figures, _: render_simple(figures, "host_overhead", 1)),
     }
     for name, lines in pages.items():
