@@ -310,21 +310,26 @@ def _apply_fused(function, input: torch.Tensor, weight, bias, slot) -> torch.Ten
         return function.apply(input, weight, bias, slot, compute_dtype, in_graph)
 
 
+def _fused_forward(function, input: torch.Tensor, weight, bias, slot) -> torch.Tensor:
+    """A fused layer's forward: _apply_fused, its common case (no autocast, eager) first."""
+    # NOTE: once per fused layer per step; where the C++ extension is built
+    # (forge/_prehook.py), its forward of the layer's kind: the same product, a C++ backward
+    # node (no Python in backward unless the update takes the Python path)
+    if (_any_autocast is not None and not _any_autocast()
+            and not torch.compiler.is_compiling()):
+        cpp_forward = slot.cpp_linear
+        if cpp_forward is not None and getattr(input, RECOMPUTE_ATTR, None) is None:
+            return cpp_forward(input, weight, bias, slot.record)
+        return function.apply(input, weight, bias, slot, None, False)
+    return _apply_fused(function, input, weight, bias, slot)
+
+
 def _forge_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     weight = self.weight  # NOTE: once: a module attribute lookup is a slow path in Python
     slot = _live_slot(weight)
     if slot is None:
         return F.linear(input, weight, self.bias)
-    # NOTE: _apply_fused's common case (no autocast, eager) inline: once per Linear per step;
-    # where the C++ extension is built (forge/_prehook.py), its Linear: the same forward, a
-    # C++ backward node (no Python in backward unless the update takes the Python path)
-    if (_any_autocast is not None and not _any_autocast()
-            and not torch.compiler.is_compiling()):
-        cpp_linear = slot.cpp_linear
-        if cpp_linear is not None and getattr(input, RECOMPUTE_ATTR, None) is None:
-            return cpp_linear(input, weight, self.bias, slot.record)
-        return FusedLinearFunction.apply(input, weight, self.bias, slot, None, False)
-    return _apply_fused(FusedLinearFunction, input, weight, self.bias, slot)
+    return _fused_forward(FusedLinearFunction, input, weight, self.bias, slot)
 
 
 class FusedConv1DFunction(torch.autograd.Function):
@@ -377,14 +382,7 @@ def _forge_conv1d_forward(self, input: torch.Tensor) -> torch.Tensor:
     slot = _live_slot(weight)
     if slot is None:
         return type(self).forward(self, input)  # Conv1D's own forward (checked in can_patch)
-    # NOTE: as _forge_linear_forward: the C++ Conv1D where the extension is built
-    if (_any_autocast is not None and not _any_autocast()
-            and not torch.compiler.is_compiling()):
-        cpp_conv1d = slot.cpp_linear
-        if cpp_conv1d is not None and getattr(input, RECOMPUTE_ATTR, None) is None:
-            return cpp_conv1d(input, weight, self.bias, slot.record)
-        return FusedConv1DFunction.apply(input, weight, self.bias, slot, None, False)
-    return _apply_fused(FusedConv1DFunction, input, weight, self.bias, slot)
+    return _fused_forward(FusedConv1DFunction, input, weight, self.bias, slot)
 
 
 _FORGE_FORWARDS = (_forge_linear_forward, _forge_conv1d_forward)
