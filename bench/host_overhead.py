@@ -33,8 +33,8 @@ the host's drift cannot come between them (it moves these figures by tens of per
 processes). Both use the libforge this process loads. Not with --compile (two packages cannot
 both define the forge:: operators): alternate the two checkouts' processes instead.
 
-Prints microseconds per layer (or parameter) per step (median over the steps after 20 warm-ups); --json PATH
-also writes them for bench/record.py.
+Prints microseconds per layer (or parameter) per step (median over the steps after 20
+warm-ups); --json PATH also writes them for bench/record.py.
 """
 import argparse
 import cProfile
@@ -141,7 +141,8 @@ def main() -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--profile", type=int, default=0, metavar="N")
     p.add_argument("--layer", choices=("linear", "conv1d", "scale"), default="linear",
-                   help="linear: 16x16 nn.Linear; scale: x * w, w of 1024 elements (see above)")
+                   help="linear: 16x16 nn.Linear; conv1d: 16x16 transformers Conv1D; scale: "
+                        "x * w, w of 1024 elements (see above)")
     p.add_argument("--hook-path", action="store_true",
                    help="--layer scale: the parameters on the hook path (see the file header)")
     p.add_argument("--compile", action="store_true",

@@ -604,14 +604,18 @@ def test_host_overhead_bench_runs():
     """bench/host_overhead.py (a benchmark, not timed here) runs and prints both figures."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
                           "host_overhead.py")
-    for extra in ([], ["--layer", "scale", "--hook-path"]):
+    layers = [[], ["--layer", "scale", "--hook-path"]]
+    if importlib.util.find_spec("transformers") is not None:
+        layers.append(["--layer", "conv1d"])
+    for extra in layers:
         proc = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "3",
                                "--steps", "2", *extra], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0, proc.stderr
         line = proc.stdout.strip().splitlines()[-1]
         assert "torch AdamW(foreach)" in line and "forge.optim.AdamW" in line, line
-        assert ("hook path" in line) == bool(extra), line
+        assert ("hook path" in line) == ("--hook-path" in extra), line
+        assert ("Conv1Ds" in line) == ("conv1d" in extra), line
 
 
 def test_host_overhead_bench_measures_a_baseline(tmp_path):
@@ -634,6 +638,11 @@ def test_host_overhead_bench_measures_a_baseline(tmp_path):
                           "cpu", "--layers", "1", "--steps", "1", "--baseline", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--baseline" in bad.stderr, bad.stderr
+    compiled = subprocess.run([sys.executable, os.path.join(bench, "host_overhead.py"),
+                               "--device", "cpu", "--compile", "--baseline", python_dir],
+                              capture_output=True, text=True, timeout=120)
+    assert compiled.returncode != 0 and "--baseline with --compile" in compiled.stderr, \
+        compiled.stderr
 
 
 def _cpu_step_script():
