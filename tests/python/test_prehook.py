@@ -152,8 +152,7 @@ def test_cpp_conv1d_matches_the_python_function(cpp, device, autocast, monkeypat
     forward and backward node (addmm over the rows, dX = dY·Wᵀ, the update's pair (dY, X)),
     with and without bf16 autocast, and its bias or none; the same bits as the Python
     Function, and every update from the second step armed and made in C++."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.pytorch_utils import Conv1D
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
     torch.manual_seed(0)
     no_bias = Conv1D(16, 16)
     no_bias.bias = None  # (transformers' Conv1D always has one; a subclass may not)
