@@ -92,9 +92,11 @@ forge_status check_shard(const forge_param& p) {
                   "param.col_offset = %lld (both must be 0 then)", ro, co);
     return FORGE_OK;
   }
+  // (the message gives the terms, not their sum, which may not fit int64)
   if (co > fc - p.cols)
-    return fail(kBad, "param.full_cols: %lld, but the shard's columns end at param.col_offset + "
-                "param.cols = %lld", fc, co + static_cast<long long>(p.cols));
+    return fail(kBad, "param.full_cols: %lld, but the shard's columns end past it, at "
+                "param.col_offset + param.cols = %lld + %lld", fc, co,
+                static_cast<long long>(p.cols));
   // Every element's index in the full parameter, (row_offset + rows) · full_cols, counts in
   // int64 like an element count.
   int64_t indices = 0;

@@ -96,6 +96,7 @@ inline std::vector<BadCase> wgrad_cases() {
       {"shard_indices_overflow", [](forge_wgrad_args& a) { a.param.row_offset = int64_t(1) << 60; a.param.full_cols = 70; }, bad, "param.row_offset"},
       {"shard_int8_col_offset", [](forge_wgrad_args& a) { a.param.col_offset = 32; a.param.full_cols = 200; }, bad, "param.col_offset"},
       {"shard_int8_end_inside_block", [](forge_wgrad_args& a) { a.param.col_offset = 64; a.param.full_cols = 256; }, bad, "param.col_offset + param.cols"},
+      {"shard_near_int64_max", [](forge_wgrad_args& a) { a.param.col_offset = INT64_MAX - 5; a.param.full_cols = INT64_MAX; }, bad, "param.full_cols"},
   };
   if (forge_capabilities() & FORGE_CAP_CUDA) {
     c.push_back({"cuda_index", [](forge_wgrad_args& a) { a.device.kind = FORGE_DEVICE_CUDA; a.device.index = -1; }, bad, "device.index"});

@@ -371,3 +371,36 @@ TEST(Abi, OutOfRangeEnumValuesAreRefused) {
 
 }  // namespace
 }  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// A shard placement refused near the top of int64: the message gives the offending numbers as
+// they are (no sum that wraps: signed overflow is undefined behaviour, which the sanitizer build
+// stops at), naming the field, and nothing is written. Both step entry points.
+TEST(BadInput, ShardPlacementNearInt64MaxIsRefusedWithoutOverflow) {
+  Rng rng(fresh_seed());
+  const forge_hparams hp = adamw();
+  HostParam p(9, 70, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+  p.randomize(rng, hp);
+  p.p.col_offset = INT64_MAX - 5;
+  p.p.full_cols = INT64_MAX;
+  std::vector<float> grad(p.size(), 0.5f);
+  const Matrix x = random_matrix(rng, 5, 70, 70, FORGE_DTYPE_FP32);
+  const Matrix dy = random_matrix(rng, 5, 9, 9, FORGE_DTYPE_FP32);
+  const std::vector<uint8_t> before = p.snapshot();
+  for (int entry = 0; entry < 2; ++entry) {
+    SCOPED_TRACE(entry ? "forge_wgrad_step" : "forge_elementwise_step");
+    const forge_elementwise_args e = elementwise_args(p, hp, grad);
+    const forge_wgrad_args w = wgrad_args(p, hp, x, dy);
+    EXPECT_EQ(entry ? forge_wgrad_step(&w) : forge_elementwise_step(&e), FORGE_ERR_INVALID_ARGUMENT);
+    const std::string message = forge_last_error();
+    EXPECT_NE(message.find("param.full_cols"), std::string::npos) << message;
+    EXPECT_NE(message.find("9223372036854775802"), std::string::npos) << message;  // col_offset
+    EXPECT_EQ(message.find("-9223372036854775"), std::string::npos) << "a sum wrapped: " << message;
+    EXPECT_EQ(p.snapshot(), before);
+  }
+}
+
+}  // namespace
+}  // namespace forge_test
