@@ -326,9 +326,11 @@ FORGE_API forge_status forge_run_scalars_fill(const forge_hparams* hparams, void
 FORGE_API forge_status forge_wgrad_step(const forge_wgrad_args* args);
 FORGE_API forge_status forge_elementwise_step(const forge_elementwise_args* args);
 /* Many element-wise steps in one call: args[0 .. count), each what forge_elementwise_step takes.
- * Every entry is checked, and no entry's buffers may share bytes with another entry's where
- * either writes (the step's outputs, shared by design, aside), before any runs: a refusal names
- * the entry ("args[i]: ...") and writes nothing. The entries then run in order, each on its own
+ * Every entry is checked, and no entry's buffers (its parameter's, its gradient, its outputs
+ * and run_scalars) may share bytes with another entry's where either writes, before any runs:
+ * a refusal names the entry ("args[i]: ...") or both entries, and writes nothing. Entries may
+ * name the same output (one grad_sq_sum, one nonfinite_count for all: each adds to it in turn)
+ * and read the same run_scalars buffer. The entries then run in order, each on its own
  * device and stream, as that many forge_elementwise_step calls would; a device failure stops
  * the batch at the entry it names. count = 0 does nothing. */
 FORGE_API forge_status forge_elementwise_step_batch(const forge_elementwise_args* const* args,

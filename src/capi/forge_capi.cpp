@@ -14,6 +14,7 @@
 
 #include "backend.h"
 #include "capi/buffer_checks.h"
+#include "core/formats.h"
 #include "core/hparams.h"
 #include "core/rule_table.h"
 #include "core/run_scalars.h"
@@ -149,6 +150,24 @@ forge_status check_param(const forge_param& p, const RuleScalars& k) {
 }
 
 
+// A CPU step's int8 / fp8 absmax arrays hold what steps store: values in [0, the largest
+// bf16] (NaN, infinities and negative values refused, naming the block), so a block whose
+// absmax was set by hand never makes its elements skip forever. Host memory, read only; the
+// CUDA backend does not read device memory at the call (forge.h, "Skipped elements").
+forge_status check_absmax_values(const forge_param& p, int num_states) {
+  if (!is_block_format(p.state_format)) return FORGE_OK;
+  const int64_t blocks = p.rows * ((p.cols + FORGE_INT8_BLOCK - 1) / FORGE_INT8_BLOCK);
+  for (int i = 0; i < num_states; ++i) {
+    const float* absmax = p.state_absmax[i];
+    for (int64_t b = 0; b < blocks; ++b)
+      if (!(absmax[b] >= 0.0f && absmax[b] <= kBf16Max))
+        return fail(kBad, "param.state_absmax[%d][%lld]: %g is not an absmax a step stores (in "
+                    "[0, %g], the largest bf16)", i, static_cast<long long>(b),
+                    static_cast<double>(absmax[b]), static_cast<double>(kBf16Max));
+  }
+  return FORGE_OK;
+}
+
 // `k` (nullable) receives the step's scalars.
 forge_status check_hparams(const forge_hparams* hp, RuleScalars* k = nullptr) {
   if (!hp) return fail(kBad, "hparams: NULL");
@@ -229,13 +248,15 @@ forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
     return s;
   if (forge_status s = set.add("dy", a->dy, dy_elements * dyb, dyb, dyb == 4 ? "fp32" : "16-bit", false))
     return s;
-  return add_step_extras(set, a->outputs, a->hparams);
+  if (forge_status s = add_step_extras(set, a->outputs, a->hparams)) return s;
+  if (a->device.kind == FORGE_DEVICE_CPU) return check_absmax_values(a->param, k->num_states);
+  return FORGE_OK;
 }
 
-// `operands` (optional) receives the parameter's and the gradient's buffers, without the
-// step's outputs and run scalars (which the entries of a batch share).
+// `buffers` (optional) receives every buffer the call reads or writes: the parameter's, the
+// gradient, the step's outputs and run scalars.
 forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k,
-                               BufferSet* operands = nullptr) {
+                               BufferSet* buffers = nullptr) {
   if (forge_status s = check_step_common(a, "forge_elementwise_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
   if (!a->grad) return fail(kBad, "grad: NULL");
@@ -246,8 +267,11 @@ forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k,
   if (forge_status s = set.add("grad", a->grad, a->param.rows * a->param.cols * gb, gb,
                                gb == 4 ? "fp32" : "16-bit", false))
     return s;
-  if (operands) *operands = set;
-  return add_step_extras(set, a->outputs, a->hparams);
+  if (forge_status s = add_step_extras(set, a->outputs, a->hparams)) return s;
+  if (a->device.kind == FORGE_DEVICE_CPU)
+    if (forge_status s = check_absmax_values(a->param, k->num_states)) return s;
+  if (buffers) *buffers = set;
+  return FORGE_OK;
 }
 
 // A refusal of entry i of a batch: its message, prefixed with "args[i]: ".
@@ -257,28 +281,50 @@ forge_status fail_entry(forge_status code, int64_t i) {
   return fail(code, "args[%lld]: %s", static_cast<long long>(i), message);
 }
 
-// No two entries of a batch share bytes where either writes. Within an entry this was checked
-// (check_elementwise), so after sorting every entry's ranges by start, a range overlaps an
-// earlier one of another entry exactly when it starts below the largest end so far among the
-// earlier ranges it conflicts with (written ones for a read range, all for a written one).
-forge_status check_batch_overlaps(const std::vector<BufferSet>& operands) {
+// Whether `r` is one of a step's outputs (forge_step_outputs), which the entries of a batch
+// may share: the same grad_sq_sum, the same nonfinite_count.
+bool is_step_output(const BufferSet::Range& r) {
+  return std::strncmp(r.name, "outputs.", 8) == 0;
+}
+
+// No two entries of a batch share bytes where either writes, except one output that several
+// entries name as the same output (the same bytes, the same field of forge_step_outputs):
+// those are one buffer, added to in turn. Within an entry overlaps were checked
+// (check_elementwise), so once the shared outputs are kept once (by their first entry) and
+// every entry's ranges are sorted by start, a range overlaps an earlier one of another entry
+// exactly when it starts below the largest end so far among the earlier ranges it conflicts
+// with (written ones for a read range, all for a written one).
+forge_status check_batch_overlaps(const std::vector<BufferSet>& buffers) {
   struct Owned {
     BufferSet::Range range;
     int64_t entry;
   };
   std::vector<Owned> all;
-  for (size_t e = 0; e < operands.size(); ++e)
-    for (int i = 0; i < operands[e].count(); ++i)
-      all.push_back({operands[e].range(i), static_cast<int64_t>(e)});
+  for (size_t e = 0; e < buffers.size(); ++e)
+    for (int i = 0; i < buffers[e].count(); ++i)
+      all.push_back({buffers[e].range(i), static_cast<int64_t>(e)});
   // (ties by entry, so the later of two entries with the same start is the one reported)
   std::sort(all.begin(), all.end(), [](const Owned& a, const Owned& b) {
     return a.range.begin != b.range.begin ? a.range.begin < b.range.begin : a.entry < b.entry;
   });
+  // A shared output: the same range and field as the earlier entry's, which stands for both.
+  // (Ranges of one start are adjacent; within an entry two outputs never share a start.)
+  std::vector<Owned> kept;
+  kept.reserve(all.size());
+  for (const Owned& o : all) {
+    bool shared = false;
+    if (is_step_output(o.range))
+      for (size_t j = kept.size(); j-- > 0 && kept[j].range.begin == o.range.begin;)
+        if (kept[j].range.end == o.range.end && is_step_output(kept[j].range) &&
+            std::strcmp(kept[j].range.name, o.range.name) == 0)
+          shared = true;
+    if (!shared) kept.push_back(o);
+  }
   // (an end of 0, the top of memory, counts as the largest address)
   auto end_of = [](const BufferSet::Range& r) { return r.end ? r.end : UINTPTR_MAX; };
   const Owned* last_any = nullptr;      // the earlier range reaching farthest
   const Owned* last_written = nullptr;  // the same among written ranges
-  for (const Owned& o : all) {
+  for (const Owned& o : kept) {
     const Owned* other = o.range.written ? last_any : last_written;
     if (other && end_of(other->range) > o.range.begin)
       return fail(kBad, "args[%lld].%s overlaps args[%lld].%s (%s)", static_cast<long long>(o.entry),
@@ -565,10 +611,10 @@ forge_status forge_elementwise_step_batch(const forge_elementwise_args* const* a
     if (count == 0) return FORGE_OK;
     if (!args) return fail(kBad, "args: NULL with count %lld", static_cast<long long>(count));
     std::vector<RuleScalars> k(static_cast<size_t>(count));
-    std::vector<BufferSet> operands(static_cast<size_t>(count));
+    std::vector<BufferSet> buffers(static_cast<size_t>(count));
     for (int64_t i = 0; i < count; ++i)
-      if (forge_status s = check_elementwise(args[i], &k[i], &operands[i])) return fail_entry(s, i);
-    if (forge_status s = check_batch_overlaps(operands)) return s;
+      if (forge_status s = check_elementwise(args[i], &k[i], &buffers[i])) return fail_entry(s, i);
+    if (forge_status s = check_batch_overlaps(buffers)) return s;
     for (int64_t i = 0; i < count; ++i)
       if (forge_status s = FORGE_DISPATCH(args[i]->device, elementwise_step(*args[i], k[i])))
         return fail_entry(s, i);

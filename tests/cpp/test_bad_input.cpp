@@ -404,3 +404,59 @@ TEST(BadInput, ShardPlacementNearInt64MaxIsRefusedWithoutOverflow) {
 
 }  // namespace
 }  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// An int8 / fp8 block's absmax that no step stores (NaN, infinite, negative, above the largest
+// bf16), put there through the ABI: a CPU step refuses it, naming the array and the block,
+// and writes nothing (a NaN absmax made an int8 block skip every element forever, and an fp8
+// one reset to 0). The fused, element-wise and batched steps alike.
+TEST(BadInput, AbsmaxNoStepStoresIsRefused) {
+  Rng rng(fresh_seed());
+  const forge_hparams hp = adamw();
+  for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
+    for (float bad : {NAN, -NAN, INFINITY, -INFINITY, -1.0f, -1e-30f, 3.4e38f}) {
+      SCOPED_TRACE(::testing::Message() << state_format_name(sf) << " absmax " << bad);
+      HostParam p(3, 130, FORGE_WEIGHT_BF16, sf, hp);
+      p.randomize(rng, hp);
+      std::vector<float> grad(p.size());
+      for (float& g : grad) g = rng.normal(1.0f);
+      {  // states with values: every absmax a real one
+        const forge_elementwise_args a = elementwise_args(p, hp, grad);
+        ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+      }
+      std::memcpy(p.absmax[1].data() + 4 * 7, &bad, 4);  // row 2, block 1 of 3
+      const Matrix x = random_matrix(rng, 4, 130, 130, FORGE_DTYPE_FP32);
+      const Matrix dy = random_matrix(rng, 4, 3, 3, FORGE_DTYPE_FP32);
+      double sq = 0.5;
+      int64_t count = 3;
+      const std::vector<uint8_t> before = p.snapshot();
+      for (int entry = 0; entry < 3; ++entry) {
+        forge_elementwise_args e = elementwise_args(p, hp, grad);
+        e.outputs = {&sq, &count};
+        forge_wgrad_args w = wgrad_args(p, hp, x, dy);
+        w.outputs = {&sq, &count};
+        const forge_elementwise_args* batch[] = {&e};
+        const forge_status status = entry == 0   ? forge_elementwise_step(&e)
+                                    : entry == 1 ? forge_wgrad_step(&w)
+                                                 : forge_elementwise_step_batch(batch, 1);
+        EXPECT_EQ(status, FORGE_ERR_INVALID_ARGUMENT) << "entry point " << entry;
+        const std::string message = forge_last_error();
+        EXPECT_NE(message.find("param.state_absmax[1][7]"), std::string::npos) << message;
+        EXPECT_EQ(p.snapshot(), before);
+        EXPECT_EQ(sq, 0.5);
+        EXPECT_EQ(count, 3);
+      }
+    }
+  // -0 and 0 are absmax values a step stores (an all-zero block)
+  HostParam p(1, 64, FORGE_WEIGHT_FP32, FORGE_STATE_FP8_BLOCK64, hp);
+  const float minus_zero = -0.0f;
+  std::memcpy(p.absmax[0].data(), &minus_zero, 4);
+  std::vector<float> grad(64, 0.25f);
+  const forge_elementwise_args a = elementwise_args(p, hp, grad);
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+}
+
+}  // namespace
+}  // namespace forge_test

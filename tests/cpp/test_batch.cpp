@@ -181,3 +181,75 @@ TEST(ElementwiseBatch, EntriesThatShareWrittenBytesAreRefused) {
 
 }  // namespace
 }  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// The step outputs and run scalars of a batch: entries may share their outputs (the same
+// grad_sq_sum, the same nonfinite_count: forge.optim passes one pair to all) and read the
+// same run_scalars, but an entry's output may not lie in another entry's parameter or
+// gradient, nor one kind of output on another kind, nor a run_scalars buffer on anything an
+// entry writes. Each refused by name, nothing written.
+TEST(ElementwiseBatch, OutputsAndRunScalarsMayNotAliasAnotherEntry) {
+  Rng rng(fresh_seed());
+  Batch b(rng, 0.0, 0);
+  std::vector<forge_elementwise_args>& args = b.args;
+  std::vector<Entry>& entries = b.entries;
+  std::vector<const forge_elementwise_args*> p = pointers(args);
+  const int64_t n = static_cast<int64_t>(p.size());
+  auto expect_refused = [&](const char* first, const char* second) {
+    EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_ERR_INVALID_ARGUMENT);
+    const std::string message = forge_last_error();
+    EXPECT_NE(message.find(first), std::string::npos) << message;
+    EXPECT_NE(message.find(second), std::string::npos) << message;
+    b.expect_unchanged(0.0, 0);
+    for (size_t i = 0; i < args.size(); ++i) args[i] = b.fresh(i);
+  };
+
+  // entry 0's grad_sq_sum inside entry 1's weight (bf16 [1, 17]: 8 aligned bytes at its start)
+  args[0].outputs.grad_sq_sum = reinterpret_cast<double*>(entries[1].param->weight.data());
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(args[0].outputs.grad_sq_sum) % 8, 0u);
+  expect_refused("args[0].outputs.grad_sq_sum", "args[1].param.weight");
+
+  // entry 3's nonfinite_count on entry 4's master (fp32)
+  args[3].outputs.nonfinite_count = reinterpret_cast<int64_t*>(entries[4].param->master.data());
+  expect_refused("args[3].outputs.nonfinite_count", "args[4].param.master");
+
+  // entry 2's grad_sq_sum on entry 0's gradient, which entry 0 reads
+  std::vector<double> scratch(8, 0.0);
+  args[2].outputs.grad_sq_sum = reinterpret_cast<double*>(entries[0].grad.data());
+  if (reinterpret_cast<uintptr_t>(args[2].outputs.grad_sq_sum) % 8 == 0)
+    expect_refused("args[2].outputs.grad_sq_sum", "args[0].grad");
+  else
+    args[2] = b.fresh(2);
+
+  // one entry's grad_sq_sum on another's nonfinite_count: two kinds of output on one place
+  int64_t shared = 0;
+  args[1].outputs.nonfinite_count = &shared;
+  args[3].outputs.grad_sq_sum = reinterpret_cast<double*>(&shared);
+  expect_refused("outputs.grad_sq_sum", "outputs.nonfinite_count");
+
+  // a run_scalars buffer (read) inside an entry's state (written)
+  forge_hparams filled = args[0].hparams;
+  alignas(16) unsigned char run[FORGE_RUN_SCALARS_BYTES];
+  ASSERT_EQ(forge_run_scalars_fill(&filled, run, sizeof(run)), FORGE_OK) << forge_last_error();
+  std::vector<uint8_t>& state = entries[3].param->state[0];  // int8 codes, 2 × 4097 bytes
+  uint8_t* inside = state.data() + (16 - reinterpret_cast<uintptr_t>(state.data()) % 16);
+  std::memcpy(inside, run, sizeof(run));
+  const std::vector<uint8_t> with_run = state;
+  entries[3].param->state[0] = with_run;  // (what "before" holds for it)
+  b.before[3] = entries[3].param->snapshot();
+  for (size_t i = 0; i < args.size(); ++i) args[i] = b.fresh(i);
+  args[0].hparams.run_scalars = entries[3].param->state[0].data() + (inside - state.data());
+  expect_refused("args[0].hparams.run_scalars", "args[3].param.state[0]");
+
+  // shared outputs and a shared run_scalars buffer are fine
+  alignas(16) unsigned char run0[FORGE_RUN_SCALARS_BYTES];
+  ASSERT_EQ(forge_run_scalars_fill(&args[0].hparams, run0, sizeof(run0)), FORGE_OK);
+  args[0].hparams.run_scalars = run0;
+  EXPECT_EQ(forge_elementwise_step_batch(p.data(), n), FORGE_OK) << forge_last_error();
+  EXPECT_GT(b.sq, 0.0);
+}
+
+}  // namespace
+}  // namespace forge_test
