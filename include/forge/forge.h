@@ -126,15 +126,17 @@ typedef struct {
   double momentum_decay;     /* NAdam */
   double mu_product;         /* NAdam: μ_1 ⋯ μ_step, the product of its momentum factors through
                                 this step (torch's state['mu_product'] after this step's
-                                factor), in [0, 1); -1 (forge_hparams_default's): computed, for
-                                a beta1 and momentum_decay constant since step 1 */
+                                factor), in [0, 1) and at most that factor μ_step (times
+                                1 + 2^-23: its fp32 rounding); -1 (forge_hparams_default's):
+                                computed, for a beta1 and momentum_decay constant since step 1 */
   double alpha;              /* RMSprop */
   double momentum;           /* SGD_MOMENTUM, RMSprop */
   double dampening;          /* SGD_MOMENTUM */
   int32_t nesterov;          /* SGD_MOMENTUM */
   int32_t centered;          /* RMSprop */
   double lr_decay;           /* Adagrad */
-  double initial_accumulator_value; /* Adagrad */
+  double initial_accumulator_value; /* Adagrad: >= 0, storable as fp32 (at most the largest
+                                       bf16, as every stored state) */
   double grad_scale;         /* the gradient is multiplied by this before anything (1 = none) */
   uint64_t seed;             /* stochastic rounding: bits = hash(seed, step, stream, the
                                 element's index; forge_param says which index) */

@@ -110,10 +110,13 @@ forge_status check_scalars(const forge_hparams& hp, const RuleInfo& info, const 
                 field_info(src.field).name, field_value(hp, src.field), src.what,
                 finite ? "zero" : "not finite", static_cast<double>(x));
   }
+  // (every state a step stores is storable: in bf16 a larger value would be an infinity, and
+  // every element skipped from then on)
   if (rule_reads(info, kFieldInitialAccumulatorValue) &&
-      !std::isfinite(static_cast<float>(hp.initial_accumulator_value)))
-    return fail(kBad, "hparams.initial_accumulator_value: %g is not finite in fp32",
-                hp.initial_accumulator_value);
+      !storable(static_cast<float>(hp.initial_accumulator_value)))
+    return fail(kBad, "hparams.initial_accumulator_value: %g is not a storable state value in "
+                "fp32 (finite, at most the largest bf16, %g)", hp.initial_accumulator_value,
+                static_cast<double>(kBf16Max));
   return FORGE_OK;
 }
 
@@ -142,6 +145,16 @@ forge_status validate_hparams(const forge_hparams& hp, RuleScalars* scalars) {
       !(hp.mu_product >= 0.0 && hp.mu_product < 1.0))
     return fail(kBad, "hparams.mu_product: must be in [0, 1) (the product of NAdam's momentum "
                 "factors through this step) or -1 (computed), got %g", hp.mu_product);
+  // The product through this step is at most its last factor μ_step (the others are below 1);
+  // kept as torch keeps it, in fp32, it is at most μ_step rounded to fp32. Above, 1 / (1 −
+  // product) would scale the step without bound.
+  if (rule_reads(*info, kFieldMuProduct) && hp.mu_product > 0.0) {
+    const double mu = nadam_mu(hp.beta1, hp.momentum_decay, static_cast<double>(hp.step));
+    if (hp.mu_product > mu * (1.0 + 0x1p-23))
+      return fail(kBad, "hparams.mu_product: %.17g is above this step's momentum factor "
+                  "mu_step = %.17g (beta1, momentum_decay, step), which bounds the product "
+                  "mu_1 ... mu_step", hp.mu_product, mu);
+  }
   if (rule_reads(*info, kFieldNesterov) && hp.nesterov && hp.dampening != 0)
     return fail(kBad, "hparams.nesterov: needs dampening == 0 (as torch.optim.SGD), got %g",
                 hp.dampening);

@@ -71,6 +71,9 @@ inline std::vector<BadCase> wgrad_cases() {
       {"coupled_decay_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_RMSPROP; a.hparams.weight_decay = 1e39; }, bad, "hparams.weight_decay"},
       {"nadam_lr_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.lr = 1e39; }, bad, "hparams.lr"},
       {"adagrad_accumulator_overflows_fp32", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_ADAGRAD; a.hparams.initial_accumulator_value = 1e39; }, bad, "hparams.initial_accumulator_value"},
+      // storable in fp32 but not in bf16: a bf16 state would hold an infinity
+      {"adagrad_accumulator_above_bf16", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_ADAGRAD; a.hparams.initial_accumulator_value = 3.39e38; }, bad, "hparams.initial_accumulator_value"},
+      {"nadam_mu_product_above_its_factor", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.mu_product = 0.9999999; }, bad, "hparams.mu_product"},
       {"unread_field_nan", [](forge_wgrad_args& a) { a.hparams.alpha = NAN; }, bad, "hparams.alpha"},
       {"int8_tile_cols", [](forge_wgrad_args& a) { a.tile_cols = 96; }, bad, "tile_cols"},
       {"tile_negative", [](forge_wgrad_args& a) { a.tile_rows = -1; }, bad, "tile_rows"},

@@ -395,11 +395,14 @@ TEST(NAdamMuProduct, GivenProductFollowsAChangingBeta1) {
   }
   EXPECT_GT(computed_error, 100 * kRuleVsDoubleRel);  // (the test can tell the two apart)
   alignas(16) unsigned char run[FORGE_RUN_SCALARS_BYTES];
-  for (double ok : {0.0, 0.5}) {
+  // (the product through step t is at most its last factor, mu_t: the others are below 1)
+  const double mu_t = hp.beta1 * (1 - 0.5 * std::pow(0.96, static_cast<double>(hp.step) * hp.momentum_decay));
+  for (double ok : {0.0, product, mu_t, static_cast<double>(static_cast<float>(mu_t))}) {
     hp.mu_product = ok;
     EXPECT_EQ(forge_run_scalars_fill(&hp, run, sizeof(run)), FORGE_OK) << ok;
   }
-  for (double bad : {-0.5, 1.0, 1.5, -2.0, static_cast<double>(INFINITY), static_cast<double>(NAN)}) {
+  for (double bad : {-0.5, 1.0, 1.5, -2.0, static_cast<double>(INFINITY), static_cast<double>(NAN),
+                     mu_t * (1 + 1e-6), 0.5 * (1 + mu_t), 1 - 1e-12}) {
     hp.mu_product = bad;
     const std::vector<uint8_t> before = given.snapshot();
     std::vector<float> grad(given.size(), 0.5f);
@@ -422,6 +425,31 @@ TEST(NAdamMuProduct, AlternatingGroupsCostConstantTime) {
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
             kPromptSeconds);
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// A product of NAdam's momentum factors just below 1 is no product any run makes (each factor
+// is below beta1 < 1, and the product through step t at most mu_t), and 1 / (1 - product)
+// would blow the step up: refused by name, nothing written.
+TEST(NAdamMuProduct, ProductAboveThisStepsFactorIsRefused) {
+  forge_hparams hp = nadam_at(3, 0.9);
+  hp.lr = 1e-3;
+  HostParam p(2, 70, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+  Rng rng(fresh_seed());
+  p.randomize(rng, hp);
+  std::vector<float> grad(p.size(), 0.5f);
+  hp.mu_product = 1 - 1e-9;
+  const std::vector<uint8_t> before = p.snapshot();
+  const forge_elementwise_args a = elementwise_args(p, hp, grad);
+  EXPECT_EQ(forge_elementwise_step(&a), FORGE_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(forge_last_error()).find("hparams.mu_product"), std::string::npos)
+      << forge_last_error();
+  EXPECT_EQ(p.snapshot(), before);
 }
 
 }  // namespace
