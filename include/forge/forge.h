@@ -200,11 +200,19 @@ typedef struct {
  * weight, master and states stay as they were, it is counted in nonfinite_count and left
  * out of grad_sq_sum. Every format, every backend, fused or element-wise.
  * int8 and fp8 states share an absmax per block of 64: a block without skipped elements
- * takes the largest magnitude of its new values as absmax (fp8: 0 below 2^-100); a block
- * holding one takes max(its old absmax, the largest magnitude of its updated elements' new
- * values), and its skipped elements keep their code bytes unchanged while that absmax is
- * unchanged, or are re-encoded from their decoded values against the new absmax when it
- * grew. */
+ * takes the largest magnitude of its new values as absmax (fp8: 0 below 2^-100). A block
+ * holding one keeps its absmax while the new magnitudes of its updated elements fit under it,
+ * and its skipped elements keep their code bytes; otherwise the absmax grows to the old one
+ * times the smallest power of two that holds them (at most the largest bf16), and the skipped
+ * elements are re-encoded from their decoded values against it. A skipped element's value so
+ * stays bit for bit what it was while it lies in its block's range (int8: at or above the
+ * smallest level, 2^-15.75 of the absmax for a signed state, 2^-31.75 unsigned; fp8: at or
+ * above the smallest normal value, 2^-6 / 448 of the absmax for e4m3, 2^-14 / 57344 for e5m2),
+ * and within one step of the block's smallest grid below that.
+ * An absmax no step stores (NaN, infinite, negative, above the largest bf16) is refused by a
+ * CPU step, naming the block, before anything is written. The CUDA backend does not read
+ * device memory at the call: there such a block steps on what its codes decode to (a NaN or
+ * infinite absmax: every element of the block skipped and counted, the block unchanged). */
 
 /* The fused step of a linear layer: for each tile of W, dW = Σ_t dY[t]ᵀ X[t] in
  * fp32, then the rule is applied in place. X: [tokens, cols] (ld = ldx),

@@ -378,4 +378,39 @@ FORGE_HD float fp8_decode(uint8_t code, float absmax, bool is_signed) {
   return fp8_value(code, is_signed) * (absmax / fp8_format(is_signed).top);
 }
 
+// ---- a block holding a skipped element (int8 and fp8) --------------------------------------
+//
+// The absmax of an int8 or fp8 block some of whose elements a step skipped (forge.h, "Skipped
+// elements"): `old_absmax` is the block's absmax before the step, `updated_max` the largest
+// magnitude of its updated elements' new values (0 or -inf when none was updated). While
+// updated_max fits (a NaN old absmax included), the absmax stays, and the skipped elements keep
+// their code bytes. Otherwise it grows by a power of two, to old_absmax · 2^k with the
+// smallest k >= 1 that reaches updated_max (at most the largest bf16, the bound of every
+// stored value), and each skipped element is re-encoded from its decoded value against it:
+// int8 levels are 2^(1/8) apart, so a value decoded against the old absmax is a level of the
+// new one, 8k levels down (the decode's one fp32 rounding is far from a tie); an fp8 value
+// scaled by 2^-k is a value of the format while it stays normal. Either way the skipped value
+// comes back bit for bit (the new decode is the same product, its factor scaled by 2^k), while
+// it stays at or above the block's smallest level (int8: 2^-15.75 of the absmax when signed,
+// 2^-31.75 unsigned) or smallest normal (fp8: 2^-6 / 448, 2^-14 / 57344 of it); below that, it
+// is within one step of the block's smallest grid. Growing to updated_max itself instead, the
+// skipped element's code came back the same at every small growth, and its value grew as much
+// as the absmax did. An old absmax of 0 (an all-zero block, whose
+// elements decode to 0 whatever their codes) takes updated_max; fp8 then flushes the result
+// as fp8_block_absmax does. Exact operations only (frexpf, ldexpf, comparisons), so the CPU and
+// the CUDA epilogue compute the same bits.
+FORGE_HD float block_absmax_with_skipped(float old_absmax, float updated_max, bool fp8) {
+  if (!(old_absmax < updated_max)) return old_absmax;  // it fits (or a NaN absmax): kept
+  float absmax = updated_max;
+  if (old_absmax > 0.0f) {
+    int e_old, e_new;
+    frexpf(old_absmax, &e_old);
+    frexpf(updated_max, &e_new);
+    absmax = ldexpf(old_absmax, e_new - e_old);  // old's mantissa at updated_max's binade
+    if (absmax < updated_max) absmax = absmax * 2.0f;
+    if (!(absmax <= kBf16Max)) absmax = kBf16Max;  // (an infinity included)
+  }
+  return fp8 ? fp8_block_absmax(absmax) : absmax;
+}
+
 }  // namespace forge

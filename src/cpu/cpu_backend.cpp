@@ -76,12 +76,13 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
 // Writes n fp32 values to state `i`. Elements with keep[e] set (skipped by the step) are
 // left as they are. For int8 and fp8, where a block shares one scale: a block with no skipped
 // element takes the largest magnitude of its values as its absmax (fp8: 0 below
-// kFp8MinAbsmax, formats.h); one holding a skipped
-// element takes max(its old absmax, the updated elements' largest magnitude), and its skipped
-// elements keep their code bytes while that absmax stays, or are re-encoded from their
-// decoded values (in[e], loaded against the old absmax) when it grew. `draw` (nullable: n
-// draws packed as rng_draw packs them) selects stochastic rounding for
-// FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
+// kFp8MinAbsmax, formats.h); one holding a skipped element takes
+// block_absmax_with_skipped(its old absmax, the updated elements' largest magnitude)
+// (formats.h: the old one while that fits, else the old one times a power of two), and its
+// skipped elements keep their code bytes while the absmax stays, or are re-encoded from their
+// decoded values (in[e], loaded against the old absmax) when it grew, which keeps their
+// values. `draw` (nullable: n draws packed as rng_draw packs them) selects stochastic rounding
+// for FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
 void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
                  const float* in, const bool* keep, const uint64_t* draw) {
   const int64_t base = row * p.cols + col0;
@@ -110,11 +111,15 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
       bool any_kept = false;
       for (int e = 0; e < n; ++e) any_kept = any_kept || (keep && keep[e]);
       const float old_absmax = block_absmax;
-      float absmax = any_kept ? old_absmax : 0.0f;
+      // (the updated magnitudes are never NaN; -inf: none was updated, as the CUDA epilogue
+      // starts a block holding a skipped element)
+      float updated_max = any_kept ? -INFINITY : 0.0f;
       for (int e = 0; e < n; ++e)
-        if (!(keep && keep[e])) absmax = std::max(absmax, std::fabs(in[e]));
+        if (!(keep && keep[e])) updated_max = std::max(updated_max, std::fabs(in[e]));
       const bool fp8 = p.state_format == FORGE_STATE_FP8_BLOCK64;
-      if (fp8) absmax = fp8_block_absmax(absmax);
+      const float absmax = any_kept ? block_absmax_with_skipped(old_absmax, updated_max, fp8)
+                           : fp8    ? fp8_block_absmax(updated_max)
+                                    : updated_max;
       const bool grew = float_bits(absmax) != float_bits(old_absmax);
       block_absmax = absmax;
       for (int e = 0; e < n; ++e)

@@ -17,9 +17,10 @@
 // parameter is a shard), and the same skipping (forge.h, "Skipped elements"): an element whose
 // gradient is not finite or whose new weight, master or a state would not be storable keeps
 // its weight, master and fp32/bf16 states and is counted; an int8 or fp8 block holding one
-// takes max(its old absmax, the updated elements' magnitudes), and the skipped element keeps
-// its code byte while that absmax is unchanged, or is re-encoded from its decoded value when it
-// grew (kept_block_absmax). A step never stores a NaN it computed (an element whose results
+// keeps its absmax while the updated elements' magnitudes fit, else grows it by a power of two
+// (formats.h, block_absmax_with_skipped), and the skipped element keeps its code byte while that
+// absmax is unchanged, or is re-encoded from its decoded value when it grew, keeping its value
+// (kept_block_absmax). A step never stores a NaN it computed (an element whose results
 // hold one is skipped), so no NaN payload can differ between the CPU and the GPU.
 // int8 and fp8 states share the block layout (a code byte per element, an fp32 absmax per 64
 // columns of a row): "block states" below means either.
@@ -286,13 +287,17 @@ __device__ __forceinline__ bool group_any(bool v) {
 // range; a skipped element's is its decoded old value), bit e of `keep[j]` set where element e
 // of quad j was skipped; kLanes lanes share the block. A block without a skipped element takes
 // the largest magnitude of its values, as store_block_states' usual path does. A block holding
-// one takes max(its old absmax, the updated elements' largest magnitude), folded as the CPU
-// folds it (the old absmax kept on ties and when nothing was updated, a NaN one kept), fp8's
-// then through fp8_block_absmax, and `code_keep[j]` receives the elements whose code bytes
-// stay: the skipped ones while that absmax is the old one bit for bit, none when it changed
-// (they are then re-encoded from their decoded values). `old_absmax`: the block's absmax slot,
-// read by the lane that writes it (`first`, the block's first column's) before it does. Every
-// lane of the warp must call it.
+// one takes formats.h's block_absmax_with_skipped(its old absmax, the updated elements'
+// largest magnitude, -inf when none), the CPU's function (the old absmax while that fits, a
+// NaN one kept; else the old one times the smallest power of two that holds it), and
+// `code_keep[j]` receives the elements whose code bytes stay: the skipped ones while that
+// absmax is the old one bit for bit, none when it changed (they are then re-encoded from their
+// decoded values, which keeps their values). `old_absmax`: the block's absmax slot, read by
+// the lane that writes it (`first`, the block's first column's) before it does. Every lane of
+// the warp must call it.
+// NOTE: only warps with a skipped element come here (a vote per batch): the growth by a power
+// of two (two frexpf, an ldexpf, a compare and a multiply per block and lane) adds nothing to
+// the fast path's instructions.
 template <int kLanes, int kN>
 __device__ __forceinline__ float kept_block_absmax(const float* old_absmax, const int (&n)[kN],
                                                    const unsigned (&keep)[kN], bool first,
@@ -312,8 +317,7 @@ __device__ __forceinline__ float kept_block_absmax(const float* old_absmax, cons
       if (e < n[j] && !((keep[j] >> e) & 1u)) m = fmaxf(m, fabsf(v[j][e]));
   m = group_max<kLanes>(m);
   old = __shfl_sync(0xFFFFFFFFu, old, static_cast<int>(threadIdx.x & (32u - kLanes)));
-  float amax = kept ? (old < m ? m : old) : m;
-  if (fp8) amax = fp8_block_absmax(amax);
+  const float amax = kept ? block_absmax_with_skipped(old, m, fp8) : fp8 ? fp8_block_absmax(m) : m;
 #pragma unroll
   for (int j = 0; j < kN; ++j)
     code_keep[j] = kept && float_bits(amax) == float_bits(old) ? keep[j] : 0u;

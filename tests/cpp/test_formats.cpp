@@ -465,13 +465,6 @@ float absmax_at(const HostParam& p, int state, int64_t block) {
   return a;
 }
 
-// In an int8 block holding a skipped element, the new absmax is max(old absmax, the updated
-// elements' new magnitudes); the skipped element keeps its code byte while the absmax stays,
-// and is re-encoded from its decoded value when the absmax grows. Element 5 of the first
-// block and element 70 of the second (partial) block get a NaN gradient every step; the
-// others' gradients are 0 for ten steps (their moments only decay: the absmax stays) and then
-// large (it grows). Before, a skipped element was re-encoded against each step's new absmax,
-// and drifted.
 // A block's element as its value (code, absmax) and back, for int8 or fp8 states.
 float block_decode(forge_state_format sf, uint8_t code, float absmax, bool is_signed) {
   return sf == FORGE_STATE_FP8_BLOCK64 ? fp8_decode(code, absmax, is_signed)
@@ -482,6 +475,14 @@ uint8_t block_encode(forge_state_format sf, float x, float absmax, bool is_signe
                                        : int8_encode(x, absmax, is_signed);
 }
 
+// In an int8 or fp8 block holding a skipped element, the absmax stays while the updated
+// elements' new magnitudes fit under it, and the skipped element keeps its code byte; when
+// they do not, the absmax grows to the old one times the smallest power of two that holds
+// them (formats.h, block_absmax_with_skipped), and the skipped element is re-encoded from its
+// decoded value. Element 5 of the first block and element 70 of the second (partial) block
+// get a NaN gradient every step; the others' gradients are 0 for ten steps (their moments only
+// decay: the absmax stays) and then large (it grows). Before, a skipped element was
+// re-encoded against each step's new absmax, and drifted.
 void expect_skipped_element_keeps_its_code(forge_state_format sf) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
@@ -527,18 +528,21 @@ void expect_skipped_element_keeps_its_code(forge_state_format sf) {
           EXPECT_EQ(new_code, block_encode(sf, block_decode(sf, old_code, old_max, is_signed), new_max,
                                            is_signed));
         }
-        // The updated elements' magnitudes never exceed the absmax, and one of them reaches
-        // it whenever it grew.
+        // The updated elements' magnitudes never exceed the absmax; when it grew, it is the
+        // old one times 2^k (k >= 1) and the largest of them is above half of it (each
+        // decoded within its format's rounding).
         float largest = 0;
         for (int64_t c = block * 64; c < std::min<int64_t>(cols, block * 64 + 64); ++c)
           if (c != e) largest = std::max(largest, std::fabs(block_decode(sf, p.state[s][c], new_max, is_signed)));
-        if (sf == FORGE_STATE_INT8_BLOCK64) {
-          EXPECT_LE(largest, new_max);
-          if (new_max != old_max) EXPECT_EQ(largest, new_max);
-        } else {  // fp8 stores the largest magnitude rounded, as any other value
-          const double rel = is_signed ? kFp8E4m3Rel : kFp8E5m2Rel;
-          EXPECT_LE(largest, new_max * (1 + rel));
-          if (new_max != old_max) EXPECT_GE(largest, new_max * (1 - rel));
+        const double rel = sf == FORGE_STATE_INT8_BLOCK64 ? kInt8MapRel
+                           : is_signed                    ? kFp8E4m3Rel
+                                                          : kFp8E5m2Rel;
+        EXPECT_LE(largest, new_max * (1 + rel));
+        if (new_max != old_max) {
+          int k = 0;
+          EXPECT_EQ(std::frexp(new_max, &k), std::frexp(old_max, &k)) << "not old · 2^k";
+          EXPECT_GE(new_max, 2 * old_max);
+          EXPECT_GT(largest, 0.5 * new_max * (1 - rel));
         }
       }
   }
@@ -583,6 +587,163 @@ TEST(Int8States, StateFromFp32RefusesWhatNoStepStores) {
     in[4] = 0.0f;
     EXPECT_EQ(forge_state_from_fp32(&p.p, &hp, 1, in.data(), cpu), FORGE_OK) << forge_last_error();
   }
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+using namespace forge;
+
+// An element skipped step after step while its block's absmax grows a little every step (its
+// gradient NaN throughout, the others' growing by 0.2 % a step): each growth re-encoded it
+// against the new absmax, nearest rounding gave it the same code every time, and its value
+// grew with the absmax (exp_avg_sq ×12.9 with int8 states, ×29 with fp8, after 980 steps). A
+// skipped element's value stays what it was, bit for bit, while it lies in its block's range
+// (int8: at or above the smallest level, 2^-15.75 (signed) / 2^-31.75 of the absmax; fp8:
+// at or above the smallest normal value, 2^-6 / 448 (e4m3) and 2^-14 / 57344 (e5m2) of it).
+void expect_skipped_value_kept_while_the_absmax_grows(forge_state_format sf) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_ADAMW, &hp);
+  hp.lr = 1e-3;
+  const int64_t cols = 100;  // a whole block and a partial one
+  HostParam p(2, cols, FORGE_WEIGHT_FP32, sf, hp);
+  p.randomize(rng, hp);
+  std::vector<float> sign(p.size()), grad(p.size());
+  for (float& s : sign) s = rng.integer(0, 1) ? 1.0f : -1.0f;
+  for (int64_t step = 1; step <= 3; ++step) {  // moments of every size
+    hp.step = step;
+    for (int64_t i = 0; i < p.size(); ++i) grad[i] = sign[i] * (0.5f + std::fabs(rng.normal(1.0f)));
+    const forge_elementwise_args a = elementwise_args(p, hp, grad);
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+  }
+  const int64_t skipped[] = {5, 70, cols + 40, cols + 99};  // in each row's two blocks
+  std::vector<float> kept[2] = {p.state_fp32(0, hp), p.state_fp32(1, hp)};
+  std::vector<float> base(p.size());
+  for (int64_t i = 0; i < p.size(); ++i) base[i] = sign[i] * (1.0f + 0.1f * std::fabs(rng.normal(1.0f)));
+  int grew = 0;
+  for (int64_t step = 4; step <= 983; ++step) {
+    hp.step = step;
+    const float growth = 1.0f + 0.002f * static_cast<float>(step - 3);
+    for (int64_t i = 0; i < p.size(); ++i) grad[i] = base[i] * growth;
+    for (int64_t i : skipped) grad[i] = NAN;
+    const HostParam before(p);
+    int64_t count = 0;
+    forge_elementwise_args a = elementwise_args(p, hp, grad);
+    a.outputs.nonfinite_count = &count;
+    a.device.num_threads = 1;  // (2 rows: a thread each cost more than the step on a busy host)
+    ASSERT_EQ(forge_elementwise_step(&a), FORGE_OK) << forge_last_error();
+    ASSERT_EQ(count, 4);
+    for (int s = 0; s < 2; ++s) {
+      const std::vector<float> now = p.state_fp32(s, hp);
+      for (int64_t i : skipped) {
+        const int64_t block = (i / cols) * 2 + (i % cols) / 64;
+        grew += absmax_at(before, s, block) != absmax_at(p, s, block);
+        // (in range: checked below, so the exact comparison always applies)
+        ASSERT_EQ(float_bits(now[i]), float_bits(kept[s][i]))
+            << "state " << s << " element " << i << " at step " << step << ": " << now[i]
+            << ", was " << kept[s][i] << " (absmax " << absmax_at(p, s, block) << ")";
+      }
+    }
+  }
+  // (4 blocks × 2 states; the first moments grow 3-fold, the second 9-fold: 1 to 4 doublings)
+  EXPECT_GE(grew, 4 * 2) << "the absmax of the skipped elements' blocks grew";
+  // Every skipped value stayed in its block's range, where the claim is exact.
+  const bool fp8 = sf == FORGE_STATE_FP8_BLOCK64;
+  for (int s = 0; s < 2; ++s)
+    for (int64_t i : skipped) {
+      const int64_t block = (i / cols) * 2 + (i % cols) / 64;
+      const double floor = s == 0 ? (fp8 ? 0x1p-6 / 448 : std::exp2(-126.0 / 8))
+                                  : (fp8 ? 0x1p-14 / 57344 : std::exp2(-254.0 / 8));
+      EXPECT_GE(std::fabs(kept[s][i]), floor * absmax_at(p, s, block)) << "state " << s << " element " << i;
+    }
+}
+
+TEST(Int8States, SkippedValueIsKeptWhileTheAbsmaxGrows) {
+  expect_skipped_value_kept_while_the_absmax_grows(FORGE_STATE_INT8_BLOCK64);
+}
+TEST(Fp8States, SkippedValueIsKeptWhileTheAbsmaxGrows) {
+  expect_skipped_value_kept_while_the_absmax_grows(FORGE_STATE_FP8_BLOCK64);
+}
+
+}  // namespace
+}  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+using namespace forge;
+
+// block_absmax_with_skipped's cases, and its claim for every code: a skipped element decoded
+// against the old absmax and re-encoded against the grown one decodes to the same bits while
+// it stays in the block's range (int8: level >= 1 after the shift down by 8k levels; fp8: a
+// normal value after the scaling by 2^-k), and below that to within one step of the block's
+// smallest grid.
+TEST(BlockAbsmax, GrowsByPowersOfTwoAndKeepsSkippedValues) {
+  const float nan = NAN;
+  EXPECT_EQ(block_absmax_with_skipped(2.0f, 1.5f, false), 2.0f);    // fits: stays
+  EXPECT_EQ(block_absmax_with_skipped(2.0f, 2.0f, true), 2.0f);
+  EXPECT_EQ(block_absmax_with_skipped(2.0f, -INFINITY, false), 2.0f);  // nothing updated
+  EXPECT_TRUE(std::isnan(block_absmax_with_skipped(nan, 5.0f, false)));  // (a NaN one stays)
+  EXPECT_EQ(block_absmax_with_skipped(1.5f, 1.6f, false), 3.0f);    // the smallest 2^k
+  EXPECT_EQ(block_absmax_with_skipped(1.5f, 3.0f, false), 3.0f);
+  EXPECT_EQ(block_absmax_with_skipped(1.5f, 3.1f, false), 6.0f);
+  EXPECT_EQ(block_absmax_with_skipped(1.5f, 1000.0f, false), 1536.0f);
+  EXPECT_EQ(block_absmax_with_skipped(0x1.8p-140f, 1.0f, false), 0x1.8p0f);  // subnormal old
+  EXPECT_EQ(block_absmax_with_skipped(0.0f, 0.75f, false), 0.75f);  // all-zero block
+  EXPECT_EQ(block_absmax_with_skipped(0.0f, 0x1p-120f, true), 0.0f);  // fp8's flush
+  EXPECT_EQ(block_absmax_with_skipped(0x1.8p126f, 0x1.FEp127f, false), kBf16Max);  // capped
+  EXPECT_EQ(block_absmax_with_skipped(3e38f, 3.2e38f, true), kBf16Max);
+
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  int64_t exact = 0, below = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const float old = std::ldexp(rng.uniform(1.0f, 2.0f), rng.integer(-60, 60));
+    const int k = rng.integer(1, 40);
+    const float grown = block_absmax_with_skipped(old, std::ldexp(old, k) * 0.9f, false);
+    ASSERT_EQ(grown, std::ldexp(old, k));
+    for (int fp8 = 0; fp8 < 2; ++fp8)
+      for (int is_signed = 0; is_signed < 2; ++is_signed)
+        for (int code = 0; code < 256; ++code) {
+          const uint8_t c = static_cast<uint8_t>(code);
+          float v, again;
+          bool in_range;
+          if (fp8) {
+            if (std::isnan(fp8_value(c, is_signed)) || std::isinf(fp8_value(c, is_signed))) continue;
+            v = fp8_decode(c, old, is_signed);
+            again = fp8_decode(fp8_encode(v, grown, is_signed), grown, is_signed);
+            const Fp8Format f = fp8_format(is_signed);
+            in_range = std::fabs(fp8_value(c, is_signed)) * std::ldexp(1.0f, -k) >= std::ldexp(1.0f, 1 - f.bias);
+          } else {
+            v = int8_decode(c, is_signed) * old;
+            again = int8_decode(int8_encode(v, grown, is_signed), is_signed) * grown;
+            in_range = (c & (is_signed ? 0x7F : 0xFF)) - 8 * k >= 1;
+          }
+          SCOPED_TRACE(::testing::Message() << (fp8 ? "fp8" : "int8") << (is_signed ? " signed" : " unsigned")
+                                            << " code " << code << " k " << k << " old " << old);
+          if (v == 0.0f) {  // (int8's code 0x80, -0, comes back as 0: equal, not the same bits)
+            ASSERT_EQ(again, 0.0f);
+          } else if (in_range) {
+            ASSERT_EQ(float_bits(again), float_bits(v));
+            ++exact;
+          } else {  // within one step of the new block's smallest grid
+            const double step = fp8 ? std::ldexp(1.0, 1 - fp8_format(is_signed).bias - fp8_format(is_signed).man) *
+                                          grown / fp8_format(is_signed).top
+                                    : int8_level_value(1, is_signed ? kInt8SignedTop : kInt8UnsignedTop) * grown;
+            ASSERT_LE(std::fabs(double(again) - double(v)), step * (1 + kFp8FactorRoundings));
+            ++below;
+          }
+        }
+  }
+  EXPECT_GT(exact, 0);
+  EXPECT_GT(below, 0);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -115,6 +116,16 @@ std::vector<float> decoded(const HostParam& p, const std::string& buffer, const 
 // code decoded and encoded again with the new absmax (formats.h). Counts the two cases.
 void expect_skipped_codes(const HostParam& before, const HostParam& after,
                           std::initializer_list<int64_t> skipped, int* stayed, int* grew);
+
+// Whether a skipped element's value v lies in the range of its int8 / fp8 block (absmax),
+// where growing the absmax keeps it bit for bit (formats.h, block_absmax_with_skipped): int8
+// at or above the smallest level, fp8 at or above the smallest normal value; 0 too.
+inline bool in_block_range(forge_state_format sf, bool is_signed, float v, float absmax) {
+  const double floor = sf == FORGE_STATE_FP8_BLOCK64
+                           ? (is_signed ? 0x1p-6 / 448 : 0x1p-14 / 57344)
+                           : std::exp2((is_signed ? -126.0 : -254.0) / 8);
+  return v == 0.0f || std::fabs(v) >= floor * absmax;
+}
 
 // Comparison within the per-format bands of gpu_tolerances.h.
 ::testing::AssertionResult close_enough(const HostParam& expected, const HostParam& actual,

@@ -365,6 +365,59 @@ TEST(ElementwiseBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
       }
 }
 
+// A skipped element whose block's absmax grows a little at most steps (its gradient NaN
+// every step, the others' growing 0.5 % a step for 300 steps): the absmax grows by powers of
+// two (formats.h, block_absmax_with_skipped) and the skipped element's decoded value stays
+// what it was, bit for bit like the CPU at every step (before, it grew with the absmax).
+TEST(ElementwiseBlockSkipped, SkippedValueKeptWhileTheAbsmaxGrowsLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 128}, {5, 100}})
+    for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
+      for (forge_weight_format wf : {FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_STOCHASTIC}) {
+        SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + " " + weight_format_name(wf) +
+                     " " + state_format_name(sf));
+        forge_hparams hp = rule_cases()[3].hp;  // AdamW
+        HostParam cpu = make_param(rows, cols, wf, sf, hp, 35);
+        DeviceParam gpu;
+        gpu.upload(cpu);
+        std::mt19937_64 rng(36);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        std::vector<float> base(rows * cols);
+        for (float& x : base) x = (normal(rng) > 0 ? 1.0f : -1.0f) * (1.0f + 0.1f * std::fabs(normal(rng)));
+        std::vector<float> kept[2];
+        int grew = 0;
+        for (int step = 1; step <= 303; ++step, hp.step += 1) {
+          std::vector<float> g(rows * cols);
+          for (size_t i = 0; i < g.size(); ++i)
+            g[i] = step <= 3 ? normal(rng) : base[i] * (1.0f + 0.005f * static_cast<float>(step - 3));
+          if (step > 3)
+            for (int64_t r = 0; r < rows; ++r) g[r * cols + 5] = g[r * cols + 70] = NAN;
+          const HostParam before = cpu;
+          const auto [want, got] = elementwise_both(cpu, gpu, hp, g);
+          ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+          EXPECT_EQ(got, want);
+          if (step == 3) {
+            kept[0] = decoded(cpu, "state0", hp);
+            kept[1] = decoded(cpu, "state1", hp);
+          }
+          if (step <= 3) continue;
+          for (int s = 0; s < 2; ++s) {
+            grew += before.absmax[s] != cpu.absmax[s];
+            const std::vector<float> now = decoded(cpu, "state" + std::to_string(s), hp);
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t c : {5, 70}) {
+                const float absmax = cpu.absmax[s][r * ((cols + 63) / 64) + c / 64];
+                if (!in_block_range(sf, s == 0, kept[s][r * cols + c], absmax)) continue;
+                ASSERT_EQ(forge::float_bits(now[r * cols + c]), forge::float_bits(kept[s][r * cols + c]))
+                    << "step " << step << " state " << s << " row " << r << " col " << c;
+              }
+          }
+        }
+        EXPECT_GT(grew, 0);
+        EXPECT_TRUE(gpu.guards_intact());
+      }
+}
+
 // forge_state_from_fp32 refuses what no step stores (a value that is not storable, a negative
 // second moment) with the CPU backend's message, naming the smallest offending index, and
 // writes nothing.

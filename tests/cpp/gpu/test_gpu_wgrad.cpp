@@ -417,6 +417,65 @@ TEST(WgradBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
       }
 }
 
+// The fused kernels' block rule when the absmax grows a little at most steps: columns 5 and 70
+// of dW are NaN every step after the third, the rest of X grows by 1 % a step for 150 steps
+// (dW with it). The absmax grows by powers of two (formats.h, block_absmax_with_skipped), the
+// skipped elements' decoded values stay what they were, bit for bit like the CPU at every
+// step. A layer of whole tiles (the pipelined loop, paired layout) and one with edges.
+TEST(WgradBlockSkipped, SkippedValueKeptWhileTheAbsmaxGrowsLikeTheCpu) {
+  FORGE_REQUIRE_GPU();
+  forge_hparams hp{};
+  FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
+  for (const Shape& s : {Shape{128, 256, 64}, Shape{100, 200, 40}})
+    for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
+      for (forge_weight_format wf : {FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_STOCHASTIC}) {
+        SCOPED_TRACE(shape_string(s) + " " + weight_format_name(wf) + " " + state_format_name(sf));
+        HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 95);
+        DeviceParam gpu;
+        gpu.upload(cpu);
+        forge_hparams h = hp;
+        const Operand x0 = make_operand(s.tokens, s.cols, FORGE_DTYPE_FP32, s.cols, 0, Fill::kNormal, 300);
+        const Operand dy = make_operand(s.tokens, s.rows, FORGE_DTYPE_FP32, s.rows, 0, Fill::kNormal, 301);
+        std::vector<float> kept[2];
+        int grew = 0;
+        for (int step = 1; step <= 153; ++step, h.step += 1) {
+          Operand x = x0;
+          if (step > 3) {
+            for (int64_t t = 0; t < s.tokens; ++t)
+              for (int64_t c = 0; c < s.cols; ++c)
+                x.set(t, c, x0.get(t, c) * (1.0f + 0.01f * static_cast<float>(step - 3)));
+            x.set(0, 5, NAN);
+            x.set(0, 70, NAN);
+          }
+          const HostParam before = cpu;
+          StepOutputs want, got;
+          wgrad_cpu(x, dy, h, cpu, &want);
+          wgrad_gpu(x, dy, h, cpu, gpu, &got);
+          ASSERT_TRUE(same_bits(cpu, gpu.download(cpu))) << "step " << step;
+          EXPECT_EQ(want.nonfinite, got.nonfinite);
+          if (step == 3) {
+            kept[0] = decoded(cpu, "state0", h);
+            kept[1] = decoded(cpu, "state1", h);
+          }
+          if (step <= 3) continue;
+          EXPECT_EQ(want.nonfinite, 2 * s.rows);
+          for (int st = 0; st < 2; ++st) {
+            grew += before.absmax[st] != cpu.absmax[st];
+            const std::vector<float> now = decoded(cpu, "state" + std::to_string(st), h);
+            for (int64_t r = 0; r < s.rows; ++r)
+              for (int64_t c : {5, 70}) {
+                const float absmax = cpu.absmax[st][r * ((s.cols + 63) / 64) + c / 64];
+                if (!in_block_range(sf, st == 0, kept[st][r * s.cols + c], absmax)) continue;
+                ASSERT_EQ(forge::float_bits(now[r * s.cols + c]), forge::float_bits(kept[st][r * s.cols + c]))
+                    << "step " << step << " state " << st << " row " << r << " col " << c;
+              }
+          }
+        }
+        EXPECT_GT(grew, 0);
+        EXPECT_TRUE(gpu.guards_intact());
+      }
+}
+
 // ---- split-K ----------------------------------------------------------------------------------
 
 TEST(WgradSplitK, SmallLayerLongSequenceMatchesCpu) {
