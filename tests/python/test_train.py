@@ -416,6 +416,81 @@ def test_resume_dir_writes_there_unless_out_says_otherwise(tmp_path, monkeypatch
     assert forge_train.load_checkpoint(str(other / "checkpoint.pt"))["step"] == 6
 
 
+def test_every_run_ends_with_a_checkpoint_that_a_resumed_run_moves(tmp_path, capsys):
+    """Without --save-every a run still ends with its checkpoint; a resumed run's checkpoint
+    moves to its own end (it stayed at the resume point while metrics.json said the end, and
+    a second --resume silently trained the same steps again), and resuming a finished run
+    says so."""
+    out = tmp_path / "run"
+    assert run(["--steps", 2, "--out", out] + SMALL) == 0
+    assert forge_train.load_checkpoint(str(out / "checkpoint.pt"))["step"] == 2
+    assert run(["--steps", 4, "--resume", out]) == 0
+    assert forge_train.load_checkpoint(str(out / "checkpoint.pt"))["step"] == 4
+    assert len(metrics(out)["losses"]) == 4
+    capsys.readouterr()
+    assert run(["--steps", 4, "--resume", out]) == 2
+    assert "the checkpoint is at step 4: nothing to do" in capsys.readouterr().err
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_out_of_another_run_is_refused_unless_resume_or_overwrite(tmp_path, capsys):
+    """A fresh run into an --out that holds another run's checkpoint, metrics or plot is
+    refused before anything is written (it overwrote the metrics and left the old
+    checkpoint); --resume continues that run, --overwrite replaces it (the old files go
+    first); other files in the folder are no run's and are left alone."""
+    out = tmp_path / "run"
+    assert run(["--steps", 2, "--out", out] + SMALL) == 0
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    capsys.readouterr()
+    assert run(["--steps", 3, "--out", out] + SMALL) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"forge-train: error: --out {out}: holds another run's") and \
+        "--resume" in err and "--overwrite" in err, err
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert run(["--steps", 3, "--out", out, "--overwrite"] + SMALL) == 0
+    assert forge_train.load_checkpoint(str(out / "checkpoint.pt"))["step"] == 3
+    assert len(metrics(out)["losses"]) == 3
+    # a resumed run written into another folder of another run: refused the same way
+    other = tmp_path / "other"
+    assert run(["--steps", 2, "--out", other] + SMALL) == 0
+    assert run(["--steps", 5, "--resume", out, "--out", other]) == 2
+    assert "holds another run's" in capsys.readouterr().err
+    assert forge_train.load_checkpoint(str(other / "checkpoint.pt"))["step"] == 2
+    # unrelated files are no run's
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.txt").write_text("mine")
+    assert run(["--steps", 1, "--out", notes] + SMALL) == 0
+    assert (notes / "README.txt").read_text() == "mine"
+
+
+def test_ctrl_c_under_a_pipe_that_closed_still_saves(tmp_path):
+    """forge-train ... 2>&1 | tee log, then Ctrl-C: the terminal's SIGINT ends tee too, so
+    every later write to stdout or stderr fails (BrokenPipeError, raised in the interrupt
+    handler itself, ended the run with no checkpoint). The step in flight finishes, its
+    checkpoint is written, and the exit status is 130."""
+    out = tmp_path / "run"
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "forge.tools.train", "--log-every", "1"]
+                            + [str(a) for a in _constant_lr_run(100000, out)],
+                            stdout=write_end, stderr=write_end, env=child_env(),
+                            preexec_fn=_sigint_as_python_sets_it)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "r") as pipe:
+            for line in pipe:
+                if re.match(r"step\s+3/", line):
+                    break
+        # (the pipe is closed now, as tee's end is when the same Ctrl-C ends it)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    state = forge_train.load_checkpoint(str(out / "checkpoint.pt"))
+    assert state["step"] >= 3 and len(state["losses"]) == state["step"]
+
+
 def test_data_size_is_shown_in_kb_below_a_megabyte(tmp_path, capsys):
     from forge.tools import data as forge_data
     assert [forge_data.text_size(n) for n in (999, 1000, 12_345, 999_999, 2_500_000)] == \

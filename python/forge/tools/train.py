@@ -11,9 +11,13 @@ model with torch.optim for comparison.
 
 Checkpoints hold model, optimizer (FORGE states included), scheduler, RNG and the loss
 history; batches are a pure function of (seed, step), so --resume continues bit-exactly.
-They are written to a temporary file and renamed, so an interrupted run keeps its last one.
-Ctrl-C lets the step in flight finish, then saves its checkpoint (see InterruptGuard).
---resume DIR continues in DIR unless --out names another directory.
+Every run ends with one (a resumed run's moves to its end), and --save-every adds more;
+each is written to a temporary file beside it, fsynced and renamed over it, so an
+interrupted run keeps its last one. Ctrl-C lets the step in flight finish, then saves its
+checkpoint (see InterruptGuard), whatever became of stdout and stderr (a pipe to tee that
+the same Ctrl-C closed: see say()). --resume DIR continues in DIR unless --out names another
+directory. An --out that holds another run's checkpoint, metrics or plot is refused unless
+--resume continues that run or --overwrite replaces it.
 Bad input ends with one line on stderr and exit status 2, before training starts where it
 can be known then (--out included); see TrainError.
 
@@ -41,6 +45,10 @@ if TYPE_CHECKING:  # annotations only: each function imports torch where it uses
     import torch.nn as nn
 
 CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.json"
+PLOT_NAME = "loss.png"
+# What a run writes into --out: another run's, there, is refused unless --resume / --overwrite.
+RUN_FILES = (CHECKPOINT_NAME, METRICS_NAME, PLOT_NAME)
 CHECKPOINT_FORMAT = "forge-train checkpoint"
 CHECKPOINT_VERSION = 1
 DEFAULT_OUT = os.path.join("runs", "forge-train")
@@ -181,11 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", help=f"directory for checkpoint, metrics, plot (default: "
                                  f"{DEFAULT_OUT}, or with --resume DIR that directory)")
     g.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="write a checkpoint every N steps and at the end (0: only when "
-                        "interrupted with Ctrl-C)")
+                   help="write a checkpoint every N steps as well (every run writes one at "
+                        "its end and when interrupted with Ctrl-C; 0: only those)")
     g.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
                    help=f"continue from CHECKPOINT, a file or a directory, and write there "
                         f"unless --out is given (without CHECKPOINT: OUT/{CHECKPOINT_NAME})")
+    g.add_argument("--overwrite", action="store_true",
+                   help=f"replace the run in --out (its {', '.join(RUN_FILES)}, removed "
+                        f"first); without it an --out holding them is refused unless --resume "
+                        f"continues that run")
     g.add_argument("--log-every", type=int, default=0,
                    help="without tqdm: print a progress line every N steps (default: ~20 lines)")
     g.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
@@ -309,6 +321,56 @@ def check_out(path: str) -> None:
         raise TrainError(f"--out {path}: cannot be created, {parent} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise TrainError(f"--out {path}: cannot be created, {parent} is not writable")
+
+
+def check_out_unused(args, explicit) -> None:
+    """A fresh run must not mix its files with another run's: an --out that holds a
+    checkpoint, metrics or plot is refused unless this run continues that one (--resume from
+    that folder) or --overwrite says to replace it. Other files are no run's and stay."""
+    if args.overwrite or not os.path.isdir(args.out):
+        return
+    if args.resume is not None:
+        resumed = checkpoint_path(args)
+        if os.path.abspath(os.path.dirname(resumed) or ".") == os.path.abspath(args.out):
+            return
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(args.out, name))]
+    if found:
+        raise TrainError(f"--out {args.out}: holds another run's {', '.join(found)}; continue "
+                         "that run with --resume, replace it with --overwrite, or choose "
+                         "another --out")
+
+
+def remove_run_files(out: str) -> None:
+    """--overwrite: the old run's files go before this run writes any (a new run that fails
+    early then leaves none of the old one's beside its own)."""
+    for name in RUN_FILES:
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
+            os.remove(path)
+
+
+def say(text: str = "", stream=None, end: str = "\n") -> None:
+    """print() that a closed stdout or stderr cannot stop: under `forge-train ... 2>&1 | tee
+    log` the Ctrl-C that interrupts the run ends tee too, and every later write fails
+    (BrokenPipeError), also the interrupt handler's own; the run must still finish its step
+    and save it. The stream that failed is pointed at os.devnull from then on, and its file
+    descriptor too, so that later prints and the interpreter's last flush do not fail again."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        print(text, file=stream, end=end, flush=True)
+    except OSError:  # BrokenPipeError (EPIPE), EIO of a closed terminal
+        _silence(stream)
+
+
+def _silence(stream) -> None:
+    devnull = open(os.devnull, "w")
+    try:
+        os.dup2(devnull.fileno(), stream.fileno())
+    except (OSError, ValueError, AttributeError):  # (no descriptor: a StringIO, a closed file)
+        pass
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is stream:
+            setattr(sys, name, devnull)
 
 
 def pick_device(name: str) -> torch.device:
@@ -502,14 +564,21 @@ class Progress:
 
     def update(self, step: int, text: str):
         if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
-            self.bar.update(1)
+            try:
+                self.bar.set_postfix_str(text, refresh=False)
+                self.bar.update(1)
+            except OSError:  # the terminal went away: no more bar (say())
+                self.bar = None
+                _silence(sys.stdout)
         elif (step + 1) % self.log_every == 0 or step + 1 == self.total:
-            print(f"step {step + 1:>6}/{self.total}  {text}", flush=True)
+            say(f"step {step + 1:>6}/{self.total}  {text}")
 
     def close(self):
         if self.bar is not None:
-            self.bar.close()
+            try:
+                self.bar.close()
+            except OSError:
+                _silence(sys.stdout)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -534,9 +603,9 @@ def remove_stale_tmp(path: str) -> None:
     tmp = checkpoint_tmp_path(path)
     if os.path.exists(tmp):
         os.remove(tmp)
-        print(f"forge-train: note: removed {tmp}, an unfinished checkpoint write of an earlier "
-              f"run that was killed ({os.path.basename(path)} itself is as that run left it)",
-              file=sys.stderr, flush=True)
+        say(f"forge-train: note: removed {tmp}, an unfinished checkpoint write of an earlier "
+            f"run that was killed ({os.path.basename(path)} itself is as that run left it)",
+            sys.stderr)
 
 
 def save_checkpoint(path: str, state: dict) -> None:
@@ -707,8 +776,10 @@ class InterruptGuard:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\nforge-train: interrupted: finishing this step, then saving its checkpoint "
-              "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
+        # NOTE: say(), not print(): an exception raised here would come out of whatever the
+        # step was running (a closed pipe's BrokenPipeError ended the run without its save)
+        say("\nforge-train: interrupted: finishing this step, then saving its checkpoint "
+            "(Ctrl-C again stops at once, without one)", sys.stderr)
 
 
 def train(args, explicit=frozenset()) -> TrainResult:
@@ -718,6 +789,7 @@ def train(args, explicit=frozenset()) -> TrainResult:
     check_precision(args)
     resolve_out(args, explicit)
     check_out(args.out)
+    check_out_unused(args, explicit)
 
     import torch
     from forge.tools import data as forge_data
@@ -811,19 +883,21 @@ def train(args, explicit=frozenset()) -> TrainResult:
 
     n_params = forge_models.count_parameters(model)
     if par is not None:
-        print(f"forge-train: {par.world} ranks: tensor parallel {par.tp}"
-              f"{' (sequence parallel)' if par.tp > 1 and args.sequence_parallel is not False else ''}, "
-              f"data parallel {par.dp}{' (FSDP2)' if par.fsdp else ''}", flush=True)
-    print(f"forge-train: model {args.model} ({n_params / 1e6:.2f} M parameters, "
-          f"{str(dtype).replace('torch.', '')}{', bf16 autocast' if args.amp else ''}) on "
-          f"{device}; data {data.description}; "
-          f"tokenizer {tokenizer.name}; optimizer {opt_label}; "
-          f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
-          + (f"; resuming at step {start}" if start else ""), flush=True)
+        say(f"forge-train: {par.world} ranks: tensor parallel {par.tp}"
+            f"{' (sequence parallel)' if par.tp > 1 and args.sequence_parallel is not False else ''}, "
+            f"data parallel {par.dp}{' (FSDP2)' if par.fsdp else ''}")
+    say(f"forge-train: model {args.model} ({n_params / 1e6:.2f} M parameters, "
+        f"{str(dtype).replace('torch.', '')}{', bf16 autocast' if args.amp else ''}) on "
+        f"{device}; data {data.description}; "
+        f"tokenizer {tokenizer.name}; optimizer {opt_label}; "
+        f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
+        + (f"; resuming at step {start}" if start else ""))
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
         raise TrainError(f"--out {args.out}: cannot create it ({e.strerror})") from None
+    if args.overwrite and saved_step is None and (par is None or par.main):
+        remove_run_files(args.out)  # (not the checkpoint this run resumes from)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -894,6 +968,11 @@ def train(args, explicit=frozenset()) -> TrainResult:
                     raise TrainInterrupted(
                         f"interrupted after step {done} of {args.steps}; {ckpt_file} holds "
                         f"step {done}: continue with forge-train --resume {args.out}")
+            # Every run ends with its checkpoint (a resumed one's moves to its end): the
+            # metrics written below and the checkpoint then say the same step.
+            if par is None and saved_step != args.steps:
+                save_checkpoint(ckpt_file, checkpoint(args.steps))
+                saved_step = args.steps
     except KeyboardInterrupt:  # a second Ctrl-C: the step in flight is lost
         kept = (f"{ckpt_file} (step {saved_step}) is kept" if saved_step is not None else
                 "no checkpoint was written (one Ctrl-C lets the step finish and saves it)")
@@ -907,7 +986,7 @@ def train(args, explicit=frozenset()) -> TrainResult:
         tokens_per_s=timed_tokens / timed_s if timed_s else 0.0, optimizer=opt_label,
         out=args.out, grad_norms=grad_norms, nonfinite=nonfinite)
     if par is None or par.main:
-        write_outputs(args, result, n_params, device)
+        write_outputs(args, result, n_params, device, ckpt_file if par is None else None)
     return result
 
 
@@ -921,8 +1000,10 @@ def _hf_tokenizer(model_path: str):
     return forge_data.HFTokenizer(AutoTokenizer.from_pretrained(directory))
 
 
-def write_outputs(args, result: TrainResult, n_params: int, device: torch.device) -> None:
-    """metrics.json, loss.png and the summary on stdout."""
+def write_outputs(args, result: TrainResult, n_params: int, device: torch.device,
+                  checkpoint_file: Optional[str] = None) -> None:
+    """metrics.json, loss.png and the summary on stdout (naming checkpoint_file, the run's
+    last checkpoint, where it wrote one)."""
     metrics = {"losses": result.losses, "grad_norms": result.grad_norms,
                "optimizer": result.optimizer, "model": args.model, "parameters": n_params,
                "device": str(device), "peak_memory_bytes": result.peak_memory,
@@ -930,12 +1011,12 @@ def write_outputs(args, result: TrainResult, n_params: int, device: torch.device
                "peak_other_grad_bytes": result.peak_other_grad_bytes,
                "tokens_per_s": result.tokens_per_s, "nonfinite_skipped": result.nonfinite,
                "command": sys.argv}
-    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+    with open(os.path.join(args.out, METRICS_NAME), "w") as f:
         json.dump(metrics, f, indent=1)
     plot_note = "skipped (--no-plot)"
     if not args.no_plot:
         plot_note = plot_losses({result.optimizer: result.losses},
-                                os.path.join(args.out, "loss.png"),
+                                os.path.join(args.out, PLOT_NAME),
                                 f"forge-train: {args.model}, {result.optimizer}")
     tail = result.losses[-10:]
     memory_kind = "GPU, max_memory_allocated" if device.type == "cuda" else "process peak RSS"
@@ -952,8 +1033,11 @@ def write_outputs(args, result: TrainResult, n_params: int, device: torch.device
                      "(their weights untouched)")
     lines += [f"  throughput            {result.tokens_per_s:,.0f} tokens/s",
               f"  loss curve            {plot_note}",
-              f"  metrics               {os.path.join(args.out, 'metrics.json')}"]
-    print("\n".join(lines), flush=True)
+              f"  metrics               {os.path.join(args.out, METRICS_NAME)}"]
+    if checkpoint_file is not None:
+        lines.append(f"  checkpoint            {checkpoint_file} (step {result.steps}; "
+                     f"forge-train --resume {args.out} --steps N goes on)")
+    say("\n".join(lines))
 
 
 def plot_losses(curves: Dict[str, List[float]], path: str, title: str) -> str:
@@ -999,20 +1083,20 @@ def _run(args, explicit) -> int:
     try:
         train(args, explicit)
     except TrainError as e:
-        print(f"forge-train: error: {e}", file=sys.stderr)
+        say(f"forge-train: error: {e}", sys.stderr)
         return 2
     except TrainInterrupted as e:
-        print(f"forge-train: {e}", file=sys.stderr)
+        say(f"forge-train: {e}", sys.stderr)
         return 130
     except KeyboardInterrupt:  # before the first step or after the last: nothing new to save
-        print("\nforge-train: interrupted outside the training steps (nothing new to save)",
-              file=sys.stderr)
+        say("\nforge-train: interrupted outside the training steps (nothing new to save)",
+            sys.stderr)
         return 130
     except Exception as e:
         if not _out_of_memory(e):
             raise
-        print("forge-train: error: out of memory; try a smaller --batch-size or --seq-len, "
-              "--activation-checkpointing or --bf16", file=sys.stderr)
+        say("forge-train: error: out of memory; try a smaller --batch-size or --seq-len, "
+            "--activation-checkpointing or --bf16", sys.stderr)
         return 2
     return 0
 
