@@ -223,8 +223,19 @@ def _in_graph_grads(ctx, x, dy, weight, bias_rows):
     """W's gradient stand-in and db of a fused backward traced by torch.compile: the hand-off
     of the fused step's (x, dy) pair and the sum of bias_rows, through _ops' operators."""
     db = _ops.bias_grad(bias_rows).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
-    dw = _ops.wgrad_hand_off(x, dy, weight, ctx.slot.key) if ctx.needs_input_grad[1] else None
+    dw = None
+    if ctx.needs_input_grad[1]:
+        # (decided as the backward is traced, for every run of its graph: _ops.py)
+        keep = hand_off_keeps(x, dy, ctx.slot.local())
+        dw = _ops.wgrad_hand_off(x, dy, weight, ctx.slot.key, keep)
     return dw, db
+
+
+def hand_off_keeps(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a compiled backward's hand-off keeps x and dy for W's update (they take fewer
+    bytes than dW in W's dtype) or forms dW at once (_ops.py)."""
+    return bool(x.numel() * x.element_size() + dy.numel() * dy.element_size()
+                < weight.numel() * weight.element_size())
 
 
 class FusedLinearFunction(torch.autograd.Function):

@@ -6,9 +6,11 @@ So when torch.compile traces FusedLinearFunction or FusedConv1DFunction (_linear
 backward calls two custom operators (torch.library, torch >= 2.4), opaque calls to Dynamo,
 AOTAutograd and Inductor:
 
-  forge::wgrad_hand_off(x, dy, weight, key) -> W's gradient stand-in
+  forge::wgrad_hand_off(x, dy, weight, key, keep) -> W's gradient stand-in
       runs, when the compiled backward reaches it, the slot's own hand-off
       (_Slot.hand_off_in_graph) for the slot registered under `key` (_linear.slot_of_key);
+      keep: decided when the backward is traced, whether the slot may keep x and dy until
+      W's update (they take fewer bytes than dW in W's dtype), else dW is formed at once;
       where the C++ part of fused Linears is built, its kernel first arms the slot's record
       if the update is ready (forge/csrc/prehook.cpp), without Python. Its output is W's
       gradient in the graph, so it is never dead code: the slot's stand-in, one zero
@@ -18,12 +20,16 @@ AOTAutograd and Inductor:
   forge::bias_grad(dy) -> Σ_t dY, summed by aten as the eager backward sums it (an
       Inductor reduction sums in its own order), so db has eager's bits.
 
-The hand-off keeps x and dy (the slot's pending pair) after the op returns, which Inductor
-cannot see: past a buffer's last use it recycles its storage for a later buffer of the same
-graph, and a saved activation donated to the backward is such a buffer too. ready(), run
-once when Dynamo first traces a fused Linear, registers an Inductor lowering of the hand-off
-that adds its tensor inputs to the graph's never-reuse set (Inductor's own mechanism for
-buffers it must keep). Where torch lacks what this needs, ready() is False and the Linear's
+A hand-off with keep keeps x and dy (the slot's pending pair) after the op returns, which
+Inductor cannot see: past a buffer's last use it recycles its storage for a later buffer of
+the same graph, and a saved activation donated to the backward is such a buffer too. ready(),
+run once when Dynamo first traces a fused Linear, registers an Inductor lowering of the
+hand-off that adds those inputs to the graph's never-reuse set (Inductor's own mechanism for
+buffers it must keep, which also keeps them to the graph's end). A compiled backward's
+hand-offs all run before the first update (W's AccumulateGrad comes after the graph), so
+keeping every weight's x and dY would cost more than the gradients they stand for: a
+hand-off without keep forms dW in W's dtype and lets them go, freed as Inductor frees any
+buffer. Where torch lacks what this needs, ready() is False and the Linear's
 backward stays outside the graph (one graph break per Linear), with a warning once.
 
 The hand-off is tagged cudagraph_unsafe where torch has the tag (a CUDA graph replay would
@@ -50,17 +56,18 @@ def _define_ops() -> None:
     global _LIB
     lib = torch.library.Library("forge", "FRAGMENT")
     tags = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-    lib.define("wgrad_hand_off(Tensor x, Tensor dy, Tensor weight, int key) -> Tensor", tags=tags)
+    lib.define("wgrad_hand_off(Tensor x, Tensor dy, Tensor weight, int key, bool keep) -> Tensor",
+               tags=tags)
     lib.define("bias_grad(Tensor dy) -> Tensor")
 
-    def wgrad_hand_off(x, dy, weight, key):
+    def wgrad_hand_off(x, dy, weight, key, keep):
         slot = _linear.slot_of_key(key)
         if slot is None:
             raise RuntimeError(
                 "forge: a compiled backward reached a fused Linear whose optimizer is gone "
                 "(garbage-collected since the forward); keep the optimizer alive until "
                 "backward() returns")
-        return slot.hand_off_in_graph(x, dy, weight)
+        return slot.hand_off_in_graph(x, dy, weight, keep)
 
     def bias_grad(dy):
         return dy.reshape(-1, dy.shape[-1]).sum(0)
@@ -72,7 +79,8 @@ def _define_ops() -> None:
         lib.impl("wgrad_hand_off", wgrad_hand_off, "CompositeExplicitAutograd")
     lib.impl("bias_grad", bias_grad, "CompositeExplicitAutograd")
     torch.library.register_fake("forge::wgrad_hand_off",
-                                lambda x, dy, weight, key: weight.new_empty(()).expand(weight.shape),
+                                lambda x, dy, weight, key, keep:
+                                weight.new_empty(()).expand(weight.shape),
                                 lib=lib)
     torch.library.register_fake("forge::bias_grad", lambda dy: dy.new_empty(dy.shape[-1:]), lib=lib)
     _LIB = lib
@@ -80,7 +88,8 @@ def _define_ops() -> None:
 
 def _pin_hand_off_inputs() -> None:
     """Inductor lowers forge::wgrad_hand_off as the fallback call it would make anyway,
-    with x and dy in the graph's never-reuse set (they live on in the slot)."""
+    with x and dy of a hand-off that keeps them in the graph's never-reuse set (they live on
+    in the slot)."""
     from torch._inductor import graph, lowering
     from torch._inductor.virtualized import V
     if "never_reuse_buffers" not in graph.GraphLowering.__init__.__code__.co_names:
@@ -89,11 +98,12 @@ def _pin_hand_off_inputs() -> None:
     fallback = lowering.fallback_handler(op, add_to_fallback_set=False)
 
     @lowering.register_lowering(op, type_promotion_kind=None)
-    def _lower(x, dy, weight, key):
-        for t in (x, dy):
-            t.realize()
-            V.graph.never_reuse_buffers.add(t.get_name())
-        return fallback(x, dy, weight, key)
+    def _lower(x, dy, weight, key, keep):
+        if keep:
+            for t in (x, dy):
+                t.realize()
+                V.graph.never_reuse_buffers.add(t.get_name())
+        return fallback(x, dy, weight, key, keep)
 
 
 def _ready() -> bool:
@@ -121,8 +131,8 @@ ready = torch.compiler.assume_constant_result(_ready) \
     if hasattr(torch.compiler, "assume_constant_result") else _ready
 
 
-def wgrad_hand_off(x, dy, weight, key: int):
-    return torch.ops.forge.wgrad_hand_off(x, dy, weight, key)
+def wgrad_hand_off(x, dy, weight, key: int, keep: bool):
+    return torch.ops.forge.wgrad_hand_off(x, dy, weight, key, keep)
 
 
 def bias_grad(dy):

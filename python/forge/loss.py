@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from . import _linear
 from .optim import distributed
+from .optim.deferred import product
 
 # NOTE: vocabulary rows per block: the block's fp32 logits are tokens × this × 4 bytes (64 MiB
 # at 8192 tokens); larger blocks only add memory, the products are GEMMs either way.
@@ -103,7 +104,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         dw = None
         if use != _linear.GRAD_DROPPED and slot is None:
-            dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            # (W's gradient as torch's head would return it: in W's dtype, block by block)
+            dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         if slot is not None:
             opt = slot.opt_ref()
             if slot.updated_at == opt._step_id:
@@ -123,13 +125,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 opt._update(slot, x=(x2, x2.stride(0)), dy=(dlogits, dlogits.stride(0)),
                             rows=(v0, v1), last=i == len(blocks) - 1)
             elif dw is not None:
-                dw[v0:v1] = dlogits.t().float().matmul(x2.float())
+                dw[v0:v1] = product(x2, dlogits, weight.dtype)
         if slot is not None:
             consumed = slot.consumed_grad()
             if consumed is not None:
                 slot.param.grad = consumed
-        grad_w = None if dw is None else dw.to(weight.dtype)
-        return dh.to(hidden.dtype), grad_w, None, None, None
+        return dh.to(hidden.dtype), dw, None, None, None
 
 
 def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,

@@ -4,7 +4,10 @@ A fused Linear's backward goes into the compiled graph (its hand-off through the
 operator forge::wgrad_hand_off, forge/_ops.py): no graph break per Linear, and over several
 steps the weights and optimizer states are bit-identical to the eager FORGE run, in every mode,
 under bf16 autocast, with and without biases, for a Linear applied twice (materialized, with
-its warning), with a weight also read outside its Linear and with frozen weights.
+its warning), with a weight also read outside its Linear and with frozen weights. A hand-off
+whose X and dY would take more bytes than dW forms dW at once (the compiled backward's
+hand-offs all run before any update): the eager reference makes the same choice per weight
+(_eager_as_the_graph), so the comparison stays one of bits.
 Inductor runs the cases where its buffer reuse could reach what the hand-off keeps, on Linears
 alone: every other operation would be one of Inductor's C++ kernels, seconds of compiling each
 on the CPU, and may round otherwise than eager (the comparison is of FORGE's part). The
@@ -34,16 +37,17 @@ STEPS = 3
 class MLP(nn.Module):
     """Four Linears, with and without bias, and ReLUs after the first two (relu=True). Without
     them Inductor's backward is extern calls only, and reuses the storage of dY of `c`
-    (dX of `d`) for dX of `b` unless the hand-off's inputs are kept out of reuse."""
+    (dX of `d`) for dX of `b` unless the hand-off's inputs are kept out of reuse. With a
+    batch's 15 tokens, `b` and `c` keep their X and dY, `a` and `d` form dW (hand_off_keeps)."""
 
     def __init__(self, relu=True, frozen=False):
         super().__init__()
         torch.manual_seed(0)
         self.relu = relu
-        self.a = nn.Linear(16, 24)
-        self.b = nn.Linear(24, 24, bias=False)
-        self.c = nn.Linear(24, 24)
-        self.d = nn.Linear(24, 8, bias=False)
+        self.a = nn.Linear(16, 64)
+        self.b = nn.Linear(64, 64, bias=False)
+        self.c = nn.Linear(64, 64)
+        self.d = nn.Linear(64, 8, bias=False)
         if frozen:
             self.a.weight.requires_grad_(False)
             self.c.weight.requires_grad_(False)
@@ -100,10 +104,26 @@ def _assert_same_bits(eager, compiled):
             assert torch.equal(a[k], b[k]), f"state {k} of parameter {i} differs"
 
 
+def _eager_as_the_graph(monkeypatch) -> None:
+    """Optimizers built and run inside this context take the Python Linear backward (the C++
+    one arms its record without asking), whose every use of a fused weight keeps X and dY or
+    forms dW as a compiled hand-off decides (_linear.hand_off_keeps): the eager run a compiled
+    one must equal bit for bit."""
+    original = forge.optim.routing._RoutingMixin._linear_backward
+
+    def as_the_graph(opt, slot, x, dy, weight, keep_operands=True):
+        keep = _linear.hand_off_keeps(x, dy, slot.local())
+        return original(opt, slot, x, dy, weight, keep_operands=keep)
+    monkeypatch.setattr(forge.optim.routing._RoutingMixin, "_linear_backward", as_the_graph)
+    monkeypatch.setattr(forge._prehook, "get", lambda: None)
+
+
 def _eager_and_compiled(make_model, make_opt, backend, fullgraph=False, **run):
     torch._dynamo.reset()
-    model = make_model()
-    eager = _run(model, make_opt(model), **run)
+    with pytest.MonkeyPatch.context() as patch:
+        _eager_as_the_graph(patch)
+        model = make_model()
+        eager = _run(model, make_opt(model), **run)
     model = make_model()
     opt = make_opt(model)
     compiled = _run(torch.compile(model, backend=backend, fullgraph=fullgraph), opt, **run)
@@ -171,6 +191,26 @@ def test_inductor_fullgraph_adamw_immediate_bits():
                                     state_format="fp32"),
         "inductor", fullgraph=True)
     _assert_same_bits(eager, compiled)
+
+
+def test_a_hand_off_keeps_x_and_dy_only_where_they_are_smaller_than_dw():
+    """A compiled backward's hand-offs all run before any update: where a weight's X and dY
+    take more bytes than dW, its hand-off forms dW in W's dtype and keeps neither (a and d of
+    the MLP), else it keeps them for the fused step (b and c): deferred mode shows which."""
+    torch._dynamo.reset()
+    model = MLP(relu=False)
+    opt = forge.optim.AdamW(model, lr=1e-2, mode="deferred")
+    x, target = _batch(0)
+    (torch.compile(model, backend="aot_eager")(x) * target).sum().backward()
+    for name in ("a", "d"):
+        g = getattr(model, name).weight.grad
+        assert isinstance(g, forge.optim.FactoredGrad) and not g.parts, name
+        assert g.dense is not None and g.dense.dtype == torch.float32, name  # (W's dtype)
+    for name in ("b", "c"):
+        g = getattr(model, name).weight.grad
+        assert isinstance(g, forge.optim.FactoredGrad) and len(g.parts) == 1, name
+        assert g.dense is None, name
+    opt.step()
 
 
 def test_inductor_deferred_sgd_with_clipping_bits():
@@ -261,8 +301,10 @@ def test_autograd_grad_of_an_input_hands_nothing_over(mode):
         return [p.detach().clone() for p in model.parameters()]
 
     torch._dynamo.reset()
-    model = MLP()
-    eager = run(model, forge.optim.AdamW(model, lr=1e-2, mode=mode))
+    with pytest.MonkeyPatch.context() as patch:
+        _eager_as_the_graph(patch)
+        model = MLP()
+        eager = run(model, forge.optim.AdamW(model, lr=1e-2, mode=mode))
     model = MLP()
     opt = forge.optim.AdamW(model, lr=1e-2, mode=mode)
     compiled = run(torch.compile(model, backend="aot_eager"), opt)
@@ -324,9 +366,11 @@ def test_detach_and_a_new_optimizer_recompile():
     for p in model.parameters():
         p.grad = None
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    eager_model = MLP()
-    eager_model.load_state_dict(start)
-    eager = _run(eager_model, forge.optim.SGD(eager_model, lr=1e-2))
+    with pytest.MonkeyPatch.context() as patch:
+        _eager_as_the_graph(patch)
+        eager_model = MLP()
+        eager_model.load_state_dict(start)
+        eager = _run(eager_model, forge.optim.SGD(eager_model, lr=1e-2))
     again = _run(compiled, forge.optim.SGD(model, lr=1e-2))
     _assert_same_bits(eager, again)
 

@@ -119,15 +119,16 @@ def loop_errors(name, kwargs, device, forge_options, use_scaler=True):
     return errors, results, opts["forge"]
 
 
-def assert_loop_bound(errors, device="cpu"):
+def assert_loop_bound(errors, device="cpu", dense=False):
     """forge within LOOP_RTOL of torch doing the same loop, or within what torch itself moves
     under a one-ulp change of the gradient it consumes; against torch's own clip_grad_norm_,
     also within what torch moves when only its fp32 norm's rounding changes. On CUDA the
-    fused kernel sums dW in its own order: within what torch moves when only its summation
+    fused kernel sums dW in its own order, and a dense deferred store (dense: the factors
+    would be larger) is torch's GEMM's: within what torch moves when only its summation
     order changes (stock GEMM against the token-ordered sum)."""
     from tolerances import LOOP_RTOL, SUM_ORDER_FACTOR, ULP_SENSITIVITY_FACTOR
     own = max(LOOP_RTOL, ULP_SENSITIVITY_FACTOR * errors["ulp_vs_ref64"])
-    if device != "cpu":
+    if device != "cpu" or dense:
         own = max(own, SUM_ORDER_FACTOR * errors["stock_vs_ref"])
     assert errors["forge_vs_ref64"] <= own, errors
     assert errors["forge_vs_ref"] <= max(own, SUM_ORDER_FACTOR * errors["ref_vs_ref64"]), errors
@@ -198,13 +199,14 @@ def test_auto_mode_sees_micro_batches_on_a_parameter_outside_linears(caplog):
 
 
 def test_auto_mode_stays_deferred_for_a_loop_that_clips(caplog):
-    """mode='auto' (the default): a loop that clips is exact from its first step on."""
+    """mode='auto' (the default): a loop that clips is exact from its first step on (this
+    model's micro-batches outgrow its weights' gradients: dense deferred stores)."""
     name, kwargs = "AdamW", dict(lr=1e-2, weight_decay=0.1)
     with caplog.at_level(logging.INFO, logger="forge"):
         errors, _, opt = loop_errors(name, kwargs, "cpu", {}, use_scaler=False)
     assert opt.mode == "deferred"
     assert "stays deferred" in caplog.text
-    assert_loop_bound(errors)
+    assert_loop_bound(errors, dense=True)
 
 
 def test_auto_mode_goes_immediate_for_a_plain_loop(caplog):

@@ -221,8 +221,9 @@ def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
     test_compile.py (on a GPU, after the other CUDA tests of the suite, Inductor's tracing of
     this model aborted the process once: docs/design.md §9)."""
     torch.manual_seed(0)
-    base = nn.ModuleDict({"a": nn.Linear(8, 16), "b": nn.Linear(16, 16, bias=False),
-                          "c": nn.Linear(16, 4)})
+    # (6 tokens against these widths: every hand-off keeps its X and dY, _linear.hand_off_keeps)
+    base = nn.ModuleDict({"a": nn.Linear(32, 64), "b": nn.Linear(64, 64, bias=False),
+                          "c": nn.Linear(64, 16)})
 
     def forward(layers, x):
         act = torch.relu if relu else (lambda t: t)
@@ -246,7 +247,7 @@ def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
         steps = [torch.compile(lambda x, m=m: forward(m, x)) for m in models]
         for step in range(STEPS):
             entered.clear()
-            x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(step))
             for run in steps:
                 run(x).square().mean().backward()
             # (from the second step: the step's first hand-off, in the graph's order, and b's

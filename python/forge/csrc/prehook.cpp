@@ -437,7 +437,7 @@ at::Tensor fused_conv1d(const at::Tensor& x, const at::Tensor& weight,
                              true);
 }
 
-// A compiled backward's hand-off (forge::wgrad_hand_off(x, dy, weight, key), forge/_ops.py):
+// A compiled backward's hand-off (forge::wgrad_hand_off(x, dy, weight, key, keep), forge/_ops.py):
 // the record registered under the slot's key is armed as FusedLinearBackward arms it, and W's
 // stand-in returned; anything else goes to the operator's Python kernel (_Slot.hand_off_in_graph:
 // its checks and refusals, the step's first hand-off, which checks the step and readies the
@@ -458,21 +458,22 @@ void register_hand_off_record(int64_t key, const std::shared_ptr<Record>& record
 }
 
 at::Tensor hand_off(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& weight,
-                    int64_t key) {
+                    int64_t key, bool keep) {
   std::shared_ptr<Record> record;
   {
     std::lock_guard<std::mutex> lock(hand_off_mutex);
     auto it = hand_off_records.find(key);
     if (it != hand_off_records.end()) record = it->second.lock();
   }
-  // (a backward with create_graph=True: the Python path refuses or makes dW with its graph)
-  if (record && !at::GradMode::is_enabled() &&
+  // (a backward with create_graph=True: the Python path refuses or makes dW with its graph;
+  // one that may not keep X and dY: the Python path forms dW, forge/_ops.py)
+  if (record && keep && !at::GradMode::is_enabled() &&
       weight_grad_use(record->weight) == kGradAccumulated && record->try_arm(x, dy)) {
     record->armed_in_graph = true;
     return record->stand_in;
   }
   py::gil_scoped_acquire gil;
-  return (*hand_off_python)(x, dy, weight, key).cast<at::Tensor>();
+  return (*hand_off_python)(x, dy, weight, key, keep).cast<at::Tensor>();
 }
 
 // The C++ kernel of forge::wgrad_hand_off for every device (CompositeExplicitAutograd, where

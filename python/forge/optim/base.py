@@ -27,7 +27,7 @@ import torch.nn as nn
 from .. import _lib, _linear
 from .call import _CallMixin, _as_float, _fp32, _nadam_mu
 from .capture import _CaptureMixin, GraphCapture
-from .routing import _RoutingMixin, _Slot, _owner_of
+from .routing import BATCHED_MAX_ELEMENTS, _RoutingMixin, _Slot, _owner_of
 from . import distributed
 from .deferred import FactoredGrad, consumed_of, fill_sum_sqs, sum_sq_fp64
 from . import summary as _summary
@@ -203,6 +203,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         self._deferred_store = "grad" if accumulate_grad else deferred_store
         self._requested = (mode, deferred_store)  # what accumulate_grad=False returns to
         self._deferring = self._mode != "immediate"
+        # mode="auto": whether its loop needs the gradients before step() (every step then
+        # deferred), as learned at its first step or loaded with a state dict; None: to learn
+        self._auto_deferring: Optional[bool] = None
         self._clip_norm: Optional[torch.Tensor] = None  # this step's norm before clipping
         self._loop_needs_grads = False  # a step pre-hook was registered (auto mode)
         self._graphed_grads = False  # a backward with create_graph=True reached a fused weight
@@ -306,7 +309,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._mode, self._deferred_store = "deferred", "grad"
         else:
             self._mode, self._deferred_store = self._requested
-        deferring = self._mode != "immediate" and (self._mode != "auto" or self._step_id == 0)
+        deferring = self._mode == "deferred" or (
+            self._mode == "auto" and self._auto_deferring is not False)
         if self._mode_outside_hold is not None:  # (a held step: its mode after it)
             self._mode_outside_hold = deferring
         else:
@@ -597,7 +601,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise RuntimeError(f"forge: parameter '{slot.name}' has a sparse gradient, "
                                    "which FORGE does not support")
         self._check_step()  # nothing is written unless every update of the step can run
-        if self._mode == "auto" and self._step_id == 0:
+        if self._mode == "auto" and self._auto_deferring is None:
             self._decide_auto(held)
         clip = 1.0
         if self.max_grad_norm is not None and held:
@@ -606,8 +610,13 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             # torch's clip_grad_norm_: max_norm / (total + 1e-6), at most 1, in fp32
             clip = torch.clamp(self.max_grad_norm / (total.float() + 1e-6), max=1.0)
             clip = float(clip)  # NOTE: one host synchronization per step
-        batch = []  # (slot, grad, scale) of the plain gradients: one library call
-        for slot, grad in held:
+        # NOTE: each gradient is freed as soon as its update ran, so the step's peak is what is
+        # held plus the states made so far, never every gradient and every state at once (on
+        # the first step the states are made here, weight by weight, in the memory the
+        # gradients leave). The small plain gradients (biases, norm scales) go in one call.
+        batch = []  # (slot, grad, scale) of the small plain gradients: one library call
+        for i in range(len(held)):
+            (slot, grad), held[i] = held[i], None
             if isinstance(grad, FactoredGrad):
                 scale = clip * _host_scale(grad.scale)
                 if grad.dense is not None:
@@ -616,14 +625,17 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                     x2, dy2 = grad.tokens()
                     self._update(slot, x=(x2, x2.stride(0)), dy=(dy2, dy2.stride(0)),
                                  scale=scale)
+                    del x2, dy2
                 else:  # zeroed (zero_grad(set_to_none=False)), or backwards of no tokens (an
                     # empty batch, an expert no token was routed to): torch steps on zeros
                     self._update(slot, grad=torch.zeros_like(slot.param), scale=1.0)
-            elif slot.dtensor:
+                grad.spend()
+            elif slot.dtensor or grad.numel() > BATCHED_MAX_ELEMENTS:
                 self._update(slot, grad=distributed.grad_as_param(grad, slot.param), scale=clip)
             else:
                 batch.append((slot, distributed.grad_as_param(grad, slot.param), clip))
                 continue
+            del grad
             self._leave_consumed(slot)
         self._update_batch(batch)
         for slot, _, _ in batch:
@@ -680,6 +692,7 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if self._loop_needs_grads or getattr(self, "_optimizer_step_pre_hooks", None) \
                 or _global_pre_hooks():
             reasons.append("a step pre-hook is registered")
+        self._auto_deferring = bool(reasons)
         if reasons:
             _log.info("forge: mode='auto' stays deferred: %s", "; ".join(reasons))
         else:
@@ -769,7 +782,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                        "state_formats": self._state_formats_by_index(),
                        "master_weights": self.master_weights,
                        "stochastic_rounding": self.stochastic_rounding, "seed": self.seed,
-                       "step_id": self._step_id}
+                       "step_id": self._step_id, "mode": self._requested[0],
+                       "auto_deferring": self._auto_deferring}
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -856,6 +870,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             if mu_product is not None:
                 st["mu_product"] = mu_product
         self._step_id = step_id
+        if self._mode == "auto":  # (what the saved auto optimizer learned of the loop, or learn)
+            learned = meta.get("auto_deferring") if meta.get("mode") == "auto" else None
+            self._auto_deferring = learned if isinstance(learned, bool) else None
+            self._deferring = self._auto_deferring is not False
         self._states_loaded += 1  # new state tensors: a captured step no longer reads them
         self._checked_step = self._begun_step = -1
         self._lapse_ready()

@@ -5,7 +5,9 @@ FactoredGrad is what a fused Linear weight holds as `.grad` in deferred mode:
 
     dW = scale · Σ_k dY_kᵀ · X_k        X_k: [T_k, in], dY_k: [T_k, out]
 
-(one (X_k, dY_k) pair per backward: micro-batches concatenate their tokens). The pairs
+(one (X_k, dY_k) pair per backward: micro-batches concatenate their tokens), or, where
+those would take more bytes than dW in W's dtype, as that dense dW (`dense`): what it keeps
+never costs more than the gradient torch would keep. The pairs
 are the fused step's operands (x: [T, cols], dy: [T, rows] of a [rows, cols] weight, dW =
 Σ dyᵀ·x): a Linear's (X, dY); a transformers Conv1D (W: [in, out], dW = Xᵀ·dY) hands its
 pair over swapped, (dY, X), so everything here holds for it unchanged. It is a
@@ -14,10 +16,11 @@ loop's own code can work on it: torch.nn.utils.clip_grad_norm_ takes its norm
 (linalg_vector_norm, computed exactly without forming dW) and scales it (mul_; a loop's own
 p.grad /= steps, div_, alike), GradScaler's
 unscale_ checks it for NaN/Inf and unscales it (_amp_foreach_non_finite_check_and_unscale_),
-zero_grad(set_to_none=False) zeroes it. Any other operation materializes dW once (fp32, in
+zero_grad(set_to_none=False) zeroes it. Any other operation forms dW once (in W's dtype, in
 `dense`) and runs on that: always correct, and it says so with a warning naming the operation.
-opt.step() then runs the fused GEMM + update once over all the tokens, with `scale` as the
-gradient scale (forge_hparams.grad_scale).
+opt.step() then runs the fused GEMM + update once over all the tokens (or the element-wise
+update on `dense`), with `scale` as the gradient scale (forge_hparams.grad_scale), and frees
+what it held: a FactoredGrad the step consumed is `spent`, and any operation on it raises.
 
 ConsumedGrad is the `.grad` of a parameter whose update already ran inside backward
 (immediate mode), until opt.step(), and of a fused weight or an FSDP2 shard after opt.step()
@@ -41,6 +44,8 @@ import weakref
 from typing import List, Optional, Tuple
 
 import torch
+
+from .._linear import rows_2d
 
 _aten = torch.ops.aten
 
@@ -92,7 +97,9 @@ class FactoredGrad(torch.Tensor):
         # (x_k [T, cols], dy_k [T, rows]): a Linear's (X_k, dY_k), a Conv1D's (dY_k, X_k)
         self.parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.scale = 1.0                     # a float, or a 0-dim tensor (a clip coefficient)
-        self.dense: Optional[torch.Tensor] = None  # dW in fp32, once an operation needed it
+        # dW in W's dtype, unscaled: where the factors would take more bytes, or once an
+        # operation needed it
+        self.dense: Optional[torch.Tensor] = None
         self._sum_sq: Optional[torch.Tensor] = None  # ‖Σ dY_kᵀ X_k‖² (fp64), unscaled
         self.touched = False                 # a training loop operated on it
         # the last step's gradient, applied and not kept, is under this one (torch's .grad
@@ -101,6 +108,7 @@ class FactoredGrad(torch.Tensor):
         # weak references to the FactoredGrads of the same optimizer step (this one among
         # them): the first norm asked of one computes every one's, batched (fill_sum_sqs)
         self.cohort: Optional[List["weakref.ReferenceType"]] = None
+        self.spent = False                   # opt.step() applied it and freed what it held
 
     def __repr__(self, *, tensor_contents=None):
         tokens = sum(x.size(0) for x, _ in self.parts)
@@ -109,17 +117,17 @@ class FactoredGrad(torch.Tensor):
 
     # ---------------------------------------------------------------- building it
 
-    def add_factors(self, x2: torch.Tensor, dy2: torch.Tensor) -> None:
-        """Adds dy2ᵀ·x2 (x2: [T, cols], dy2: [T, rows]) to the gradient."""
-        if self.dense is None and _is_one(self.scale):
+    def add_factors(self, x2: torch.Tensor, dy2: torch.Tensor, keep: bool = True) -> None:
+        """Adds dy2ᵀ·x2 (x2: [T, cols], dy2: [T, rows]) to the gradient: as one more pair
+        where `keep` and nothing is dense or scaled yet, else into the dense dW (unscaled)."""
+        if keep and self.dense is None and _is_one(self.scale):
             self.parts.append((x2, dy2))
-        else:  # after a scale or a materialization: into the dense dW, unscaled
-            self.materialize().add_(dy2.float().t().matmul(x2.float()),
-                                    alpha=1.0 / _scale_float(self.scale))
+        else:
+            add_product(self.materialize(), x2, dy2, 1.0 / _scale_float(self.scale))
         self._sum_sq = None
 
-    def factor_elements(self) -> int:
-        return sum(x.numel() + dy.numel() for x, dy in self.parts)
+    def factor_bytes(self) -> int:
+        return sum(_nbytes(x) + _nbytes(dy) for x, dy in self.parts)
 
     def tokens(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(X, dY) over every part, tokens concatenated in the order they came."""
@@ -130,22 +138,40 @@ class FactoredGrad(torch.Tensor):
         return (torch.cat([x.to(dtype_x) for x in xs]), torch.cat([d.to(dtype_dy) for d in dys]))
 
     def materialize(self) -> torch.Tensor:
-        """dW in fp32 (unscaled: the scale stays in `scale`); kept in `dense`."""
+        """dW in W's dtype (unscaled: the scale stays in `scale`); kept in `dense`, the
+        factors dropped."""
         if self.dense is None:
-            dense = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
-            for x, dy in self.parts:
-                dense.add_(dy.float().t().matmul(x.float()))
-            self.dense = dense
-            self.parts = []
+            parts, self.parts = self.parts, []
+            if len(parts) == 1:
+                x, dy = parts[0]
+                self.dense = product(x, dy, self.dtype)
+            else:
+                self.dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+                for x, dy in parts:
+                    add_product(self.dense, x, dy)
         return self.dense
 
+    def add_dense(self, dw: torch.Tensor) -> None:
+        """Adds a formed gradient (any float dtype, W's shape; nobody else's: a first one
+        of W's dtype becomes `dense` itself, no copy) to the dense dW."""
+        if (not self.parts and self.dense is None and _is_one(self.scale)
+                and dw.dtype == self.dtype and dw.is_contiguous() and dw.shape == self.shape):
+            self.dense = dw
+        else:
+            self.materialize().add_(dw, alpha=1.0 / _scale_float(self.scale))
+        self._sum_sq = None
+
     def scaled_dense(self) -> torch.Tensor:
-        """scale · dW as a plain tensor of W's dtype (the FactoredGrad is spent)."""
+        """scale · dW as a plain tensor of W's dtype; the FactoredGrad is spent."""
         dense = self.materialize()
         if not _is_one(self.scale):
             dense.mul_(self.scale)
-        self.parts, self.dense, self.scale = [], None, 1.0
-        return dense.to(self.dtype)
+        self.spend()
+        return dense
+
+    def spend(self) -> None:
+        """opt.step() applied it: what it held is freed, and it answers no operation."""
+        self.parts, self.dense, self._sum_sq, self.spent = [], None, None, True
 
     # ---------------------------------------------------------------- what a loop asks of it
 
@@ -221,6 +247,12 @@ class FactoredGrad(torch.Tensor):
         kwargs = kwargs or {}
         if func in _ALIASES:
             return args[0]
+        spent = [t.param_name for t in _flat(args) if isinstance(t, FactoredGrad) and t.spent]
+        if spent:
+            raise RuntimeError(
+                f"forge: the gradient of {', '.join(spent[:3])} was applied by opt.step(), "
+                f"which frees it (FORGE never keeps a weight's whole gradient), so {func} cannot "
+                "read it: read p.grad again after backward, before opt.step()")
         if func not in (_aten.zero_.default, _aten._foreach_zero_.default):
             on_applied = [t.param_name for t in _flat(args)
                           if isinstance(t, FactoredGrad) and t.on_applied]
@@ -310,7 +342,7 @@ def _materialized_op(func, args, kwargs):
                 dense.mul_(t.scale)
                 t.scale = 1.0
             t._sum_sq = None
-            return dense if inplace or t.dtype == torch.float32 else dense.to(t.dtype)
+            return dense
         if isinstance(t, (list, tuple)):
             return type(t)(dense_of(e) for e in t)
         return t
@@ -319,7 +351,7 @@ def _materialized_op(func, args, kwargs):
     new_kwargs = {k: dense_of(v) for k, v in kwargs.items()}
     if warned:
         warnings.warn(f"forge: {func} on the deferred gradient of {', '.join(warned)}: formed "
-                      "dW in fp32 to run it (the memory of a full gradient for this weight)",
+                      "dW to run it (the memory of this weight's gradient in its dtype)",
                       stacklevel=3)
     out = func(*new_args, **new_kwargs)
     return args[0] if inplace and func._schema.name.endswith("_") else out
@@ -335,6 +367,33 @@ def _common_dtype(tensors) -> torch.dtype:
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def product(x2: torch.Tensor, dy2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dy2ᵀ·x2 ([rows, cols]; x2: [T, cols], dy2: [T, rows]) in `dtype`, accumulated in fp32
+    and rounded once, as torch's Linear backward forms dW. Operands of `dtype` multiply as
+    they are (no copies: the gradient in W's dtype is the only new tensor); others go
+    through fp32."""
+    x2, dy2 = rows_2d(x2), rows_2d(dy2)
+    if x2.dtype == dtype and dy2.dtype == dtype:
+        return dy2.t().matmul(x2)
+    if x2.dtype in _LOW_PRECISION and x2.dtype == dy2.dtype and _has_fp32_out_mm(x2.device):
+        return _mm_fp32_out(dy2.t(), x2).to(dtype)
+    return dy2.float().t().matmul(x2.float()).to(dtype)
+
+
+def add_product(dense: torch.Tensor, x2: torch.Tensor, dy2: torch.Tensor,
+                alpha: float = 1.0) -> None:
+    """dense += alpha · dy2ᵀ·x2, in place (one GEMM into dense where the dtypes agree)."""
+    x2, dy2 = rows_2d(x2), rows_2d(dy2)
+    if x2.dtype == dense.dtype and dy2.dtype == dense.dtype:
+        dense.addmm_(dy2.t(), x2, alpha=alpha)
+    else:
+        dense.add_(product(x2, dy2, torch.float32), alpha=alpha)
 
 
 def _is_one(scale) -> bool:

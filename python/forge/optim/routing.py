@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from .. import _linear, _prehook
 from . import distributed
-from .deferred import ConsumedGrad, FactoredGrad, consumed_of
+from .deferred import ConsumedGrad, FactoredGrad, add_product, consumed_of, product
 
 if TYPE_CHECKING:
     from .base import _ForgeOptimizer
@@ -94,7 +94,9 @@ class _Slot:
         # on, its device index); the last two are None on the CPU
         self.pending: List[Tuple[torch.Tensor, int, torch.Tensor, int,
                                  Optional[int], Optional[int]]] = []
-        self.partial: Optional[torch.Tensor] = None  # fp32 dW sum, for weights with > 1 use
+        # dW formed in this backward: the fp32 sum of several uses, or one use's dW in W's
+        # dtype where a compiled backward's hand-off formed it (_linear_backward)
+        self.partial: Optional[torch.Tensor] = None
         self.uses = 0               # Linear backward calls seen since the last update
         self.updated_at = -1        # opt._step_id when last updated
         self.signature = None       # (rule, names of states) the states were made for
@@ -204,7 +206,7 @@ class _Slot:
             return _materialize_dw(x, dy, weight)  # what torch returns; plain nn.Linear's
         return opt._linear_backward(self, x, dy, weight)
 
-    def hand_off_in_graph(self, x, dy, weight) -> torch.Tensor:
+    def hand_off_in_graph(self, x, dy, weight, keep: bool) -> torch.Tensor:
         """linear_backward for forge::wgrad_hand_off, a compiled backward's hand-off: the op
         returns a tensor of one layout (the stand-in's), so a second use of W in this backward
         gets the stand-in too; the pre-hook then sees their sum (_on_weight_grad_ready)."""
@@ -235,7 +237,7 @@ class _Slot:
                 "but not hand X and dY to the optimizer. Compile without CUDA graphs; "
                 "forge.graphs.CUDAGraphStep graphs a whole training step")
         self.in_graph_uses += 1
-        dw = opt._linear_backward(self, x, dy, weight)
+        dw = opt._linear_backward(self, x, dy, weight, keep_operands=keep)
         return self.stand_in if dw is None else dw
 
 
@@ -588,7 +590,11 @@ class _RoutingMixin:
             "mode='deferred' (or 'auto', deciding at the first step), or take the gradients "
             "with torch.autograd.grad(..., create_graph=True)")
 
-    def _linear_backward(self, slot: _Slot, x, dy, weight):
+    def _linear_backward(self, slot: _Slot, x, dy, weight, keep_operands: bool = True):
+        """A fused weight's use in a backward: x and dy kept for its update, or (not
+        keep_operands: a compiled backward's hand-off that keeps none, _ops.py) dW formed now
+        in W's dtype. Returns W's stand-in gradient (its first use), None (a later one), or
+        dW (a backward that must see it)."""
         if torch.is_grad_enabled():
             # backward(create_graph=True): .grad must hold dW with its graph (a gradient
             # penalty through .grad, Hessian-vector products), as torch computes it
@@ -633,12 +639,18 @@ class _RoutingMixin:
         else:
             index = handle = None
         slot.uses += 1
-        if (slot.record is not None and slot.uses == 1 and not slot.pending
+        dense = not keep_operands
+        if (not dense and slot.record is not None and slot.uses == 1 and not slot.pending
                 and slot.partial is None and self._arm(slot, x2, ldx, dy2, lddy, handle)):
             return slot.marker
         if not slot.pending and slot.partial is None:
-            slot.pending.append((x2, ldx, dy2, lddy, handle, index))
-        else:  # a second use in this backward: sum this one and the pending one in fp32
+            if dense:
+                slot.partial = product(x2, dy2, slot.param.dtype).reshape(slot.local().shape)
+            else:
+                slot.pending.append((x2, ldx, dy2, lddy, handle, index))
+        else:  # a second use in this backward: sum this one and the earlier ones in fp32
+            if slot.partial is not None and slot.partial.dtype != torch.float32:
+                slot.partial = slot.partial.float()
             for px, _, pdy, *_ in slot.pending + [(x2, ldx, dy2, lddy, handle, index)]:
                 slot.partial = _add_dw(slot.partial, px, pdy)
             slot.pending.clear()
@@ -811,7 +823,12 @@ class _RoutingMixin:
         return arrived
 
     def _summed_weight_grad(self, slot: _Slot, outside) -> torch.Tensor:
-        """The full fp32 gradient of a weight with several uses in this backward."""
+        """The full gradient of a weight with several uses in this backward, summed in fp32;
+        a gradient from a use outside its Linears alone, as it arrived."""
+        if slot.partial is None and not slot.pending and outside is not None:
+            if slot.dtensor:  # (an outside use's DTensor gradient, as this rank's shard)
+                outside = distributed.grad_as_param(outside, slot.param)
+            return outside.reshape(slot.local().shape)
         grad = slot.partial
         for x2, _, dy2, *_ in slot.pending:
             grad = _add_dw(grad, x2, dy2)
@@ -822,67 +839,78 @@ class _RoutingMixin:
         return grad.reshape(slot.local().shape)
 
     def _defer_weight_grad(self, slot: _Slot, outside) -> None:
-        """Deferred mode: adds this backward's gradient of W to what it holds (a FactoredGrad
-        of its X and dY while that is smaller than dW, else a dense .grad) and leaves it in
-        W.grad for the loop and opt.step()."""
+        """Deferred mode: adds this backward's gradient of W to what it holds and leaves it in
+        W.grad for the loop and opt.step(): a FactoredGrad of its X and dY while those take
+        fewer bytes than dW in W's dtype, else of that dense dW (deferred_store "auto"); a
+        plain dense .grad in W's dtype with deferred_store "grad"."""
         p = slot.param
         slot.grad_arrivals += 1  # (an auto optimizer's first step reads it)
         held, slot.held = slot.held, None
         if held is None:
             held = p.grad  # (the fallback path has taken autograd's sum out already)
+        single = len(slot.pending) == 1 and slot.partial is None and outside is None
+        if single:
+            x2, _, dy2, *_ = slot.pending[0]
+            x2, dy2 = _linear.rows_2d(x2), _linear.rows_2d(dy2)
         if consumed_of(held) is not None or (isinstance(held, FactoredGrad) and held.on_applied):
             # the last step's gradient, left in .grad (a held step: base.py, _begin_step):
             # this backward's goes on top of it (and of any earlier one's), in a FactoredGrad
             # whatever its size, marked so
             if not isinstance(held, FactoredGrad):
-                held = FactoredGrad(p, slot.name)
+                held = self._new_factored(slot)
                 held.on_applied = True
-                held.cohort = self._step_cohort()
-                held.cohort.append(weakref.ref(held))
-            if slot.pending and len(slot.pending) == 1 and slot.partial is None \
-                    and outside is None and not slot.dtensor:
-                x2, _, dy2, *_ = slot.pending[0]
-                held.add_factors(_linear.rows_2d(x2), _linear.rows_2d(dy2))
+            if single and not slot.dtensor:
+                held.add_factors(x2, dy2)
             else:
-                held.materialize().add_(self._summed_weight_grad(slot, outside))
+                held.add_dense(self._summed_weight_grad(slot, outside))
             p.grad = held
             return
-        if len(slot.pending) == 1 and slot.partial is None and outside is None:
-            x2, _, dy2, *_ = slot.pending[0]
-            x2, dy2 = _linear.rows_2d(x2), _linear.rows_2d(dy2)
-            if slot.dtensor:  # a shard's gradient: dense, as a DTensor of the weight's layout
-                dw = _add_dw(None, x2, dy2).to(p.dtype)
-                if held is None:
-                    p.grad = distributed.as_state(dw, p, tuple(p.shape))
-                else:
-                    distributed.local(held).add_(dw)
-                    p.grad = held
-                return
-            if held is None or isinstance(held, FactoredGrad):
-                factors = x2.numel() + dy2.numel() + (
-                    held.factor_elements() if held is not None else 0)
-                if self._keep_factors(slot, factors):
-                    if held is None:
-                        held = FactoredGrad(p, slot.name)
-                        held.cohort = self._step_cohort()
-                        held.cohort.append(weakref.ref(held))
-                    held.add_factors(x2, dy2)
-                    p.grad = held
-                    return
-            dw = _add_dw(None, x2, dy2)
+        if slot.dtensor:  # a shard's gradient: dense, as a DTensor of the weight's layout
+            local = distributed.local(held) if held is not None else None
+            if single and local is not None:
+                add_product(local, x2, dy2)
+            elif single:
+                held = distributed.as_state(product(x2, dy2, p.dtype), p, tuple(p.shape))
+            elif local is not None:
+                local.add_(self._summed_weight_grad(slot, outside))
+            else:
+                dw = self._summed_weight_grad(slot, outside).to(p.dtype)
+                held = distributed.as_state(dw, p, tuple(p.shape))
+            p.grad = held
+            return
+        # (a gradient with its graph, backward(create_graph=True): .grad holds it as it is)
+        graphed = outside is not None and outside.requires_grad
+        if (self._deferred_store != "grad" and not graphed
+                and (held is None or isinstance(held, FactoredGrad))):
+            if held is None:
+                held = self._new_factored(slot)
+            if single:
+                held.add_factors(x2, dy2, keep=self._keep_factors(
+                    slot, held.factor_bytes() + x2.numel() * x2.element_size()
+                    + dy2.numel() * dy2.element_size()))
+            else:
+                held.add_dense(self._summed_weight_grad(slot, outside))
+            p.grad = held
+            return
+        # a plain dense gradient in W's dtype, as autograd would keep it
+        if isinstance(held, FactoredGrad):  # (deferred_store switched to "grad" between steps)
+            held = held.scaled_dense()
+        if single:
+            if held is None:
+                held = product(x2, dy2, p.dtype)
+            else:
+                add_product(held, x2, dy2)
         else:
             dw = self._summed_weight_grad(slot, outside)
-        if isinstance(held, FactoredGrad):  # the factors outgrew dW: dense from here on
-            held = held.scaled_dense()
-        # (a dense gradient in W's dtype, as autograd would keep it)
-        if slot.dtensor:  # (this rank's shard: a DTensor of the weight's layout)
-            if held is None:
-                p.grad = distributed.as_state(dw.to(p.dtype), p, tuple(p.shape))
-            else:
-                distributed.local(held).add_(dw.to(held.dtype))
-                p.grad = held
-            return
-        p.grad = dw.to(p.dtype) if held is None else held.add_(dw.to(held.dtype))
+            held = dw.to(p.dtype) if held is None else held.add_(dw)
+        p.grad = held
+
+    def _new_factored(self, slot: _Slot) -> FactoredGrad:
+        """An empty FactoredGrad of slot's weight, in this step's cohort."""
+        grad = FactoredGrad(slot.param, slot.name)
+        grad.cohort = self._step_cohort()
+        grad.cohort.append(weakref.ref(grad))
+        return grad
 
     def _step_cohort(self) -> list:
         """The weak references to this step's FactoredGrads (FactoredGrad.cohort), one list
@@ -891,17 +919,13 @@ class _RoutingMixin:
             self._cohort, self._cohort_step = [], self._step_id
         return self._cohort
 
-    def _keep_factors(self, slot: _Slot, factor_elements: int) -> bool:
-        """Whether a weight keeps its gradient as X and dY (FactoredGrad) rather than dense:
-        deferred_store 'factors' always, 'grad' never, 'auto' while the factors are smaller.
-        An auto optimizer's first step keeps factors (unless deferred_store says otherwise):
-        its update then runs the very call immediate mode would have made."""
-        store = self._deferred_store
-        if store == "factors" or (store == "auto" and self._mode == "auto"):
+    def _keep_factors(self, slot: _Slot, factor_bytes: int) -> bool:
+        """Whether a weight keeps its gradient as X and dY rather than as dense dW (both in a
+        FactoredGrad): deferred_store 'factors' always, else while the factors take fewer
+        bytes than dW in W's dtype (what torch's gradient would take)."""
+        if self._deferred_store == "factors":
             return True
-        if store == "grad":
-            return False
-        return factor_elements < slot.rows * slot.cols
+        return factor_bytes < slot.param.numel() * slot.param.element_size()
 
     def _restore_held(self, slot: _Slot) -> None:
         if slot.held is not None:
