@@ -118,7 +118,8 @@ def step_rows(d: dict, base: dict) -> Iterable[dict]:
                            "oom", 1)
             continue
         case, variant = _step_case(r), r["mode"] + mode_suffix
-        for metric in ("peak_gib", "step_ms", "tokens_per_s"):
+        for metric in ("peak_gib", "first_peak_gib", "steady_peak_gib", "step_ms",
+                       "tokens_per_s"):
             if r.get(metric) is not None:
                 yield _row(base, case, variant, metric, r[metric])
         # --profile: GPU ms per step by kernel category ("profile_ms <category>")
@@ -127,7 +128,8 @@ def step_rows(d: dict, base: dict) -> Iterable[dict]:
 
 
 def _step_case(r: dict) -> str:
-    return f"{r['model']} seq={r['seq']}" + (" ckpt" if r.get("ckpt") else "")
+    return (f"{r['model']} seq={r['seq']}" + (f" batch={r['batch']}" if r.get("batch") else "")
+            + (" ckpt" if r.get("ckpt") else "") + (" compiled" if r.get("compiled") else ""))
 
 
 def parity_rows(d: dict, base: dict) -> Iterable[dict]:

@@ -167,8 +167,9 @@ def _plot_wgrad(totals, ts, cols, path) -> None:
 STEPS_TITLE = "Whole training steps"
 STEPS_INTRO = ("forge-bench: random-init models from their public configs, batch 1, bf16 "
                "parameters, median step of 8 after 2 warm-ups (forward, backward, optimizer), "
-               "peak = torch.cuda.max_memory_allocated. Cells: peak GiB, step ms (`-graph`: the "
-               "step replayed as one CUDA graph).")
+               "peak = torch.cuda.max_memory_allocated. Cells: peak GiB (where a run recorded "
+               "the first step apart and it peaked higher: the steps after it, the first "
+               "step's beside), step ms (`-graph`: the step replayed as one CUDA graph).")
 
 
 def render_steps(cur) -> List[str]:
@@ -185,8 +186,12 @@ def render_steps(cur) -> List[str]:
             if (c, v, "oom") in by:
                 cells.append("OOM")
             elif (c, v, "step_ms") in by:
-                cells.append(f"{fmt(by.get((c, v, 'peak_gib'), ''))} GiB, "
-                             f"{fmt(by[(c, v, 'step_ms')])} ms")
+                first, steady = by.get((c, v, "first_peak_gib")), by.get((c, v, "steady_peak_gib"))
+                if first is not None and steady is not None and float(first) > float(steady) + 0.05:
+                    memory = f"{fmt(steady)} GiB (first step {fmt(first)})"
+                else:
+                    memory = f"{fmt(by.get((c, v, 'peak_gib'), ''))} GiB"
+                cells.append(f"{memory}, {fmt(by[(c, v, 'step_ms')])} ms")
             else:
                 cells.append("")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")

@@ -12,6 +12,10 @@ PyTorch users have today, on real model shapes, and the convergence-parity repor
                                                   # each mode once first, once second: the median
     forge-bench --models llama-3.1-8b --seqs 512 --ckpt off --cuda-graph
                                                   # every timed step replayed as one CUDA graph
+    forge-bench --suite memory                    # the default arguments' peak, first step and
+                                                  # steady state, against torch and the modes
+    forge-bench --models llama-200m --seqs 1024 --batch 4 --ckpt off --compile
+                                                  # torch.compile(model), both sides
 
 Models are built from their public configs written below (no download): transformers'
 config class, random weights, created directly on the GPU in bf16 under a device context
@@ -21,9 +25,13 @@ Modes, batch 1, one step = forward + backward + optimizer:
   torch-hooks        optimizer in backward: one torch AdamW per parameter, stepped in a
                      post-accumulate-grad hook (each gradient freed as soon as it is used)
   forge-bf16 / forge-int8 / forge-fp8 / forge-fp32-master   forge.optim.AdamW with those
-                     states
+                     states and every other argument at its default (mode="auto": the first
+                     step deferred, then immediate where the loop reads no gradient)
+  forge-bf16-immediate / forge-bf16-deferred   the same with that mode named (LOOP_MODES)
 Peak = torch.cuda.max_memory_allocated() (reset after the model is built, so weights count),
-time = median of 8 steps after 2 warm-ups, timed with CUDA events. Out-of-memory is a result.
+of the first step and of the steps after it apart (first_peak_gib, steady_peak_gib; peak_gib
+is the larger); time = median of 8 steps after 2 warm-ups, timed with CUDA events.
+Out-of-memory is a result.
 --cuda-graph: each step runs through forge.graphs.CUDAGraphStep (the warm-ups eager, one
 untimed call that captures, then the timed steps are replays; torch AdamW with
 capturable=True; torch-hooks is reported unsupported).
@@ -84,6 +92,12 @@ MODEL_CONFIGS: Dict[str, dict] = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
         hidden_act="silu", attention_bias=False, tie_word_embeddings=True,
         bos_token_id=151643, eos_token_id=151645),
+    # A ~200M Llama (the torch.compile comparison: batch 4 × seq 1024).
+    "llama-200m": dict(
+        family="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+        num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+        hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False),
     # Smoke tests (CPU): a Llama of the same structure, tiny.
     "tiny": dict(
         family="llama", vocab_size=512, hidden_size=64, intermediate_size=176,
@@ -105,10 +119,12 @@ LEAN_MODES = ["forge-bf16-lean", "forge-int8-lean", "forge-fp8-lean"]
 GRAPH_SUFFIX = "-graph"
 GRAPH_MODES = ["torch-adamw-graph", "forge-bf16-lean-graph", "forge-int8-lean-graph",
                "forge-fp8-lean-graph"]
-# forge.optim's modes around the step (the others run mode="immediate"): deferred (each Linear
-# keeps X and dY, or a dense gradient where smaller, until step()), deferred with exact
-# clipping (max_grad_norm=1.0), and accumulate_grad=True (a dense .grad per parameter).
-LOOP_MODES = ["forge-bf16-deferred", "forge-bf16-clip", "forge-bf16-accum"]
+# forge.optim's modes named (the other FORGE modes run the default, mode="auto"): immediate
+# (every update inside backward), deferred (each Linear keeps X and dY, or its dense gradient
+# in W's dtype where smaller, until step()), deferred with exact clipping (max_grad_norm=1.0),
+# and accumulate_grad=True (a dense .grad per parameter).
+LOOP_MODES = ["forge-bf16-immediate", "forge-bf16-deferred", "forge-bf16-clip",
+              "forge-bf16-accum"]
 # A user's loop that clips before each step (torch.nn.utils.clip_grad_norm_(model.parameters(),
 # 1.0); ClipInLoop): torch fused AdamW, and forge.optim.AdamW as built by default (mode="auto",
 # which the clip keeps deferred).
@@ -128,6 +144,14 @@ ANCHOR_SUITE = [
     ("llama-3.1-8b", 4096, False, ["torch-adamw", "forge-bf16", "forge-int8"]),
     ("qwen3-0.6b", 2048, False, ALL),
     ("qwen3-14b", 2048, False, ["torch-adamw", "forge-int8"]),
+]
+# What the default arguments cost (--suite memory): every case of the default's memory
+# promise, torch first, then FORGE as built by default and its two modes named.
+MEMORY_MODES = ["torch-adamw", "forge-bf16", "forge-bf16-immediate", "forge-bf16-deferred"]
+MEMORY_SUITE = [("llama-3.1-8b", seq, ckpt, MEMORY_MODES)
+                for seq in (512, 2048, 4096, 8192) for ckpt in (False, True)] + [
+    ("qwen3-0.6b", 2048, False, MEMORY_MODES),
+    ("qwen3-14b", 2048, True, MEMORY_MODES),
 ]
 # The memory and time targets on the H200 that forge-bench checks and reports: (model, seq,
 # ckpt, mode, field, limit). A limit of None means "no more than torch-adamw in the same case".
@@ -150,8 +174,9 @@ TARGETS = [
     ("llama-3.1-8b", 512, False, "forge-int8-lean-graph", "peak_gib", 34.0),
     ("llama-3.1-8b", 512, False, "forge-int8-lean-graph", "step_ms", 150.0),
 ]
-FIELDS = ["model", "seq", "ckpt", "mode", "status", "peak_gib", "step_ms", "tokens_per_s",
-          "params_b", "weights_gib", "note", "graph"]
+FIELDS = ["model", "seq", "ckpt", "mode", "status", "peak_gib", "first_peak_gib",
+          "steady_peak_gib", "step_ms", "tokens_per_s", "params_b", "weights_gib", "note",
+          "graph", "batch", "compiled"]
 
 
 class BenchError(Exception):
@@ -248,16 +273,16 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
     import forge.optim
     mode = mode[:-len("-lean")] if mode in LEAN_MODES else mode
     mode = mode[:-len("-head")] if mode in HEAD_MODES else mode
-    immediate = dict(mode="immediate")
     if mode == "forge-bf16":
-        return forge.optim.AdamW(model, lr=LR, state_format="bf16", **immediate)
+        return forge.optim.AdamW(model, lr=LR, state_format="bf16")
     if mode == "forge-int8":
-        return forge.optim.AdamW(model, lr=LR, state_format="int8", **immediate)
+        return forge.optim.AdamW(model, lr=LR, state_format="int8")
     if mode == "forge-fp8":
-        return forge.optim.AdamW(model, lr=LR, state_format="fp8", **immediate)
+        return forge.optim.AdamW(model, lr=LR, state_format="fp8")
     if mode == "forge-fp32-master":
-        return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True,
-                                 **immediate)
+        return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True)
+    if mode == "forge-bf16-immediate":
+        return forge.optim.AdamW(model, lr=LR, state_format="bf16", mode="immediate")
     if mode == "forge-bf16-deferred":
         return forge.optim.AdamW(model, lr=LR, state_format="bf16", mode="deferred")
     if mode == "forge-bf16-clip":
@@ -325,11 +350,17 @@ class Timer:
 
 
 def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.device,
-             dtype: torch.dtype, profile: int = 0, graph: bool = False) -> dict:
-    """Builds the model, runs WARMUP_STEPS + TIMED_STEPS steps (then `profile` steps under
-    torch.profiler when > 0; graph: the steps as CUDA graph replays); raises on OOM."""
+             dtype: torch.dtype, profile: int = 0, graph: bool = False, batch: int = 1,
+             compiled: bool = False) -> dict:
+    """Builds the model, runs WARMUP_STEPS + TIMED_STEPS steps of `batch` sequences (then
+    `profile` steps under torch.profiler when > 0; graph: the steps as CUDA graph replays;
+    compiled: the model under torch.compile, made after the optimizer); raises on OOM."""
     if mode.endswith(GRAPH_SUFFIX):  # (measure() marks the row)
         mode, graph = mode[:-len(GRAPH_SUFFIX)], True
+    if compiled and (graph or mode in LEAN_MODES):
+        return dict(status="unsupported",
+                    note="--compile runs the model's own forward eagerly around nothing else: "
+                         "not with CUDA graphs or the lean modes' split forward")
     if graph and mode == "torch-hooks":
         return dict(status="unsupported",
                     note="not captured as a CUDA graph: its per-parameter torch optimizers step "
@@ -355,9 +386,11 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
     else:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = make_optimizer(mode, model, device, graph)
+    if compiled:  # (after the optimizer: forge.optim patches the Linears' forwards)
+        model = torch.compile(model)
     try:
         return timed_steps(model, optimizer, seq, device, n_params, weights, leftover, profile,
-                           lean=mode in LEAN_MODES, graph=graph)
+                           lean=mode in LEAN_MODES, graph=graph, batch=batch)
     finally:
         if isinstance(optimizer, OptimizerInBackward):
             optimizer.close()
@@ -407,12 +440,12 @@ def train_phases(model, optimizer, tokens: torch.Tensor, lean: bool = False):
 
 def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
                 weights: int, leftover: int, profile: int = 0, lean: bool = False,
-                graph: bool = False) -> dict:
+                graph: bool = False, batch: int = 1) -> dict:
     vocab = model.config.vocab_size
-    # (one sequence per data-parallel rank: every tensor-parallel rank of a group the same)
+    # (`batch` sequences per data-parallel rank: every tensor-parallel rank of a group the same)
     dp_rank = _PARALLEL.mesh.get_local_rank("dp") if _PARALLEL is not None else 0
     g = torch.Generator().manual_seed(dp_rank)
-    tokens = torch.randint(0, vocab, (1, seq), generator=g).to(device)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     timer = Timer(device)
     warmup, step = WARMUP_STEPS, functools.partial(train_step, model, optimizer, tokens, lean)
     if graph:
@@ -434,9 +467,17 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
             times.append(timer.stop_ms())
         return times, host, loss
 
-    timed(warmup)
+    # NOTE: the first step's peak apart: a default forge optimizer's first step is deferred
+    # (mode="auto") and makes the states, so it may peak where the steady state does not
+    cuda = device.type == "cuda"
+    timed(1)
+    first_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timed(warmup - 1)
     times, host, loss = timed(TIMED_STEPS)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    steady_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    peak = max(first_peak, steady_peak)
     step_ms = statistics.median(times)
     note = ""
     if not torch.isfinite(loss.detach()).item():
@@ -444,8 +485,10 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
     if leftover > 2**28:
         note = f"{leftover / 2**30:.1f} GiB left over from earlier cases is in the peak"
     per_gpu = 1.0 if _PARALLEL is None else _PARALLEL.dp / _PARALLEL.world
-    row = dict(status="ok", peak_gib=round(peak / 2**30, 2) if peak else None,
-               step_ms=round(step_ms, 1), tokens_per_s=round(seq * per_gpu / (step_ms / 1e3)),
+    gib = (lambda b: round(b / 2**30, 2) if b else None)
+    row = dict(status="ok", peak_gib=gib(peak), first_peak_gib=gib(first_peak),
+               steady_peak_gib=gib(steady_peak), step_ms=round(step_ms, 1),
+               tokens_per_s=round(batch * seq * per_gpu / (step_ms / 1e3)),
                params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 2),
                note=note, step_ms_each=[round(t, 1) for t in times],
                host_ms=round(statistics.median(host), 1))
@@ -478,15 +521,20 @@ def free_memory(device: torch.device) -> None:
 
 
 def measure(model_name, seq, ckpt, mode, device, dtype, profile: int = 0,
-            graph: bool = False) -> dict:
+            graph: bool = False, batch: int = 1, compiled: bool = False) -> dict:
     """One row; out-of-memory and other failures are recorded, never raised."""
     row = dict(model=model_name, seq=seq, ckpt=ckpt, mode=mode)
     if graph or mode.endswith(GRAPH_SUFFIX):
         row["graph"] = True
+    if batch != 1:
+        row["batch"] = batch
+    if compiled:
+        row["compiled"] = True
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            row.update(run_case(model_name, seq, ckpt, mode, device, dtype, profile, graph))
+            row.update(run_case(model_name, seq, ckpt, mode, device, dtype, profile, graph,
+                                batch, compiled))
         # FORGE's own warnings (e.g. a tied weight on the materialized-gradient path)
         # qualify the measurement: keep them with the row.
         forge_notes = sorted({str(w.message)[len("forge:"):].strip()[:200] for w in caught
@@ -504,6 +552,8 @@ def measure(model_name, seq, ckpt, mode, device, dtype, profile: int = 0,
         # The traceback holds the case's frames (model, optimizer); drop it before freeing.
         e.__traceback__ = None
         del e
+    if compiled:  # (the next case's model is another: its graphs, compiled anew)
+        torch._dynamo.reset()
     free_memory(device)
     return row
 
@@ -544,8 +594,14 @@ def result_stem(info: dict, kind: str = "bench") -> str:
 
 
 def cell(row: dict) -> str:
+    """peak GiB (the first step's beside it where it is the larger), step ms."""
     if row["status"] == "ok":
-        mem = f"{row['peak_gib']:.1f} GiB, " if row.get("peak_gib") is not None else ""
+        mem = ""
+        if row.get("peak_gib") is not None:
+            first, steady = row.get("first_peak_gib"), row.get("steady_peak_gib")
+            mem = f"{row['peak_gib']:.1f} GiB, "
+            if first is not None and steady is not None and first > steady + 0.05:
+                mem = f"{steady:.1f} GiB (first step {first:.1f}), "
         return f"{mem}{row['step_ms']:.1f} ms"
     labels = {"oom": "OOM", "skipped": "skipped", "unsupported": "unsupported"}
     return labels.get(row["status"], "error")
@@ -573,7 +629,11 @@ def markdown(info: dict, rows: List[dict]) -> str:
              f"torch {info['torch']}, transformers {info['transformers']}, forge "
              f"{info['forge']}, {info['date']}. Batch 1, bf16 weights, median of "
              f"{TIMED_STEPS} steps after {WARMUP_STEPS} warm-ups (forward + backward + "
-             "optimizer); peak = torch.cuda.max_memory_allocated() (GPU runs only)."
+             "optimizer); peak = torch.cuda.max_memory_allocated() (GPU runs only), of the "
+             "steps after the first, with the first step's beside it where that is larger."
+             + (f" Batch {rows[0]['batch']}." if rows and rows[0].get("batch") else "")
+             + (" The model under torch.compile." if any(r.get("compiled") for r in rows)
+                else "")
              + graph_sentence(rows), "",
              f"Command: `{info['command']}`", "",
              "| model | seq | " + " | ".join(modes) + " |",
@@ -1063,9 +1123,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"from {', '.join(KNOWN_MODES)} (default: {', '.join(MODES)})")
     p.add_argument("--ckpt", choices=["off", "on", "both"], default="both",
                    help="activation checkpointing")
-    p.add_argument("--suite", choices=["full", "anchors"], default="full",
+    p.add_argument("--suite", choices=["full", "anchors", "memory"], default="full",
                    help="full: every combination of the filters; anchors: the cases of "
-                        "ANCHORS.md and TARGETS, most important first (filters still apply)")
+                        "ANCHORS.md and TARGETS, most important first; memory: the default "
+                        "arguments' peak against torch and the modes named (MEMORY_SUITE); "
+                        "the filters still apply")
+    p.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="sequences per step (default 1)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile(model) in every case (made after the optimizer)")
+    p.add_argument("--timed-steps", type=int, default=TIMED_STEPS, metavar="N",
+                   help=f"steps timed after the warm-ups (default {TIMED_STEPS})")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--out", default=os.path.join("runs", "forge-bench"),
@@ -1122,7 +1190,7 @@ def plan(args) -> List[tuple]:
     models = args.models or DEFAULT_MODELS
     seqs = args.seqs or DEFAULT_SEQS
     # The anchors suite names its own modes (the lean ones too); --modes filters them.
-    modes = args.modes or (KNOWN_MODES if args.suite == "anchors" else MODES)
+    modes = args.modes or (KNOWN_MODES if args.suite != "full" else MODES)
     for name in models:
         if name not in MODEL_CONFIGS:
             raise BenchError(f"unknown model {name!r}; choose from {', '.join(MODEL_CONFIGS)}")
@@ -1130,8 +1198,9 @@ def plan(args) -> List[tuple]:
         if mode not in KNOWN_MODES:
             raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(KNOWN_MODES)}")
     ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.ckpt]
-    if args.suite == "anchors":
-        return [(m, s, c, mode) for m, s, c, suite_modes in ANCHOR_SUITE
+    if args.suite != "full":
+        suite = ANCHOR_SUITE if args.suite == "anchors" else MEMORY_SUITE
+        return [(m, s, c, mode) for m, s, c, suite_modes in suite
                 if (args.models is None or m in models) and (args.seqs is None or s in seqs)
                 and c in ckpts for mode in suite_modes if mode in modes]
     return [(m, s, c, mode) for m in models for s in seqs for c in ckpts for mode in modes]
@@ -1177,12 +1246,14 @@ def merge_rounds(rows: List[dict]) -> List[dict]:
             times = [r["step_ms"] for r in group]
             row["step_ms"] = round(statistics.median(times), 1)
             row["step_ms_rounds"] = times
-            peaks = [r["peak_gib"] for r in group if r.get("peak_gib") is not None]
-            row["peak_gib"] = max(peaks) if peaks else None  # None: no CUDA peak (the CPU)
+            for key in ("peak_gib", "first_peak_gib", "steady_peak_gib"):
+                peaks = [r[key] for r in group if r.get(key) is not None]
+                row[key] = max(peaks) if peaks else None  # None: no CUDA peak (the CPU)
             hosts = [r["host_ms"] for r in group if r.get("host_ms") is not None]
             if len(hosts) == len(group):
                 row["host_ms"] = round(statistics.median(hosts), 1)
-            row["tokens_per_s"] = round(row["seq"] * 1000.0 / row["step_ms"])
+            row["tokens_per_s"] = round(row.get("batch", 1) * row["seq"] * 1000.0
+                                        / row["step_ms"])
             row["note"] = "median of rounds " + " / ".join(f"{t:.1f}" for t in times) + " ms"
             merged.append(row)
     return merged
@@ -1204,6 +1275,12 @@ def _run(argv) -> int:
             raise BenchError(f"--profile: STEPS must be >= 0, got {args.profile}")
         if args.rounds < 1:
             raise BenchError(f"--rounds: N must be >= 1, got {args.rounds}")
+        if args.batch < 1:
+            raise BenchError(f"--batch: B must be >= 1, got {args.batch}")
+        if args.timed_steps < 1:
+            raise BenchError(f"--timed-steps: N must be >= 1, got {args.timed_steps}")
+        global TIMED_STEPS
+        TIMED_STEPS = args.timed_steps
         if args.cuda_graph and args.parity:
             raise BenchError("--cuda-graph: not with --parity (the parity's training runs are "
                              "eager)")
@@ -1264,7 +1341,8 @@ def _run(argv) -> int:
         try:
             # NOTE: the profile, if asked for, in the first round only
             row = measure(model, seq, ckpt, mode, device, dtype,
-                          args.profile if i < first_round else 0, args.cuda_graph)
+                          args.profile if i < first_round else 0, args.cuda_graph,
+                          args.batch, args.compile)
         except BenchError as e:
             print(f"forge-bench: error: {e}", file=sys.stderr)
             return 2
