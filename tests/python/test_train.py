@@ -566,6 +566,42 @@ def test_bench_loop_clip_modes_on_cpu(tmp_path):
     assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
 
 
+def test_bench_default_modes_batch_compile_and_the_memory_suite(tmp_path, monkeypatch):
+    """FORGE's modes run the default arguments (mode="auto") unless a mode names one; rows say
+    the batch and --compile (the model compiled after the optimizer: aot_eager here, to spare
+    Inductor's C++ compiles); --suite memory lists the default's memory cases, torch first."""
+    from forge.tools import bench
+    assert {"forge-bf16-immediate", "forge-bf16-deferred"} <= set(bench.KNOWN_MODES)
+    made = {}
+    original = bench.make_optimizer
+
+    def recording(mode, *args, **kwargs):
+        made[mode] = original(mode, *args, **kwargs)
+        return made[mode]
+    monkeypatch.setattr(bench, "make_optimizer", recording)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compile_(m, backend="aot_eager", **kw))
+    modes = ["forge-bf16", "forge-bf16-immediate", "forge-bf16-deferred"]
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "16", "--ckpt", "off",
+                       "--modes", *modes, "--batch", "2", "--compile", "--timed-steps", "2",
+                       "--out", str(tmp_path)]) == 0
+    assert {m: made[m]._requested[0] for m in modes} == dict(zip(modes, [
+        "auto", "immediate", "deferred"]))
+    with open(tmp_path / next(f for f in os.listdir(tmp_path) if f.endswith(".json"))) as f:
+        rows = json.load(f)["results"]
+    for row in rows:
+        assert row["status"] == "ok" and row["batch"] == 2 and row["compiled"], row
+        assert len(row["step_ms_each"]) == 2
+        # (from the step time before its rounding to 0.1 ms)
+        assert row["tokens_per_s"] == pytest.approx(2 * 16 / (row["step_ms"] / 1e3), rel=0.01)
+    args = bench.build_parser().parse_args(["--suite", "memory"])
+    cases = bench.plan(args)
+    assert ("llama-3.1-8b", 8192, True, "torch-adamw") in cases
+    assert ("qwen3-14b", 2048, True, "forge-bf16") in cases
+    assert [c[3] for c in cases[:4]] == bench.MEMORY_MODES
+    assert len(cases) == 10 * len(bench.MEMORY_MODES)
+
+
 def test_bench_rounds_alternate_the_order_and_merge(tmp_path, capsys):
     """--rounds 2: the modes of each (model, seq, ckpt) run in order, then in reverse; each mode
     gets one row, its step time the median of its rounds, both listed."""
