@@ -13,6 +13,11 @@ and refuses anything else. Rows: date (UTC), gpu, commit, benchmark, case, varia
 value, command (--ab marks an A/B call's runs). The commit defaults to `git rev-parse --short
 HEAD` of this checkout, with "+dirty" when the tree has uncommitted changes. bench/render.py
 renders the current tables from the table.
+
+Commands are kept without the machine they ran on (relative_command): a path under this
+checkout, or in a build folder (build/, build-*/) of any checkout, is written relative to the
+checkout's root; any other absolute path becomes "$OUT/..." (below /root/out or /tmp: the part
+under it; elsewhere: its last component).
 """
 from __future__ import annotations
 
@@ -21,11 +26,13 @@ import csv
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Dict, Iterable, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # this checkout
 TABLE = os.path.join(HERE, "results", "results.csv")
 COLUMNS = ("date", "gpu", "commit", "benchmark", "case", "variant", "metric", "value", "command")
 
@@ -37,6 +44,41 @@ AB_MARK = "(gpu_check.sh ab)"
 
 class RecordError(ValueError):
     pass
+
+
+# An absolute path in a command: it starts the command or follows a space, "=", a quote, "("
+# or "<", and runs to the next space, quote or bracket.
+_ABSOLUTE = re.compile(r"""(?<![^\s=('"<])/[^\s'"()<>]*""")
+# A CMake build folder of a checkout (build/, build-sm90/, ...): builds live at its root.
+_BUILD = re.compile(r"/(build(?:-[^/]*)?(?:/.*)?)$")
+# Folders outside a checkout where benchmarks write: the device machine's $OUT, scratch.
+_SCRATCH = ("/root/out", "/tmp")
+
+
+def relative_path(path: str, root: str = ROOT) -> str:
+    """One absolute path of a command, without the machine: under the checkout (root), or a
+    build folder of any checkout -> relative to the checkout; anything else -> "$OUT/..." (under
+    /root/out or /tmp: the part below it; elsewhere: the last component)."""
+    root = root.rstrip("/")
+    if path == root:
+        return "."
+    if path.startswith(root + "/"):
+        return path[len(root) + 1:]
+    build = _BUILD.search(path)
+    if build:
+        return build.group(1)
+    for scratch in _SCRATCH:
+        if path == scratch or path.startswith(scratch + "/"):
+            return "$OUT" + path[len(scratch):].rstrip("/")
+    name = os.path.basename(path.rstrip("/"))
+    return "$OUT/" + name if name else "$OUT"
+
+
+def relative_command(command: str, root: str = ROOT) -> str:
+    """A command as the table keeps it: every absolute path made repository-relative or a
+    "$OUT/..." placeholder (relative_path). A command without one is returned as it is, so
+    applying this twice gives what applying it once gave."""
+    return _ABSOLUTE.sub(lambda m: relative_path(m.group(0), root), command)
 
 
 def current_commit() -> str:
@@ -190,6 +232,7 @@ def rows_of(path: str, commit: str) -> List[dict]:
 
 
 def append(rows: List[dict], table: str = TABLE) -> None:
+    """Appends rows to the table, their commands made relative (relative_command)."""
     new = not os.path.exists(table) or os.path.getsize(table) == 0
     os.makedirs(os.path.dirname(table), exist_ok=True)
     with open(table, "a", newline="") as f:
@@ -197,12 +240,39 @@ def append(rows: List[dict], table: str = TABLE) -> None:
         if new:
             writer.writeheader()
         for row in rows:
-            writer.writerow({k: row[k] for k in COLUMNS})
+            writer.writerow(dict({k: row[k] for k in COLUMNS},
+                                 command=relative_command(row["command"])))
 
 
 def read(table: str = TABLE) -> List[Dict[str, str]]:
     with open(table, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def write(rows: List[Dict[str, str]], table: str = TABLE) -> None:
+    """Replaces the table with rows (written beside it, then renamed over it)."""
+    tmp = table + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row[k] for k in COLUMNS})
+    os.replace(tmp, table)
+
+
+def migrate(table: str = TABLE, root: str = ROOT) -> int:
+    """Rewrites the table's command cells as append() writes them (relative_command); every
+    other cell, and every row's place, stays. Returns how many cells changed (0 the second
+    time)."""
+    rows = read(table)
+    changed = 0
+    for row in rows:
+        command = relative_command(row["command"], root)
+        changed += command != row["command"]
+        row["command"] = command
+    if changed:
+        write(rows, table)
+    return changed
 
 
 def main(argv=None) -> int:

@@ -118,3 +118,67 @@ def test_a_profiled_step_records_its_kernel_categories(tmp_path):
                     ("forge-bf16-graph", "step_ms"): "91.7",
                     ("forge-bf16-graph", "profile_ms forge wgrad + update"): "43.252",
                     ("forge-bf16-graph", "profile_ms GEMM (cuBLAS)"): "23.188"}
+
+
+def test_commands_are_written_repository_relative(tmp_path):
+    """No machine path reaches the table: the checkout's root and any checkout's build folder
+    give way to relative paths, other absolute paths to "$OUT/..."."""
+    record = load_record()
+    root = "/home/someone/forge"
+    cases = {
+        f"{root}/build-sm90/bench/wgrad_bench --out /root/out/ab/default-r1":
+            "build-sm90/bench/wgrad_bench --out $OUT/ab/default-r1",
+        "(gpu_check.sh ab) FORGE_DEBUG_PERSISTENT=0 /work/other/build-var/bench/wgrad_bench "
+        "--out /root/out/pf/EPILOGUEPREFETCH=0,STAGGERNS=8000-r2":
+            "(gpu_check.sh ab) FORGE_DEBUG_PERSISTENT=0 build-var/bench/wgrad_bench "
+            "--out $OUT/pf/EPILOGUEPREFETCH=0,STAGGERNS=8000-r2",
+        f"python3 {root}/bench/torch_unfused.py --out {root}/out":
+            "python3 bench/torch_unfused.py --out out",
+        "python3 bench/host_overhead.py --baseline /tmp/wt/python --json=/tmp/ho.json":
+            "python3 bench/host_overhead.py --baseline $OUT/wt/python --json=$OUT/ho.json",
+        "forge-bench --out /root/out --parity-work-dir /scratch/x/pw":
+            "forge-bench --out $OUT --parity-work-dir $OUT/pw",
+        f"cd {root} && build/bench/wgrad_bench": "cd . && build/bench/wgrad_bench",
+        # nothing absolute: kept as it is
+        "build-var/bench/wgrad_bench --trace --out $OUT/trace":
+            "build-var/bench/wgrad_bench --trace --out $OUT/trace",
+        "python3 bench/host_overhead.py --baseline <a copy of 118a25b's python/>":
+            "python3 bench/host_overhead.py --baseline <a copy of 118a25b's python/>",
+    }
+    for command, expected in cases.items():
+        assert record.relative_command(command, root) == expected, command
+        assert record.relative_command(expected, root) == expected, expected
+    # record.py itself: this checkout's absolute build path in, relative out
+    path = wgrad_json(tmp_path, f"{record.ROOT}/build-sm90/bench/wgrad_bench --out /tmp/r/wb")
+    table = tmp_path / "results.csv"
+    assert record.main([path, "--commit", "abc1234", "--table", str(table)]) == 0
+    assert {r["command"] for r in record.read(str(table))} == {
+        "build-sm90/bench/wgrad_bench --out $OUT/r/wb"}
+
+
+def test_migrating_the_table_is_idempotent(tmp_path):
+    """migrate() rewrites old rows' commands as append() writes new ones and leaves every other
+    cell; a second pass changes nothing, byte for byte."""
+    record = load_record()
+    table = tmp_path / "results.csv"
+    header = ",".join(record.COLUMNS)
+    table.write_text(
+        header + "\n"
+        "2026-11-30T04:37Z,NVIDIA H200,b382d51,wgrad,q_proj/o_proj T=512,fused,ms,0.07424,"
+        "/work/main/build-sm90/bench/wgrad_bench --out /root/out\n"
+        "2026-11-30T04:38Z,NVIDIA H200,b382d51,step,\"llama-3.1-8b seq=512, x\",forge-bf16,"
+        "step_ms,91.7,forge-bench --out /tmp/b1\n"
+        "2026-11-30T04:39Z,cpu,b382d51,host_overhead,linear,forge,us_per_linear,12.5,"
+        "python3 bench/host_overhead.py\n")
+    before = record.read(str(table))
+    assert record.migrate(str(table), root="/work/main") == 2
+    once = table.read_bytes()
+    after = record.read(str(table))
+    assert [r["command"] for r in after] == ["build-sm90/bench/wgrad_bench --out $OUT",
+                                             "forge-bench --out $OUT/b1",
+                                             "python3 bench/host_overhead.py"]
+    for b, a in zip(before, after):
+        assert {k: v for k, v in b.items() if k != "command"} == \
+               {k: v for k, v in a.items() if k != "command"}
+    assert record.migrate(str(table), root="/work/main") == 0
+    assert table.read_bytes() == once
