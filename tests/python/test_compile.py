@@ -23,6 +23,7 @@ import torch.nn as nn
 import forge
 import forge.optim
 from forge import _linear
+from conftest import DEVICES
 
 # Dynamo traces the fused Linear's forward (its slot lookup) from torch 2.8; before, each
 # fused Linear is a graph break and runs eagerly (forge/_ops.py, docs/design.md).
@@ -73,16 +74,17 @@ class Twice(nn.Module):
         return self.out(torch.relu(self.shared(h)))
 
 
-def _batch(step):
+def _batch(step, device="cpu"):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 8, generator=g)
+    x, target = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 8, generator=g)
+    return x.to(device), target.to(device)
 
 
-def _run(model, opt, steps=STEPS, autocast=False, clip=None):
+def _run(model, opt, steps=STEPS, autocast=False, clip=None, device="cpu"):
     """`steps` training steps; returns the weights and optimizer states after them."""
     for step in range(steps):
-        x, target = _batch(step)
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        x, target = _batch(step, device)
+        with torch.autocast(device, torch.bfloat16, enabled=autocast):
             loss = (model(x).float() * target).sum()
         loss.backward()
         if clip is not None:
@@ -118,15 +120,16 @@ def _eager_as_the_graph(monkeypatch) -> None:
     monkeypatch.setattr(forge._prehook, "get", lambda: None)
 
 
-def _eager_and_compiled(make_model, make_opt, backend, fullgraph=False, **run):
+def _eager_and_compiled(make_model, make_opt, backend, fullgraph=False, device="cpu", **run):
     torch._dynamo.reset()
     with pytest.MonkeyPatch.context() as patch:
         _eager_as_the_graph(patch)
-        model = make_model()
-        eager = _run(model, make_opt(model), **run)
-    model = make_model()
+        model = make_model().to(device)
+        eager = _run(model, make_opt(model), device=device, **run)
+    model = make_model().to(device)
     opt = make_opt(model)
-    compiled = _run(torch.compile(model, backend=backend, fullgraph=fullgraph), opt, **run)
+    compiled = _run(torch.compile(model, backend=backend, fullgraph=fullgraph), opt,
+                    device=device, **run)
     return eager, compiled
 
 
@@ -182,14 +185,15 @@ def test_conv1d_no_graph_break_and_bits():
     _assert_same_bits(eager, compiled)
 
 
-def test_inductor_fullgraph_adamw_immediate_bits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_inductor_fullgraph_adamw_immediate_bits(device):
     """Inductor, fullgraph=True: the hand-off's X and dY are kept out of Inductor's buffer
     reuse (without that the saved activations are overwritten before the step reads them)."""
     eager, compiled = _eager_and_compiled(
         lambda: MLP(relu=False),
         lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode="immediate",
                                     state_format="fp32"),
-        "inductor", fullgraph=True)
+        "inductor", fullgraph=True, device=device)
     _assert_same_bits(eager, compiled)
 
 
@@ -223,17 +227,20 @@ def test_inductor_deferred_sgd_with_clipping_bits():
     _assert_same_bits(eager, compiled)
 
 
-def test_inductor_bf16_autocast_bits():
+@pytest.mark.parametrize("device", DEVICES)
+def test_inductor_bf16_autocast_bits(device):
     eager, compiled = _eager_and_compiled(
         lambda: MLP(relu=False), lambda m: forge.optim.AdamW(m, lr=1e-2, mode="auto"),
-        "inductor", autocast=True)
+        "inductor", autocast=True, device=device)
     _assert_same_bits(eager, compiled)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["auto", "immediate", "deferred"])
-def test_modes_bits(mode):
+def test_modes_bits(mode, device):
     eager, compiled = _eager_and_compiled(
-        MLP, lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode), "aot_eager")
+        MLP, lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, mode=mode), "aot_eager",
+        device=device)
     _assert_same_bits(eager, compiled)
 
 

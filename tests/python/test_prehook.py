@@ -211,19 +211,18 @@ def test_cpp_prehook_falls_back_for_second_and_outside_uses(cpp, device, monkeyp
 @pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 8),
                     reason="Dynamo traces the fused Linear's forward from torch 2.8 "
                            "(test_compile.py)")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("relu", [True, False])
-def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
+def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, device, monkeypatch):
     """A compiled backward hands X and dY over in its graph (forge::wgrad_hand_off): its C++
     kernel arms the weight's record but for the step's first hand-off (Python's, which
     checks the step) and a second use, and the C++ pre-hook makes each update but that of a
     Linear applied twice (the graph sums its stand-ins); the same bits as the Python hooks.
-    Inductor, the backward with (relu) and without element-wise kernels. On the CPU, as
-    test_compile.py (on a GPU, after the other CUDA tests of the suite, Inductor's tracing of
-    this model aborted the process once: docs/design.md §9)."""
+    Inductor, the backward with (relu) and without element-wise kernels."""
     torch.manual_seed(0)
     # (6 tokens against these widths: every hand-off keeps its X and dY, _linear.hand_off_keeps)
     base = nn.ModuleDict({"a": nn.Linear(32, 64), "b": nn.Linear(64, 64, bias=False),
-                          "c": nn.Linear(64, 16)})
+                          "c": nn.Linear(64, 16)}).to(device)
 
     def forward(layers, x):
         act = torch.relu if relu else (lambda t: t)
@@ -247,7 +246,7 @@ def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, monkeypatch):
         steps = [torch.compile(lambda x, m=m: forward(m, x)) for m in models]
         for step in range(STEPS):
             entered.clear()
-            x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(step)).to(device)
             for run in steps:
                 run(x).square().mean().backward()
             # (from the second step: the step's first hand-off, in the graph's order, and b's
