@@ -142,6 +142,11 @@ FACTORED_NORM_TENSOR_CORE_RTOL = 4.2e-5
 # one rounding to fp32, half an ulp, 2^-24 relative.
 FP32_ROUNDING_RTOL = 2.0 ** -24
 
+# A load_state_dict that must not depend on the step count (NAdam's 'mu_product' made for a
+# state without one, at step 3·10^6; a two-layer model): constant work takes milliseconds even
+# on a busy 2-core machine, a Python loop over the steps took about a second.
+PROMPT_LOAD_SECONDS = 0.25
+
 # The default optimizer's peak memory against mode="immediate"'s on the same model and loop
 # (test_memory.py; forge-bench --suite memory on a GPU): the first step is deferred, so it
 # holds each fused weight's X and dY, or its gradient in W's dtype, where immediate mode holds

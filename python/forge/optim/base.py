@@ -175,8 +175,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             raise TypeError(f"master_weights: must be a bool, got {type(master_weights).__name__}")
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
             raise ValueError(f"seed: must be an int in [0, 2**63), got {seed!r}")
-        if not isinstance(num_threads, int) or num_threads < 0:
-            raise ValueError(f"num_threads: must be an int >= 0, got {num_threads!r}")
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) \
+                or not 0 <= num_threads <= _MAX_CPU_THREADS:
+            raise ValueError(f"num_threads: must be an int in [0, {_MAX_CPU_THREADS}] (0: torch's "
+                             f"thread count), got {num_threads!r}")
         if mode not in MODES:
             raise ValueError(f"mode: unknown value {mode!r}; choose one of {', '.join(MODES)}")
         if deferred_store not in DEFERRED_STORES:
@@ -809,7 +811,6 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             raise ValueError(f"load_state_dict: saved with master_weights="
                              f"{meta['master_weights']!r}, this optimizer has "
                              f"master_weights={self.master_weights!r}")
-        saved_formats = self._saved_state_formats(meta)  # (checked per parameter below)
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"load_state_dict: {len(saved_groups)} param groups saved, "
@@ -817,9 +818,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         # The groups as they will be (hyper-parameters from the dict, our params).
         new_groups = []
         index_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError("load_state_dict: a param group's size differs from the saved one")
+            _check_saved_group_options(saved, i)
             index_to_param.update(zip(saved["params"], group["params"]))
             new = dict(group)
             # (a group's storage keys stay this optimizer's: the formats are checked below)
@@ -828,6 +830,8 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
             self._check_group(new)
             new_groups.append(new)
         group_of = {id(p): new for new in new_groups for p in new["params"]}
+        # (checked per parameter below)
+        saved_formats = self._saved_state_formats(meta, saved_groups, index_to_param)
         step_id = _saved_count(meta.get("step_id", self._step_id), "the 'forge' entry's step_id")
         # Check every state before writing anything: a load is all or nothing.
         plans = []
@@ -908,7 +912,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
 
     def _check_loaded_values(self, slot, group, saved_state, fmt: str) -> None:
         """Values a step could never have stored are refused: NaN/Inf anywhere (states,
-        int8 / fp8 absmax, master weights, fp8 codes), a negative second moment or absmax."""
+        int8 / fp8 absmax, master weights, fp8 codes), magnitudes above the largest bf16 (the
+        bound of every value a step stores: forge.h, "Skipped elements"), a negative second
+        moment or absmax."""
         layout = self._layout(slot, group, fmt)
         for i in range(layout.num_states):
             name = layout.names[i].decode()
@@ -922,6 +928,9 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 if not bool(torch.isfinite(t).all()):
                     raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{key}' "
                                      "holds NaN or Inf")
+                if bool((t.abs() > _BF16_MAX).any()):
+                    raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{key}' "
+                                     "holds values above the largest bf16 (no step stores one)")
                 if non_negative and bool((t < 0).any()):
                     raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{key}' "
                                      "holds negative values (it can only be >= 0)")
@@ -929,9 +938,10 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
                 raise ValueError(f"load_state_dict: parameter '{slot.name}': state '{name}' "
                                  "holds fp8 codes no step stores (NaN, infinity"
                                  f"{', or negative' if unsigned else ''})")
-        if "master" in saved_state and not bool(torch.isfinite(saved_state["master"]).all()):
+        master = saved_state.get("master")
+        if master is not None and not bool((master.abs() <= _BF16_MAX).all()):
             raise ValueError(f"load_state_dict: parameter '{slot.name}': state 'master' holds "
-                             "NaN or Inf")
+                             "NaN, Inf or values above the largest bf16 (no step stores one)")
 
     # ------------------------------------------------------------------ per rule (subclasses)
 
@@ -1081,20 +1091,64 @@ def _global_pre_hooks() -> bool:
     return bool(hooks)
 
 
+# Steps _constant_mu_product multiplies out one by one (a few ms); beyond, the closed form.
+_MU_PRODUCT_LOOP_STEPS = 1 << 16
+
+
 @functools.lru_cache(maxsize=64)
 def _constant_mu_product(beta1: float, momentum_decay: float, step: int) -> float:
-    """torch.optim.NAdam's fp32 state['mu_product'] after `step` steps with these constant
-    hyper-parameters (call.py, _CallMixin._mu_product_through, step by step)."""
+    """NAdam's fp32 state['mu_product'] after `step` steps with these constant
+    hyper-parameters: through 2^16 steps as torch.optim.NAdam's state multiplies it, step by
+    step in fp32 (call.py, _CallMixin._mu_product_through), and beyond, where that loop would
+    cost a second at step 3·10^6, the library's closed form (forge_hparams.mu_product = -1's,
+    in double) rounded to fp32. The loop also ends where the product stops changing: at 0,
+    or where multiplying by the momentum factor, which only grows with the step, rounds back
+    to it."""
+    if step > _MU_PRODUCT_LOOP_STEPS:
+        return _fp32(_nadam_mu_product_closed(beta1, momentum_decay, step))
     product = 1.0
     for t in range(1, step + 1):
+        before = product
         product = _fp32(product * _fp32(_nadam_mu(beta1, momentum_decay, t)))
-        if product == 0.0:
+        if product == before and t > 1:
             break
     return product
 
 
+def _nadam_mu_product_closed(beta1: float, momentum_decay: float, t: int) -> float:
+    """Π_{i=1..t} β1 (1 − ½ q^i), q = 0.96^ψ, in constant time: src/core/hparams.h's
+    nadam_mu_product, the same series in the same order."""
+    ln_q = momentum_decay * math.log(0.96)
+    one_minus_q = -math.expm1(ln_q)
+    if not one_minus_q > 0.0:
+        return (0.5 * beta1) ** t
+    q, q_t, one_minus_q_t = math.exp(ln_q), math.exp(t * ln_q), -math.expm1(t * ln_q)
+    a, b, q_k, q_kt, total, half_k = one_minus_q, one_minus_q_t, q, q_t, 0.0, 1.0
+    for k in range(1, 65):
+        half_k *= 0.5
+        term = half_k / k * q_k * (b / a)
+        total += term
+        if term <= total * 2.0 ** -54:
+            break
+        a += q_k * one_minus_q
+        b += q_kt * one_minus_q_t
+        q_k *= q
+        q_kt *= q_t
+    return beta1 ** t * math.exp(-total)
+
+
+# forge.h's FORGE_MAX_CPU_THREADS: the most threads a CPU step may ask for.
+_MAX_CPU_THREADS = 1024
+
+# The largest finite bf16, 0x1.FEp127: no step stores a value of larger magnitude (formats.h).
+_BF16_MAX = float.fromhex("0x1.FEp127")
+
+# The largest saved step count: the next step's number, one more, must fit the library's int64.
+_MAX_SAVED_COUNT = 2 ** 63 - 2
+
+
 def _saved_count(value, what: str) -> int:
-    """A saved step count: an int (or a one-element integral tensor) >= 0."""
+    """A saved step count: an int (or a one-element integral tensor) in [0, 2**63 - 2]."""
     if torch.is_tensor(value):
         if value.numel() != 1:
             raise ValueError(f"load_state_dict: {what} must be one integer, got a tensor of "
@@ -1102,6 +1156,19 @@ def _saved_count(value, what: str) -> int:
         value = value.item()
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"load_state_dict: {what} must be an integer >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_SAVED_COUNT:
+        raise ValueError(f"load_state_dict: {what} must be an integer in [0, 2**63 - 2] (the "
+                         f"next step's number must fit int64), got {value!r}")
     return value
+
+
+# torch.optim options a saved param group may carry that FORGE does not do (rules.py refuses
+# them in the constructors): loading one would drop it without a word.
+_UNSUPPORTED_GROUP_OPTIONS = ("amsgrad", "capturable", "differentiable")
+
+
+def _check_saved_group_options(saved: Dict[str, Any], index: int) -> None:
+    for key in _UNSUPPORTED_GROUP_OPTIONS:
+        if saved.get(key):
+            raise ValueError(f"load_state_dict: saved param group {index}: {key}=True, which "
+                             f"FORGE does not do (its constructors refuse it too)")

@@ -110,13 +110,31 @@ class _StatesMixin:
                 if slot.state_format is not None and self.state.get(slot.param)}
 
     @staticmethod
-    def _saved_state_formats(meta: Dict[str, Any]):
-        """What a state dict's 'forge' entry says of the formats: {index: format} (version
-        2), one format for every parameter (version 1: a str), or None (no 'forge' entry:
-        torch's or torch.distributed.checkpoint's dict; the states' dtypes decide)."""
+    def _saved_state_formats(meta: Dict[str, Any], saved_groups, index_to_param):
+        """The formats a state dict's states were saved in: {index: format} as its 'forge'
+        entry says (version 2), one format for every parameter (version 1: a str), or, without
+        a 'forge' entry (torch.distributed.checkpoint's dict, or any tool that keeps only
+        'state' and 'param_groups'), what each saved group's own "state_format" and
+        "min_8bit_size" gave its parameters (int8 and fp8 states have the same dtypes and
+        shapes: only these tell them apart). None where nothing says (torch.optim's dict: the
+        states' dtypes decide)."""
         if "state_formats" in meta:
             return {int(k): v for k, v in meta["state_formats"].items()}
-        return meta.get("state_format")
+        if "state_format" in meta:
+            return meta["state_format"]
+        formats = {}
+        for i, saved in enumerate(saved_groups):
+            if "state_format" not in saved:
+                continue
+            fmt = saved["state_format"]
+            # (a group of a forge from before min_8bit_size: its format for every parameter)
+            min_size = saved.get("min_8bit_size", 0)
+            check_storage_options(fmt, min_size, where=f"load_state_dict: saved param group {i}: ")
+            for index in saved["params"]:
+                p = index_to_param.get(index)
+                if p is not None:
+                    formats[index] = requested_format(saved, p.numel(), fmt, min_size)
+        return formats or None
 
     def _check_saved_format(self, slot, group: Dict[str, Any], index: int, saved) -> str:
         """The format slot's states load into (what its group asks for); a state dict that
