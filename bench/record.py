@@ -1,9 +1,10 @@
 """record.py — appends a benchmark's measurements to the results table, bench/results/results.csv.
 
-    python3 bench/record.py OUTPUT.json [...] [--commit HASH] [--table PATH]
+    python3 bench/record.py OUTPUT.json [...] [--commit HASH] [--table PATH] [--ab SETTING]
+    python3 bench/record.py --compact [--table PATH]
 
-Every benchmark writes a JSON file; this turns it into rows of the one append-only table
-(one measurement per row) and appends them. It knows the JSON of
+Every benchmark writes a JSON file; this turns it into rows of the results table (one
+measurement per row) and appends them. It knows the JSON of
   bench/wgrad_bench          (bench.json: per-layer variants and the Llama-3.1-8B totals)
   bench/torch_unfused.py     (torch-unfused.json: the fused step against torch's unfused way)
   bench/host_overhead.py     (host-overhead.json: host time per Linear per step)
@@ -18,23 +19,44 @@ Commands are kept without the machine they ran on (relative_command): a path und
 checkout, or in a build folder (build/, build-*/) of any checkout, is written relative to the
 checkout's root; any other absolute path becomes "$OUT/..." (below /root/out or /tmp: the part
 under it; elsewhere: its last component).
+
+The table is bounded: beside its current rows it holds at most COMPACT_ABOVE others, or the
+last call's. New rows are only ever appended; once more than COMPACT_ABOVE rows are not current
+(superseded by a later run of the same figure, an A/B comparison's, or measured with a
+FORGE_DEBUG_* switch), record.py compacts the table after appending (--compact: now): every
+current row (current(), the rows render.py shows) and the rows just appended stay as they are,
+in their order; each other row goes into history.csv.gz beside the table, summarised with the
+others of its GPU, commit, benchmark, case, variant, metric and setting (its command, output
+folders as "$OUT"): first and last date, n, median, min and max. The history is only appended
+to, one gzip member per compaction; a setting measured at one commit adds one summary per figure
+however often it ran. Raw rows that were committed before a compaction stay in git history.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import datetime
+import gzip
+import io
 import json
+import math
 import os
 import re
+import statistics
 import subprocess
 import sys
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # this checkout
 TABLE = os.path.join(HERE, "results", "results.csv")
 COLUMNS = ("date", "gpu", "commit", "benchmark", "case", "variant", "metric", "value", "command")
+# Beside the table: the summaries of the rows that compact() took out of it.
+HISTORY_NAME = "history.csv.gz"
+HISTORY_COLUMNS = ("first_date", "last_date", "gpu", "commit", "benchmark", "case", "variant",
+                   "metric", "n", "median", "min", "max", "command")
+# After an append, a table holding more rows than this that are not current is compacted.
+COMPACT_ABOVE = 5000
 
 
 # The mark of an A/B comparison's runs (--ab): alternated within one call to compare settings
@@ -275,17 +297,133 @@ def migrate(table: str = TABLE, root: str = ROOT) -> int:
     return changed
 
 
+Key = Tuple[str, str, str, str, str]  # (gpu, benchmark, case, variant, metric)
+
+
+def current(rows: List[Dict[str, str]]) -> Dict[Key, Dict[str, str]]:
+    """The figures the rendered pages show: the latest row per (gpu, benchmark, case, variant,
+    metric), the later one in the table where two have the same date. An A/B comparison's rows
+    (command marked AB_MARK) and rows measured with a FORGE_DEBUG_* switch set are never
+    current. In the order of the rows in the table, so the pages depend on these rows alone:
+    the same with or without the rows compact() takes out."""
+    latest: Dict[Key, Tuple[int, Dict[str, str]]] = {}
+    for i, r in enumerate(rows):
+        if r["command"].startswith(AB_MARK) or "FORGE_DEBUG_" in r["command"]:
+            continue  # (a comparison's run, an experiment's setting)
+        key = (r["gpu"], r["benchmark"], r["case"], r["variant"], r["metric"])
+        if key not in latest or r["date"] >= latest[key][1]["date"]:
+            latest[key] = (i, r)
+    return {key: r for key, (_, r) in sorted(latest.items(), key=lambda item: item[1][0])}
+
+
+# A "$OUT/..." path of a command: which output folder a run wrote to is not part of what it
+# measured, so a summary's command says "$OUT" alone.
+_OUT_PATH = re.compile(r"""\$OUT[^\s'"()<>]*""")
+
+
+def setting(command: str, root: str = ROOT) -> str:
+    """The command a summary of runs names: relative_command's, every "$OUT/..." as "$OUT"
+    (the repetitions of one setting differ only there)."""
+    return _OUT_PATH.sub("$OUT", relative_command(command, root))
+
+
+def summarise(rows: List[Dict[str, str]], root: str = ROOT) -> List[Dict[str, str]]:
+    """One summary per (gpu, commit, benchmark, case, variant, metric, setting) of rows, in the
+    order each first appears: first and last date, n (rows), median, min and max value."""
+    groups: Dict[tuple, List[Dict[str, str]]] = {}
+    for r in rows:
+        key = (r["gpu"], r["commit"], r["benchmark"], r["case"], r["variant"], r["metric"],
+               setting(r["command"], root))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (gpu, commit, bench, case, variant, metric, command), group in groups.items():
+        values = sorted(v for v in (_number(r["value"]) for r in group) if not math.isnan(v))
+        figures = ([f"{statistics.median(values):.6g}", f"{values[0]:.6g}", f"{values[-1]:.6g}"]
+                   if values else ["nan"] * 3)
+        dates = sorted(r["date"] for r in group)
+        out.append(dict(zip(HISTORY_COLUMNS, [dates[0], dates[-1], gpu, commit, bench, case,
+                                              variant, metric, str(len(group)), *figures,
+                                              command])))
+    return out
+
+
+def _number(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return math.nan
+
+
+def history_path(table: str = TABLE) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(table)), HISTORY_NAME)
+
+
+def append_history(summaries: List[Dict[str, str]], history: str) -> None:
+    """Appends summaries to the history as one more gzip member: what is there stays byte for
+    byte (git stores the growth as a small delta)."""
+    new = not os.path.exists(history) or os.path.getsize(history) == 0
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=HISTORY_COLUMNS, lineterminator="\n")
+    if new:
+        writer.writeheader()
+    writer.writerows(summaries)
+    with open(history, "ab") as f:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+            gz.write(buf.getvalue().encode())
+
+
+def read_history(history: str) -> List[Dict[str, str]]:
+    if not os.path.exists(history):
+        return []
+    with gzip.open(history, "rt", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def compact(table: str = TABLE, keep_last: int = 0, root: str = ROOT) -> Tuple[int, int]:
+    """Bounds the table: keeps every current row (current()) and the last keep_last rows as
+    they are, in their order, and moves every other row into the history beside it as
+    summaries (summarise()). The commands it keeps are relative_command's. The summaries are
+    appended before the table is replaced, so a run cut short between the two leaves a row
+    summarised twice, never lost. Returns (rows summarised, summaries appended)."""
+    rows = read(table)
+    for r in rows:
+        r["command"] = relative_command(r["command"], root)
+    keep = {id(r) for r in current(rows).values()}
+    if keep_last > 0:
+        keep.update(id(r) for r in rows[-keep_last:])
+    old = [r for r in rows if id(r) not in keep]
+    summaries = summarise(old, root)
+    if summaries:
+        append_history(summaries, history_path(table))
+    write([r for r in rows if id(r) in keep], table)
+    return len(old), len(summaries)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json", nargs="+", help="a benchmark's JSON output")
+    parser.add_argument("json", nargs="*", help="a benchmark's JSON output")
     parser.add_argument("--commit", default=None, help="the measured commit (default: HEAD)")
     parser.add_argument("--table", default=TABLE, help=f"the table (default {TABLE})")
     parser.add_argument("--ab", metavar="SETTING", default=None,
                         help="runs of a `gpu_check.sh ab` call with this setting (\"default\" or "
                              "VAR=value[,VAR=value...]): their commands are marked so, and "
                              "render.py never takes them as current")
+    parser.add_argument("--compact", action="store_true",
+                        help="compact the table now (no JSON): keep the current rows, summarise "
+                             f"the others into {HISTORY_NAME} beside it")
     args = parser.parse_args(argv)
+    if args.compact:
+        if args.json:
+            parser.error("--compact takes no JSON files")
+        try:
+            report_compact(args.table)
+        except OSError as e:
+            print(f"record: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if not args.json:
+        parser.error("no JSON file given")
     commit = args.commit or current_commit()
     # Every file is read before any row is appended: one bad file leaves the table as it was.
     try:
@@ -307,7 +445,20 @@ def main(argv=None) -> int:
     for path, batch in batches:
         print(f"record: {len(batch)} rows from {path}")
     print(f"record: {len(rows)} rows appended to {args.table}")
+    table = read(args.table)
+    if len(table) - len(current(table)) > COMPACT_ABOVE:
+        try:
+            report_compact(args.table, keep_last=len(rows))
+        except OSError as e:  # (the rows are appended; the table is as it was before this)
+            print(f"record: compacting: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     return 0
+
+
+def report_compact(table: str, keep_last: int = 0) -> None:
+    summarised, summaries = compact(table, keep_last)
+    print(f"record: {summarised} rows that are not current summarised as {summaries} rows of "
+          f"{history_path(table)}; {len(read(table))} rows stay in {table}")
 
 
 if __name__ == "__main__":

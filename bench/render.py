@@ -3,14 +3,15 @@
     python3 bench/render.py [--table bench/results/results.csv] [--out bench/results]
 
 For every (GPU, benchmark, case, variant, metric) the latest row of bench/results/results.csv
-is current, except the rows of an A/B comparison (their command marked "(gpu_check.sh ab)": runs
-alternated to compare settings or builds within one call) and rows measured with a
-FORGE_DEBUG_* switch set: they stay in the table and are never current. Writes, replacing what
-was there:
+is current (record.current), except the rows of an A/B comparison (their command marked
+"(gpu_check.sh ab)": runs alternated to compare settings or builds within one call) and rows
+measured with a FORGE_DEBUG_* switch set: they are never current. The pages depend on the
+current rows alone, so record.py's compaction (which keeps exactly those) changes none of them.
+Writes, replacing what was there:
   wgrad.md / wgrad.png     the fused step over Llama-3.1-8B's 224 linear layers against
                            cuBLAS dW and the unfused ways (bench/wgrad_bench,
                            bench/torch_unfused.py), totals and per layer
-  steps.md / steps.png     whole training steps (forge-bench): peak memory and step time
+  steps.md                 whole training steps (forge-bench): peak memory and step time
   parity.md                convergence parity (forge-bench --parity)
   host.md                  the host's cost per layer (bench/host_overhead.py)
 Each page has one section per GPU (or host), ANCHORS.md's GPU first: a figure from one card
@@ -60,16 +61,9 @@ WGRAD_LAYER = [
 Key = Tuple[str, str, str, str]  # (benchmark, case, variant, metric)
 
 
-def current(rows: List[Dict[str, str]]) -> Dict[Tuple[str, str, str, str, str], Dict[str, str]]:
-    """The latest row per (gpu, benchmark, case, variant, metric)."""
-    latest: Dict[Tuple[str, str, str, str, str], Dict[str, str]] = {}
-    for r in rows:
-        if r["command"].startswith(record.AB_MARK) or "FORGE_DEBUG_" in r["command"]:
-            continue  # (a comparison's run, an experiment's setting)
-        key = (r["gpu"], r["benchmark"], r["case"], r["variant"], r["metric"])
-        if key not in latest or r["date"] >= latest[key]["date"]:
-            latest[key] = r
-    return latest
+# The latest row per (gpu, benchmark, case, variant, metric). It is record.py's, which keeps
+# exactly these rows when it compacts the table.
+current = record.current
 
 
 def by_gpu(cur) -> List[Tuple[str, Dict[Key, Dict[str, str]]]]:

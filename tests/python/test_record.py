@@ -182,3 +182,116 @@ def test_migrating_the_table_is_idempotent(tmp_path):
                {k: v for k, v in a.items() if k != "command"}
     assert record.migrate(str(table), root="/work/main") == 0
     assert table.read_bytes() == once
+
+
+def step_json(tmp_path, name: str, date: str, step_ms: float, command: str) -> str:
+    d = {"environment": {"date": date, "gpu": "NVIDIA H200", "command": command},
+         "results": [{"model": "llama-3.1-8b", "seq": 512, "ckpt": False, "mode": "forge-bf16",
+                      "status": "ok", "peak_gib": 48.95, "first_peak_gib": 49.5,
+                      "steady_peak_gib": 48.95, "step_ms": step_ms}]}
+    path = tmp_path / name
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def history_table(tmp_path):
+    """A table of plain runs superseded by later ones, A/B repetitions and a current run."""
+    record = load_record()
+    table = str(tmp_path / "results.csv")
+    for i, ms in enumerate([100.0, 98.0]):  # two plain runs, the second supersedes the first
+        assert record.main([step_json(tmp_path, f"s{i}.json", f"2026-12-0{i + 1}T10:00:00", ms,
+                                      f"forge-bench --out /root/out/s{i}"),
+                            "--commit", "abc1234", "--table", table]) == 0
+    for setting in ("default", "FORGE_DEBUG_GROUP_M=4"):
+        for rep, ms in enumerate([90.0, 94.0, 91.0]):
+            assert record.main([step_json(tmp_path, "ab.json", f"2026-12-03T10:0{rep}:00", ms,
+                                          f"forge-bench --out /root/out/ab/{setting}-r{rep}"),
+                                "--commit", "def5678", "--ab", setting, "--table", table]) == 0
+    return record, table
+
+
+def test_compacting_keeps_every_current_row_and_what_the_pages_show(tmp_path):
+    """compact() leaves the current rows as they were, summarises the others (superseded runs,
+    A/B repetitions) per commit and setting into history.csv.gz, and the rendered pages are
+    the same byte for byte; a second compaction changes nothing."""
+    record, table = history_table(tmp_path)
+    render = bench_scripts.load("render")
+    rows = record.read(table)
+    assert len(rows) == 8 * 4  # 8 runs, 4 metrics each
+    assert render.main(["--table", table, "--out", str(tmp_path / "before")]) == 0
+    current = list(record.current(rows).values())
+    # 1 superseded run + 6 A/B runs, 4 metrics each -> per commit and setting: 3 x 4 summaries
+    assert record.compact(table) == (28, 12)
+    assert record.read(table) == current
+    assert render.main(["--table", table, "--out", str(tmp_path / "after")]) == 0
+    pages = sorted(p.name for p in (tmp_path / "before").iterdir())
+    assert pages == ["steps.md"]
+    for page in pages:
+        assert (tmp_path / "after" / page).read_bytes() == (tmp_path / "before" / page).read_bytes()
+    history = record.read_history(str(tmp_path / "history.csv.gz"))
+    step_ms = {(h["commit"], h["command"]): (h["n"], h["median"], h["min"], h["max"],
+                                             h["first_date"], h["last_date"])
+               for h in history if h["metric"] == "step_ms"}
+    assert step_ms == {
+        ("abc1234", "forge-bench --out $OUT"):
+            ("1", "100", "100", "100", "2026-12-01T10:00Z", "2026-12-01T10:00Z"),
+        ("def5678", "(gpu_check.sh ab) forge-bench --out $OUT"):
+            ("3", "91", "90", "94", "2026-12-03T10:00Z", "2026-12-03T10:02Z"),
+        ("def5678", "(gpu_check.sh ab) FORGE_DEBUG_GROUP_M=4 forge-bench --out $OUT"):
+            ("3", "91", "90", "94", "2026-12-03T10:00Z", "2026-12-03T10:02Z")}
+    once = ((tmp_path / "results.csv").read_bytes(), (tmp_path / "history.csv.gz").read_bytes())
+    assert record.compact(table) == (0, 0)
+    assert ((tmp_path / "results.csv").read_bytes(),
+            (tmp_path / "history.csv.gz").read_bytes()) == once
+
+
+def test_appending_after_compaction(tmp_path, monkeypatch):
+    """After a compaction record.py appends as before; a later run becomes current. Past
+    COMPACT_ABOVE rows that are not current, record.py compacts by itself, keeping the rows it
+    has just appended as they are, and adds to the history without changing what is there."""
+    record, table = history_table(tmp_path)
+    record.compact(table)
+    history = tmp_path / "history.csv.gz"
+    first = history.read_bytes()
+    assert record.main([step_json(tmp_path, "s2.json", "2026-12-04T10:00:00", 97.0,
+                                  "forge-bench --out /tmp/s2"),
+                        "--commit", "0123abc", "--table", table]) == 0
+    rows = record.read(table)
+    assert len(rows) == 4 + 4 and rows[-1]["command"] == "forge-bench --out $OUT/s2"
+    assert {r["value"] for r in record.current(rows).values() if r["metric"] == "step_ms"} \
+        == {"97"}
+    monkeypatch.setattr(record, "COMPACT_ABOVE", 3)
+    assert record.main([step_json(tmp_path, "ab.json", "2026-12-04T11:00:00", 80.0,
+                                  "forge-bench --out /root/out/x"),
+                        "--commit", "0123abc", "--ab", "default", "--table", table]) == 0
+    rows = record.read(table)
+    # the 98 ms run (superseded) went to the history; the A/B call's rows stay this time
+    assert [r["value"] for r in rows if r["metric"] == "step_ms"] == ["97", "80"]
+    assert history.read_bytes().startswith(first)
+    summaries = record.read_history(str(history))
+    assert len(summaries) == 12 + 4
+    assert [(h["commit"], h["median"]) for h in summaries if h["metric"] == "step_ms"][-1] \
+        == ("abc1234", "98")
+
+
+def test_current_rows_come_in_table_order(tmp_path):
+    """Where two current rows have the same date, the pages list them in the order they were
+    recorded, not in the order their keys first appeared (which the rows compact() takes out
+    would decide)."""
+    record = load_record()
+    render = bench_scripts.load("render")
+
+    def row(date, metric, value, command):
+        return dict(date=date, gpu="cpu", commit="abc1234", benchmark="host_overhead",
+                    case="linear", variant="forge", metric=metric, value=value, command=command)
+    rows = [row("2026-12-01T10:00Z", "us_per_linear", "12", "run a"),
+            row("2026-12-02T10:00Z", "us_per_param", "3", "run b"),
+            row("2026-12-02T10:00Z", "us_per_linear", "11", "run c")]
+    table = str(tmp_path / "results.csv")
+    record.write(rows, table)
+    full = render.sources(record.current(record.read(table)).values())
+    assert full == ["- 2026-12-02T10:00Z, cpu, commit abc1234: `run b`",
+                    "- 2026-12-02T10:00Z, cpu, commit abc1234: `run c`"]
+    record.compact(table)
+    assert [r["command"] for r in record.read(table)] == ["run b", "run c"]
+    assert render.sources(record.current(record.read(table)).values()) == full
