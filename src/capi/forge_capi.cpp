@@ -150,11 +150,17 @@ forge_status check_param(const forge_param& p, const RuleScalars& k) {
 }
 
 
-// A CPU step's int8 / fp8 absmax arrays hold what steps store: values in [0, the largest
-// bf16] (NaN, infinities and negative values refused, naming the block), so a block whose
-// absmax was set by hand never makes its elements skip forever. Host memory, read only; the
-// CUDA backend does not read device memory at the call (forge.h, "Skipped elements").
-forge_status check_absmax_values(const forge_param& p, int num_states) {
+// What a CPU step reads before it writes, checked at the call (host memory, read only; the
+// CUDA backend does not read device memory at the call): a run_scalars buffer's tag, so that a
+// batch refuses a later entry's before any entry runs; and the int8 / fp8 absmax arrays, which
+// must hold what steps store: values in [0, the largest bf16] (NaN, infinities and negative
+// values refused, naming the block), so a block whose absmax was set by hand never makes its
+// elements skip forever (forge.h, "Skipped elements").
+forge_status check_cpu_contents(const forge_param& p, const forge_hparams& hp,
+                                const RuleScalars& k) {
+  if (hp.run_scalars)
+    if (forge_status s = run_scalars_check(hp.run_scalars, hp, k)) return s;
+  const int num_states = k.num_states;
   if (!is_block_format(p.state_format)) return FORGE_OK;
   const int64_t blocks = p.rows * ((p.cols + FORGE_INT8_BLOCK - 1) / FORGE_INT8_BLOCK);
   for (int i = 0; i < num_states; ++i) {
@@ -249,7 +255,7 @@ forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
   if (forge_status s = set.add("dy", a->dy, dy_elements * dyb, dyb, dyb == 4 ? "fp32" : "16-bit", false))
     return s;
   if (forge_status s = add_step_extras(set, a->outputs, a->hparams)) return s;
-  if (a->device.kind == FORGE_DEVICE_CPU) return check_absmax_values(a->param, k->num_states);
+  if (a->device.kind == FORGE_DEVICE_CPU) return check_cpu_contents(a->param, a->hparams, *k);
   return FORGE_OK;
 }
 
@@ -269,7 +275,7 @@ forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k,
     return s;
   if (forge_status s = add_step_extras(set, a->outputs, a->hparams)) return s;
   if (a->device.kind == FORGE_DEVICE_CPU)
-    if (forge_status s = check_absmax_values(a->param, k->num_states)) return s;
+    if (forge_status s = check_cpu_contents(a->param, a->hparams, *k)) return s;
   if (buffers) *buffers = set;
   return FORGE_OK;
 }

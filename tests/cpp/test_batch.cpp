@@ -253,3 +253,30 @@ TEST(ElementwiseBatch, OutputsAndRunScalarsMayNotAliasAnotherEntry) {
 
 }  // namespace
 }  // namespace forge_test
+
+namespace forge_test {
+namespace {
+
+// A later entry's run_scalars buffer that does not match (unfilled, or filled for other
+// hyper-parameters) is refused before any entry runs: the CPU backend checked it only when
+// that entry's turn came, after the entries before it had written their steps.
+TEST(ElementwiseBatch, ALaterEntrysRunScalarsAreCheckedBeforeAnyRuns) {
+  Rng rng(fresh_seed());
+  Batch b(rng, 1.0, 2);
+  std::vector<const forge_elementwise_args*> p = pointers(b.args);
+  alignas(16) unsigned char unfilled[FORGE_RUN_SCALARS_BYTES] = {};
+  alignas(16) unsigned char other[FORGE_RUN_SCALARS_BYTES];
+  forge_hparams changed = b.args[3].hparams;
+  changed.weight_decay += 0.25;
+  ASSERT_EQ(forge_run_scalars_fill(&changed, other, sizeof(other)), FORGE_OK) << forge_last_error();
+  for (const unsigned char* run : {static_cast<const unsigned char*>(unfilled), static_cast<const unsigned char*>(other)}) {
+    b.args[3].hparams.run_scalars = run;
+    EXPECT_EQ(forge_elementwise_step_batch(p.data(), static_cast<int64_t>(p.size())), FORGE_ERR_INVALID_ARGUMENT);
+    const std::string message = forge_last_error();
+    EXPECT_EQ(message.rfind("args[3]: hparams.run_scalars", 0), 0u) << message;
+    b.expect_unchanged(1.0, 2);
+  }
+}
+
+}  // namespace
+}  // namespace forge_test
