@@ -418,6 +418,66 @@ TEST(ElementwiseBlockSkipped, SkippedValueKeptWhileTheAbsmaxGrowsLikeTheCpu) {
       }
 }
 
+// An absmax no step stores, set by hand: the CPU backend refuses the step (test_bad_input.cpp,
+// AbsmaxNoStepStoresIsRefused); the CUDA backend, which reads no device memory at the call,
+// steps on what the block's codes decode to, and a NaN or infinite absmax makes every element
+// of its block skipped and counted, the block unchanged (forge.h, "Skipped elements"), int8 and
+// fp8 alike (fp8's used to reset to 0). The other blocks step as the CPU steps them.
+TEST(ElementwiseBlockSkipped, NonFiniteAbsmaxSkipsItsBlockOnTheGpu) {
+  FORGE_REQUIRE_GPU();
+  for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
+    for (float bad : {NAN, INFINITY}) {
+      SCOPED_TRACE(std::string(state_format_name(sf)) + (std::isnan(bad) ? " NaN" : " inf"));
+      forge_hparams hp = rule_cases()[3].hp;  // AdamW
+      const int64_t rows = 4, cols = 128;
+      HostParam cpu = make_param(rows, cols, FORGE_WEIGHT_BF16, sf, hp, 37);
+      DeviceParam gpu;
+      gpu.upload(cpu);
+      std::vector<float> g(rows * cols, 0.5f);
+      elementwise_both(cpu, gpu, hp, g);  // (states of every size first)
+      hp.step += 1;
+      HostParam poisoned = gpu.download(cpu);
+      poisoned.absmax[1][3] = bad;  // row 1, block 1 of the second moment
+      gpu.upload(poisoned);
+      HostParam reference = poisoned;  // what the CPU gives with that block left out
+      reference.absmax[1][3] = poisoned.absmax[1][2];
+      std::vector<uint16_t> g16(g.size());
+      for (size_t i = 0; i < g.size(); ++i) g16[i] = forge::bf16_nearest(g[i]);
+      int64_t want = 0, got = 0;
+      forge_elementwise_args a = elementwise_args(g16.data(), FORGE_DTYPE_BF16, reference.view(), hp,
+                                                  cpu_device(), nullptr, &want);
+      FORGE_OK(forge_elementwise_step(&a));
+      DeviceBuffer grad(g16.size() * 2), count(8);
+      grad.upload(g16.data(), g16.size() * 2);
+      count.fill(0);
+      a = elementwise_args(grad.data(), FORGE_DTYPE_BF16, gpu.view(poisoned), hp, gpu_device(), nullptr,
+                           static_cast<int64_t*>(count.data()));
+      FORGE_OK(forge_elementwise_step(&a));
+      CUDA_OK(cudaDeviceSynchronize());
+      count.download(&got, 8);
+      EXPECT_EQ(got, 64) << "every element of the poisoned block skipped, and only those";
+      HostParam after = gpu.download(poisoned);
+      EXPECT_EQ(std::memcmp(&after.absmax[1][3], &bad, 4), 0);
+      EXPECT_EQ(after.absmax[0][3], poisoned.absmax[0][3]);  // (the first moment's block: all skipped)
+      for (int s = 0; s < 2; ++s)
+        for (int64_t c = 64; c < 128; ++c)
+          EXPECT_EQ(after.state[s][cols + c], poisoned.state[s][cols + c]) << "state " << s << " col " << c;
+      const auto* w_after = reinterpret_cast<const uint16_t*>(after.weight.data());
+      const auto* w_before = reinterpret_cast<const uint16_t*>(poisoned.weight.data());
+      for (int64_t c = 64; c < 128; ++c) EXPECT_EQ(w_after[cols + c], w_before[cols + c]) << "weight col " << c;
+      // every other block as the CPU stepped it (the CPU ran with that block's absmax finite)
+      after.absmax[0][3] = reference.absmax[0][3];
+      after.absmax[1][3] = reference.absmax[1][3];
+      for (int s = 0; s < 2; ++s)
+        for (int64_t c = 64; c < 128; ++c) after.state[s][cols + c] = reference.state[s][cols + c];
+      auto* w = reinterpret_cast<uint16_t*>(after.weight.data());
+      const auto* w_ref = reinterpret_cast<const uint16_t*>(reference.weight.data());
+      for (int64_t c = 64; c < 128; ++c) w[cols + c] = w_ref[cols + c];
+      EXPECT_TRUE(same_bits(reference, after));
+      EXPECT_TRUE(gpu.guards_intact());
+    }
+}
+
 // forge_state_from_fp32 refuses what no step stores (a value that is not storable, a negative
 // second moment) with the CPU backend's message, naming the smallest offending index, and
 // writes nothing.
