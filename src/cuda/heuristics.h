@@ -3,6 +3,7 @@
 // functions of plain facts about the device and the step. Host-only C++17 without CUDA
 // headers, so the CPU suite tests the policy (tests/cpp/test_heuristics.cpp); cuda_backend.cu
 // gathers the facts, reads the debug switches once, and executes the plan.
+// The measurements behind its constants and windows: docs/performance.md, "Kernel selection".
 #pragma once
 
 #include <cstdint>
@@ -32,10 +33,7 @@ constexpr int64_t kMaxSplits = 64;
 
 // NOTE: tile rasterization, tile-rows per group (WgradParams::group_m): kGroupM, or
 // kGroupMFewWaves for a layer whose tiles fill at most kFewWaves waves of the two resident
-// CTAs per SM. Measured on the H200 at T = 512 / 2048 / 4096: on the Llama MLP layers 8
-// tile-rows were as fast as 16 or faster (down_proj at T = 4096: 0.894 against 0.913 ms),
-// and on 4096 × 4096 (1024 tiles, 3.9 waves) 2 tile-rows beat 8 and 16 at every T (0.074
-// against 0.078 ms at T = 512).
+// CTAs per SM. Measured, not derived.
 constexpr int kGroupM = 8;
 constexpr int kGroupMFewWaves = 2;
 constexpr int kFewWaves = 4;
@@ -48,13 +46,9 @@ constexpr int kPrefetchLeadTokens = 192;
 // equal work, so they stay in phase: both in the main loop (tensor cores shared, memory
 // idle), then both updating (tensor cores idle). Delaying the first wave's second CTA per SM
 // (blockIdx.x in [SMs, 2·SMs)) by kStaggerNs puts the two out of phase for the rest of the
-// launch: on 4096² at T = 512 the share of SM time with one CTA in its main loop while the
-// other updates went from 0.17 to 0.55, Llama totals (bf16 states) 32.8 -> 31.4 ms at
-// T = 512 and 59.8 -> 58.6 at T = 2048 (`gpu_check.sh trace`). The delay is paid once per
-// SM, so only grids of at least kStaggerMinWaves full waves get it (k_proj, one wave, lost
-// 10% with it), and not with a stochastically rounded weight: its longer update already
-// leaves the two CTAs out of phase two thirds of the time, and the stagger cost 1-8% per
-// layer at T = 512.
+// launch. The delay is paid once per SM, so only grids of at least kStaggerMinWaves full
+// waves get it, and not with a stochastically rounded weight, whose longer update already
+// leaves the two CTAs mostly out of phase.
 constexpr int kStaggerNs = 4000;
 constexpr int kStaggerMinWaves = 3;
 
@@ -83,10 +77,9 @@ constexpr int kStaggerMinWaves = 3;
 //                                    loop's end. Default: kPrefetchLeadTokens.
 //   FORGE_DEBUG_TRACE=addr:records   (hex device address, count) the Hopper kernels write
 //                                    one record of kTraceWords 64-bit words per CTA there
-//                                    (TileTrace or PersistentTrace, sm80_wgrad.cuh /
-//                                    sm90_wgrad.cuh), overwritten by every launch; the caller
-//                                    allocates it on the steps' device (wgrad_bench --trace).
-//                                    Default: off.
+//                                    (TileTrace or PersistentTrace, sm90_wgrad.cuh),
+//                                    overwritten by every launch; the caller allocates it on
+//                                    the steps' device (wgrad_bench --trace). Default: off.
 //   FORGE_DEBUG_LOG (set, not "0")   log to stderr which kernel each configuration runs (once
 //                                    per kernel and formats), and each kernel's occupancy,
 //                                    registers and shared memory per device. Default: off.
@@ -125,56 +118,20 @@ constexpr bool h100_class_dram(int dram_gbps) {
 }
 
 // Whether the two-CTA kernels' L2 prefetch of the update's operands pays on this card.
-// NOTE: on the H200 it is neutral for bf16 states in total (31.3 ms at T = 512 on or off) and
-// mixed with int8 or master states (faster off at T = 512, slower off at 2048). On the H100 off
-// is as fast or faster at every T (`gpu_check.sh ab`, FORGE_DEBUG_EPILOGUE_PREFETCH=0 against
-// the default, two calls, medians of 3 and 5): Llama totals at T = 512 bf16 states 39.0 -> 37.5
-// and 39.1 -> 37.6 ms, int8 46.5 -> 44.8 and 46.8 -> 45.1, fp32 master 84.7 -> 70.8 and
-// 84.9 -> 70.8; at T = 2048 / 4096 master 100.2 -> 97.0 / 151.8 -> 144.2, the others within
-// 0.8 % (their MLP layers run the persistent kernel, which has no prefetch). The prefetch
-// competes with the other CTA's update for a DRAM the H100 has less of.
+// NOTE: not on the H100's DRAM class: there the prefetch competes with the other CTA's
+// update for the smaller DRAM bandwidth.
 constexpr bool prefetch_pays(int dram_gbps) { return !h100_class_dram(dram_gbps); }
 
 // Whether the persistent kernel is the faster one for a step of `tokens` tokens on a layer of
 // `tiles` tiles in these formats, on a card of `dram_gbps` GB/s of DRAM bandwidth (0:
 // unknown). `spec_kernel`: it has a specialized kernel for the step's rule and formats
 // (AdamW, bf16 or bf16-SR weight, bf16, bf16-SR, int8 or fp8 states; bf16 inputs).
-// NOTE: the windows are measured, per card, against the two-CTA kernel, interleaved; the two
-// cards measured have the same SMs and clocks and differ in DRAM bandwidth, which moves the
-// balance between the update and the GEMM, and the windows with it.
-// The H200 (4.8 TB/s): gate_proj and down_proj of Llama-3.1-8B (27 tiles per SM), the
-// persistent kernel's time against the two-CTA kernel's, by T:
-//   T:                    768     1024       2048         4096        8192
-//   bf16 W, bf16 states:  +1 %    -9 %       -6 to -12    -2 to 0     -2 to 0
-//   bf16 W, int8 states:  +9 %    0 to +2    -4 to -11    -6 to -9    -2 to -4
-//   SR W, SR states:      -2 %    -5 to -6   -3 to -10    -1 to +2    0 to +2
-//   SR W, int8 states:    +25 %   +14        -5 to +6     -2 to -7    -3 to -4
-// fp8 states there take int8's windows (the same bytes; not measured apart). On layers of few
-// tiles per SM it loses (k_proj, v_proj: 1.9), and on 7.8 (q_proj, o_proj) it is mixed.
-// The H100 SXM (3.35 TB/s; medians of 3 in one call, `gpu_check.sh ab` with
-// FORGE_DEBUG_PERSISTENT=0 / 1 and `--tokens 512,1024,1536,2048,3072,4096,8192`), gate_proj /
-// down_proj, then q_proj (7.8 tiles per SM), %; a forced run also changes the kernels timed
-// beside each case and the card's clock with them, so these ratios guided the windows and
-// the A/B below decided them:
-//   T:                    512         1024        1536         2048         4096         8192
-//   bf16 W, bf16 states:  +1 / +3     -4 / -3     -6 / -5      -11 / -9     -8 / -10     -14 / -15
-//     q_proj:             +4          -10         -10          -5           -1           -6
-//   SR W, SR states:      +7 / +6     -8 / -9     -11 / -11    -12 / -12    -5 / -6      -12 / -11
-//     q_proj:             +3          -8          -4           +2           +4           -2
-//   bf16 W, int8 states:  -1 / -2     -10 / -11   -12 / -12    -18 / -17    -11 / -11    -13 / -12
-//     q_proj:             0           -8          -11          -11          -8           -8
-//   SR W, int8 states:    +14 / +14   0 / -1      -6 / -5      -13 / -13    -9 / -8      -12 / -12
-//     q_proj:             +18         +5          -1           -4           -7           -8
-//   bf16 W, fp8 states:   +8 / +6     -4 / -4     -11 / -10    -18 / -18    -11 / -12    -13 / -14
-//     q_proj:             +10         +1          -5           -9           -4           -7
-//   SR W, fp8 states:     +30 / +28   +10 / +10   +1 / +1      -9 / -8      -7 / -8      -11 / -12
-//     q_proj:             +35         +18         +8           +4           -2           -5
-// k_proj / v_proj (1.9 tiles per SM) lose on both cards at every T (+2 to +45 % on the H100).
-// At T = 512 the persistent kernel is slower in every format but one (its update, 8 warps per
-// SM against up to 16 when both CTAs of the two-CTA kernel update, is the limit).
-// The H100 windows against the H200's on an H100, the two builds alternated in one call: each
-// of the 62 (layer, T, formats) cases whose kernel changed was faster, by 0.6 to 12.6 % (design
-// §4.4). A card takes the windows of the measured card nearest in DRAM bandwidth.
+// NOTE: the windows are where the persistent kernel measured faster than the two-CTA kernel,
+// per card. The two cards measured have the same SMs and clocks and differ in DRAM bandwidth,
+// which moves the balance between a tile's update and its GEMM, and the windows with it; a
+// card takes the windows of the measured card nearest in DRAM bandwidth. Outside them it
+// loses: at T = 512 (its 8 update warps per SM are the limit) and on layers of few tiles per
+// SM.
 struct PersistentWindow {
   bool h100;  // the H100's window (h100_class_dram), else the H200's
   int weight_format, state_format;
@@ -332,9 +289,7 @@ constexpr WgradPlan plan_wgrad(const WgradFacts& f, const DebugSwitches& d) {
   // NOTE: the stagger and the L2 prefetch of the update's operands are for nearest-rounded
   // weights only. A stochastically rounded weight's longer update already leaves the two CTAs
   // of an SM mostly out of phase: the stagger then only delays, and the prefetch competes
-  // with the other CTA's update for L2 and DRAM instead of filling an idle DRAM. Llama totals,
-  // SR weight + SR states, prefetch on -> off: 37.2 -> 35.6 ms at T = 512, 72.6 -> 69.1 at
-  // 2048, 118.2 -> 115.4 at 4096; SR weight + int8 states and bf16 nearest unchanged in total.
+  // with the other CTA's update for L2 and DRAM instead of filling an idle DRAM.
   plan.path = WgradPath::kSm90TwoCta;
   const bool ctas_in_phase = f.weight_format != FORGE_WEIGHT_BF16_STOCHASTIC;
   plan.stagger_ns = splits == 1 && tiles >= kStaggerMinWaves * 2 * f.num_sms && ctas_in_phase
