@@ -1,5 +1,7 @@
-// sm90_wgrad.cuh — the Hopper (sm_90a) main loop of the fused weight-gradient + optimizer
-// kernel: TMA loads into a 128B-swizzled shared-memory ring, wgmma on the tensor cores.
+// sm90_wgrad.cuh — the Hopper (sm_90a) main loops of the fused weight-gradient + optimizer
+// kernels: TMA loads into a 128B-swizzled shared-memory ring, wgmma on the tensor cores. Two
+// kernels: wgrad_wgmma_kernel (one tile per CTA, two CTAs per SM) and
+// wgrad_wgmma_persistent_kernel (one CTA per SM, warp-specialized: main loop, update, producer).
 //
 // Same contract as wgrad_mma_kernel (sm80_wgrad.cuh): one CTA owns one kBM × kBN = 128 × 128
 // tile of dW = dYᵀ·X, sums tokens [kt0·64, (kt0 + nk)·64) of it in fp32 registers, stages the
@@ -7,14 +9,13 @@
 // to the same finish_tile<Spec> (split-K reduction, optimizer update, by-products). Only the
 // way the tile is summed differs; the epilogue, rules and formats are shared code.
 //
-// Why a second main loop: on the H200 the sm80 loop (cp.async + ldmatrix + mma.sync) reaches
-// ~185 TFLOP/s at T = 4096 with the tensor pipe 28% busy, because per k-tile every thread
-// recomputes 64-bit cp.async addresses and issues ldmatrix/mma.sync one 16 × 8 tile at a time.
-// Here one thread issues the copies (TMA: 4 instructions per 64 tokens, no
-// address math, out-of-range rows and columns zero-filled by the copy engine) and each
-// warpgroup issues 4 wgmma m64n128k16 per 64 tokens, reading both operands straight from
-// shared memory: the main loop's issue cost all but disappears, leaving the issue slots to
-// the other CTA's epilogue.
+// Why a second main loop: on Hopper the sm80 loop (cp.async + ldmatrix + mma.sync) leaves the
+// tensor pipe mostly idle, because per k-tile every thread recomputes 64-bit cp.async
+// addresses and issues ldmatrix/mma.sync one 16 × 8 tile at a time. Here one thread issues
+// the copies (TMA: 4 instructions per 64 tokens, no address math, out-of-range rows and
+// columns zero-filled by the copy engine) and each warpgroup issues 4 wgmma m64n128k16 per 64
+// tokens, reading both operands straight from shared memory: the main loop's issue cost all
+// but disappears, leaving the issue slots to the other CTA's epilogue.
 //
 //  - 256 threads = 2 warpgroups; warpgroup g computes rows 64g..64g+63 × all 128 columns
 //    (64 fp32 accumulators per thread, like the sm80 kernel), two CTAs per SM.
@@ -38,13 +39,15 @@
 #include <stdint.h>
 
 #include "cuda/ptx.cuh"  // also defines FORGE_SM90A_DEVICE_PASS
-#include "cuda/sm80_wgrad.cuh"
+#include "cuda/update.cuh"
+#include "cuda/wgrad_epilogue.cuh"
+#include "cuda/wgrad_tile.cuh"
 
 namespace forge {
 namespace cuda {
 
-// NOTE: 64 tokens × 3 stages, not 32 × 6 (same shared memory, 5 stages in flight instead of
-// 2): measured 0.291 vs 0.350 ms on 4096² at T = 4096.
+// NOTE: 64 tokens × 3 stages, not 32 × 6: the same shared memory, and the larger stages are
+// faster.
 constexpr int kSm90BK = 64;        // tokens per stage: 4 wgmma k-steps of 16
 constexpr int kSm90Stages = 3;
 constexpr int kSm90BoxCols = 64;   // columns per TMA box: 64 halves = one 128 B swizzle row
@@ -59,6 +62,13 @@ constexpr size_t kSm90SmemBytes = kMax2(kSm90RingBytes, kEpilogueBytes) + kSm90A
 static_assert(kBM == 2 * kSm90BoxCols && kBN == 2 * kSm90BoxCols, "two boxes per operand");
 static_assert(kSm90SmemBytes <= 100 * 1024, "two CTAs per SM (228 KiB, 1 KiB reserved each)");
 static_assert(kThreads == 256, "two warpgroups");
+
+// The two-CTA kernel's WgradParams::trace record (kTraceWords words per CTA): when it started,
+// when its tile's gradient was in sC, when it ended (the SM's clock64, comparable between
+// CTAs of one SM only), the global timer at start and end (ns, comparable across SMs), and
+// its SM and blockIdx.x.
+enum TileTrace { kTraceClockStart, kTraceClockMainEnd, kTraceClockEnd, kTraceNsStart,
+                 kTraceNsEnd, kTraceSmBlock };
 
 // The two operands' TMA descriptors, encoded on the host (cuTensorMapEncodeTiled) and passed
 // by value as a __grid_constant__ kernel parameter.
@@ -197,7 +207,7 @@ __device__ __forceinline__ void store_accumulators(float* sC, const float (&acc)
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
-// Spec: the epilogue's compile-time configuration (update.cuh); GenericSpec for any.
+// Spec: the epilogue's compile-time configuration (update/spec.cuh); GenericSpec for any.
 template <bool kFp16, class Spec = GenericSpec>
 __global__ void __launch_bounds__(kThreads, 2)
     wgrad_wgmma_kernel(const WgradParams a, const __grid_constant__ Sm90TensorMaps maps) {
@@ -235,10 +245,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   if constexpr (Spec::kRunScalars) {
     // NOTE: the run scalars' check after the first stages' loads are issued, not before: its
     // L2 read, hashes and barrier overlap their flight instead of delaying them (every CTA
-    // of a graph's step pays it; Llama at T = 512, run scalars against launch scalars: bf16
-    // 30.6 against 29.5 ms with the check first). It ends with the barrier the ring's
-    // initialization needs. Nothing is written before it; a refused CTA lets the loads it
-    // issued land in its shared memory before it returns.
+    // of a graph's step pays it). It ends with the barrier the ring's initialization needs.
+    // Nothing is written before it; a refused CTA lets the loads it issued land in its
+    // shared memory before it returns.
     if (run_scalars_refused<Spec>(a)) {
       for (int s = 0; s < kSm90Stages && s < nk; ++s) mbar_wait(full0 + 8 * s, 0);
       return;
@@ -289,8 +298,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   // NOTE: the update's first loads go out while the last wgmma batch runs, and are in flight
-  // during the accumulators' trip through sC and both barriers: Llama totals at T = 512 with
-  // SR weight and states 38.0 -> 36.9 ms, the others unchanged.
+  // during the accumulators' trip through sC and both barriers.
   FirstPass<Spec> first;
   if (a.splits == 1 && update_tile_full<Spec>(a, m0, n0))
     load_first_pass<Spec>(a, m0, n0, threadIdx.x, first);
@@ -327,19 +335,17 @@ __global__ void __launch_bounds__(kThreads, 2)
 // tiles, so the next tile's first stages load during the current tile's hand-off). The same
 // wgmma stage and the same update (update_tile) as the kernel above; sC does not alias the
 // ring. Only without split-K (splits == 1).
-// NOTE: the producer has its own warpgroup. With thread 0 of math warpgroup 0 as the
-// producer, per k-tile it waited for the other warpgroup's release and computed the next
-// item's tile with 64-bit divisions while its warpgroup's next wgmma waited for it; the trace
-// showed 63 kcycles per 128 × 128 × 2048 tile, and 34 with the producer apart.
+// NOTE: the producer has its own warpgroup. As thread 0 of a math warpgroup, per k-tile it
+// would wait for the other warpgroup's release and compute the next item's tile with 64-bit
+// divisions while its own warpgroup's next wgmma waited for it.
 constexpr int kPersistentThreads = 640;  // warpgroups 0-1: main loop; 2-3: update; 4: producer
 constexpr int kPersistentProducerThread = 512;
 constexpr int kPersistentStages = 4;
 constexpr int kPersistentUpdateBarrier = 1;  // named barrier of the update warpgroups
 // NOTE: setmaxnreg. Each SM sub-partition holds one warp of each warpgroup and 16 Ki
 // registers, so 640 threads launch with 96 each (512 per lane over 5 warps, in steps of 8:
-// 480). The producer needs few; the math warpgroups keep 96 (64 accumulators; at 88 they
-// spilled 200-290 B); the update takes what the producer gives up, 128 (ptxas: no spills
-// but 8 B in the SR weight + int8 states configuration).
+// 480). The producer needs few; the math warpgroups keep 96 (64 accumulators: fewer spill);
+// the update takes what the producer gives up, 128.
 constexpr int kPersistentLaunchRegisters = 96;
 constexpr int kPersistentProducerRegisters = 24;  // warpgroup 4
 constexpr int kPersistentMathRegisters = 96;      // warpgroups 0-1
@@ -490,9 +496,7 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     const int tid = threadIdx.x - 256;
     StepTotals totals{0.0, 0u};
     // NOTE: no L2 prefetch of the next tile's weight and states (WgradParams::prefetch is
-    // ignored here). Tried at the start of the previous tile's update and at its passes 2, 4
-    // and 6: at T = 512 none was faster than no prefetch, and at T = 2048 all were slower, by
-    // up to 12 %.
+    // ignored here): issued during the previous tile's update it is never faster.
 #pragma unroll 1
     for (int j = 0; j < my_tiles; ++j) {
       int64_t m0, n0;
