@@ -7,10 +7,13 @@
 // reader of the debug switches. Elsewhere:
 //  - heuristics.h: the kernel-choice policy (host-only, tested by the CPU suite).
 //  - kernel_tables.cuh: every kernel, in the tables the launchers pick from.
-//  - sm80_wgrad.cuh / sm90_wgrad.cuh: the fused dW = dYᵀX + optimizer kernels (mma.sync and
-//    SIMT; TMA + wgmma, two-CTA and persistent) and their split-K reduction.
+//  - sm80_wgrad.cuh / sm90_wgrad.cuh: the fused dW = dYᵀX + optimizer kernels' main loops
+//    (mma.sync and SIMT; TMA + wgmma, two-CTA and persistent); wgrad_tile.cuh and
+//    wgrad_epilogue.cuh: what they share (launch parameters, tile order, split-K, the update
+//    of a tile).
 //  - elementwise.cuh: the element-wise step and state kernels.
-//  - update.cuh: the element update every kernel shares; ptx.cuh: the inline-PTX wrappers.
+//  - update.cuh (its layers in update/): the element update every kernel shares; ptx.cuh:
+//    the inline-PTX wrappers.
 //
 // The CPU backend (src/cpu/cpu_backend.cpp) is the specification: given the same fp32
 // gradient every kernel here writes the same bits (same core functions, --fmad=false).

@@ -144,8 +144,7 @@ constexpr bool kElementwisePipelined = !Spec::kGeneric && raw_quads_words<Spec, 
 // and formats as constants and the branch-free path (with zeros: most rows of an embedding's
 // m and v are exactly 0); GenericSpec covers the rest.
 // NOTE: specialized kernels with kQ = 2, not one generic kernel with kQ = 1 and scalar
-// gradient loads: that one moved ~0.85 TB/s on the 0.5 G-parameter embedding of Llama-3.1-8B
-// (8.6 ms of a 160 ms step at the end of backward, forge-bench --profile).
+// gradient loads, which stays far from DRAM bandwidth on a large embedding.
 // `flat`: p is the flat view and the gradient bf16 with vector access (elementwise_step
 // checks both); the pipelined loop runs where kElementwisePipelined.
 // NOTE: 2 CTAs per SM asked for: without it ptxas gave the int8 kernels up to 144 registers

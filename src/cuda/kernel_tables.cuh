@@ -20,8 +20,8 @@ namespace cuda {
 namespace {
 
 // The specialized bf16-input wgrad kernels: the epilogue's rule and formats are compile-time
-// constants (update.cuh, UpdateSpec); any other configuration runs the generic kernel.
-// NOTE: each entry is one more copy of the main loop + a lean epilogue (~3-4 s of ptxas per
+// constants (update/spec.cuh, UpdateSpec); any other configuration runs the generic kernel.
+// NOTE: each entry is one more copy of the main loop + a lean epilogue (seconds of ptxas per
 // architecture): only the configurations worth it are listed.
 using WgradKernelFn = void (*)(WgradParams);
 using SpecMatchFn = bool (*)(const RuleScalars&, int, int);
@@ -44,7 +44,7 @@ struct Sm90Kernel {
 // NOTE: forge.optim rounds weights and bf16 states the same way (stochastic_rounding, on by
 // default), so the pairs it produces are (bf16 SR, bf16 SR), (bf16, bf16), (master, bf16 SR),
 // ... and those are the ones listed. A configuration not listed runs the generic kernel
-// (measured ~3x slower epilogue), so every pair forge.optim produces by default must be here.
+// (a slower epilogue), so every pair forge.optim produces by default must be here.
 #define FORGE_SPEC_LIST(X)                                                                       \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16")                   \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8")           \
