@@ -147,8 +147,8 @@ constexpr bool kElementwisePipelined = !Spec::kGeneric && raw_quads_words<Spec, 
 // gradient loads, which stays far from DRAM bandwidth on a large embedding.
 // `flat`: p is the flat view and the gradient bf16 with vector access (elementwise_step
 // checks both); the pipelined loop runs where kElementwisePipelined.
-// NOTE: 2 CTAs per SM asked for: without it ptxas gave the int8 kernels up to 144 registers
-// (one CTA, 8 warps per SM); the others were at <= 128 already.
+// NOTE: 2 CTAs per SM asked for (__launch_bounds__): without it ptxas gives the int8 kernels
+// more than 128 registers, one CTA and 8 warps per SM.
 template <class Spec, int kQ>
 __device__ __forceinline__ void elementwise_body(const void* grad, int grad_dtype, bool grad_vec,
                                                  bool flat, const ParamView& p,

@@ -265,7 +265,7 @@ __device__ __forceinline__ void update_tile(const WgradParams& a, const float* s
         pass_quads<kQ, kPaired>(sC, r, m0, n0, first_idx, lane16, row, col, idx, g);
         {
           // NOTE: unconditional (the last pass reloads its own operands, a few L1/L2 hits):
-          // under an `if` the compiler scheduled these loads after the update below.
+          // under an `if` the compiler schedules these loads after the update below.
           const bool last = pass + 1 == kBM / kRowsPerPass;
           int64_t row_next[kQ], idx_next[kQ];
 #pragma unroll

@@ -328,8 +328,8 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
         codes[i][q] = int8_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i));
   }
   // NOTE: the stores in two copies, the masked ones only for a warp with a skipped element:
-  // with one copy every quad's store was a branch of its own (vector or masked bytes), ~6
-  // instructions of control flow per quad and state on the fast path.
+  // with one copy every quad's store is a branch of its own (vector or masked bytes), control
+  // flow per quad and state on the fast path.
   if (kept) {
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
