@@ -323,7 +323,7 @@ def check_out(path: str) -> None:
         raise TrainError(f"--out {path}: cannot be created, {parent} is not writable")
 
 
-def check_out_unused(args, explicit) -> None:
+def check_out_unused(args) -> None:
     """A fresh run must not mix its files with another run's: an --out that holds a
     checkpoint, metrics or plot is refused unless this run continues that one (--resume from
     that folder) or --overwrite says to replace it. Other files are no run's and stay."""
@@ -789,7 +789,7 @@ def train(args, explicit=frozenset()) -> TrainResult:
     check_precision(args)
     resolve_out(args, explicit)
     check_out(args.out)
-    check_out_unused(args, explicit)
+    check_out_unused(args)
 
     import torch
     from forge.tools import data as forge_data

@@ -111,7 +111,6 @@ struct Mix {
 // written" is then "the arena's bytes are unchanged".
 struct Arena {
   std::vector<uint64_t> words;
-  size_t used = 0;  // bytes handed out so far (the rest is slack for moved buffers)
   explicit Arena(size_t bytes) : words((bytes + 7) / 8 + 1, 0) {}
   uint8_t* base() { return reinterpret_cast<uint8_t*>(words.data()); }
   size_t size() const { return words.size() * 8; }
@@ -128,8 +127,9 @@ struct Buffer {
   bool null = false;
 };
 
-// Where a call's buffers go: each gets `bytes` at the next 64-byte boundary (plus a gap the
-// input chooses); then the input may move one onto another or off its alignment, or null it.
+// Where a call's buffers go: each gets `bytes` at a 64-byte boundary, 64 bytes or more after the
+// one before; then the input may move one onto another, next to another, off its alignment, or
+// null it.
 class Layout {
  public:
   size_t add(const char* what, size_t bytes) {
@@ -194,7 +194,9 @@ class Layout {
 
 constexpr float kBf16Max = forge::kBf16Max;
 
-// A value of the kind the input chooses: ordinary (scaled N-ish), zero, a special, or raw bits.
+// A value of the kind the input chooses: ordinary (uniform in (-1, 1)), small (|x| < 5e-4), a
+// special (0, -0, NaN, infinities, the largest bf16, past it, a subnormal, 1e19, 1e20), or raw
+// bits.
 float value(Mix& mix, int kind) {
   switch (kind) {
     case 0: return (mix.unit() - 0.5f) * 2.0f;
