@@ -181,3 +181,14 @@ def test_num_threads_the_library_refuses_is_refused_at_construction(num_threads)
         forge.optim.AdamW(model, num_threads=num_threads)
     opt = forge.optim.AdamW(model, num_threads=1024)  # (the model is free, the largest is fine)
     _train(model, opt, 1)
+
+
+@pytest.mark.parametrize("max_grad_norm", [5e-324, 1e-45, 1e-39])
+def test_max_grad_norm_whose_clip_underflows_is_refused_at_construction(max_grad_norm):
+    """(found by test_state_props.py: 5e-324 was accepted here, is 0 in fp32, and every step's
+    clip coefficient, hence its grad_scale, was 0, which the library refuses)"""
+    model = _model()
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        forge.optim.AdamW(model, max_grad_norm=max_grad_norm)
+    opt = forge.optim.AdamW(model, max_grad_norm=2.0 ** -126)
+    _train(model, opt, 1)

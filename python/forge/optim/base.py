@@ -184,11 +184,13 @@ class _ForgeOptimizer(_RoutingMixin, _StatesMixin, _CallMixin, _CaptureMixin,
         if deferred_store not in DEFERRED_STORES:
             raise ValueError(f"deferred_store: unknown value {deferred_store!r}; choose one of "
                              f"{', '.join(DEFERRED_STORES)}")
+        # (at least fp32's smallest normal: below it the fp32 clip coefficient max_grad_norm /
+        # norm is 0 for any norm above 1, a grad_scale the library refuses at every step)
         if max_grad_norm is not None and not (
                 isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
-                and 0 < max_grad_norm < math.inf):
-            raise ValueError(f"max_grad_norm: must be a finite number > 0 (or None), got "
-                             f"{max_grad_norm!r}")
+                and _FP32_MIN_NORMAL <= max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm: must be a finite number >= {_FP32_MIN_NORMAL:.3g} "
+                             f"(fp32's smallest normal; or None), got {max_grad_norm!r}")
         if not isinstance(accumulate_grad, bool):
             raise TypeError(f"accumulate_grad: must be a bool, got {type(accumulate_grad).__name__}")
         if accumulate_grad and mode == "immediate":
@@ -1136,6 +1138,9 @@ def _nadam_mu_product_closed(beta1: float, momentum_decay: float, t: int) -> flo
         q_kt *= q_t
     return beta1 ** t * math.exp(-total)
 
+
+# fp32's smallest normal value, 2^-126.
+_FP32_MIN_NORMAL = 2.0 ** -126
 
 # forge.h's FORGE_MAX_CPU_THREADS: the most threads a CPU step may ask for.
 _MAX_CPU_THREADS = 1024
