@@ -27,7 +27,7 @@ deep copy of the model (a new weight) silently behaves like a plain nn.Linear.
 Under torch.compile the same Functions are traced into the graph; their backward then hands
 (X, dY) over through the custom operator forge::wgrad_hand_off and sums db through
 forge::bias_grad (_ops.py), which find the slot by its key (an int from a counter, never
-reused; slot_of_key). Dynamo never sees the hand-off's side effects, so a compiled model has
+reused; _ops.slot_of_key). Dynamo never sees the hand-off's side effects, so a compiled model has
 no graph break per Linear, and its fused Linears compute what eager ones do.
 
 Where forge.optim built its C++ extension (forge/_prehook.py), an eager Linear forward (with or
@@ -38,7 +38,6 @@ reference and takes everything else.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import types
@@ -53,23 +52,6 @@ from . import _lib, _ops, _prehook
 
 # id(weight) -> weakref to the optimizer's slot of that weight
 _SLOTS: Dict[int, "weakref.ReferenceType"] = {}
-
-# key -> slot, for a compiled backward's forge::wgrad_hand_off (_ops.py); weak: a slot's entry
-# goes with it, and keys are never reused
-_BY_KEY: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count(1)
-
-
-def new_key(slot) -> int:
-    """A key for `slot` (the int a compiled graph holds), never given twice."""
-    key = next(_KEYS)
-    _BY_KEY[key] = slot
-    return key
-
-
-def slot_of_key(key: int):
-    """The slot registered under key, or None once it is gone."""
-    return _BY_KEY.get(key)
 
 # torch dtype -> the library's dtype code, filled on first use (the codes come from libforge)
 FORGE_DTYPE_CODES: Dict[torch.dtype, int] = {}

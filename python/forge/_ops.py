@@ -8,7 +8,7 @@ AOTAutograd and Inductor:
 
   forge::wgrad_hand_off(x, dy, weight, key, keep) -> W's gradient stand-in
       runs, when the compiled backward reaches it, the slot's own hand-off
-      (_Slot.hand_off_in_graph) for the slot registered under `key` (_linear.slot_of_key);
+      (_Slot.hand_off_in_graph) for the slot registered under `key` (slot_of_key, below);
       keep: decided when the backward is traced, whether the slot may keep x and dy until
       W's update (they take fewer bytes than dW in W's dtype), else dW is formed at once;
       where the C++ part of fused Linears is built, its kernel first arms the slot's record
@@ -36,14 +36,33 @@ The hand-off is tagged cudagraph_unsafe where torch has the tag (a CUDA graph re
 run the kernels around it but not the hand-off); without the tag, a replay that skipped the
 hand-off is caught at W's AccumulateGrad and raised (routing.py).
 """
+import itertools
 import warnings
+import weakref
 
 import torch
 
-from . import _linear, _prehook
+from . import _prehook
 
 _READY = None  # ready()'s answer, once known
 _LIB = None    # the torch.library.Library holding the operators (kept alive)
+
+# key -> slot, for forge::wgrad_hand_off; weak: a slot's entry goes with it, and keys are
+# never reused (a graph compiled for an optimizer now gone finds none)
+_BY_KEY: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def new_key(slot) -> int:
+    """A key for `slot` (the int a compiled graph holds), never given twice."""
+    key = next(_KEYS)
+    _BY_KEY[key] = slot
+    return key
+
+
+def slot_of_key(key: int):
+    """The slot registered under key, or None once it is gone."""
+    return _BY_KEY.get(key)
 
 
 def _define_ops() -> None:
@@ -61,7 +80,7 @@ def _define_ops() -> None:
     lib.define("bias_grad(Tensor dy) -> Tensor")
 
     def wgrad_hand_off(x, dy, weight, key, keep):
-        slot = _linear.slot_of_key(key)
+        slot = slot_of_key(key)
         if slot is None:
             raise RuntimeError(
                 "forge: a compiled backward reached a fused Linear whose optimizer is gone "

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import forge
 import forge.optim
-from forge import _linear
+from forge import _linear, _ops
 from conftest import DEVICES
 
 # Dynamo traces the fused Linear's forward (its slot lookup) from torch 2.8; before, each
@@ -398,9 +398,9 @@ def test_keys_are_never_reused_and_go_with_their_slot():
     opt = forge.optim.SGD(model, lr=1e-2)
     keys = {s.key for s in opt._slots.values()}
     assert len(keys) == len(opt._slots)
-    assert all(_linear.slot_of_key(k) is not None for k in keys)
+    assert all(_ops.slot_of_key(k) is not None for k in keys)
     del opt
     gc.collect()
-    assert all(_linear.slot_of_key(k) is None for k in keys)
+    assert all(_ops.slot_of_key(k) is None for k in keys)
     opt = forge.optim.SGD(model, lr=1e-2)
     assert not keys & {s.key for s in opt._slots.values()}

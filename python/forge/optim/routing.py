@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .. import _linear, _prehook
+from .. import _linear, _ops, _prehook
 from . import distributed
 from .deferred import ConsumedGrad, FactoredGrad, add_product, consumed_of, product
 
@@ -107,7 +107,7 @@ class _Slot:
         # A compiled backward's hand-offs (forge::wgrad_hand_off, forge/_ops.py) find the slot
         # by this key. in_graph_uses counts those since the last update: from the second on,
         # W's gradient arrives as a sum of stand-ins that the graph computed.
-        self.key = _linear.new_key(self)
+        self.key = _ops.new_key(self)
         self.in_graph_uses = 0
         # (formats and data pointers, forge_param) of the last update; rebuilt on any change
         self.param_cache: Optional[Tuple[tuple, Any]] = None
