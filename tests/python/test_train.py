@@ -735,10 +735,12 @@ def test_host_overhead_bench_measures_a_baseline(tmp_path):
     bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
     python_dir = os.path.join(bench, "..", "python")
     out = tmp_path / "host.json"
+    # (timeouts: a hang guard; each process imports torch and may build the C++ part, minutes
+    # on a loaded 2-core machine)
     proc = subprocess.run([sys.executable, os.path.join(bench, "host_overhead.py"), "--device",
                            "cpu", "--layers", "3", "--steps", "2", "--rounds", "2",
                            "--baseline", python_dir, "--json", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(out.read_text())["results"]
     variants = [r["variant"] for r in results]
@@ -747,11 +749,11 @@ def test_host_overhead_bench_measures_a_baseline(tmp_path):
     assert all(r["us_per_linear"] > 0 for r in results)
     bad = subprocess.run([sys.executable, os.path.join(bench, "host_overhead.py"), "--device",
                           "cpu", "--layers", "1", "--steps", "1", "--baseline", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "--baseline" in bad.stderr, bad.stderr
     compiled = subprocess.run([sys.executable, os.path.join(bench, "host_overhead.py"),
                                "--device", "cpu", "--compile", "--baseline", python_dir],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=600)
     assert compiled.returncode != 0 and "--baseline with --compile" in compiled.stderr, \
         compiled.stderr
 
@@ -955,6 +957,15 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
         c = report["comparisons"][name]
         assert c["noise_floor"] == floor
         assert c["within_noise_floor"] == (c["mean_abs_diff_last_half"] <= max(floor))
+    # the same report again into the same work folder: its runs replace the last ones'
+    assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "2",
+                       "--parity-seq-len", "16", "--parity-batch-size", "2", "--device", "cpu",
+                       "--parity-runs", "forge-bf16-sr", "--parity-noise-runs", "0",
+                       "--parity-amp-seeds", "1", "--out", str(tmp_path / "out2"),
+                       "--parity-work-dir", str(tmp_path / "runs")]) == 0
+    again = next(f for f in os.listdir(tmp_path / "out2") if f.endswith(".json"))
+    with open(tmp_path / "out2" / again) as f:
+        assert not [n for n, r in json.load(f)["runs"].items() if "error" in r]
 
 
 def test_bench_parity_runs_chooses_forges_runs(tmp_path, capsys):

@@ -907,7 +907,7 @@ def parity_report(args, info: dict) -> int:
     common = ["--model", args.parity_model, "--steps", str(args.parity_steps),
               "--seq-len", str(args.parity_seq_len), "--batch-size", str(args.parity_batch_size),
               "--lr", str(args.parity_lr), "--betas", "0.9", "0.95", "--weight-decay", "0.1",
-              "--seed", "0", "--device", args.device, "--no-plot",
+              "--seed", "0", "--device", args.device, "--no-plot", "--overwrite",
               "--log-every", str(max(1, args.parity_steps // 10))]
     if args.parity_data:
         common += ["--data", *args.parity_data]
