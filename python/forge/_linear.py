@@ -18,8 +18,8 @@ weight with several uses, the deferred FactoredGrad) sees a parameter [rows, col
 its two operands, whichever layer made them.
 The optimizer applies the fused step (forge_wgrad_step) when autograd reaches W's
 AccumulateGrad node, i.e. once every consumer of W in this backward is done (see
-forge/optim/routing.py); that is what makes a Linear applied twice, or a weight also used outside its
-Linear, come out right instead of being updated from a partial gradient.
+forge/optim/routing.py and backward.py); that is what makes a Linear applied twice, or a weight
+also used outside its Linear, come out right instead of being updated from a partial gradient.
 
 The patched forward finds its slot through a registry keyed by the weight's id, so a
 deep copy of the model (a new weight) silently behaves like a plain nn.Linear.
@@ -50,8 +50,18 @@ import torch.nn.functional as F
 
 from . import _lib, _ops, _prehook
 
-# id(weight) -> weakref to the optimizer's slot of that weight
+# id(weight) -> weakref to the optimizer's slot of that weight (patch / unpatch)
 _SLOTS: Dict[int, "weakref.ReferenceType"] = {}
+
+
+def slot_of(weight: torch.Tensor):
+    """The optimizer slot a live forge optimizer routes `weight` through (its layers
+    patched), or None."""
+    ref = _SLOTS.get(id(weight))
+    slot = ref() if ref is not None else None
+    if slot is None or slot.param is not weight or not slot.is_live():
+        return None
+    return slot
 
 # torch dtype -> the library's dtype code, filled on first use (the codes come from libforge)
 FORGE_DTYPE_CODES: Dict[torch.dtype, int] = {}

@@ -1,14 +1,14 @@
 """_ops.py — a fused Linear's backward inside a torch.compile graph.
 
 Dynamo traces an autograd.Function's backward into the graph and refuses Python side
-effects there; the hand-off of (X, dY) to the optimizer's slot (optim/routing.py) is one.
+effects there; the hand-off of (X, dY) to the optimizer's slot (optim/slot.py) is one.
 So when torch.compile traces FusedLinearFunction or FusedConv1DFunction (_linear.py), their
 backward calls two custom operators (torch.library, torch >= 2.4), opaque calls to Dynamo,
 AOTAutograd and Inductor:
 
   forge::wgrad_hand_off(x, dy, weight, key, keep) -> W's gradient stand-in
       runs, when the compiled backward reaches it, the slot's own hand-off
-      (_Slot.hand_off_in_graph) for the slot registered under `key` (slot_of_key, below);
+      (Slot.hand_off_in_graph) for the slot registered under `key` (slot_of_key, below);
       keep: decided when the backward is traced, whether the slot may keep x and dy until
       W's update (they take fewer bytes than dW in W's dtype), else dW is formed at once;
       where the C++ part of fused Linears is built, its kernel first arms the slot's record
@@ -34,7 +34,7 @@ backward stays outside the graph (one graph break per Linear), with a warning on
 
 The hand-off is tagged cudagraph_unsafe where torch has the tag (a CUDA graph replay would
 run the kernels around it but not the hand-off); without the tag, a replay that skipped the
-hand-off is caught at W's AccumulateGrad and raised (routing.py).
+hand-off is caught at W's AccumulateGrad and raised (optim/slot.py, outside_grad).
 """
 import itertools
 import warnings

@@ -29,27 +29,12 @@ import torch.nn as nn
 
 from . import _linear
 from .optim import distributed
+from .optim.backward import RowUpdate
 from .optim.deferred import product
 
 # NOTE: vocabulary rows per block: the block's fp32 logits are tokens × this × 4 bytes (64 MiB
 # at 8192 tokens); larger blocks only add memory, the products are GEMMs either way.
 _BLOCK_ROWS = 2048
-
-
-def _driving_slot(weight: torch.Tensor):
-    """The forge.optim slot that updates `weight` inside backward, or None."""
-    ref = _linear._SLOTS.get(id(weight))
-    slot = ref() if ref is not None else None
-    if slot is None or slot.param is not weight or not slot.is_live() or slot.mode != "fused":
-        return None
-    opt = slot.opt_ref()
-    if opt is None:
-        return None
-    if opt._begun_step != opt._step_id:
-        opt._begin_step()  # (the step's first callback: it may hold the step, deferring it)
-    if opt._deferring:
-        return None
-    return slot
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -96,20 +81,18 @@ class _HeadCrossEntropy(torch.autograd.Function):
             _linear.refuse_compiled_autograd()
         use = _linear.weight_grad_use(weight, ctx) if ctx.needs_input_grad[1] \
             else _linear.GRAD_DROPPED
-        slot = _driving_slot(weight) if use == _linear.GRAD_ACCUMULATED \
-            and not weight._backward_hooks else None  # (a hook on W sees its whole dW)
+        # (the update inside this backward, where a forge optimizer runs W's there; a hook on
+        # W sees its whole dW)
+        update = RowUpdate.begin(weight) if use == _linear.GRAD_ACCUMULATED \
+            and not weight._backward_hooks else None
         w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
         valid = targets != ctx.ignore_index
         scale = (grad.float() / ctx.count) * valid.float()                   # [N]
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         dw = None
-        if use != _linear.GRAD_DROPPED and slot is None:
+        if use != _linear.GRAD_DROPPED and update is None:
             # (W's gradient as torch's head would return it: in W's dtype, block by block)
             dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-        if slot is not None:
-            opt = slot.opt_ref()
-            if slot.updated_at == opt._step_id:
-                raise opt._second_update_error(slot)
         x2 = hidden.detach()
         blocks = list(range(0, vocab, ctx.block))
         for i, v0 in enumerate(blocks):
@@ -121,15 +104,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
             dlogits[rows, targets[rows] - v0] -= 1.0
             dlogits = (dlogits * scale[:, None]).to(hidden.dtype)           # [N, v1 - v0]
             dh += dlogits.matmul(w[v0:v1]).float()  # with the block's weights before its update
-            if slot is not None:
-                opt._update(slot, x=(x2, x2.stride(0)), dy=(dlogits, dlogits.stride(0)),
-                            rows=(v0, v1), last=i == len(blocks) - 1)
+            if update is not None:
+                update.update(x2, dlogits, rows=(v0, v1), last=i == len(blocks) - 1)
             elif dw is not None:
                 dw[v0:v1] = product(x2, dlogits, weight.dtype)
-        if slot is not None:
-            consumed = slot.consumed_grad()
-            if consumed is not None:
-                slot.param.grad = consumed
+        if update is not None:
+            update.finish()
         return dh.to(hidden.dtype), dw, None, None, None
 
 

@@ -297,9 +297,9 @@ def nothing_held_after_step(model: nn.Module, opt) -> bool:
     """After opt.step(): no parameter holds gradient memory. A fused weight keeps a
     ConsumedGrad (no storage), where torch.optim's gradient would stay until zero_grad; every
     other .grad is None."""
-    def fused(p):
-        return opt._slots[id(p)].mode == "fused"
-    return all(p.grad is None or (fused(p) and isinstance(p.grad, forge.optim.ConsumedGrad))
+    info = opt.inspect()
+    return all(p.grad is None or (info[p].path == "fused"
+                                  and isinstance(p.grad, forge.optim.ConsumedGrad))
                for p in model.parameters())
 
 

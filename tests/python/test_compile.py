@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import forge
 import forge.optim
-from forge import _linear, _ops
+from forge import _linear
 from conftest import DEVICES
 
 # Dynamo traces the fused Linear's forward (its slot lookup) from torch 2.8; before, each
@@ -111,12 +111,12 @@ def _eager_as_the_graph(monkeypatch) -> None:
     one arms its record without asking), whose every use of a fused weight keeps X and dY or
     forms dW as a compiled hand-off decides (_linear.hand_off_keeps): the eager run a compiled
     one must equal bit for bit."""
-    original = forge.optim.routing._RoutingMixin._linear_backward
+    original = forge.optim.backward.Backward.linear_backward
 
-    def as_the_graph(opt, slot, x, dy, weight, keep_operands=True):
+    def as_the_graph(backward, slot, x, dy, weight, keep_operands=True):
         keep = _linear.hand_off_keeps(x, dy, slot.local())
-        return original(opt, slot, x, dy, weight, keep_operands=keep)
-    monkeypatch.setattr(forge.optim.routing._RoutingMixin, "_linear_backward", as_the_graph)
+        return original(backward, slot, x, dy, weight, keep_operands=keep)
+    monkeypatch.setattr(forge.optim.backward.Backward, "linear_backward", as_the_graph)
     monkeypatch.setattr(forge._prehook, "get", lambda: None)
 
 
@@ -137,7 +137,7 @@ def test_no_graph_break_per_linear():
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
     plain = torch._dynamo.explain(model)(torch.randn(8, 64))
     opt = forge.optim.AdamW(model, lr=1e-3, mode="immediate")
-    assert sum(s.mode == "fused" for s in opt._slots.values()) == 4
+    assert sum(p.path == "fused" for p in opt.inspect()) == 4
     torch._dynamo.reset()
     fused = torch._dynamo.explain(model)(torch.randn(8, 64))
     assert (plain.graph_count, plain.graph_break_count) == (1, 0)
@@ -151,7 +151,7 @@ def test_tiny_llama_has_no_graph_break():
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
     opt = forge.optim.AdamW(model, lr=1e-3, mode="immediate")
-    assert sum(s.mode == "fused" for s in opt._slots.values()) == 8  # 7 + the head
+    assert sum(p.path == "fused" for p in opt.inspect()) == 8  # 7 + the head
     tokens = torch.randint(0, 64, (2, 8))
     torch._dynamo.reset()
     fused = torch._dynamo.explain(model)(input_ids=tokens, labels=tokens)
@@ -175,7 +175,7 @@ def test_conv1d_no_graph_break_and_bits():
 
     model = Convs()
     opt = forge.optim.AdamW(model, lr=1e-2)
-    assert sum(s.kind == "Conv1D" for s in opt._slots.values()) == 2
+    assert sum(p.layer == "Conv1D" for p in opt.inspect()) == 2
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(_batch(0)[0])
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
@@ -300,8 +300,7 @@ def test_autograd_grad_of_an_input_hands_nothing_over(mode):
             x, target = _batch(step)
             x.requires_grad_(True)
             (gx,) = torch.autograd.grad((model(x) * target).sum(), x)
-            assert all(not s.pending and s.partial is None and not s.uses and not s.in_graph_uses
-                       for s in opt._slots.values())
+            assert not any(p.waiting or p.made_in_cpp for p in opt.inspect())
             ((model((x + 0.1 * gx.sign()).detach()) * target).sum()).backward()
             opt.step()
             opt.zero_grad()
@@ -393,14 +392,21 @@ def test_detached_between_forward_and_backward_is_an_error():
         loss.backward()
 
 
-def test_keys_are_never_reused_and_go_with_their_slot():
+def test_a_compiled_backward_whose_optimizer_is_gone_is_an_error():
+    """A compiled graph holds its fused Linears' keys (forge::wgrad_hand_off finds the slot by
+    its key): they go with their optimizer, so a backward run after it was dropped updates
+    nothing and says why; a new optimizer over the model takes keys of its own (test_slot.py:
+    never one given before)."""
+    torch._dynamo.reset()
     model = MLP()
     opt = forge.optim.SGD(model, lr=1e-2)
-    keys = {s.key for s in opt._slots.values()}
-    assert len(keys) == len(opt._slots)
-    assert all(_ops.slot_of_key(k) is not None for k in keys)
+    x, target = _batch(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = (torch.compile(model, backend="aot_eager")(x) * target).sum()
     del opt
     gc.collect()
-    assert all(_ops.slot_of_key(k) is None for k in keys)
+    with pytest.raises(RuntimeError, match="optimizer is gone"):
+        loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     opt = forge.optim.SGD(model, lr=1e-2)
-    assert not keys & {s.key for s in opt._slots.values()}
+    assert sum(p.path == "fused" for p in opt.inspect()) == 4

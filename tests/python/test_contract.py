@@ -145,7 +145,7 @@ def test_both_elementwise_paths_match_torch_optim(config, path, device, monkeypa
         monkeypatch.setattr(routing, "BATCHED_MAX_ELEMENTS", 0)
     name, kwargs = config
     opt = getattr(forge.optim, name)(TinyTransformer(), **kwargs)
-    assert {s.mode for s in opt._slots.values()} == {"fused", path}
+    assert {p.path for p in opt.inspect()} == {"fused", path}
     errors = trajectories(TinyTransformer, name, kwargs, device, steps=STEPS)
     record_difference(f"{name} vs torch, element-wise by {path}", errors["forge_vs_ordered"])
     assert_contract(errors, device)

@@ -10,6 +10,7 @@ changed between replays included.
 """
 import ctypes
 import json
+import math
 import os
 import re
 
@@ -205,9 +206,9 @@ def test_rebind_streams_keeps_the_training_bit_exact():
             lm_loss(model, step).backward()
             opt.step()
             opt.zero_grad()
-        fused = [s for s in opt._slots.values() if s.mode == "fused"]
-        assert fused and all(len(s.handles) == 2 if s.record is None
-                             else not s.handles and s.record.enabled for s in fused)
+        fused = [p for p in opt.inspect() if p.path == "fused"]
+        assert fused and all(p.python_hooks == 2 if not p.cpp_prehook
+                             else p.python_hooks == 0 for p in fused)
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
@@ -259,14 +260,14 @@ def test_capture_bookkeeping(rule, monkeypatch):
     monkeypatch.setattr(_lib.Library, "elementwise_step_batch",
                         lambda self, calls: [record(self, args) for args in calls])
     monkeypatch.setattr(forge.optim.capture, "_RunScalars", HostRunScalars)
-    stats_before = opt._last_stats
+    norm_before = opt.grad_norm
     opt.begin_graph_capture()
     lm_loss(model, 2).backward()
     opt.step()
     opt.zero_grad()
     cap = opt.end_graph_capture()
 
-    slots = list(opt._slots.values())
+    slots = opt.inspect().params
     rs = cap.run_scalars[None]
     assert cap.steps == 1 and len(cap.slots) == len(slots) == len(launched)
     assert sorted(a for a, _ in launched) == \
@@ -274,17 +275,21 @@ def test_capture_bookkeeping(rule, monkeypatch):
             slots, key=lambda s: s.index)]
     assert all(step == 3 for _, step in launched)
     assert all(opt.state[s.param]["step"] == 2 for s in slots), "a capture runs no step"
-    assert opt._step_id == 2 and opt._last_stats is stats_before
+    assert opt.inspect().step == 2 and opt.grad_norm == norm_before
     products = {s.index: opt.state[s.param].get("mu_product") for s in slots}
+    # (forge_hparams as the optimizer's updates make them from a group: calls.py's table)
+    table = forge.optim.calls.HparamsTable(forge.library(), type(opt), tuple(opt.defaults))
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
     for i, lr in enumerate([5e-3, 0.0, 2e-2]):
         for group in opt.param_groups:
             group["lr"] = lr
         opt.prepare_graph_replay(cap)
-        assert opt._step_id == 3 + i and opt._last_stats is cap.stats
+        assert opt.inspect().step == 3 + i
+        assert opt.grad_norm == math.sqrt(sum(float(sq) for sq, _ in cap.stats.values()))
         for s in slots:
             assert opt.state[s.param]["step"] == 3 + i
             expected = torch.zeros(_lib.RUN_SCALARS_BYTES, dtype=torch.uint8)
-            hp = opt._hparams(opt._group_of(s), 3 + i, 11 + s.index)
+            hp = table.for_call(group_of[id(s.param)], 3 + i, 11 + s.index)
             assert hp.lr == lr
             if rule == "NAdam":
                 hp.mu_product = products[s.index] = _fp32(products[s.index] * _fp32(
@@ -452,7 +457,7 @@ def test_cuda_graph_step_is_bit_identical_to_eager(rule, state_format, determini
         assert torch.equal(eager_losses[i], graph_losses[i]), f"step {i}: loss"
         assert_same(a, b, i)
     assert all(opt.state[p]["step"] == len(LRS) for p in opt.state)
-    assert opt._step_id == len(LRS)
+    assert opt.inspect().step == len(LRS)
 
 
 @requires_cuda

@@ -104,7 +104,7 @@ def test_conv1d_weights_are_fused(monkeypatch):
     backward, and no Conv1D weight ever holds a gradient (only the ConsumedGrad sentinel)."""
     model = Conv1DNet()
     opt = forge.optim.AdamW(model, mode="immediate")
-    fused = {s.name for s in opt._slots.values() if s.mode == "fused"}
+    fused = {p.name for p in opt.inspect() if p.path == "fused"}
     assert fused == {"inp.weight", "up.weight", "down.weight", "mix.weight", "head.weight"}
     calls = []
     real = forge._lib.Library.wgrad_step
@@ -237,7 +237,7 @@ def test_functional_linear_and_own_forward_take_the_elementwise_path(device,
                                                                      record_difference):
     model = CustomLayers()
     opt = forge.optim.AdamW(model)
-    modes = {s.name: s.mode for s in opt._slots.values()}
+    modes = {p.name: p.path for p in opt.inspect()}
     assert modes["inp.weight"] == modes["head.weight"] == "fused"
     assert modes["functional.weight"] == modes["halved.weight"] == "batched"  # (small)
     text = opt.summary()
@@ -268,7 +268,7 @@ class Attention(nn.Module):
 def test_multihead_attention_weights_take_the_elementwise_path(device, record_difference):
     model = Attention()
     opt = forge.optim.AdamW(model)
-    modes = {s.name: (s.mode, s.reason) for s in opt._slots.values()}
+    modes = {p.name: (p.path, p.reason) for p in opt.inspect()}
     assert modes["inp.weight"][0] == modes["head.weight"][0] == "fused"
     assert modes["attn.in_proj_weight"][0] == "batched" and "F.linear" in modes[
         "attn.in_proj_weight"][1]
@@ -309,7 +309,7 @@ def test_parametrized_weights_take_the_elementwise_path(device, record_differenc
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     opt = forge.optim.SGD(model, lr=0.05, momentum=0.9)
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
-    modes = {s.name: (s.mode, s.reason) for s in opt._slots.values()}
+    modes = {p.name: (p.path, p.reason) for p in opt.inspect()}
     assert modes["inp.weight"][0] == modes["head.weight"][0] == "fused"
     assert modes["spectral.parametrizations.weight.original"][0] == "batched"
     assert "parametrized" in modes["normed.parametrizations.weight.original1"][1]
@@ -348,8 +348,8 @@ def test_gpt2_example_tracks_torch_adamw(record_difference):
     gpt2 = load_example("gpt2")
     model, ref = gpt2.tiny_gpt2(), gpt2.tiny_gpt2()
     opt = gpt2.make_optimizer(model)
-    fused = [s for s in opt._slots.values() if s.mode == "fused"]
-    assert len(fused) == 4 * model.config.n_layer and all(s.kind == "Conv1D" for s in fused)
+    fused = [p for p in opt.inspect() if p.path == "fused"]
+    assert len(fused) == 4 * model.config.n_layer and all(p.layer == "Conv1D" for p in fused)
     text = opt.summary()
     assert f"{len(fused)}  transformers Conv1D weight" in text
     assert "transformer.wte.weight = lm_head.weight" in text
@@ -400,8 +400,8 @@ def test_qlora_example_trains_adapters_only(base, device, record_difference):
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert adapters and all(".lora_" in n for n in adapters)
     opt = forge.optim.AdamW(model, lr=1e-2, weight_decay=0.0)
-    slots = list(opt._slots.values())
-    assert len(slots) == len(adapters) and all(s.mode == "fused" for s in slots)
+    params = opt.inspect().params
+    assert len(params) == len(adapters) and all(p.path == "fused" for p in params)
     text = opt.summary()
     assert f"{len(adapters)}  nn.Linear weight" in text
     assert f"frozen, in the model only: {len(frozen)} parameter" in text
@@ -436,7 +436,7 @@ def test_frozen_base_in_params_is_accepted_and_never_stepped(base):
         model, _ = qlora.lora_model("cpu", four_bit=base == "4bit")
     frozen = _frozen_snapshot(model)
     opt = forge.optim.AdamW(model, lr=1e-2, params=list(model.parameters()))
-    assert sum(s.mode == "fused" for s in opt._slots.values()) == 8
+    assert sum(p.path == "fused" for p in opt.inspect()) == 8
     assert "frozen (requires_grad=False) in the param groups" in opt.summary()
     qlora.train(model, opt, 2)
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
@@ -482,7 +482,7 @@ def test_bitsandbytes_int8_base_is_left_alone(device, record_difference):
     frozen = _frozen_snapshot(model)
     assert frozen["base.weight"].dtype == torch.int8
     opt = forge.optim.AdamW(model, lr=1e-2)
-    assert {s.name: s.mode for s in opt._slots.values()} == {
+    assert {p.name: p.path for p in opt.inspect()} == {
         "a.weight": "fused", "b.weight": "fused", "head.weight": "fused", "head.bias": "batched"}
     regression_loss(model, 0, device).backward()
     opt.step()

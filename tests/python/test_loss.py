@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import forge
 import forge.loss
 import forge.optim
+from forge.optim.backward import RowUpdate
 from tolerances import HEAD_CE_RTOL, HF_LOSS_RTOL
 
 
@@ -105,8 +106,9 @@ def test_bad_arguments_are_refused():
                                                 (torch.float32, "fp8"),
                                                 (torch.bfloat16, "bf16")])
 def test_row_blocks_equal_the_whole_update(dtype, state_format):
-    """The head's update, block by block on rows of W (what the fused loss runs), is the
-    update of the whole weight, bit for bit, given the same X and dY: weights, states, step."""
+    """The head's update, block by block on rows of W (what the fused loss runs through
+    forge.optim's RowUpdate), is the update of the whole weight, bit for bit, given the same X
+    and dY: weights, states, step."""
     if dtype == torch.bfloat16 and not hasattr(forge._lib.Param(), "row_offset"):
         pytest.skip("stochastic rounding of a row block needs forge_param.row_offset")
     torch.manual_seed(0)
@@ -118,13 +120,12 @@ def test_row_blocks_equal_the_whole_update(dtype, state_format):
         layer = copy.deepcopy(base)
         opt = forge.optim.AdamW(torch.nn.Sequential(layer), lr=1e-2, mode="immediate",
                                 state_format=state_format)
-        slot = opt._slots[id(layer.weight)]
         for step in range(2):
+            update = RowUpdate.begin(layer.weight)
             for i, (r0, r1) in enumerate(blocks):
                 block_dy = dy[:, r0:r1].contiguous()
-                opt._update(slot, x=(x, x.stride(0)), dy=(block_dy, block_dy.stride(0)),
-                            rows=None if len(blocks) == 1 else (r0, r1),
-                            last=i == len(blocks) - 1)
+                update.update(x, block_dy, rows=None if len(blocks) == 1 else (r0, r1),
+                              last=i == len(blocks) - 1)
             opt.step()
         st = opt.state[layer.weight]
         runs.append((layer.weight.detach().clone(),

@@ -181,8 +181,7 @@ def test_backward_that_skips_a_weight_leaves_it_untouched(mode):
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(5, 4, requires_grad=True)
     (gx,) = torch.autograd.grad(model(x).sum(), x)
-    assert all(not s.pending and s.partial is None and not s.armed and not s.uses
-               for s in opt._slots.values())
+    assert not any(p.waiting or p.made_in_cpp for p in opt.inspect())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
@@ -773,23 +772,23 @@ def test_a_model_cast_and_cast_back_keeps_training_exactly(mode, cpp_prehook, mo
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_path_holds_across_steps(device, monkeypatch):
     """The stand-in dW made once per weight still marks the fused path at every step: no
-    Linear falls back to the materialized gradient (which would warn and call _add_dw)."""
+    Linear falls back to the materialized gradient (which would warn and call add_dw)."""
     def no_materialized_gradient(*args):
         raise AssertionError("a Linear took the materialized-gradient path")
-    monkeypatch.setattr(forge.optim.routing, "_add_dw", no_materialized_gradient)
+    monkeypatch.setattr(forge.optim.slot, "add_dw", no_materialized_gradient)
     model = TinyTransformer().to(device)
     opt = forge.optim.AdamW(model, lr=1e-2, mode="immediate")
-    fused = [s for s in opt._slots.values() if s.mode == "fused"]
+    fused = [p.param for p in opt.inspect() if p.path == "fused"]
     assert fused, "the tiny model has fused Linears"
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a forge warning here is a failure
         for step in range(3):
-            before = [s.param.detach().clone() for s in fused]
+            before = [p.detach().clone() for p in fused]
             lm_loss(model, step, device).backward()
-            opt._settle_all()  # (commits the calls the C++ pre-hook made)
-            assert all(s.updated_at == opt._step_id for s in fused)
-            assert all(not torch.equal(b, s.param) for b, s in zip(before, fused))
+            info = opt.inspect()  # (the C++ pre-hook's updates among them)
+            assert all(info[p].updated_this_step for p in fused)
+            assert all(not torch.equal(b, p) for b, p in zip(before, fused))
             opt.step()
             opt.zero_grad()
 
@@ -845,11 +844,10 @@ def test_fused_step_runs_on_the_stream_backward_used(hooks, monkeypatch):
     opt = forge.optim.AdamW(model, lr=1e-2)
 
     def made_in_cpp():
-        return [s.kept_args["wgrad"][0].device.stream or 0 for s in opt._slots.values()
-                if s.armed and s.record is not None and not s.record.armed]
+        return [p.wgrad_stream for p in opt.inspect() if p.made_in_cpp]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    fused = sum(1 for s in opt._slots.values() if s.mode == "fused")
+    fused = sum(1 for p in opt.inspect() if p.path == "fused")
     for step, stream in enumerate([side, torch.cuda.current_stream(), side]):
         seen.clear()
         with torch.cuda.stream(stream):
@@ -953,8 +951,8 @@ def test_small_elementwise_parameters_take_one_library_call_per_step(monkeypatch
                         lambda self, args: pytest.fail("an element-wise update of its own"))
     model = TinyTransformer()
     opt = forge.optim.AdamW(model, mode="immediate")
-    small = [s for s in opt._slots.values() if s.mode == "batched"]
-    assert small and all(s.mode in ("fused", "batched") for s in opt._slots.values())
+    small = [p for p in opt.inspect() if p.path == "batched"]
+    assert small and all(p.path in ("fused", "batched") for p in opt.inspect())
     for step in range(2):
         lm_loss(model, step).backward()
         assert all(s.param.grad is not None for s in small)  # waiting for step()
@@ -975,7 +973,7 @@ def test_refused_batched_step_keeps_every_small_gradient():
     lm_loss(model, 0).backward()
     opt.step()
     opt.zero_grad()
-    small = [s for s in opt._slots.values() if s.mode == "batched"]
+    small = [p for p in opt.inspect() if p.path == "batched"]
     victim = small[-1]
     good = opt.state[victim.param]["exp_avg"]
     opt.state[victim.param]["exp_avg"] = good.double()

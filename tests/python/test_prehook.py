@@ -81,7 +81,7 @@ def three_linears_both_ways(device, monkeypatch):
 
 def calls_made_in_cpp(opt):
     """Fused weights whose update of the last backward the C++ pre-hook made."""
-    return [s.name for s in opt._slots.values() if s.record is not None and s.record.called]
+    return [p.name for p in opt.inspect() if p.made_in_cpp]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -90,17 +90,17 @@ def test_cpp_prehook_updates_as_the_python_one(cpp, device, monkeypatch):
     base = TinyTransformer().to(device)
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
-    fused = [s.name for s in opts[0]._slots.values() if s.mode == "fused"]
-    assert all(s.record is not None for s in opts[0]._slots.values() if s.mode == "fused")
-    assert all(s.record is None for s in opts[1]._slots.values())
+    fused = [p.name for p in opts[0].inspect() if p.path == "fused"]
+    assert all(p.cpp_prehook for p in opts[0].inspect() if p.path == "fused")
+    assert not any(p.cpp_prehook for p in opts[1].inspect())
     for step in range(STEPS):
         for model, opt in zip(models, opts):
             lm_loss(model, step, device).backward()
         made = calls_made_in_cpp(opts[0])
         # every fused update from the second step (the first makes the states)
         assert len(made) == (len(fused) if step else 0), (made, fused)
-        assert all(isinstance(s.param.grad, forge.optim.deferred.ConsumedGrad)
-                   for s in opts[0]._slots.values() if s.name in made)
+        assert all(isinstance(p.param.grad, forge.optim.ConsumedGrad)
+                   for p in opts[0].inspect() if p.name in made)
         finish_step(models, opts)
 
 
@@ -110,10 +110,13 @@ def test_cpp_linear_backward_enters_python_once_per_step(cpp, device, monkeypatc
     whose updates from the second step arm without Python but for the step's first (which
     checks the step); the same bits as the Python Function and pre-hook."""
     models, opts, x = three_linears_both_ways(device, monkeypatch)
-    entered = []
-    python_backward = opts[0]._linear_backward
-    monkeypatch.setattr(opts[0], "_linear_backward",
-                        lambda slot, *a: entered.append(slot.name) or python_backward(slot, *a))
+    entered = []  # (the Python Linear backward of opts[0]'s weights)
+    python_backward = forge.optim.backward.Backward.linear_backward
+    mine = {id(p) for p in models[0].parameters()}
+    monkeypatch.setattr(forge.optim.backward.Backward, "linear_backward",
+                        lambda backward, slot, *a: (id(slot.param) in mine
+                                                    and entered.append(slot.name))
+                        or python_backward(backward, slot, *a))
     for step in range(STEPS):
         entered.clear()
         outs = [model(x) for model in models]
@@ -159,7 +162,7 @@ def test_cpp_conv1d_matches_the_python_function(cpp, device, autocast, monkeypat
     base = nn.Sequential(Conv1D(16, 8), nn.Tanh(), no_bias, nn.Tanh(), Conv1D(4, 16)).to(device)
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
-    assert all(s.kind == "Conv1D" for s in opts[0]._slots.values() if s.mode == "fused")
+    assert all(p.layer == "Conv1D" for p in opts[0].inspect() if p.path == "fused")
     x = torch.randn(2, 3, 8, device=device)
     for step in range(STEPS):
         outs = []
@@ -231,14 +234,15 @@ def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, device, monke
 
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     entered = []  # the C++ optimizer's hand-offs that entered Python
-    python_hand_off = forge.optim.routing._Slot.hand_off_in_graph
+    python_hand_off = forge.optim.slot.Slot.hand_off_in_graph
+    mine = {id(p) for p in models[0].parameters()}
 
     def counted(slot, *args):
-        if slot.record is not None:
+        if id(slot.param) in mine:
             entered.append(slot.name)
         return python_hand_off(slot, *args)
 
-    monkeypatch.setattr(forge.optim.routing._Slot, "hand_off_in_graph", counted)
+    monkeypatch.setattr(forge.optim.slot.Slot, "hand_off_in_graph", counted)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (b's materialized path warns)
         opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch)]
@@ -279,8 +283,7 @@ def test_cpp_prehook_a_backward_that_misses_a_weight_changes_nothing_of_it(cpp, 
     xg = x.clone().requires_grad_(True)
     model(xg).sum().backward(inputs=[xg, model[4].weight])
     assert calls_made_in_cpp(opt) == ["4.weight"]
-    assert not any(s.record is not None and s.record.armed or s.pending
-                   for s in opt._slots.values())
+    assert not any(p.waiting for p in opt.inspect())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
@@ -324,13 +327,13 @@ def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch)
     model, opt, x = two_layers_after_two_steps(monkeypatch)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
-    ready_wgrad = opt._ready_wgrad
+    ready_wgrad = forge.optim.updater.Updater.ready_wgrad
 
-    def ready_but_wrong_version(slot, *args):  # the calls as readied, with a bad ABI version
-        ready = ready_wgrad(slot, *args)
+    def ready_but_wrong_version(updater, slot, *args):
+        ready = ready_wgrad(updater, slot, *args)  # the calls as readied, a bad ABI version
         ready[2].abi_version = 0
         return ready
-    monkeypatch.setattr(opt, "_ready_wgrad", ready_but_wrong_version)
+    monkeypatch.setattr(forge.optim.updater.Updater, "ready_wgrad", ready_but_wrong_version)
     with pytest.raises(Exception, match="forge_wgrad_step: args.abi_version: 0"):
         model(x).sum().backward()
     for n, p in model.named_parameters():
@@ -349,12 +352,13 @@ for _ in range(2):
     model(x).sum().backward()
     opt.step()
     opt.zero_grad()
-ready_wgrad = opt._ready_wgrad
-def wrong_version(slot, *args):
-    ready = ready_wgrad(slot, *args)
+Updater = forge.optim.updater.Updater
+ready_wgrad = Updater.ready_wgrad
+def wrong_version(updater, slot, *args):
+    ready = ready_wgrad(updater, slot, *args)
     ready[2].abi_version = 0
     return ready
-opt._ready_wgrad = wrong_version
+Updater.ready_wgrad = wrong_version
 try:
     model(x).sum().backward()
 except Exception as e:

@@ -585,7 +585,7 @@ def test_bench_default_modes_batch_compile_and_the_memory_suite(tmp_path, monkey
     assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "16", "--ckpt", "off",
                        "--modes", *modes, "--batch", "2", "--compile", "--timed-steps", "2",
                        "--out", str(tmp_path)]) == 0
-    assert {m: made[m]._requested[0] for m in modes} == dict(zip(modes, [
+    assert {m: made[m].inspect().requested_mode for m in modes} == dict(zip(modes, [
         "auto", "immediate", "deferred"]))
     with open(tmp_path / next(f for f in os.listdir(tmp_path) if f.endswith(".json"))) as f:
         rows = json.load(f)["results"]

@@ -6,8 +6,9 @@
     opt.zero_grad()
 
 Constructors take the nn.Module first, then torch.optim's own keyword names and defaults.
-How each parameter's update moves into backward: routing.py. The optimizer itself: base.py
-(assembled from routing, states, call and capture). The public classes: rules.py.
+The public classes: rules.py. The optimizer they all are: optimizer.py, which names its parts
+(how each parameter's update moves into backward: routing.py and backward.py). What it does
+with each parameter: opt.summary() in words, opt.inspect() as data (summary.py).
 
 A second backward before step() raises, unless accumulate_grad=True: then no update runs
 in backward, every parameter's full gradient is kept in .grad (as torch.optim does: one
@@ -20,12 +21,13 @@ from .. import _lib
 # library cannot be found (forge._lib.LibraryNotFound, an ImportError).
 _lib.get()
 
-from .base import _ForgeOptimizer, param_groups_no_decay  # noqa: E402,F401 (isinstance checks)
+from .optimizer import _ForgeOptimizer, param_groups_no_decay  # noqa: E402,F401 (isinstance)
 from .capture import GraphCapture  # noqa: E402
 from .deferred import ConsumedGrad, FactoredGrad  # noqa: E402
 from .rules import SGD, Adagrad, Adam, AdamW, Lion, NAdam, RAdam, RMSprop  # noqa: E402
-from .states import STATE_FORMATS  # noqa: E402
+from .store import STATE_FORMATS  # noqa: E402
+from .summary import Inspection, ParamInfo  # noqa: E402
 
 __all__ = ["AdamW", "Adam", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "SGD",
            "param_groups_no_decay", "GraphCapture", "FactoredGrad", "ConsumedGrad",
-           "STATE_FORMATS"]
+           "STATE_FORMATS", "Inspection", "ParamInfo"]

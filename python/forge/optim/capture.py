@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import _lib
+from .calls import commit, mu_product_through
 
 
 class _RunScalars:
@@ -57,9 +58,9 @@ class GraphCapture:
     end_graph_capture); prepare_graph_replay takes it before each replay."""
 
     def __init__(self, step_id: int, states_loaded: int, last_stats):
-        self.step_id = step_id              # opt._step_id when the capture began
-        self.states_loaded = states_loaded  # opt._states_loaded then
-        self.last_stats = last_stats        # opt._last_stats then (restored after)
+        self.step_id = step_id              # the optimizer's step when the capture began
+        self.states_loaded = states_loaded  # Capture.states_loaded then
+        self.last_stats = last_stats        # the last step's statistics then (restored after)
         self.run_scalars: Dict[int, _RunScalars] = {}  # device index -> buffers it reads
         # (slot, its hyper-parameters but step/lr/seed, its buffers) per update captured
         self.slots: List[Tuple[Any, tuple, _RunScalars]] = []
@@ -77,63 +78,73 @@ def _fixed_hparams(hp: _lib.Hparams) -> tuple:
     return tuple(getattr(hp, name) for name, _ in hp._fields_ if name not in _REPLAY_FIELDS)
 
 
-class _CaptureMixin:
-    """CUDA-graph capture and replay bookkeeping of _ForgeOptimizer (see the file header)."""
+class Capture:
+    """The optimizer's capture and replay bookkeeping (see the file header); the optimizer's
+    begin_graph_capture, end_graph_capture and prepare_graph_replay are these. shared: its
+    Shared; hparams: its calls.HparamsTable; stats: its stats.Stats."""
 
-    def begin_graph_capture(self) -> None:
-        """forge.graphs calls this before it captures a step: the updates launched until
-        end_graph_capture read their scalars from this optimizer's run-scalars buffers. (The
-        caller has checked that every parameter is on CUDA.)"""
-        if not self._attached:
-            raise RuntimeError("forge: this optimizer was detached from its model")
-        if self._deferring:
-            raise RuntimeError(
-                "forge: a CUDA-graph step needs the optimizer in immediate mode (mode='immediate',"
-                " or 'auto' after a first step that used no gradient before opt.step()); this "
-                "one is deferred")
-        if self.max_grad_norm is not None:
-            raise RuntimeError("forge: max_grad_norm is not supported in a CUDA-graph step")
-        self._settle_all()
+    def __init__(self, shared, lib, hparams, stats, keeps_mu_product: bool):
+        self.shared = shared
+        self._lib = lib
+        self._hparams = hparams
+        self._stats = stats
+        self._keeps_mu_product = keeps_mu_product
+        # the capture in progress (its updates read their scalars from run-scalars buffers),
+        # the last one ended, the buffers by device index, and a count of load_state_dict
+        # calls (they replace the state tensors a graph reads: optimizer.py counts them)
+        self.current: Optional[GraphCapture] = None
+        self.last: Optional[GraphCapture] = None
+        self._run_scalars: Dict[int, Any] = {}  # device index -> _RunScalars
+        self.states_loaded = 0
+
+    def begin(self) -> None:
+        """The updates launched until end() read their scalars from this optimizer's
+        run-scalars buffers. (The optimizer has checked that its updates run in backward and
+        settled the C++ records; the caller, that every parameter is on CUDA.)"""
+        shared = self.shared
+        slots = shared.slots
         # NOTE: no statistics tensors yet: the capture makes its own with torch.zeros, whose
         # fill is captured, so every replay adds into zeros (the step's grad_norm).
-        if self._stats or any(s.pending or s.partial is not None for s in self._slots.values()):
+        if self._stats.current or any(s.pending or s.partial is not None
+                                      for s in slots.values()):
             raise RuntimeError("forge: a step is in progress (a backward ran without "
                                "opt.step()); finish it before capturing a step")
-        cap = GraphCapture(self._step_id, self._states_loaded, self._last_stats)
+        cap = GraphCapture(shared.step_id, self.states_loaded, self._stats.last)
         # NOTE: the buffers are made here, outside the capture (allocations inside it come
         # from the graph's private pool); a graph keeps the ones it reads through its _Capture.
-        count = 1 + max((slot.index for slot in self._slots.values()), default=0)
-        for index in {slot.device.index for slot in self._slots.values()}:
+        count = 1 + max((slot.index for slot in slots.values()), default=0)
+        for index in {slot.device.index for slot in slots.values()}:
             rs = self._run_scalars.get(index)
             if rs is None or rs.count < count:  # (parameters added since: a larger one)
                 rs = self._run_scalars[index] = _RunScalars(count, torch.device("cuda", index))
             cap.run_scalars[index] = rs
-        self._lapse_ready()
-        self._capture, self._capturing = cap, True
+        shared.lapse_ready()
+        self.current, shared.capturing = cap, True
 
-    def end_graph_capture(self) -> GraphCapture:
-        """Ends the capture begun by begin_graph_capture (also after a failed one) and returns what
-        it recorded. The capture ran nothing, so this undoes its bookkeeping: the step it went
+    def end(self) -> GraphCapture:
+        """Ends the capture begun by begin (also after a failed one) and returns what it
+        recorded. The capture ran nothing, so this undoes its bookkeeping: the step it went
         through is not a step taken (the first replay is)."""
-        cap, self._capture, self._capturing = self._capture, None, False
-        self._lapse_ready()
-        cap.steps = self._step_id - cap.step_id
-        cap.stats = self._last_stats if cap.steps == 1 else None
+        shared = self.shared
+        cap, self.current, shared.capturing = self.current, None, False
+        shared.lapse_ready()
+        cap.steps = shared.step_id - cap.step_id
+        cap.stats = self._stats.last if cap.steps == 1 else None
         cap.slots.sort(key=lambda entry: entry[0].index)  # NOTE: a group's slots adjacent
-        self._step_id, self._last_stats = cap.step_id, cap.last_stats
-        self._begun_step = -1
-        self._stats, self._stats_outputs = {}, {}
-        for slot in self._slots.values():
+        shared.step_id, self._stats.last = cap.step_id, cap.last_stats
+        shared.begun_step = -1
+        self._stats.discard()
+        for slot in shared.slots.values():
             slot.clear_backward()
             if slot.updated_at >= cap.step_id:
                 slot.updated_at = cap.step_id - 1
-        self._last_capture = cap
+        self.last = cap
         return cap
 
-    def _capture_region(self, slot, hparams: _lib.Hparams) -> int:
+    def region(self, slot, hparams: _lib.Hparams) -> int:
         """The device address of slot's run-scalars region, for an update being captured
-        with the group's hyper-parameters `hparams`; records the slot for prepare_graph_replay."""
-        cap = self._capture
+        with the group's hyper-parameters `hparams`; records the slot for prepare_replay."""
+        cap = self.current
         if id(slot) in cap.seen:
             raise RuntimeError(f"forge: parameter '{slot.name}' was updated twice in one "
                                "captured step; a CUDA graph step holds one optimizer step")
@@ -144,24 +155,28 @@ class _CaptureMixin:
         cap.slots.append((slot, fixed, rs))
         return rs.device_address + slot.index * _lib.RUN_SCALARS_BYTES
 
-    def prepare_graph_replay(self, capture: Optional[GraphCapture] = None) -> None:
-        """Before a replay of a captured step (`capture`, end_graph_capture's; default the last):
-        advances every captured parameter's step count, fills its run-scalars region for that
-        step from its param group as it is now (a scheduler's new lr), copies the regions to
+    def prepare_replay(self, capture: Optional[GraphCapture], seed: int) -> None:
+        """Before a replay of a captured step (`capture`, end()'s; None: the last): advances
+        every captured parameter's step count, fills its run-scalars region for that step from
+        its param group as it is now (a scheduler's new lr; seed: the optimizer's stochastic
+        rounding seed), copies the regions to
         the device in one transfer on the current stream, and closes the step's bookkeeping
         (the statistics are the tensors the replay writes)."""
-        cap = capture if capture is not None else self._last_capture
+        cap = capture if capture is not None else self.last
         if cap is None:
             raise RuntimeError("forge: no captured step to replay")
-        if cap.states_loaded != self._states_loaded:
+        if cap.states_loaded != self.states_loaded:
             raise RuntimeError("forge: load_state_dict replaced the optimizer states after this "
                                "step was captured; capture it again (a new CUDAGraphStep)")
         for rs in cap.run_scalars.values():
             rs.next_staging()
-        step_id, nbytes = self._step_id, _lib.RUN_SCALARS_BYTES
+        shared = self.shared
+        step_id, nbytes = shared.step_id, _lib.RUN_SCALARS_BYTES
+        state, group_of = shared.state, shared.group_of
+        keeps_mu_product = self._keeps_mu_product
         base = fixed_checked = hp = None
         for slot, fixed, rs in cap.slots:
-            group_hp = self._group_hparams(self._group_of(slot))[0]
+            group_hp = self._hparams.of(group_of(slot))[0]
             if group_hp is not base or fixed is not fixed_checked:  # NOTE: once per group
                 if _fixed_hparams(group_hp) != fixed:
                     raise RuntimeError(
@@ -170,15 +185,15 @@ class _CaptureMixin:
                         "again for other changes)")
                 base, fixed_checked = group_hp, fixed
                 hp = _lib.Hparams.from_buffer_copy(group_hp)
-            st = self.state[slot.param]
+            st = state[slot.param]
             step = st["step"] + 1
-            hp.step, hp.seed = step, self.seed + slot.index
-            if self._keeps_mu_product:
-                hp.mu_product = self._mu_product_through(st, hp, step)
+            hp.step, hp.seed = step, seed + slot.index
+            if keeps_mu_product:
+                hp.mu_product = mu_product_through(st["mu_product"], hp, step)
             self._lib.run_scalars_fill(hp, rs.host_address + slot.index * nbytes, nbytes)
-            self._commit_step(st, step, hp)
+            commit(st, step, hp, keeps_mu_product)
             slot.updated_at = step_id
         for rs in cap.run_scalars.values():
             rs.upload()
-        self._last_stats = cap.stats
-        self._step_id = step_id + 1
+        self._stats.last = cap.stats
+        shared.step_id = step_id + 1

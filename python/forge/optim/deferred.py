@@ -27,11 +27,11 @@ ConsumedGrad is the `.grad` of a parameter whose update already ran inside backw
 (in either mode), where torch.optim would still hold the gradient it applied. Any operation
 on it raises, naming the parameter and the way out, so a loop that clips, unscales or
 accumulates is told instead of silently clipping nothing; but zero_grad: set_to_none=True
-removes it, set_to_none=False marks it zeroed, which the next step reads (base.py,
-_begin_step): a zeroed one is a zero gradient that this step's adds to (and one no backward
+removes it, set_to_none=False marks it zeroed, which the next step reads (modes.py,
+begin_step): a zeroed one is a zero gradient that this step's adds to (and one no backward
 reaches steps on zeros, as torch.optim steps every parameter holding a gradient); onto one
 left as it was torch would add the next gradient, so that gradient is held as a FactoredGrad
-marked on_applied, which only zeroing may touch (base.py, _hold_step). A DTensor parameter's
+marked on_applied, which only zeroing may touch (modes.py, hold_step). A DTensor parameter's
 (tensor parallel, FSDP2) is a DTensor of its layout whose local tensor is the ConsumedGrad
 (consumed_of).
 """
@@ -541,7 +541,7 @@ def _factored_sum_sq(parts, shape, device) -> torch.Tensor:
 
 class ConsumedGrad(torch.Tensor):
     """The .grad of a parameter whose update already ran (see the file header): made once per
-    parameter (_Slot.consumed_grad); `zeroed` once a zero_grad(set_to_none=False) zeroed it
+    parameter (Slot.consumed_grad); `zeroed` once a zero_grad(set_to_none=False) zeroed it
     after its step."""
 
     @staticmethod
@@ -596,10 +596,11 @@ class ConsumedGrad(torch.Tensor):
         """(whether the update ran in the step not yet closed by opt.step(), the optimizer's
         mode)."""
         slot = self.slot_ref()
-        opt = slot.opt_ref() if slot is not None else None
-        if opt is None:
+        backward = slot.backward_ref() if slot is not None else None
+        if backward is None:
             return False, "?"
-        return slot.updated_at == opt._step_id, opt._mode_name()
+        shared = backward.shared
+        return slot.updated_at == shared.step_id, shared.mode
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

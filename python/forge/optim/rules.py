@@ -1,6 +1,8 @@
 """rules.py — the public optimizers: torch.optim's constructors, defaults and checks, one class
-per rule. Each says which libforge rule runs (_rule) and which group keys fill its
-hyper-parameters (_fill); everything else is _ForgeOptimizer's (base.py).
+per rule. Each says, in classmethods (no instance state: calls.HparamsTable calls them on the
+class), which libforge rule runs (_rule), which group keys fill its hyper-parameters (_fill)
+and torch.optim's checks of a group (_check_group_rule); everything else is _ForgeOptimizer's
+(optimizer.py).
 """
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import math
 import torch.nn as nn
 
 from .. import _lib
-from .base import _ForgeOptimizer
-from .call import _as_float
+from .calls import as_float
+from .optimizer import _ForgeOptimizer
 
 
 def _refuse(**flags) -> None:
@@ -40,12 +42,14 @@ class AdamW(_ForgeOptimizer):
             lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, eps=eps,
             weight_decay=weight_decay, maximize=maximize), **forge)
 
-    def _rule(self, group):
+    @classmethod
+    def _rule(cls, group):
         return _lib.RULE_ADAMW
 
-    def _fill(self, hp, group):
-        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
-        hp.eps = _as_float(group["eps"], "eps")
+    @classmethod
+    def _fill(cls, hp, group):
+        hp.beta1, hp.beta2 = (as_float(b, "betas") for b in group["betas"])
+        hp.eps = as_float(group["eps"], "eps")
         hp.decoupled_weight_decay = 1
 
 
@@ -64,7 +68,8 @@ class Adam(AdamW):
             weight_decay=weight_decay, maximize=maximize,
             decoupled_weight_decay=decoupled_weight_decay), **forge)
 
-    def _fill(self, hp, group):
+    @classmethod
+    def _fill(cls, hp, group):
         super()._fill(hp, group)
         hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
 
@@ -85,17 +90,20 @@ class NAdam(_ForgeOptimizer):
             weight_decay=weight_decay, momentum_decay=momentum_decay,
             decoupled_weight_decay=decoupled_weight_decay, maximize=maximize), **forge)
 
-    def _check_group_rule(self, group):
-        if not 0.0 <= _as_float(group["momentum_decay"], "momentum_decay") < math.inf:
+    @classmethod
+    def _check_group_rule(cls, group):
+        if not 0.0 <= as_float(group["momentum_decay"], "momentum_decay") < math.inf:
             raise ValueError(f"Invalid momentum_decay value: {group['momentum_decay']}")
 
-    def _rule(self, group):
+    @classmethod
+    def _rule(cls, group):
         return _lib.RULE_NADAM
 
-    def _fill(self, hp, group):
-        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
-        hp.eps = _as_float(group["eps"], "eps")
-        hp.momentum_decay = _as_float(group["momentum_decay"], "momentum_decay")
+    @classmethod
+    def _fill(cls, hp, group):
+        hp.beta1, hp.beta2 = (as_float(b, "betas") for b in group["betas"])
+        hp.eps = as_float(group["eps"], "eps")
+        hp.momentum_decay = as_float(group["momentum_decay"], "momentum_decay")
         hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
 
 
@@ -113,12 +121,14 @@ class RAdam(_ForgeOptimizer):
             weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
             maximize=maximize), **forge)
 
-    def _rule(self, group):
+    @classmethod
+    def _rule(cls, group):
         return _lib.RULE_RADAM
 
-    def _fill(self, hp, group):
-        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
-        hp.eps = _as_float(group["eps"], "eps")
+    @classmethod
+    def _fill(cls, hp, group):
+        hp.beta1, hp.beta2 = (as_float(b, "betas") for b in group["betas"])
+        hp.eps = as_float(group["eps"], "eps")
         hp.decoupled_weight_decay = int(bool(group["decoupled_weight_decay"]))
 
 
@@ -135,11 +145,13 @@ class Lion(_ForgeOptimizer):
             lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
             weight_decay=weight_decay, maximize=maximize), **forge)
 
-    def _rule(self, group):
+    @classmethod
+    def _rule(cls, group):
         return _lib.RULE_LION
 
-    def _fill(self, hp, group):
-        hp.beta1, hp.beta2 = (_as_float(b, "betas") for b in group["betas"])
+    @classmethod
+    def _fill(cls, hp, group):
+        hp.beta1, hp.beta2 = (as_float(b, "betas") for b in group["betas"])
 
 
 class RMSprop(_ForgeOptimizer):
@@ -155,23 +167,27 @@ class RMSprop(_ForgeOptimizer):
             lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
             centered=centered, maximize=maximize), **forge)
 
-    def _check_group_rule(self, group):
-        if not 0.0 <= _as_float(group["momentum"], "momentum") < 1.0:
+    @classmethod
+    def _check_group_rule(cls, group):
+        if not 0.0 <= as_float(group["momentum"], "momentum") < 1.0:
             raise ValueError(f"Invalid momentum value: {group['momentum']} (must be in [0, 1))")
-        if not 0.0 <= _as_float(group["alpha"], "alpha") < 1.0:
+        if not 0.0 <= as_float(group["alpha"], "alpha") < 1.0:
             raise ValueError(f"Invalid alpha value: {group['alpha']} (must be in [0, 1))")
 
-    def _rule(self, group):
+    @classmethod
+    def _rule(cls, group):
         return _lib.RULE_RMSPROP
 
-    def _layout_key(self, group):
+    @classmethod
+    def _layout_key(cls, group):
         return (_lib.RULE_RMSPROP, bool(group["centered"]),
-                _as_float(group["momentum"], "momentum") > 0)
+                as_float(group["momentum"], "momentum") > 0)
 
-    def _fill(self, hp, group):
-        hp.alpha = _as_float(group["alpha"], "alpha")
-        hp.eps = _as_float(group["eps"], "eps")
-        hp.momentum = _as_float(group["momentum"], "momentum")
+    @classmethod
+    def _fill(cls, hp, group):
+        hp.alpha = as_float(group["alpha"], "alpha")
+        hp.eps = as_float(group["eps"], "eps")
+        hp.momentum = as_float(group["momentum"], "momentum")
         hp.centered = int(bool(group["centered"]))
 
 
@@ -189,21 +205,24 @@ class Adagrad(_ForgeOptimizer):
             initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize),
             **forge)
 
-    def _check_group_rule(self, group):
-        if not 0.0 <= _as_float(group["lr_decay"], "lr_decay") < math.inf:
+    @classmethod
+    def _check_group_rule(cls, group):
+        if not 0.0 <= as_float(group["lr_decay"], "lr_decay") < math.inf:
             raise ValueError(f"Invalid lr_decay value: {group['lr_decay']}")
-        if not 0.0 <= _as_float(group["initial_accumulator_value"], "initial_accumulator_value") \
+        if not 0.0 <= as_float(group["initial_accumulator_value"], "initial_accumulator_value") \
                 < math.inf:
             raise ValueError(f"Invalid initial_accumulator_value value: "
                              f"{group['initial_accumulator_value']}")
 
-    def _rule(self, group):
+    @classmethod
+    def _rule(cls, group):
         return _lib.RULE_ADAGRAD
 
-    def _fill(self, hp, group):
-        hp.lr_decay = _as_float(group["lr_decay"], "lr_decay")
-        hp.eps = _as_float(group["eps"], "eps")
-        hp.initial_accumulator_value = _as_float(group["initial_accumulator_value"],
+    @classmethod
+    def _fill(cls, hp, group):
+        hp.lr_decay = as_float(group["lr_decay"], "lr_decay")
+        hp.eps = as_float(group["eps"], "eps")
+        hp.initial_accumulator_value = as_float(group["initial_accumulator_value"],
                                                  "initial_accumulator_value")
 
 
@@ -222,22 +241,25 @@ class SGD(_ForgeOptimizer):
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov, maximize=maximize), **forge)
 
-    def _check_group_rule(self, group):
-        momentum = _as_float(group["momentum"], "momentum")
+    @classmethod
+    def _check_group_rule(cls, group):
+        momentum = as_float(group["momentum"], "momentum")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"Invalid momentum value: {group['momentum']} "
                              "(FORGE: must be in [0, 1))")
-        if not 0.0 <= _as_float(group["dampening"], "dampening") <= 1.0:
+        if not 0.0 <= as_float(group["dampening"], "dampening") <= 1.0:
             raise ValueError(f"Invalid dampening value: {group['dampening']} (must be in [0, 1])")
         if group["nesterov"] and (momentum <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def _rule(self, group):
-        return _lib.RULE_SGD_MOMENTUM if _as_float(group["momentum"], "momentum") > 0 \
+    @classmethod
+    def _rule(cls, group):
+        return _lib.RULE_SGD_MOMENTUM if as_float(group["momentum"], "momentum") > 0 \
             else _lib.RULE_SGD
 
-    def _fill(self, hp, group):
+    @classmethod
+    def _fill(cls, hp, group):
         if hp.rule == _lib.RULE_SGD_MOMENTUM:
-            hp.momentum = _as_float(group["momentum"], "momentum")
-            hp.dampening = _as_float(group["dampening"], "dampening")
+            hp.momentum = as_float(group["momentum"], "momentum")
+            hp.dampening = as_float(group["dampening"], "dampening")
             hp.nesterov = int(bool(group["nesterov"]))

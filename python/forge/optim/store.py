@@ -1,14 +1,15 @@
-"""states.py — how a forge optimizer stores its states: formats, tensors, the forge_param struct.
+"""store.py — how a forge optimizer stores its states: formats, tensors, the forge_param struct.
 
 The state format ("fp32", "bf16", "int8", "fp8") is per parameter: its param group's
 "state_format" (default: the constructor's state_format), where an 8-bit format ("int8",
 "fp8") gives a parameter of fewer than the group's "min_8bit_size" elements (default 4096,
 bitsandbytes' name and value) fp32 states. It is fixed when the parameter's states are made
-(slot.state_format); a group changed afterwards is refused at the next step. With master_weights / stochastic_rounding it decides the storage
-codes passed to libforge; the states of a parameter are plain tensors in
-optimizer.state[param] under torch.optim's names (exp_avg, exp_avg_sq, ...; int8 and fp8 add
-<name>_absmax, master weights "master"), so state_dict() holds the raw buffers, and its
-'forge' entry each parameter's format.
+(slot.state_format); a group changed afterwards is refused at the next step. With
+master_weights / stochastic_rounding it decides the storage codes passed to libforge; the
+states of a parameter are plain tensors in optimizer.state[param] under torch.optim's names
+(exp_avg, exp_avg_sq, ...; int8 and fp8 add <name>_absmax, master weights "master"), so
+state_dict() holds the raw buffers, and its 'forge' entry each parameter's format
+(checkpoint.py).
 """
 from __future__ import annotations
 
@@ -49,30 +50,55 @@ def requested_format(group: Dict[str, Any], numel: int, default_format: str,
     return fmt
 
 
-class _StatesMixin:
-    """State storage and formats of _ForgeOptimizer (see the file header)."""
+def state_format_code(fmt: str, stochastic_rounding: bool) -> int:
+    if fmt == "fp32":
+        return _lib.STATE_FP32
+    if fmt == "int8":
+        return _lib.STATE_INT8_BLOCK64
+    if fmt == "fp8":
+        return _lib.STATE_FP8_BLOCK64
+    return _lib.STATE_BF16_STOCHASTIC if stochastic_rounding else _lib.STATE_BF16
+
+
+class Store:
+    """The states of every parameter: their formats, tensors and forge_param (see the file
+    header). shared: the optimizer's Shared; hparams: its calls.HparamsTable; devices: its
+    calls.Devices."""
+
+    def __init__(self, shared, lib, hparams, devices, *, state_format: str,
+                 min_8bit_size: int, master_weights: bool, stochastic_rounding: bool,
+                 keeps_mu_product: bool):
+        self.shared = shared
+        self._lib = lib
+        self._hparams = hparams
+        self._devices = devices
+        self.state_format = state_format  # the default of every param group
+        self.min_8bit_size = min_8bit_size
+        self.master_weights = master_weights
+        self.stochastic_rounding = stochastic_rounding
+        self._keeps_mu_product = keeps_mu_product  # NAdam: state['mu_product'] (rules.py)
 
     @torch.no_grad()
     def state_fp32(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The optimizer states of `param` decoded to fp32 tensors of its shape (bf16
         widened, int8 / fp8 codes decoded through forge_state_to_fp32), for inspection."""
-        slot = self._slots.get(id(param))
+        slot = self.shared.slots.get(id(param))
         if slot is None or slot.param is not param:
             raise ValueError("state_fp32: not a parameter of this optimizer")
-        st = self.state.get(param)
+        st = self.shared.state.get(param)
         if not st or slot.signature is None:
             return {}
-        group = self._group_of(slot)
-        hp = self._hparams(group, step=max(1, st["step"]), seed=0)
-        fp = self._param_struct(slot, st)
+        group = self.shared.group_of(slot)
+        hp = self._hparams.for_call(group, step=max(1, st["step"]), seed=0)
+        fp = self.param_struct(slot, st)
         out = {}
         for i, name in enumerate(slot.signature[1]):
             t = torch.empty(slot.local().shape, dtype=torch.float32, device=param.device)
-            self._lib.state_to_fp32(fp, hp, i, t.data_ptr(), self._device_struct(param))
+            self._lib.state_to_fp32(fp, hp, i, t.data_ptr(), self._devices.of(param))
             out[name] = distributed.as_state(t, param, tuple(param.shape))
         return out
 
-    def _weight_format(self, slot) -> int:
+    def weight_format(self, slot) -> int:
         if slot.dtype == torch.float32:
             return _lib.WEIGHT_FP32
         if slot.dtype != torch.bfloat16:  # accepted frozen at construction, trained now
@@ -83,96 +109,53 @@ class _StatesMixin:
             return _lib.WEIGHT_BF16_MASTER
         return _lib.WEIGHT_BF16_STOCHASTIC if self.stochastic_rounding else _lib.WEIGHT_BF16
 
-    def _requested_format(self, slot, group: Dict[str, Any]) -> str:
+    def requested_format(self, slot, group: Dict[str, Any]) -> str:
         """The state format slot's group asks for: its "state_format", with "int8" / "fp8"
         meaning fp32 below "min_8bit_size" elements (of the whole parameter, on every rank
         alike)."""
         return requested_format(group, slot.param.numel(), self.state_format,
                                 self.min_8bit_size)
 
-    def _format_of(self, slot, group: Dict[str, Any]) -> str:
+    def format_of(self, slot, group: Dict[str, Any]) -> str:
         """slot's state format: fixed once its states exist, else what its group asks for."""
-        if slot.state_format is not None and self.state.get(slot.param):
+        if slot.state_format is not None and self.shared.state.get(slot.param):
             return slot.state_format
-        return self._requested_format(slot, group)
+        return self.requested_format(slot, group)
 
-    def _check_group_storage(self, group: Dict[str, Any]) -> None:
+    def check_group_storage(self, group: Dict[str, Any]) -> None:
         """A param group's "state_format" / "min_8bit_size" (torch fills the defaults in)."""
-        index = next((i for i, g in enumerate(self.param_groups) if g is group), None)
+        index = next((i for i, g in enumerate(self.shared.param_groups) if g is group), None)
         check_storage_options(group.get("state_format", self.state_format),
                               group.get("min_8bit_size", self.min_8bit_size),
                               where="param group: " if index is None
                               else f"param group {index}: ")
 
-    def _state_formats_by_index(self) -> Dict[int, str]:
+    def formats_by_index(self) -> Dict[int, str]:
         """{state_dict index: state format} of every parameter that has states."""
-        return {slot.index: slot.state_format for slot in self._slots.values()
-                if slot.state_format is not None and self.state.get(slot.param)}
-
-    @staticmethod
-    def _saved_state_formats(meta: Dict[str, Any], saved_groups, index_to_param):
-        """The formats a state dict's states were saved in: {index: format} as its 'forge'
-        entry says (version 2), one format for every parameter (version 1: a str), or, without
-        a 'forge' entry (torch.distributed.checkpoint's dict, or any tool that keeps only
-        'state' and 'param_groups'), what each saved group's own "state_format" and
-        "min_8bit_size" gave its parameters (int8 and fp8 states have the same dtypes and
-        shapes: only these tell them apart). None where nothing says (torch.optim's dict: the
-        states' dtypes decide)."""
-        if "state_formats" in meta:
-            return {int(k): v for k, v in meta["state_formats"].items()}
-        if "state_format" in meta:
-            return meta["state_format"]
-        formats = {}
-        for i, saved in enumerate(saved_groups):
-            if "state_format" not in saved:
-                continue
-            fmt = saved["state_format"]
-            # (a group of a forge from before min_8bit_size: its format for every parameter)
-            min_size = saved.get("min_8bit_size", 0)
-            check_storage_options(fmt, min_size, where=f"load_state_dict: saved param group {i}: ")
-            for index in saved["params"]:
-                p = index_to_param.get(index)
-                if p is not None:
-                    formats[index] = requested_format(saved, p.numel(), fmt, min_size)
-        return formats or None
-
-    def _check_saved_format(self, slot, group: Dict[str, Any], index: int, saved) -> str:
-        """The format slot's states load into (what its group asks for); a state dict that
-        says it saved another one is refused, naming the parameter."""
-        fmt = self._requested_format(slot, group)
-        was = saved.get(index) if isinstance(saved, dict) else saved
-        if was is None or was == fmt:
-            return fmt
-        hint = ""
-        if was in BLOCK_FORMATS and group.get("state_format") == was:
-            hint = (f" (it has {slot.param.numel()} elements, fewer than min_8bit_size="
-                    f"{group.get('min_8bit_size')}; a checkpoint made before min_8bit_size "
-                    f"existed holds {was} states for every parameter: load it with "
-                    "min_8bit_size=0)")
-        raise ValueError(f"load_state_dict: parameter '{slot.name}': saved with "
-                         f"state_format={was!r}, this optimizer keeps {fmt!r} states for it"
-                         f"{hint}")
+        state = self.shared.state
+        return {slot.index: slot.state_format for slot in self.shared.slots.values()
+                if slot.state_format is not None and state.get(slot.param)}
 
     def _fix_state_format(self, slot, group: Dict[str, Any]) -> None:
-        """slot's states are made now: their format is fixed from here on (_check_storage)."""
-        slot.state_format = self._requested_format(slot, group)
+        """slot's states are made now: their format is fixed from here on (check_storage)."""
+        slot.state_format = self.requested_format(slot, group)
         slot.storage_asked = (group.get("state_format"), group.get("min_8bit_size"))
 
-    def _check_storage(self, slot, group: Dict[str, Any]) -> None:
-        """Before a step's first update (call.py, _check_step): refuses a parameter of a dtype
-        FORGE does not update (accepted frozen) that now holds a gradient, and a group whose
-        state format changed after slot's states were made (their buffers hold the old
+    def check_storage(self, slot, group: Dict[str, Any]) -> None:
+        """Before a step's first update (updater.py, check_step): refuses a parameter of a
+        dtype FORGE does not update (accepted frozen) that now holds a gradient, and a group
+        whose state format changed after slot's states were made (their buffers hold the old
         format; converting them is not implemented)."""
         if slot.dtype not in _UPDATABLE and slot.param.grad is not None:
-            self._weight_format(slot)  # (raises, naming it)
+            self.weight_format(slot)  # (raises, naming it)
         # NOTE: the group's keys as they were when the format was fixed: nothing changed (the
         # common case, once per parameter per step): 0.9 -> 0.3-0.5 µs (2-core CPU dev host)
         if slot.state_format is None or slot.storage_asked == (
                 group.get("state_format"), group.get("min_8bit_size")):
             return
-        if not self.state.get(slot.param):
+        if not self.shared.state.get(slot.param):
             return
-        want = self._requested_format(slot, group)
+        want = self.requested_format(slot, group)
         if want != slot.state_format:
             raise RuntimeError(
                 f"forge: parameter '{slot.name}': its param group now asks for "
@@ -181,30 +164,19 @@ class _StatesMixin:
                 f"{slot.state_format!r}; a parameter's state format is fixed once its states "
                 "exist: restore the group's value, or build a new optimizer")
 
-    @staticmethod
-    def _state_format_code(fmt: str, stochastic_rounding: bool) -> int:
-        if fmt == "fp32":
-            return _lib.STATE_FP32
-        if fmt == "int8":
-            return _lib.STATE_INT8_BLOCK64
-        if fmt == "fp8":
-            return _lib.STATE_FP8_BLOCK64
-        return _lib.STATE_BF16_STOCHASTIC if stochastic_rounding else _lib.STATE_BF16
-
-    def _layout(self, slot, group: Dict[str, Any], fmt: Optional[str] = None
-                ) -> _lib.StateLayout:
-        hp = self._hparams(group, step=1, seed=0)
-        code = self._state_format_code(fmt or self._format_of(slot, group),
-                                       self.stochastic_rounding)
+    def layout(self, slot, group: Dict[str, Any], fmt: Optional[str] = None
+               ) -> _lib.StateLayout:
+        hp = self._hparams.for_call(group, step=1, seed=0)
+        code = state_format_code(fmt or self.format_of(slot, group), self.stochastic_rounding)
         return self._lib.state_layout(hp, code, slot.rows, slot.cols)
 
-    def _state_spec(self, slot, group: Dict[str, Any], local: bool = False,
-                    fmt: Optional[str] = None) -> Dict[str, Tuple[torch.dtype, tuple]]:
+    def spec(self, slot, group: Dict[str, Any], local: bool = False,
+             fmt: Optional[str] = None) -> Dict[str, Tuple[torch.dtype, tuple]]:
         """Every state tensor this parameter keeps: key -> (dtype, shape), the shape of the
         full parameter's state, or (local) of this rank's shard of it; in format `fmt`
-        (default: the parameter's, _format_of)."""
-        fmt = fmt or self._format_of(slot, group)
-        layout = self._layout(slot, group, fmt)
+        (default: the parameter's, format_of)."""
+        fmt = fmt or self.format_of(slot, group)
+        layout = self.layout(slot, group, fmt)
         if local:
             shape, rows, cols = tuple(slot.local().shape), slot.rows, slot.cols
         else:
@@ -221,32 +193,30 @@ class _StatesMixin:
             else:  # int8 / fp8
                 spec[name] = (torch.uint8, shape)
                 spec[name + "_absmax"] = (torch.float32, (rows, -(-cols // _lib.INT8_BLOCK)))
-        if self._weight_format(slot) == _lib.WEIGHT_BF16_MASTER:
+        if self.weight_format(slot) == _lib.WEIGHT_BF16_MASTER:
             spec["master"] = (torch.float32, shape)
         return spec
 
-    def _layout_key(self, group: Dict[str, Any]) -> tuple:
-        """What decides the rule and its states; a change after the states exist is refused."""
-        return (self._rule(group),)
-
-    def _signature(self, slot, group: Dict[str, Any]) -> tuple:
+    def signature(self, slot, group: Dict[str, Any]) -> tuple:
         if slot.state_format is None:  # states made by hand (torch-style): fixed from here on
             self._fix_state_format(slot, group)
-        layout = self._layout(slot, group)
-        return (self._layout_key(group),
+        layout = self.layout(slot, group)
+        return (self._hparams.layout_key(group),
                 tuple(layout.names[i].decode() for i in range(layout.num_states)))
 
-    def _allocate_state(self, slot, group: Dict[str, Any], init: bool) -> Dict[str, Any]:
+    def allocate(self, slot, group: Dict[str, Any], init: bool) -> Dict[str, Any]:
+        """slot's states made anew (init: to the rule's initial values; else left for a load
+        to fill) in its group's format, which is fixed from here on."""
         p = slot.param
-        fmt = self._requested_format(slot, group)
+        fmt = self.requested_format(slot, group)
         if slot.dtensor and fmt in BLOCK_FORMATS:
             distributed.check_int8_blocks(slot.geometry, slot.name)
         self._fix_state_format(slot, group)
-        slot.struct_step = -1  # (new state tensors: the struct _check_step made is stale)
-        st = self.state[p]
+        slot.struct_step = -1  # (new state tensors: the struct check_step made is stale)
+        st = self.shared.state[p]
         st.clear()
-        full = self._state_spec(slot, group)
-        for key, (dtype, shape) in self._state_spec(slot, group, local=True).items():
+        full = self.spec(slot, group)
+        for key, (dtype, shape) in self.spec(slot, group, local=True).items():
             t = torch.empty(shape, dtype=dtype, device=p.device)
             if slot.dtensor:  # a DTensor of the parameter's layout (checkpoints reshard it)
                 placements = (distributed.absmax_placements(p) if key.endswith("_absmax")
@@ -256,15 +226,15 @@ class _StatesMixin:
         st["step"] = 0
         if self._keeps_mu_product:
             st["mu_product"] = 1.0  # (NAdam's product of momentum factors: none yet)
-        slot.signature = self._signature(slot, group)
+        slot.signature = self.signature(slot, group)
         if init:
             if "master" in st:
                 distributed.local(st["master"]).copy_(slot.local().detach())
-            hp = self._hparams(group, step=1, seed=0)
-            self._lib.state_init(self._param_struct(slot, st), hp, self._device_struct(p))
+            hp = self._hparams.for_call(group, step=1, seed=0)
+            self._lib.state_init(self.param_struct(slot, st), hp, self._devices.of(p))
         return st
 
-    def _param_struct(self, slot, st: Dict[str, Any]) -> _lib.Param:
+    def param_struct(self, slot, st: Dict[str, Any]) -> _lib.Param:
         """slot's forge_param: built once and kept while the formats, the weight and every
         state tensor stay the same (a state replaced by load_state_dict, or by hand, has a new
         data pointer, and the struct is rebuilt)."""
@@ -291,7 +261,7 @@ class _StatesMixin:
         dtype and the parameter's shape, on its device, contiguous (a tensor replaced by hand
         is checked here before any pointer of it is passed on)."""
         p = slot.param
-        spec = self._state_spec(slot, self._group_of(slot), local=True)
+        spec = self.spec(slot, self.shared.group_of(slot), local=True)
         for key, (dtype, shape) in spec.items():
             t = st.get(key)
             if isinstance(t, torch.Tensor):
@@ -309,11 +279,11 @@ class _StatesMixin:
         local = distributed.local
         fp = _lib.Param()
         fp.rows, fp.cols = slot.rows, slot.cols
-        fp.weight_format = self._weight_format(slot)
+        fp.weight_format = self.weight_format(slot)
         fp.weight = slot.local().data_ptr()
         if "master" in st:
             fp.master = _lib.float_ptr(local(st["master"]).data_ptr())
-        fp.state_format = self._state_format_code(slot.state_format, self.stochastic_rounding)
+        fp.state_format = state_format_code(slot.state_format, self.stochastic_rounding)
         for i, name in enumerate(slot.signature[1]):
             fp.state[i] = local(st[name]).data_ptr()
             if slot.state_format in BLOCK_FORMATS:
