@@ -33,7 +33,7 @@ no graph break per Linear, and its fused Linears compute what eager ones do.
 Where forge.optim built its C++ extension (forge/_prehook.py), an eager Linear forward (with or
 without autocast; not a forge.lean recompute) calls the extension's fused_linear instead: the
 same forward, and a C++ backward node that computes dX and db with the same operations and arms
-W's update without entering Python (docs/design.md §7.1). FusedLinearFunction stays the
+W's update without entering Python (docs/design.md §5.3). FusedLinearFunction stays the
 reference and takes everything else.
 """
 from __future__ import annotations

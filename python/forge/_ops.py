@@ -68,7 +68,7 @@ def slot_of_key(key: int):
 def _define_ops() -> None:
     """Registers the two operators: defined by schema, one kernel for every device
     (CompositeExplicitAutograd) and a fake one. (torch.library.custom_op would wrap each call
-    in its own Python dispatch layers: 13 against 3 µs a call, docs/design.md §7.4.) Where the
+    in its own Python dispatch layers: 13 against 3 µs a call, docs/design.md §5.6.) Where the
     C++ part of fused Linears is built (forge/_prehook.py), the hand-off's kernel is its:
     it arms a weight whose update is ready as the C++ Linear backward does, and calls the
     Python one below for everything else."""

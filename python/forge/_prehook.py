@@ -4,7 +4,7 @@ the kernel of a compiled backward's hand-off (forge/_ops.py).
 
 A fused weight's update runs at its AccumulateGrad node; entering Python there and in the
 Linear's backward is the largest part of FORGE's host time per Linear on small models
-(docs/design.md §7.1, §7.4). Where a C++ compiler and ninja are present, forge.optim builds this
+(docs/design.md §5.3). Where a C++ compiler and ninja are present, forge.optim builds this
 extension once (torch's cpp_extension: cached under TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions, per torch and Python version), hooks the nodes with it and routes
 the common Linear forward through it; elsewhere the Python pre-hook and Function run, with the

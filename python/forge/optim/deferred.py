@@ -450,8 +450,8 @@ def _gram_work(dtype: Optional[torch.dtype], device: torch.device, batched: bool
     precision of fp32 operands without their copies and SIMT products; other dtypes, or a
     torch without out_dtype, take fp32 operands.
     NOTE: not TF32 for the fp32 case: that means changing torch's global TF32 setting around
-    the products, which torch >= 2.9 refuses to see mixed with its legacy setting (design.md
-    §9)."""
+    the products, which torch >= 2.9 refuses to see mixed with its legacy setting
+    (docs/design.md §5.4)."""
     if device.type == "cpu":
         return torch.float64, torch.bmm if batched else torch.mm
     if dtype in _LOW_PRECISION and _has_fp32_out_mm(device):

@@ -13,7 +13,7 @@ begin_step is the step's first callback (a Linear's backward, a gradient hook, f
 head, the first update, or step()): before anything of the step is read or updated, it reads
 what the last step left in the fused weights' .grad and what the loop did with it (zeroed it,
 set it to None, or left it), and keeps every group's hyper-parameters as backward sees them.
-docs/design.md §7.5 says why each of these is as it is.
+docs/design.md §5.4-5.5 says why each of these is as it is.
 """
 from __future__ import annotations
 

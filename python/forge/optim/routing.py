@@ -380,7 +380,7 @@ class Router:
         if cpp is not None:
             # NOTE: the C++ Linear backward arms the update Python readied (updater.py,
             # ready_wgrad), the C++ pre-hook makes it; both call the Python ones for
-            # everything else (docs/design.md §7.4)
+            # everything else (docs/design.md §5.3)
             shared = self.shared
             if shared.clock is None:
                 shared.clock = cpp.Clock()
