@@ -14,7 +14,7 @@ Writes, replacing what was there:
   steps.md                 whole training steps (forge-bench): peak memory and step time
   parity.md                convergence parity (forge-bench --parity)
   host.md                  the host's cost per layer (bench/host_overhead.py)
-Each page has one section per GPU (or host), ANCHORS.md's GPU first: a figure from one card
+Each page has one section per GPU (or host), the baselines' GPU (docs/performance.md) first: a figure from one card
 never stands in a table beside another card's. Every section says which dates, commits and
 commands its figures come from; wgrad.png plots the first section's totals.
 """
@@ -31,7 +31,7 @@ import record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results")
-# The GPU of ../shared/ANCHORS.md and of the targets: its section comes first.
+# The GPU of the baselines (docs/performance.md) and of the targets: its section comes first.
 ANCHOR_GPU = "NVIDIA H200"
 
 # wgrad_bench / torch_unfused variants shown in the totals, with their column titles.

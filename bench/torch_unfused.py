@@ -4,8 +4,8 @@ Llama-3.1-8B linear layer (wgrad_bench's comparison, from Python).
 
 wgrad_bench's column (c) is cuBLAS dW plus a hand-written flat AdamW pass (16-byte vectors,
 full occupancy). That pass streams faster than the kernel torch.optim.AdamW(fused=True)
-launches (ANCHORS.md, in ../shared/ beside the repository: 36.0 ms over the model's linear
-weights, ~2.7 TB/s). This program times what a torch user runs instead of FORGE, on the same
+launches (docs/performance.md, "What we measure against": 36.0 ms over the model's linear
+weights on the H200, ~2.7 TB/s). This program times what a torch user runs instead of FORGE, on the same
 shapes and formats:
 
   torch dW      torch.mm(dy.t(), x) into a bf16 gradient: the GEMM of Linear's backward (cuBLAS)

@@ -4,8 +4,8 @@
 #      FORGE_LIBRARY already names one;
 #   1b. the host's cost per Linear per step, FORGE against torch (bench/host_overhead.py);
 #   1c. the Python test suite on CUDA (pytest tests/python -m cuda, PYTEST_BUDGET_S);
-#   2. forge-bench --suite anchors: peak memory and step time of the ../shared/ANCHORS.md
-#      cases and their targets, most important first, within a time budget;
+#   2. forge-bench --suite anchors: peak memory and step time of the baselines' cases
+#      (docs/performance.md) and their targets, most important first, within a time budget;
 #   3. forge-bench --parity: ~100M model, bf16, PARITY_STEPS steps of real text (the
 #      machine's Python library sources): FORGE bf16+SR and int8 against torch fused AdamW;
 #   4. prints a short summary last.

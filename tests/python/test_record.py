@@ -72,7 +72,7 @@ def test_ab_runs_are_recorded_but_never_current(tmp_path):
 
 
 def test_each_gpu_keeps_its_own_current_figures(tmp_path):
-    """A later run on another card must not replace a figure in ANCHORS.md's GPU's table, nor
+    """A later run on another card must not replace a figure in the baselines' GPU's table, nor
     stand beside its figures: render.py keeps the latest row per GPU and writes one section per
     GPU, the anchor's first."""
     record = load_record()

@@ -439,7 +439,7 @@ at::Tensor fused_conv1d(const at::Tensor& x, const at::Tensor& weight,
 
 // A compiled backward's hand-off (forge::wgrad_hand_off(x, dy, weight, key, keep), forge/_ops.py):
 // the record registered under the slot's key is armed as FusedLinearBackward arms it, and W's
-// stand-in returned; anything else goes to the operator's Python kernel (_Slot.hand_off_in_graph:
+// stand-in returned; anything else goes to the operator's Python kernel (Slot.hand_off_in_graph:
 // its checks and refusals, the step's first hand-off, which checks the step and readies the
 // records, a second use of W). Records are held weakly: a slot's new record replaces its old.
 std::mutex hand_off_mutex;

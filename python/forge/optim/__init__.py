@@ -1,7 +1,8 @@
 """forge.optim: drop-in torch.optim optimizers whose updates run inside backward.
 
     opt = forge.optim.AdamW(model, lr=3e-4, weight_decay=0.1, state_format="int8")
-    loss.backward()   # every parameter is updated here, as soon as its gradient is complete
+    loss.backward()   # from the second step (mode="auto", a loop that reads no gradient):
+                      # every parameter is updated here, as soon as its gradient is complete
     opt.step()        # completes the step: bookkeeping, and anything not yet updated
     opt.zero_grad()
 
@@ -10,10 +11,12 @@ The public classes: rules.py. The optimizer they all are: optimizer.py, which na
 (how each parameter's update moves into backward: routing.py and backward.py). What it does
 with each parameter: opt.summary() in words, opt.inspect() as data (summary.py).
 
-A second backward before step() raises, unless accumulate_grad=True: then no update runs
-in backward, every parameter's full gradient is kept in .grad (as torch.optim does: one
-gradient-sized buffer per parameter, the memory FORGE otherwise saves), and step()
-applies them. That mode also makes global-norm clipping of .grad exact.
+Where the updates run (mode): "immediate" inside backward, so a loop that reads gradients
+(clipping, GradScaler, a second backward) is refused there; "deferred" at step(), each fused
+weight's gradient kept meanwhile as its X and dY or its dense dW in W's dtype, whichever is
+smaller (torch.optim's contract); "auto" (the default) learns which at its first step
+(docs/usage.md has the table). accumulate_grad=True keeps a plain dense .grad per parameter,
+as torch.optim does.
 """
 from .. import _lib
 

@@ -2,7 +2,7 @@
 PyTorch users have today, on real model shapes, and the convergence-parity report.
 
     forge-bench                                   # every model × seq × ckpt × mode (GPU)
-    forge-bench --suite anchors --time-budget 300 # the cases ../shared/ANCHORS.md measured
+    forge-bench --suite anchors --time-budget 300 # the baselines' cases (docs/performance.md)
     forge-bench --models tiny --device cpu        # smoke test, no GPU needed
     forge-bench --parity --parity-steps 1000      # ~100M model: FORGE vs torch AdamW loss curves
     forge-bench --replot runs/forge-bench/X.json  # redraw md/csv/png from a JSON
@@ -133,7 +133,8 @@ LOOP_MODES += ["torch-adamw-loopclip", "forge-bf16-loopclip"]
 # FORGE with the head and its cross entropy fused (forge.loss.enable_fused_head): no logits.
 HEAD_MODES = ["forge-bf16-head", "forge-int8-head", "forge-fp8-head"]
 KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES
-# The cases of ../shared/ANCHORS.md and of TARGETS below, most important first:
+# The baselines' cases (docs/performance.md, "What we measure against") and those of TARGETS
+# below, most important first:
 # (model, seq, activation checkpointing, modes). torch-adamw leads each group: its number
 # is the reference, and it is safe from a FORGE kernel fault that could spoil the rest.
 ANCHOR_SUITE = [
@@ -1125,7 +1126,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation checkpointing")
     p.add_argument("--suite", choices=["full", "anchors", "memory"], default="full",
                    help="full: every combination of the filters; anchors: the cases of "
-                        "ANCHORS.md and TARGETS, most important first; memory: the default "
+                        "the baselines (docs/performance.md) and TARGETS, most important first; "
+                        "memory: the default "
                         "arguments' peak against torch and the modes named (MEMORY_SUITE); "
                         "the filters still apply")
     p.add_argument("--batch", type=int, default=1, metavar="B",
