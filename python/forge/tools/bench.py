@@ -227,7 +227,8 @@ def model_loss(model, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
     positions that have a next token and forge.lean.cross_entropy takes the loss, which keeps
     the bf16 logits instead of fp32 log-probabilities (the same value to fp32 rounding)."""
     from forge.tools import models as forge_models
-    if isinstance(model, forge_models.CausalLM):  # the no-transformers fallback
+    # (torch.compile's wrapper forwards calls to the model it holds: check that one)
+    if isinstance(getattr(model, "_orig_mod", model), forge_models.CausalLM):  # no transformers
         from forge.tools.train import lm_loss
         return lm_loss(model, tokens, lean=lean)
     if lean:
