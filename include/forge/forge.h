@@ -68,10 +68,17 @@ typedef enum {
   FORGE_RULE_RADAM = 4,        /* + decoupled_weight_decay */
   FORGE_RULE_LION = 5,         /* lr, beta1, beta2, weight_decay (decoupled) */
   FORGE_RULE_RMSPROP = 6,      /* lr, alpha, eps, weight_decay (coupled), momentum, centered */
-  FORGE_RULE_ADAGRAD = 7       /* lr, lr_decay, eps, weight_decay (coupled),
+  FORGE_RULE_ADAGRAD = 7,      /* lr, lr_decay, eps, weight_decay (coupled),
                                   initial_accumulator_value (used by forge_state_init) */
+  FORGE_RULE_MUON = 8          /* momentum, nesterov (torch.optim.Muon's momentum_buffer).
+                                  Its element step is the momentum's alone: the weight
+                                  buffer receives the direction u the caller orthogonalizes
+                                  (Newton-Schulz, a whole-matrix operation) and applies to
+                                  the weight itself; u = lerp(g, m, momentum) with nesterov,
+                                  else m, where m = lerp(m, g, 1 - momentum). The weight's
+                                  old value is not read; lr and weight_decay are not used. */
 } forge_rule;
-#define FORGE_RULE_COUNT 8
+#define FORGE_RULE_COUNT 9
 
 typedef enum {
   FORGE_WEIGHT_FP32 = 0,
@@ -130,9 +137,9 @@ typedef struct {
                                 1 + 2^-23: its fp32 rounding); -1 (forge_hparams_default's):
                                 computed, for a beta1 and momentum_decay constant since step 1 */
   double alpha;              /* RMSprop */
-  double momentum;           /* SGD_MOMENTUM, RMSprop */
+  double momentum;           /* SGD_MOMENTUM, RMSprop, MUON */
   double dampening;          /* SGD_MOMENTUM */
-  int32_t nesterov;          /* SGD_MOMENTUM */
+  int32_t nesterov;          /* SGD_MOMENTUM, MUON */
   int32_t centered;          /* RMSprop */
   double lr_decay;           /* Adagrad */
   double initial_accumulator_value; /* Adagrad: >= 0, storable as fp32 (at most the largest
@@ -259,7 +266,7 @@ typedef enum {
                                    "out_of_memory", "internal" */
   FORGE_ENUM_DTYPE = 1,         /* "fp32", "bf16", "fp16" */
   FORGE_ENUM_RULE = 2,          /* "SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion",
-                                   "RMSprop", "Adagrad" */
+                                   "RMSprop", "Adagrad", "Muon" */
   FORGE_ENUM_WEIGHT_FORMAT = 3, /* "fp32", "bf16", "bf16_sr", "bf16_master" */
   FORGE_ENUM_STATE_FORMAT = 4,  /* "fp32", "bf16", "bf16_sr", "int8", "fp8" */
   FORGE_ENUM_DEVICE_KIND = 5    /* "cpu", "cuda" */

@@ -155,7 +155,7 @@ forge_status validate_hparams(const forge_hparams& hp, RuleScalars* scalars) {
                   "mu_step = %.17g (beta1, momentum_decay, step), which bounds the product "
                   "mu_1 ... mu_step", hp.mu_product, mu);
   }
-  if (rule_reads(*info, kFieldNesterov) && hp.nesterov && hp.dampening != 0)
+  if (rule_reads(*info, kFieldDampening) && hp.nesterov && hp.dampening != 0)
     return fail(kBad, "hparams.nesterov: needs dampening == 0 (as torch.optim.SGD), got %g",
                 hp.dampening);
   // Fields the rule does not read are ignored, but a NaN there is refused all the same.
@@ -275,6 +275,16 @@ RuleScalars make_rule_scalars(const forge_hparams& hp) {
     }
     case FORGE_RULE_ADAGRAD:
       k.neg_lr = static_cast<float>(-(hp.lr / (1.0 + (t - 1.0) * hp.lr_decay)));
+      break;
+    case FORGE_RULE_MUON:
+      // The weight slot holds the direction, not a weight: nothing decays or couples it.
+      k.decay = 1.0f;
+      k.wd_coupled = 0.0f;
+      k.buf_take = static_cast<float>(1.0 - hp.momentum);  // torch: 1 - momentum in double
+      k.take_rest = 1.0f - k.buf_take;
+      k.momentum = static_cast<float>(hp.momentum);
+      k.momentum_rest = 1.0f - k.momentum;
+      k.nesterov = hp.nesterov ? 1 : 0;
       break;
     default:
       break;

@@ -110,14 +110,22 @@ const RuleInfo kRules[FORGE_RULE_COUNT] = {
       {kFieldInitialAccumulatorValue, 0.0, kInf, false, false, nullptr}, kEpsRange, kNone},
      {{"sum", false, StateWhen::kAlways}, kNoState, kNoState},
      1},
+    // FORGE_RULE_MUON (torch.optim.Muon's defaults; lr and weight_decay: the caller's)
+    {"Muon",
+     bit(kFieldStep) | bit(kFieldMaximize) | bit(kFieldGradScale) | bit(kFieldSeed) |
+         bit(kFieldMomentum) | bit(kFieldNesterov),
+     {{kFieldMomentum, 0.95}, {kFieldNesterov, 1}, {-1, 0}, {-1, 0}},
+     {{kFieldMomentum, 0.0, 1.0, false, false, nullptr}, kNone, kNone, kNone},
+     {{"momentum_buffer", true, StateWhen::kAlways}, kNoState, kNoState},
+     1},
 };
 
 // The names of forge_enum's enumerations, value by value.
 const char* const kStatusNames[] = {"ok",     "invalid_argument", "unsupported",
                                     "device", "out_of_memory",    "internal"};
 const char* const kDtypeNames[] = {"fp32", "bf16", "fp16"};
-const char* const kRuleNames[] = {"SGD",  "SGD_MOMENTUM", "AdamW",   "NAdam",
-                                  "RAdam", "Lion",        "RMSprop", "Adagrad"};
+const char* const kRuleNames[] = {"SGD",  "SGD_MOMENTUM", "AdamW",   "NAdam", "RAdam",
+                                  "Lion", "RMSprop",      "Adagrad", "Muon"};
 const char* const kWeightFormatNames[] = {"fp32", "bf16", "bf16_sr", "bf16_master"};
 const char* const kStateFormatNames[] = {"fp32", "bf16", "bf16_sr", "int8", "fp8"};
 const char* const kDeviceKindNames[] = {"cpu", "cuda"};

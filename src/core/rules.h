@@ -36,8 +36,10 @@ struct RuleScalars {
   float nadam_coef_grad, nadam_coef_avg;  // NAdam: -lr (1 - mu) / (1 - Πmu), -lr mu' / (1 - Πmu')
   float rect;            // RAdam
   float alpha, one_minus_alpha;           // RMSprop
-  float momentum;        // RMSprop, SGD-momentum (nesterov term)
-  float buf_keep, buf_take;  // SGD-momentum: buf = buf * buf_keep + g * buf_take
+  float momentum;        // RMSprop, SGD-momentum (nesterov term); Muon: the nesterov lerp weight
+  float buf_keep, buf_take;  // SGD-momentum: buf = buf * buf_keep + g * buf_take;
+                             // Muon: buf_take = 1 - momentum, the momentum's lerp weight
+  float take_rest, momentum_rest;  // Muon: 1 - buf_take and 1 - momentum, rounded in fp32
   uint64_t sr_key;       // rng_key(seed, step): stochastic rounding's draws this step
 };
 
@@ -60,6 +62,12 @@ struct IeeeMath {
   }
   FORGE_HD void require(bool) {}
 };
+
+// torch.lerp(a, b, w) with a scalar weight, as ATen computes it in fp32: from a when |w| < 0.5,
+// else from b (w_rest = 1 - w, rounded in fp32 as torch rounds it).
+FORGE_HD float torch_lerp(float a, float b, float w, float w_rest) {
+  return (w < 0.5f && w > -0.5f) ? a + w * (b - a) : b - (b - a) * w_rest;
+}
 
 // Whether an element's new weight and states may be stored (formats.h, storable). A deferring
 // Math computes on regardless: its batch-wise caller checks every result itself
@@ -178,6 +186,16 @@ FORGE_HD bool apply_rule(const RuleScalars& k, float g, float& w, float* s, floa
       s[0] = sq;
       if (k.centered) s[k.slot_grad_avg] = ga;
       if (k.slot_momentum >= 0) s[k.slot_momentum] = buf;
+      break;
+    }
+    case FORGE_RULE_MUON: {
+      // torch.optim.Muon: buf.lerp_(grad, 1 - momentum); u = grad.lerp(buf, momentum) with
+      // nesterov, else buf. The weight slot receives u (make_rule_scalars: decay 1, no
+      // coupled decay, so its old value reaches nothing).
+      const float buf = torch_lerp(s[0], g, k.buf_take, k.take_rest);
+      wn = k.nesterov ? torch_lerp(g, buf, k.momentum, k.momentum_rest) : buf;
+      if (!results_storable<Math>(storable(wn) & storable(buf))) return false;
+      s[0] = buf;
       break;
     }
     case FORGE_RULE_ADAGRAD: {

@@ -39,7 +39,7 @@ inline std::vector<BadCase> wgrad_cases() {
       {"lddy_short", [](forge_wgrad_args& a) { a.lddy = a.param.rows - 1; }, bad, "lddy"},
       {"x_dtype", [](forge_wgrad_args& a) { a.x_dtype = static_cast<forge_dtype>(9); }, bad, "x_dtype"},
       {"dy_dtype", [](forge_wgrad_args& a) { a.dy_dtype = static_cast<forge_dtype>(-1); }, bad, "dy_dtype"},
-      {"rule", [](forge_wgrad_args& a) { a.hparams.rule = static_cast<forge_rule>(8); }, bad, "hparams.rule"},
+      {"rule", [](forge_wgrad_args& a) { a.hparams.rule = static_cast<forge_rule>(FORGE_RULE_COUNT); }, bad, "hparams.rule"},
       {"weight_format", [](forge_wgrad_args& a) { a.param.weight_format = static_cast<forge_weight_format>(4); }, bad, "param.weight_format"},
       {"state_format", [](forge_wgrad_args& a) { a.param.state_format = static_cast<forge_state_format>(FORGE_STATE_FORMAT_COUNT); }, bad, "param.state_format"},
       {"master_missing", [](forge_wgrad_args& a) { a.param.weight_format = FORGE_WEIGHT_BF16_MASTER; }, bad, "param.master"},
@@ -57,6 +57,9 @@ inline std::vector<BadCase> wgrad_cases() {
       {"nesterov_dampening", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_SGD_MOMENTUM; a.hparams.momentum = 0.9; a.hparams.nesterov = 1; a.hparams.dampening = 0.5; }, bad, "hparams.nesterov"},
       {"rmsprop_alpha", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_RMSPROP; a.hparams.alpha = 1.0; }, bad, "hparams.alpha"},
       {"adagrad_lr_decay", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_ADAGRAD; a.hparams.lr_decay = -1; }, bad, "hparams.lr_decay"},
+      {"muon_momentum_above_one", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_MUON; a.hparams.momentum = 1.5; }, bad, "hparams.momentum"},
+      {"muon_momentum_negative", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_MUON; a.hparams.momentum = -0.05; }, bad, "hparams.momentum"},
+      {"muon_momentum_nan", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_MUON; a.hparams.momentum = NAN; }, bad, "hparams.momentum"},
       {"nadam_momentum_decay", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.momentum_decay = NAN; }, bad, "hparams.momentum_decay"},
       {"nadam_mu_product", [](forge_wgrad_args& a) { a.hparams.rule = FORGE_RULE_NADAM; a.hparams.mu_product = 1.0; }, bad, "hparams.mu_product"},
       // accepted in double, but the fp32 scalars the step computes with would not be finite

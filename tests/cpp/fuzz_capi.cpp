@@ -77,6 +77,11 @@ forge_hparams random_hparams(Rng& rng) {
     hp.dampening = hp.nesterov ? 0.0 : rng.uniform(0.0f, 1.0f);
   } else if (rule == FORGE_RULE_RMSPROP && rng.integer(0, 1)) {
     hp.momentum = rng.uniform(0.1f, 0.9f);
+  } else if (rule == FORGE_RULE_MUON) {
+    // [0, 1] closed; a dampening Muon does not read (SGD's nesterov would refuse it)
+    hp.momentum = rng.integer(0, 5) ? rng.uniform(0.0f, 0.99f) : pick(rng, {0, 1});
+    hp.nesterov = rng.integer(0, 1);
+    hp.dampening = rng.integer(0, 1) ? rng.uniform(0.0f, 1.0f) : 0.0;
   }
   const int step_kind = rng.integer(0, 9);
   hp.step = step_kind < 3 ? step_kind + 1
@@ -346,7 +351,10 @@ std::vector<Corruption> corruptions() {
       {"hp.step", kWgrad, hp_field("step", [](forge_hparams& h) { h.step = 0; })},
       {"hp.lr_nan", kWgrad, hp_field("lr", [](forge_hparams& h) { h.lr = NAN; })},
       {"hp.lr_negative", kWgrad, hp_field("lr", [](forge_hparams& h) { h.lr = -1e-3; })},
-      {"hp.lr_huge", kWgrad, hp_field("lr", [](forge_hparams& h) { h.lr = 1e39; })},
+      {"hp.lr_huge", kWgrad, [reads](S& s, Rng&, std::string& e) {
+         // (finite in double: refused for the fp32 scalars of a rule that reads lr)
+         if (!reads(s.wgrad.hparams, "lr")) return false;
+         s.wgrad.hparams.lr = 1e39; e = "hparams.lr"; return true; }},
       {"hp.weight_decay", kWgrad, hp_field("weight_decay", [](forge_hparams& h) { h.weight_decay = -1; })},
       {"hp.grad_scale_zero", kWgrad, hp_field("grad_scale", [](forge_hparams& h) { h.grad_scale = 0; })},
       {"hp.grad_scale_tiny", kWgrad, hp_field("grad_scale", [](forge_hparams& h) { h.grad_scale = 1e-50; })},
@@ -366,10 +374,14 @@ std::vector<Corruption> corruptions() {
       {"hp.alpha", kWgrad, [reads](S& s, Rng&, std::string& e) {
          if (!reads(s.wgrad.hparams, "alpha")) return false;
          s.wgrad.hparams.alpha = 1.5; e = "hparams.alpha"; return true; }},
-      {"hp.momentum", kWgrad, [](S& s, Rng&, std::string& e) {
+      {"hp.momentum", kWgrad, [](S& s, Rng& rng, std::string& e) {
          const int r = s.wgrad.hparams.rule;
-         if (r != FORGE_RULE_SGD && r != FORGE_RULE_SGD_MOMENTUM && r != FORGE_RULE_RMSPROP) return false;
-         s.wgrad.hparams.momentum = r == FORGE_RULE_SGD ? 0.5 : 1.0; e = "hparams.momentum"; return true; }},
+         if (r != FORGE_RULE_SGD && r != FORGE_RULE_SGD_MOMENTUM && r != FORGE_RULE_RMSPROP &&
+             r != FORGE_RULE_MUON) return false;
+         s.wgrad.hparams.momentum = r == FORGE_RULE_SGD ? 0.5
+                                    : r == FORGE_RULE_MUON ? (rng.integer(0, 1) ? 1.5 : -0.25)  // [0, 1]
+                                                           : 1.0;
+         e = "hparams.momentum"; return true; }},
       {"hp.lr_decay", kWgrad, [reads](S& s, Rng&, std::string& e) {
          if (!reads(s.wgrad.hparams, "lr_decay")) return false;
          s.wgrad.hparams.lr_decay = -0.5; e = "hparams.lr_decay"; return true; }},

@@ -286,7 +286,7 @@ TEST(Abi, EnumNamesRoundTrip) {
   const std::vector<std::vector<std::string>> documented = {
       {"ok", "invalid_argument", "unsupported", "device", "out_of_memory", "internal"},
       {"fp32", "bf16", "fp16"},
-      {"SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad"},
+      {"SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "Muon"},
       {"fp32", "bf16", "bf16_sr", "bf16_master"},
       {"fp32", "bf16", "bf16_sr", "int8", "fp8"},
       {"cpu", "cuda"}};

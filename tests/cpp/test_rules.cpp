@@ -105,6 +105,15 @@ void textbook_step(const forge_hparams& hp, int64_t t, double g, Ref& r) {
       r.w -= clr * g / (std::sqrt(r.a) + eps);
       break;
     }
+    case FORGE_RULE_MUON: {
+      // torch.optim.Muon's momentum: B = mu B + (1 - mu) G, and the direction the caller
+      // orthogonalizes, (1 - mu) G + mu B with nesterov, else B. The weight slot receives that
+      // direction; lr and weight_decay apply to the weight outside the step, not here.
+      const double mu = hp.momentum;
+      r.a = mu * r.a + (1 - mu) * g;
+      r.w = hp.nesterov ? (1 - mu) * g + mu * r.a : r.a;
+      break;
+    }
   }
 }
 
@@ -178,6 +187,9 @@ TEST(RuleDefaults, MatchTorchOptim) {
   ASSERT_EQ(forge_hparams_default(FORGE_RULE_RMSPROP, &hp), FORGE_OK);
   EXPECT_EQ(hp.alpha, 0.99);
   EXPECT_EQ(hp.lr, 1e-2);
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_MUON, &hp), FORGE_OK);
+  EXPECT_EQ(hp.momentum, 0.95);
+  EXPECT_EQ(hp.nesterov, 1);
 }
 
 TEST(RuleStateLayout, CountsSignsAndSizes) {
@@ -201,6 +213,70 @@ TEST(RuleStateLayout, CountsSignsAndSizes) {
   forge_hparams_default(FORGE_RULE_SGD, &hp);
   ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_FP32, 2, 5, &l), FORGE_OK);
   EXPECT_EQ(l.num_states, 0);
+  // Muon keeps its momentum buffer whatever the momentum (torch.optim.Muon's, zero at first)
+  forge_hparams_default(FORGE_RULE_MUON, &hp);
+  for (double momentum : {0.95, 0.0}) {
+    hp.momentum = momentum;
+    ASSERT_EQ(forge_state_layout_query(&hp, FORGE_STATE_INT8_BLOCK64, 3, 130, &l), FORGE_OK);
+    EXPECT_EQ(l.num_states, 1);
+    EXPECT_STREQ(l.names[0], "momentum_buffer");
+    EXPECT_EQ(l.is_signed[0], 1);
+    EXPECT_EQ(l.state_bytes[0], 3 * 130);
+    EXPECT_EQ(l.absmax_count[0], 3 * 3);
+  }
+}
+
+// Muon's step writes the momentum's direction into the weight slot: the weight's old value,
+// lr, weight_decay and the fields of other rules (dampening, which SGD's nesterov needs zero)
+// change no bit; momentum 0 gives u = m = g, momentum 1 keeps m and gives u = m, with or
+// without nesterov, exactly.
+TEST(MuonStep, WritesTheDirectionWhateverTheWeightAndUnreadFields) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  forge_hparams hp;
+  ASSERT_EQ(forge_hparams_default(FORGE_RULE_MUON, &hp), FORGE_OK);
+  hp.step = 5;
+  for (int nesterov : {1, 0}) {
+    SCOPED_TRACE("nesterov " + std::to_string(nesterov));
+    hp.nesterov = nesterov;
+    HostParam a(3, 70, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, hp);
+    a.randomize(rng, hp);
+    std::vector<float> m0(a.size());
+    for (float& v : m0) v = rng.normal(0.1f);
+    const forge_device cpu{};
+    ASSERT_EQ(forge_state_from_fp32(&a.p, &hp, 0, m0.data(), cpu), FORGE_OK) << forge_last_error();
+    HostParam b(a);
+    for (int64_t i = 0; i < b.size(); ++i) b.set_w(i, rng.normal(3.0f));
+    std::vector<float> grad(a.size());
+    for (float& g : grad) g = rng.normal(1.0f);
+    forge_hparams other = hp;
+    other.lr = 0.5;
+    other.weight_decay = 0.25;
+    other.decoupled_weight_decay = 0;
+    other.dampening = 0.5;
+    forge_elementwise_args e = elementwise_args(a, hp, grad);
+    ASSERT_EQ(forge_elementwise_step(&e), FORGE_OK) << forge_last_error();
+    e = elementwise_args(b, other, grad);
+    ASSERT_EQ(forge_elementwise_step(&e), FORGE_OK) << forge_last_error();
+    EXPECT_EQ(a.snapshot(), b.snapshot());
+    for (double momentum : {0.0, 1.0}) {
+      SCOPED_TRACE("momentum " + std::to_string(momentum));
+      forge_hparams edge = hp;
+      edge.momentum = momentum;
+      HostParam c(3, 70, FORGE_WEIGHT_FP32, FORGE_STATE_FP32, edge);
+      c.randomize(rng, edge);
+      ASSERT_EQ(forge_state_from_fp32(&c.p, &edge, 0, m0.data(), cpu), FORGE_OK);
+      e = elementwise_args(c, edge, grad);
+      ASSERT_EQ(forge_elementwise_step(&e), FORGE_OK) << forge_last_error();
+      const std::vector<float> m = c.state_fp32(0, edge);
+      for (int64_t i = 0; i < c.size(); ++i) {
+        const float want = momentum == 0.0 ? grad[i] : m0[i];
+        ASSERT_EQ(m[i], want) << i;
+        ASSERT_EQ(c.w(i), want) << i;
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -225,8 +301,14 @@ TEST(RuleQuery, AgreesWithLayoutsAndDefaults) {
     SCOPED_TRACE(info.name);
     std::vector<std::string> fields(info.fields, info.fields + info.num_fields);
     ASSERT_LE(info.num_fields, FORGE_MAX_RULE_FIELDS);
-    for (const char* always : {"step", "lr", "weight_decay", "maximize", "grad_scale", "seed"})
+    for (const char* always : {"step", "maximize", "grad_scale", "seed"})
       EXPECT_NE(std::find(fields.begin(), fields.end(), always), fields.end()) << always;
+    // lr and weight_decay: read by every rule whose step updates the weight, and by no other
+    // (Muon's writes the direction the caller applies: forge.h).
+    const bool updates_weight = rule != FORGE_RULE_MUON;
+    for (const char* weight_only : {"lr", "weight_decay"})
+      EXPECT_EQ(std::find(fields.begin(), fields.end(), weight_only) != fields.end(), updates_weight)
+          << weight_only;
     // The largest configuration: every condition met.
     forge_hparams hp;
     ASSERT_EQ(forge_hparams_default(rule, &hp), FORGE_OK);
@@ -286,6 +368,10 @@ TEST(RuleQuery, FieldsAreThoseTheRuleReads) {
   for (const char* f : {"lr_decay", "initial_accumulator_value", "eps"}) EXPECT_TRUE(has(adagrad, f)) << f;
   const auto sgdm = fields(FORGE_RULE_SGD_MOMENTUM);
   for (const char* f : {"momentum", "dampening", "nesterov"}) EXPECT_TRUE(has(sgdm, f)) << f;
+  const auto muon = fields(FORGE_RULE_MUON);
+  for (const char* f : {"momentum", "nesterov"}) EXPECT_TRUE(has(muon, f)) << f;
+  for (const char* f : {"lr", "weight_decay", "dampening", "decoupled_weight_decay", "beta1", "eps", "centered"})
+    EXPECT_FALSE(has(muon, f)) << f;
 }
 
 }  // namespace

@@ -213,6 +213,11 @@ inline std::vector<RuleCase> all_rule_cases() {
   hp = base(FORGE_RULE_RMSPROP); hp.lr = 0.01; hp.weight_decay = 0.01; cases.push_back({"RMSprop", hp});
   hp = base(FORGE_RULE_RMSPROP); hp.lr = 0.01; hp.centered = 1; hp.momentum = 0.9; cases.push_back({"RMSpropCenteredMomentum", hp});
   hp = base(FORGE_RULE_ADAGRAD); hp.lr = 0.05; hp.lr_decay = 0.01; hp.initial_accumulator_value = 0.1; hp.weight_decay = 0.01; cases.push_back({"Adagrad", hp});
+  // Muon: lr and weight_decay set (Muon reads neither: a step that used them would show);
+  // momentum >= 0.5 and < 0.5 take the two branches of each lerp (torch's weight rule).
+  hp = base(FORGE_RULE_MUON); hp.lr = 0.02; hp.weight_decay = 0.1; cases.push_back({"MuonNesterov", hp});
+  hp = base(FORGE_RULE_MUON); hp.lr = 0.02; hp.weight_decay = 0.1; hp.momentum = 0.9; hp.nesterov = 0; hp.maximize = 1; cases.push_back({"MuonPlainMaximize", hp});
+  hp = base(FORGE_RULE_MUON); hp.lr = 0.02; hp.momentum = 0.3; cases.push_back({"MuonLowMomentumNesterov", hp});
   return cases;
 }
 

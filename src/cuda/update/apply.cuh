@@ -146,6 +146,7 @@ __device__ __forceinline__ void apply_quads_resolved(const RuleScalars& k, bool 
     case FORGE_RULE_RADAM: FORGE_RULE_BRANCH(FORGE_RULE_RADAM, 0, -1, -1)
     case FORGE_RULE_LION: FORGE_RULE_BRANCH(FORGE_RULE_LION, 0, -1, -1)
     case FORGE_RULE_ADAGRAD: FORGE_RULE_BRANCH(FORGE_RULE_ADAGRAD, 0, -1, -1)
+    case FORGE_RULE_MUON: FORGE_RULE_BRANCH(FORGE_RULE_MUON, 0, -1, -1)
     case FORGE_RULE_RMSPROP:
       // Slots as make_rule_scalars() assigns them: square_avg 0, then grad_avg (centered),
       // then momentum_buffer (momentum > 0).

@@ -249,7 +249,13 @@ double edge_double(ByteReader& in, double current) {
 // A rule's hyper-parameters: its defaults, then fields moved to their edges.
 forge_hparams make_hparams(ByteReader& in) {
   forge_hparams hp{};
-  int32_t rule = static_cast<int32_t>(in.range(0, FORGE_RULE_COUNT - 1));
+  // One byte, read as the checked-in corpus and regressions were recorded (the rule byte % 8,
+  // the 8 rules before FORGE_RULE_MUON), except its top values, which pick the rules added
+  // since: those inputs still decode to the calls they were kept for.
+  static_assert(FORGE_RULE_COUNT - FORGE_RULE_MUON <= 8, "more new rules than top byte values");
+  const int rule_byte = in.byte();
+  int32_t rule = rule_byte < 248 ? rule_byte % FORGE_RULE_MUON
+                                 : FORGE_RULE_MUON + (rule_byte - 248) % (FORGE_RULE_COUNT - FORGE_RULE_MUON);
   if (in.chance(40)) rule = static_cast<int32_t>(in.bits(4));  // any value
   if (forge_hparams_default(rule, &hp) != FORGE_OK) {
     forge_hparams_default(FORGE_RULE_ADAMW, &hp);
@@ -265,6 +271,11 @@ forge_hparams make_hparams(ByteReader& in) {
     hp.nesterov = hp.rule == FORGE_RULE_SGD_MOMENTUM && in.chance(3);
     hp.dampening = hp.nesterov ? 0.0 : 0.1 * static_cast<double>(in.range(0, 10));
     hp.centered = static_cast<int32_t>(in.range(0, 1));
+  }
+  if (hp.rule == FORGE_RULE_MUON) {  // momentum in [0, 1]; a dampening it does not read
+    hp.momentum = in.chance(2) ? 0.1 * static_cast<double>(in.range(0, 10)) : hp.momentum;
+    hp.nesterov = static_cast<int32_t>(in.range(0, 1));
+    hp.dampening = in.chance(2) ? 0.0 : 0.1 * static_cast<double>(in.range(1, 10));
   }
   const int64_t steps[] = {1, 2, 3, 10, 1000, 1000000, INT64_MAX, INT64_MAX - 1, 0, -1, INT64_MIN,
                            static_cast<int64_t>(1) << 62};

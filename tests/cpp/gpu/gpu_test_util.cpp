@@ -685,6 +685,22 @@ const std::vector<RuleCase>& rule_cases() {
       h.weight_decay = 0.01;
       h.step = 2;
     });
+    // Muon: the weight slot receives the direction; lr and weight_decay set, and not read.
+    add("MuonNesterov", FORGE_RULE_MUON, [](forge_hparams& h) {
+      h.lr = 0.02;
+      h.weight_decay = 0.1;
+      h.step = 4;
+    });
+    add("MuonPlain", FORGE_RULE_MUON, [](forge_hparams& h) {
+      h.nesterov = 0;
+      h.momentum = 0.9;
+      h.maximize = 1;
+      h.grad_scale = 0.5;
+    });
+    add("MuonLowMomentum", FORGE_RULE_MUON, [](forge_hparams& h) {
+      h.momentum = 0.3;  // below 0.5: the other branch of each lerp
+      h.dampening = 0.5;  // (not read: SGD's nesterov would refuse it)
+    });
     return v;
   }();
   return cases;

@@ -71,6 +71,8 @@ const ShardCase kCases[] = {
     {"NAdam_Wbf16sr_Sint8", 6, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, true},
     {"NAdam_Wbf16sr_Sfp8", 6, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, true},
     {"Adagrad_Wbf16sr_Sbf16sr_unaligned", 13, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, false},
+    {"MuonNesterov_Wbf16sr_Sint8", 14, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, true},
+    {"MuonPlain_Wfp32_Sbf16sr_unaligned", 15, FORGE_WEIGHT_FP32, FORGE_STATE_BF16_STOCHASTIC, false},
 };
 
 class WgradShards : public ::testing::TestWithParam<ShardCase> {};
