@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name in ("optim", "lean", "graphs"):  # forge.lean and forge.graphs need no libforge
+    if name in ("optim", "lean", "graphs", "muon"):  # only forge.optim needs libforge
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'forge' has no attribute {name!r}")
 
@@ -35,5 +35,5 @@ def has_cuda() -> bool:
     return library().has_cuda
 
 
-__all__ = ["optim", "lean", "graphs", "ForgeError", "LibraryNotFound", "library", "has_cuda",
+__all__ = ["optim", "lean", "graphs", "muon", "ForgeError", "LibraryNotFound", "library", "has_cuda",
            "__version__"]

@@ -244,6 +244,15 @@ def test_modes_bits(mode, device):
     _assert_same_bits(eager, compiled)
 
 
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+def test_muon_bits(mode):
+    """Muon's direction is made by the same libforge call from a compiled backward's hand-off
+    as from the eager one, and orthogonalized alike: the same bits."""
+    eager, compiled = _eager_and_compiled(
+        MLP, lambda m: forge.optim.Muon(m, lr=2e-2, mode=mode), "aot_eager")
+    _assert_same_bits(eager, compiled)
+
+
 def test_frozen_weights_bits():
     """Frozen weights are not fused (their Linears are torch's own in the graph); their
     biases take the element-wise path."""

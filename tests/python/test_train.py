@@ -77,6 +77,8 @@ def test_other_optimizers_and_options_run(tmp_path):
                 "--activation-checkpointing", "--out", tmp_path / "sgd"] + SMALL) == 0
     assert run(["--steps", 3, "--optimizer", "lion", "--state-format", "int8", "--bf16",
                 "--out", tmp_path / "lion"] + SMALL) == 0
+    assert run(["--steps", 3, "--optimizer", "muon", "--state-format", "bf16",
+                "--out", tmp_path / "muon"] + SMALL) == 0
 
 
 @pytest.mark.parametrize("baseline", [[], ["--baseline", "torch"]], ids=["forge", "torch"])
@@ -116,8 +118,12 @@ def test_cuda_graph_run_is_bit_identical_to_eager_on_cuda(tmp_path, deterministi
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("formats", [[], ["--bf16", "--state-format", "int8"]],
-                         ids=["fp32", "bf16-int8-states"])
+@pytest.mark.parametrize("formats", [
+    [], ["--bf16", "--state-format", "int8"], ["--optimizer", "muon"],
+    pytest.param(["--optimizer", "muon", "--baseline", "torch"],
+                 marks=pytest.mark.skipif(not hasattr(torch.optim, "Muon"),
+                                          reason="torch.optim.Muon: torch >= 2.9"))],
+    ids=["fp32", "bf16-int8-states", "muon", "torch-muon"])
 def test_resume_after_interruption_is_bit_exact(tmp_path, monkeypatch, formats):
     common = ["--steps", 12, "--warmup", 3, "--save-every", 4, "--lr", "3e-3"] + SMALL + formats
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -559,6 +565,21 @@ def test_bench_loop_clip_modes_on_cpu(tmp_path):
     assert set(modes) <= set(bench.KNOWN_MODES)
     assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
                        "--modes", *modes, "--out", str(tmp_path)]) == 0
+    json_file = next(f for f in os.listdir(tmp_path) if f.endswith(".json"))
+    with open(tmp_path / json_file) as f:
+        rows = json.load(f)["results"]
+    assert [r["mode"] for r in rows] == modes
+    assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
+def test_bench_muon_modes_on_cpu(tmp_path):
+    """torch's Muon + AdamW pair and forge.optim.Muon (bf16 and int8 momentum), each step
+    measured; the pair takes Muon for the weights forge.optim.Muon's default groups give it."""
+    from forge.tools import bench
+    modes = ["torch-muon", "forge-muon-bf16", "forge-muon-int8"]
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
+                       "--modes", *modes, "--timed-steps", "2", "--out", str(tmp_path)]) == 0
     json_file = next(f for f in os.listdir(tmp_path) if f.endswith(".json"))
     with open(tmp_path / json_file) as f:
         rows = json.load(f)["results"]

@@ -27,10 +27,10 @@ _lib.get()
 from .optimizer import _ForgeOptimizer, param_groups_no_decay  # noqa: E402,F401 (isinstance)
 from .capture import GraphCapture  # noqa: E402
 from .deferred import ConsumedGrad, FactoredGrad  # noqa: E402
-from .rules import SGD, Adagrad, Adam, AdamW, Lion, NAdam, RAdam, RMSprop  # noqa: E402
+from .rules import SGD, Adagrad, Adam, AdamW, Lion, Muon, NAdam, RAdam, RMSprop  # noqa: E402
 from .store import STATE_FORMATS  # noqa: E402
 from .summary import Inspection, ParamInfo  # noqa: E402
 
-__all__ = ["AdamW", "Adam", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "SGD",
+__all__ = ["AdamW", "Adam", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "SGD", "Muon",
            "param_groups_no_decay", "GraphCapture", "FactoredGrad", "ConsumedGrad",
            "STATE_FORMATS", "Inspection", "ParamInfo"]

@@ -197,7 +197,9 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                                           self._capture, modes.begin_step, self._model_ref,
                                           seed=seed, keeps_mu_product=keeps_mu)
         self._backward = backward = Backward(shared, updater, modes)
-        self._router = router = Router(shared, lib, backward, modes, self._torch_name, spread)
+        self._router = router = Router(
+            shared, lib, backward, modes, self._torch_name, spread,
+            muon_group=lambda group, rules=type(self): rules._rule(group) == _lib.RULE_MUON)
         self._stepper = Stepper(shared, router, backward, updater, modes, stats,
                                 None if max_grad_norm is None else float(max_grad_norm), spread)
         router.check_params(model, all_params, names)

@@ -224,7 +224,8 @@ class Router:
     """The optimizer's slots on the model (see the file header). shared: its Shared;
     backward, modes: its parts (backward.py, modes.py), which the hooks reach."""
 
-    def __init__(self, shared, lib, backward, modes, torch_name: str, distributed_: bool):
+    def __init__(self, shared, lib, backward, modes, torch_name: str, distributed_: bool,
+                 muon_group=lambda group: False):
         self.shared = shared
         self._lib = lib
         self._backward = backward
@@ -235,6 +236,7 @@ class Router:
         self._distributed = distributed_
         self.any_cuda = False  # a parameter on CUDA
         self.wrapper_check = None  # the model's WrapperCheck hook (optimizer.py makes it)
+        self._muon_group = muon_group  # whether a param group's rule is Muon's (slot.muon)
         self._backward_start = None  # the model's BackwardStart hook, with FSDP2 shards
 
     def check_params(self, model: nn.Module, params: Sequence[torch.Tensor],
@@ -242,6 +244,8 @@ class Router:
         """Refuses, by name, a parameter FORGE cannot drive (before anything is touched)."""
         sparse = {id(_linear.registered_weight(m)) for m in model.modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+        muon = {id(q) for g in self.shared.param_groups if self._muon_group(g)
+                for q in g["params"]}
         for p in params:
             if id(p) not in names:
                 raise ValueError(f"{self._torch_name}: a parameter of shape {list(p.shape)} in "
@@ -270,6 +274,10 @@ class Router:
             if id(p) in sparse:
                 raise ValueError(f"parameter '{name}': nn.Embedding(sparse=True) gives sparse "
                                  "gradients, which FORGE does not support")
+            if id(p) in muon and distributed.is_dtensor(p):
+                raise ValueError(f"parameter '{name}': a DTensor shard in a Muon param group: "
+                                 "FORGE's Muon orthogonalizes whole matrices on one process "
+                                 "only (give it use_muon=False, which takes AdamW)")
             owner = owner_of(p)
             if owner is not None:
                 mine = owner is self._backward
@@ -329,6 +337,7 @@ class Router:
                                             "applied in opt.step()")
             slot = Slot(self._backward, p, index_of[id(p)], p_names, mode)
             slot.kind, slot.reason = kind, reason
+            slot.muon = self._muon_group(shared.group_of(slot))
             slot.fsdp_shard = fsdp_shard
             slot.live = True
             if mode == "fused" and slot.dtensor:
@@ -376,7 +385,7 @@ class Router:
         if slot.record is not None:  # (rebind_streams: the old node's hook passes through)
             slot.record.enabled = False
             slot.record = slot.record_call = slot.cpp_linear = None
-        cpp = _prehook.get() if not slot.dtensor else None
+        cpp = _prehook.get() if not slot.dtensor and not slot.muon else None
         if cpp is not None:
             # NOTE: the C++ Linear backward arms the update Python readied (updater.py,
             # ready_wgrad), the C++ pre-hook makes it; both call the Python ones for

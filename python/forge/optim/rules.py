@@ -11,6 +11,7 @@ import math
 import torch.nn as nn
 
 from .. import _lib
+from .. import muon
 from .calls import as_float
 from .optimizer import _ForgeOptimizer
 
@@ -263,3 +264,80 @@ class SGD(_ForgeOptimizer):
             hp.momentum = as_float(group["momentum"], "momentum")
             hp.dampening = as_float(group["dampening"], "dampening")
             hp.nesterov = int(bool(group["nesterov"]))
+
+
+class Muon(_ForgeOptimizer):
+    """torch.optim.Muon for the hidden layers' 2-d weights and torch.optim.AdamW for every other
+    parameter, in one optimizer (one step(), one state_dict()), fused into backward.
+
+    Muon's momentum is updated from each dW tile inside the weight-gradient GEMM (its only
+    per-weight state: no gradient is kept); as soon as a weight's momentum is complete, its
+    direction is orthogonalized (Newton–Schulz, bf16 matmuls) and applied as torch.optim.Muon
+    applies it (muon.py). The Muon part's keyword names and defaults are torch.optim.Muon's;
+    the AdamW part's are torch.optim.AdamW's, prefixed adamw_.
+
+    Which parameters take Muon: with params=None, the weights of the model's nn.Linear (and
+    transformers Conv1D) layers except its output head (model.get_output_embeddings(), where
+    the model has one); everything else takes AdamW. With params=, each param group says so
+    with "use_muon" (default True; Muon groups must hold 2-d parameters only)."""
+
+    _torch_name = "Muon"
+    _torch_keeps_step = False  # (torch.optim.Muon's state is its momentum_buffer alone)
+
+    def __init__(self, model: nn.Module, lr=1e-3, weight_decay=0.1, momentum=0.95,
+                 nesterov=True, ns_coefficients=muon.NS_COEFFICIENTS, eps=muon.EPS,
+                 ns_steps=muon.NS_STEPS, adjust_lr_fn=None, *, adamw_lr=1e-3,
+                 adamw_betas=(0.9, 0.999), adamw_eps=1e-8, adamw_weight_decay=1e-2,
+                 params=None, **forge):
+        if forge.get("master_weights"):
+            raise ValueError("Muon: master_weights=True is not supported (the Muon weight update "
+                             "is torch.optim.Muon's, in the weight's own dtype)")
+        if params is None and isinstance(model, nn.Module):
+            params = muon.default_groups(model, dict(
+                use_muon=False, lr=adamw_lr, eps=adamw_eps, weight_decay=adamw_weight_decay,
+                betas=tuple(adamw_betas) if isinstance(adamw_betas, list) else adamw_betas))
+        super().__init__(model, params, dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, list)
+            else ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            betas=tuple(adamw_betas) if isinstance(adamw_betas, list) else adamw_betas,
+            use_muon=True), **forge)
+
+    @classmethod
+    def _check_group_rule(cls, group):
+        if not isinstance(group["use_muon"], bool):
+            raise ValueError(f"Invalid use_muon value: {group['use_muon']!r} (True or False)")
+        if not group["use_muon"]:
+            return
+        for p in group["params"]:
+            if p.dim() != 2:
+                raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter "
+                                 f"with size: {p.size()} (FORGE: give it a param group with "
+                                 "use_muon=False, which takes AdamW)")
+        if not 0.0 <= as_float(group["momentum"], "momentum") <= 1.0:
+            raise ValueError(f"momentum should be in [0, 1] but is: {group['momentum']}")
+        if not isinstance(group["nesterov"], bool):
+            raise ValueError(f"Invalid nesterov value: {group['nesterov']!r} (True or False)")
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
+            raise ValueError(f"Invalid ns_steps value: {steps!r} (an int in [1, 100))")
+        coefficients = group["ns_coefficients"]
+        if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3 or not all(
+                math.isfinite(as_float(c, "ns_coefficients")) for c in coefficients):
+            raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (three finite floats)")
+        if group["adjust_lr_fn"] not in muon.ADJUST_LR_FNS:
+            raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not "
+                             "supported")
+
+    @classmethod
+    def _rule(cls, group):
+        return _lib.RULE_MUON if group["use_muon"] else _lib.RULE_ADAMW
+
+    @classmethod
+    def _fill(cls, hp, group):
+        if group["use_muon"]:
+            hp.momentum = as_float(group["momentum"], "momentum")
+            hp.nesterov = int(group["nesterov"])
+        else:
+            AdamW._fill(hp, group)
+

@@ -33,6 +33,9 @@ class Slot:
         self.name = names[0]
         self.mode = mode            # "fused" | "hook" | "batched" | "deferred"
         self.kind = None            # fused: the layer, "Linear" or "Conv1D"
+        # Muon's rule: libforge's step writes a direction, muon.py orthogonalizes and applies it
+        # (updater.py); never a C++ record, a batch shared with others, a shard or a capture
+        self.muon = False
         self.reason = ""            # why this path, in words (opt.summary())
         self.state_format = None    # store.STATE_FORMATS, fixed when its states are made
         self.storage_asked = None   # its group's (state_format, min_8bit_size) then

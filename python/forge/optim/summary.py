@@ -225,7 +225,7 @@ def describe(info: Inspection, verbose: bool = False) -> str:
         why = "" if in_cpp == len(fused) else \
             f"; the Python pre-hook for {len(fused) - in_cpp} " + (
                 f"(the C++ one is not built: {info.cpp_failure})" if in_cpp == 0
-                and info.cpp_failure else "(sharded or detached)")
+                and info.cpp_failure else "(sharded, detached, or Muon's)")
         lines.append(f"  fused weights' update inside backward: the C++ pre-hook for {in_cpp}"
                      f" (of which {sum(1 for p in fused if p.cpp_backward)} "
                      f"with the C++ Linear or Conv1D backward){why}")

@@ -21,8 +21,10 @@ import torch
 
 from .. import _lib
 from .. import _linear
+from .. import muon
 from . import distributed
-from .calls import NO_OUTPUTS, as_operand, commit, kept_args, row_block, write_operands
+from .calls import (NO_OUTPUTS, as_float, as_operand, commit, kept_args, row_block,
+                    write_operands)
 
 
 class Updater:
@@ -178,7 +180,7 @@ class Updater:
         step_id = shared.step_id
         ready = slot.ready
         if (ready is not None and ready[0] == step_id and slot.struct_step == step_id
-                and ready[1] == stream and not shared.capturing
+                and ready[1] == stream and not shared.capturing and not slot.muon
                 and write_operands(ready[2], x2, ldx, dy2, lddy, tokens)):
             hp, st = ready[4], ready[5]
             self._lib.wgrad_step(ready[2])
@@ -212,6 +214,10 @@ class Updater:
             self.check_step()
         st, step, param, device, outputs, hparams, capturing = self._call_parts(slot, stream)
         if rows is not None:
+            if slot.muon:
+                raise RuntimeError(f"forge: parameter '{slot.name}' takes Muon, which needs its "
+                                   "whole gradient at once, not block by block as forge.loss's "
+                                   "fused head gives it: give the head use_muon=False (AdamW)")
             param = row_block(param, rows)
         if x is not None:
             # NOTE: no torch.no_grad() here (host time on every Linear): forge_dtype's only
@@ -224,11 +230,16 @@ class Updater:
             args.tokens = x2.size(0) if x2.dim() == 2 else _linear.row_count(x2)
             args.x, args.x_dtype, args.ldx = x2.data_ptr(), x_code, ldx
             args.dy, args.dy_dtype, args.lddy = dy2.data_ptr(), dy_code, lddy
+            direction = self._muon_direction(slot, args) if slot.muon else None
             self._lib.wgrad_step(args)
         else:
             args, grad = self._elementwise_args(slot, grad, scale, st, step, param, device,
                                                 outputs, hparams, capturing)
+            direction = self._muon_direction(slot, args) if slot.muon else None
             self._lib.elementwise_step(args)
+        if direction is not None:
+            muon.apply_direction(slot.param, direction, self.shared.group_of(slot),
+                                 as_float(self.shared.group_of(slot)["lr"], "lr"))
         if last:
             self._count_update(slot, st, step, capturing, args.hparams)
 
@@ -242,17 +253,37 @@ class Updater:
         shared = self.shared
         if shared.checked_step != shared.step_id:
             self.check_step()
-        calls, operands, counts = [], [], []
+        calls, operands, counts, directions = [], [], [], []
         for slot, grad, scale in items:
             st, step, param, device, outputs, hparams, capturing = self._call_parts(slot, None)
             args, grad = self._elementwise_args(slot, grad, scale, st, step, param, device,
                                                 outputs, hparams, capturing)
+            if slot.muon:  # (each its own direction matrix: the batch writes them all)
+                directions.append((slot, self._muon_direction(slot, args)))
             calls.append(args)
             operands.append(grad)  # (alive until the call returns)
             counts.append((slot, st, step, capturing, args.hparams))
         self._lib.elementwise_step_batch(calls)
+        for slot, direction in directions:
+            group = self.shared.group_of(slot)
+            muon.apply_direction(slot.param, direction, group, as_float(group["lr"], "lr"))
         for slot, st, step, capturing, hp in counts:
             self._count_update(slot, st, step, capturing, hp)
+
+    def _muon_direction(self, slot, args) -> torch.Tensor:
+        """The bf16 matrix (zeros: a skipped element adds nothing) that args' Muon step writes
+        its direction into, in the weight's place (muon.py); alive until it is applied."""
+        if self.shared.capturing:
+            raise RuntimeError(f"forge: parameter '{slot.name}' takes Muon, whose Newton-Schulz "
+                               "step is not captured in CUDA graphs by FORGE")
+        direction = torch.zeros((slot.rows, slot.cols), dtype=torch.bfloat16,
+                                device=slot.device)  # [rows, cols]
+        # NOTE: set at every call: args (kept per parameter) hold a copy of the forge_param,
+        # refreshed only when the struct changes; nothing else makes a Muon slot's calls
+        args.param.weight = direction.data_ptr()
+        args.param.weight_format = _lib.WEIGHT_BF16
+        args.param.master = None
+        return direction
 
     def _call_parts(self, slot, stream):
         """What every update of slot's parameter passes: (its state dict, this update's

@@ -132,7 +132,11 @@ LOOP_CLIP_SUFFIX = "-loopclip"
 LOOP_MODES += ["torch-adamw-loopclip", "forge-bf16-loopclip"]
 # FORGE with the head and its cross entropy fused (forge.loss.enable_fused_head): no logits.
 HEAD_MODES = ["forge-bf16-head", "forge-int8-head", "forge-fp8-head"]
-KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES
+# Muon (hidden Linear weights) + AdamW (the rest), as forge.optim.Muon groups them: torch's
+# pair (torch.optim.Muon + fused AdamW, torch >= 2.9) and forge.optim.Muon by momentum format.
+MUON_MODES = ["torch-muon", "forge-muon-bf16", "forge-muon-int8"]
+MUON_LR = 0.02
+KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES + MUON_MODES
 # The baselines' cases (docs/performance.md, "What we measure against") and those of TARGETS
 # below, most important first:
 # (model, seq, activation checkpointing, modes). torch-adamw leads each group: its number
@@ -272,7 +276,15 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         return torch.optim.AdamW(model.parameters(), lr=LR, fused=fused, capturable=graph)
     if mode == "torch-hooks":
         return OptimizerInBackward(model, fused)
+    if mode == "torch-muon":
+        from forge.tools.torch_muon import TorchMuonAdamW
+        try:
+            return TorchMuonAdamW(model, lr=MUON_LR, adamw_lr=LR, fused=fused)
+        except ValueError as e:  # (a torch without torch.optim.Muon)
+            raise BenchError(f"torch-muon: {e}") from None
     import forge.optim
+    if mode in ("forge-muon-bf16", "forge-muon-int8"):
+        return forge.optim.Muon(model, lr=MUON_LR, adamw_lr=LR, state_format=mode[-4:])
     mode = mode[:-len("-lean")] if mode in LEAN_MODES else mode
     mode = mode[:-len("-head")] if mode in HEAD_MODES else mode
     if mode == "forge-bf16":

@@ -82,6 +82,9 @@ OPTIMIZERS: Dict[str, OptimizerSpec] = {
                              ("alpha", "eps", "weight_decay", "momentum", "centered")),
     "adagrad": OptimizerSpec("Adagrad", 1e-2, ("lr_decay", "eps", "weight_decay")),
     "sgd": OptimizerSpec("SGD", 5e-2, ("momentum", "dampening", "weight_decay", "nesterov")),
+    # Muon for the hidden Linear weights, AdamW (torch's defaults) for the rest; its torch
+    # baseline is the same pair (forge/tools/torch_muon.py)
+    "muon": OptimizerSpec("Muon", 2e-2, ("momentum", "weight_decay", "nesterov")),
 }
 HPARAM_FLAGS = {"betas": "--betas", "eps": "--eps", "weight_decay": "--weight-decay",
                 "alpha": "--alpha", "momentum": "--momentum", "centered": "--centered",
@@ -145,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--centered", action="store_true", default=None, help="RMSprop")
     g.add_argument("--lr-decay", type=float, help="Adagrad")
     g.add_argument("--dampening", type=float, help="SGD")
-    g.add_argument("--nesterov", action="store_true", default=None, help="SGD")
+    g.add_argument("--nesterov", action="store_true", default=None, help="SGD (default off); Muon (default on)")
     g.add_argument("--state-format", choices=["fp32", "bf16", "int8", "fp8"],
                    help="FORGE optimizer-state storage (default: forge.optim's)")
     g.add_argument("--master-weights", action="store_true", default=None,
@@ -397,6 +400,13 @@ def make_optimizer(model: nn.Module, spec: OptimizerSpec, args, device: torch.de
         value = getattr(args, hp)
         if value is not None:
             kwargs[hp] = tuple(value) if hp == "betas" else value
+    if args.baseline == "torch" and spec.class_name == "Muon":
+        from forge.tools.torch_muon import TorchMuonAdamW
+        try:
+            opt = TorchMuonAdamW(model, fused=True if device.type == "cuda" else None, **kwargs)
+        except ValueError as e:
+            raise TrainError(f"--baseline torch: {e}") from None
+        return opt, "torch.optim.Muon + torch.optim.AdamW"
     if args.baseline == "torch":
         cls = getattr(torch.optim, spec.class_name)
         if device.type == "cuda" and spec.class_name == "AdamW":
