@@ -245,3 +245,22 @@ def test_a_head_updated_block_by_block_is_refused_before_it_changes():
         head_cross_entropy(hidden, head, torch.randint(0, 40, (2, 5))).backward()
     assert torch.equal(head.weight, before)
     del opt
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+def test_a_nonfinite_gradient_element_adds_nothing_and_never_reaches_a_weight(mode, device):
+    """A NaN in X poisons a column of the first weight's dW (and, through the output, every
+    gradient after it): those elements are counted and skipped, their momentum stays as it was
+    (zero), and the direction holds zeros there: every weight stays finite."""
+    model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False)).to(device)
+    opt = forge.optim.Muon(model, lr=0.02, mode=mode)
+    x = torch.randn(5, 4, device=device)
+    x[2, 1] = float("nan")
+    model(x).nan_to_num(0.0).sum().backward()
+    opt.step()
+    assert opt.nonfinite_count > 0
+    momentum = opt.state[model[0].weight]["momentum_buffer"]
+    assert torch.equal(momentum[:, 1], torch.zeros_like(momentum[:, 1]))
+    assert torch.isfinite(momentum).all()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
