@@ -587,6 +587,41 @@ def test_bench_muon_modes_on_cpu(tmp_path):
     assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in rows), rows
 
 
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6),
+                    reason="--simulate-ranks needs torch >= 2.6")
+def test_bench_simulated_ranks_on_cpu(tmp_path):
+    """--simulate-ranks: rank 0 of a 4-rank FSDP2 job and of a 2-rank tensor-parallel one, alone
+    in this process (torch's fake process group): the model is built on the meta device and only
+    this rank's shards are made (its weights a quarter of the whole model's, padding aside), the
+    rows say it was simulated, and the process group is gone afterwards."""
+    import torch.distributed as dist
+    from forge.tools import bench
+    common = ["--models", "tiny", "--device", "cpu", "--seqs", "32", "--ckpt", "off",
+              "--modes", "torch-adamw", "forge-bf16", "--timed-steps", "2"]
+
+    def rows_of(out, extra):
+        assert bench.main(common + extra + ["--out", str(out)]) == 0
+        assert not dist.is_initialized()
+        with open(out / next(f for f in os.listdir(out) if f.endswith(".json"))) as f:
+            saved = json.load(f)
+        assert all(r["status"] == "ok" for r in saved["results"]), saved["results"]
+        return saved
+    whole = rows_of(tmp_path / "one", [])
+    fsdp = rows_of(tmp_path / "fsdp", ["--simulate-ranks", "4", "--fsdp"])
+    tp = rows_of(tmp_path / "tp", ["--simulate-ranks", "2", "--tp", "2"])
+    assert fsdp["environment"]["parallel"] == dict(world=4, tp=1, dp=4, fsdp=True, simulated=True)
+    assert tp["environment"]["parallel"]["simulated"] and "rank 0 of 2 simulated" in \
+        tp["environment"]["gpu"]
+    full = whole["results"][0]["weights_gib"]
+    for r in fsdp["results"]:
+        assert 0 < r["weights_gib"] < 0.3 * full
+    assert all(r["states_gib"] is not None for r in fsdp["results"])
+    for extra, message in ((["--simulate-ranks", "1", "--fsdp"], "at least 2"),
+                           (["--simulate-ranks", "4"], "add --fsdp")):
+        assert bench.main(common + extra + ["--out", str(tmp_path / "bad")]) == 2
+        assert not dist.is_initialized()
+
+
 def test_bench_default_modes_batch_compile_and_the_memory_suite(tmp_path, monkeypatch):
     """FORGE's modes run the default arguments (mode="auto") unless a mode names one; rows say
     the batch and --compile (the model compiled after the optimizer: aot_eager here, to spare

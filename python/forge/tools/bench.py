@@ -72,6 +72,14 @@ MODEL_CONFIGS: Dict[str, dict] = {
                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_id=128001),
+    "llama-3.1-70b": dict(
+        family="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=128001),
     "qwen3-14b": dict(
         family="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
         num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
@@ -180,8 +188,8 @@ TARGETS = [
     ("llama-3.1-8b", 512, False, "forge-int8-lean-graph", "step_ms", 150.0),
 ]
 FIELDS = ["model", "seq", "ckpt", "mode", "status", "peak_gib", "first_peak_gib",
-          "steady_peak_gib", "step_ms", "tokens_per_s", "params_b", "weights_gib", "note",
-          "graph", "batch", "compiled"]
+          "steady_peak_gib", "step_ms", "tokens_per_s", "params_b", "weights_gib", "states_gib",
+          "note", "graph", "batch", "compiled"]
 
 
 class BenchError(Exception):
@@ -383,7 +391,10 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
         return dict(status="unsupported", note="CUDA graphs need a CUDA GPU")
     # Memory still held from earlier cases would inflate this case's peak: record it.
     leftover = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    model = build_model(model_name, device, dtype)
+    simulated = _PARALLEL is not None and _PARALLEL.simulated
+    # (simulated ranks: built on the meta device, sharded, then this rank's shards made: a
+    # model larger than the card never exists whole)
+    model = build_model(model_name, torch.device("meta") if simulated else device, dtype)
     model.train()
     if ckpt:
         from forge.tools.models import enable_activation_checkpointing
@@ -393,12 +404,14 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
     if _PARALLEL is not None:
         from forge.tools import parallel
         parallel.apply(model, _PARALLEL)
+        if simulated:
+            parallel.materialize(model, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         weights = torch.cuda.memory_allocated()
-    else:
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:  # (this rank's shards: a DTensor's local tensor)
+        weights = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     optimizer = make_optimizer(mode, model, device, graph)
     if compiled:  # (after the optimizer: forge.optim patches the Linears' forwards)
         model = torch.compile(model)
@@ -408,6 +421,21 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
     finally:
         if isinstance(optimizer, OptimizerInBackward):
             optimizer.close()
+
+
+def state_gib(optimizer) -> Optional[float]:
+    """The GiB of the optimizer's state tensors on this rank (a loop's optimizer: the one it
+    drives); None where it keeps no single state (torch-hooks' optimizer per parameter)."""
+    state = getattr(getattr(optimizer, "optimizer", optimizer), "state", None)
+    if not isinstance(state, dict):
+        return None
+    return round(sum(_local(t).numel() * t.element_size() for st in state.values()
+                     for t in st.values() if isinstance(t, torch.Tensor)) / 2**30, 6)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def prepare_model(model, model_name: str, mode: str) -> None:
@@ -495,7 +523,8 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
     step_ms = statistics.median(times)
     note = ""
     if not torch.isfinite(loss.detach()).item():
-        note = "non-finite loss"
+        note = "non-finite loss" + (" (simulated ranks: the collectives filled nothing)"
+                                    if _PARALLEL is not None and _PARALLEL.simulated else "")
     if leftover > 2**28:
         note = f"{leftover / 2**30:.1f} GiB left over from earlier cases is in the peak"
     per_gpu = 1.0 if _PARALLEL is None else _PARALLEL.dp / _PARALLEL.world
@@ -503,8 +532,8 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
     row = dict(status="ok", peak_gib=gib(peak), first_peak_gib=gib(first_peak),
                steady_peak_gib=gib(steady_peak), step_ms=round(step_ms, 1),
                tokens_per_s=round(batch * seq * per_gpu / (step_ms / 1e3)),
-               params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 2),
-               note=note, step_ms_each=[round(t, 1) for t in times],
+               params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 6),
+               states_gib=state_gib(optimizer), note=note, step_ms_each=[round(t, 1) for t in times],
                host_ms=round(statistics.median(host), 1))
     if profile > 0:  # after the peak and the times are taken: the profiler perturbs both
         from forge.tools.step_profile import profile_steps
@@ -595,9 +624,14 @@ def environment(device: torch.device, argv: List[str]) -> dict:
         info["forge"] = None
     if _PARALLEL is not None:
         info["parallel"] = {"world": _PARALLEL.world, "tp": _PARALLEL.tp, "dp": _PARALLEL.dp,
-                            "fsdp": _PARALLEL.fsdp}
-        info["gpu"] += f" ×{_PARALLEL.world} (tp {_PARALLEL.tp}, dp {_PARALLEL.dp}" + \
-            (", FSDP2)" if _PARALLEL.fsdp else ")")
+                            "fsdp": _PARALLEL.fsdp, "simulated": _PARALLEL.simulated}
+        if _PARALLEL.simulated:
+            info["gpu"] += (f", rank 0 of {_PARALLEL.world} simulated (tp {_PARALLEL.tp}, "
+                            f"dp {_PARALLEL.dp}" + (", FSDP2" if _PARALLEL.fsdp else "") +
+                            "; fake process group: step times are compute only)")
+        else:
+            info["gpu"] += f" ×{_PARALLEL.world} (tp {_PARALLEL.tp}, dp {_PARALLEL.dp}" + \
+                (", FSDP2)" if _PARALLEL.fsdp else ")")
     return info
 
 
@@ -1167,6 +1201,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--profile runs in the first round only")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="under torchrun: tensor parallel over N ranks (forge/tools/parallel.py)")
+    p.add_argument("--simulate-ranks", type=int, default=0, metavar="N",
+                   help="rank 0 of an N-rank job with --fsdp / --tp, alone on this device "
+                        "(torch's fake process group): its peak memory, and its step time "
+                        "without communication")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: FSDP2 over the data-parallel ranks (world / tp); "
                         "batch 1 per data-parallel rank")
@@ -1275,7 +1313,14 @@ def merge_rounds(rows: List[dict]) -> List[dict]:
 
 
 def main(argv=None) -> int:
-    code = _run(argv)
+    global _PARALLEL
+    try:
+        code = _run(argv)
+    finally:
+        if _PARALLEL is not None and _PARALLEL.simulated:  # (one process: it goes on)
+            import torch.distributed as dist
+            dist.destroy_process_group()
+            _PARALLEL = None
     if _PARALLEL is not None:  # (under torchrun: the process may end there)
         from forge.tools import parallel
         parallel.leave(code)
@@ -1313,7 +1358,11 @@ def _run(argv) -> int:
         global _PARALLEL
         from forge.tools import parallel
         try:
-            _PARALLEL = parallel.from_environment(args.tp, args.fsdp, device.type)
+            if args.simulate_ranks:
+                _PARALLEL = parallel.simulate(args.simulate_ranks, args.tp, args.fsdp,
+                                              device.type)
+            else:
+                _PARALLEL = parallel.from_environment(args.tp, args.fsdp, device.type)
         except parallel.ParallelError as e:
             raise BenchError(str(e)) from None
         if _PARALLEL is not None:

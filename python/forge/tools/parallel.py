@@ -35,6 +35,8 @@ class Parallel:
     fsdp: bool
     mesh: object            # DeviceMesh ("dp", "tp")
     device: torch.device
+    # rank 0 of a `world`-rank job alone in this process (simulate): collectives move nothing
+    simulated: bool = False
 
     @property
     def main(self) -> bool:
@@ -73,6 +75,65 @@ def from_environment(tp: int, fsdp: bool, device_name: str) -> Optional[Parallel
         dist.init_process_group("nccl" if use_cuda else "gloo")
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return Parallel(world, rank, local_rank, tp, dp, fsdp, mesh, device)
+
+
+def simulate(world: int, tp: int, fsdp: bool, device_name: str) -> Parallel:
+    """Rank 0 of a `world`-rank job, alone in this process: torch's fake process group (as
+    torchtitan estimates memory with), whose collectives return at once and move nothing. Rank 0
+    holds exactly its shards, the layers FSDP2 gathers and its activations, and runs the same
+    kernels on them: its peak memory is the real rank's, its step time the compute alone (no
+    communication), and what a collective would have filled holds whatever its buffer held."""
+    if world < 2:
+        raise ParallelError(f"--simulate-ranks {world}: at least 2 ranks")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6):
+        raise ParallelError(f"--simulate-ranks: needs torch >= 2.6 (its fake process group "
+                            f"under FSDP2 is not tried on older ones; this is {torch.__version__})")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ParallelError("--simulate-ranks runs in one process: not under torchrun")
+    if tp < 1 or world % tp:
+        raise ParallelError(f"--tp {tp}: must divide the {world} simulated ranks")
+    dp = world // tp
+    if dp > 1 and not fsdp:
+        raise ParallelError(f"{world} ranks with --tp {tp} leave {dp} data-parallel replicas: "
+                            "add --fsdp to shard them (forge.optim refuses DDP replicas)")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+    use_cuda = device_name != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda \
+        else torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return Parallel(world, 0, 0, tp, dp, fsdp, mesh, device, simulated=True)
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """A model built on the meta device and sharded (apply) given storage on `device`, this
+    rank's shards only, and values: weights N(0, 0.02), one-dimensional parameters 1 (norm
+    scales; values matter to nothing measured but must be finite), the rotary tables computed
+    again (forge.tools.models' CausalLM, Hugging Face's rotary_emb)."""
+    from forge.tools import models
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if p.dim() >= 2:
+                local.normal_(0.0, 0.02)
+            else:
+                local.fill_(1.0)
+        if isinstance(model, models.CausalLM):
+            cfg = model.config
+            cos, sin = models.rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len,
+                                            cfg.rope_theta)
+            model.rope_cos.copy_(cos)
+            model.rope_sin.copy_(sin)
+        rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+        if rotary is not None:
+            fresh = type(rotary)(model.config)  # (on the CPU: copied over below)
+            for name, buf in fresh.named_buffers():
+                rotary.get_buffer(name).copy_(buf)
+    return model
 
 
 def leave(code: Optional[int] = None) -> Optional[int]:
