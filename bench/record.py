@@ -174,16 +174,22 @@ def step_rows(d: dict, base: dict) -> Iterable[dict]:
     kernel category)."""
     env = d["environment"]
     mode_suffix = "-graph" if "--cuda-graph" in env.get("command", "") else ""
-    base = dict(base, benchmark="step")
+    # (several ranks: their case says how many; rank 0 of a simulated job is its own benchmark,
+    # "ranks", with this rank's weights and states beside its peak)
+    par = env.get("parallel") or {}
+    ranks = (f" {par['world']} ranks" + (f" tp={par['tp']}" if par.get("tp", 1) > 1 else "")
+             + (" fsdp" if par.get("fsdp") else "")) if par else ""
+    base = dict(base, benchmark="ranks" if par.get("simulated") else "step")
+    metrics = ("peak_gib", "first_peak_gib", "steady_peak_gib", "step_ms", "tokens_per_s") + (
+        ("weights_gib", "states_gib") if par.get("simulated") else ())
     for r in d["results"]:
         if r.get("status") != "ok":
             if r.get("status") == "oom":
-                yield _row(dict(base, value="nan"), _step_case(r), r["mode"] + mode_suffix,
+                yield _row(dict(base, value="nan"), _step_case(r) + ranks, r["mode"] + mode_suffix,
                            "oom", 1)
             continue
-        case, variant = _step_case(r), r["mode"] + mode_suffix
-        for metric in ("peak_gib", "first_peak_gib", "steady_peak_gib", "step_ms",
-                       "tokens_per_s"):
+        case, variant = _step_case(r) + ranks, r["mode"] + mode_suffix
+        for metric in metrics:
             if r.get(metric) is not None:
                 yield _row(base, case, variant, metric, r[metric])
         # --profile: GPU ms per step by kernel category ("profile_ms <category>")
@@ -230,8 +236,8 @@ def rows_of(path: str, commit: str) -> List[dict]:
     name = os.path.basename(path)
     if "environment" in d:
         env = d["environment"]
-        base = {"date": iso_date(env["date"]), "gpu": env.get("gpu", "cpu"), "commit": commit,
-                "command": env.get("command", "")}
+        base = {"date": iso_date(env["date"]), "gpu": env.get("card", env.get("gpu", "cpu")),
+                "commit": commit, "command": env.get("command", "")}
         convert = parity_rows if "comparisons" in d else step_rows
     elif "model_totals_ms" in d:
         base = {"date": iso_date(d["date"]), "gpu": d["gpu"], "commit": commit,

@@ -12,6 +12,8 @@ Writes, replacing what was there:
                            cuBLAS dW and the unfused ways (bench/wgrad_bench,
                            bench/torch_unfused.py), totals and per layer
   steps.md                 whole training steps (forge-bench): peak memory and step time
+  ranks.md                 GPUs needed per model: rank 0 of N simulated (forge-bench
+                           --simulate-ranks), its peak against an H100's and an H200's
   parity.md                convergence parity (forge-bench --parity)
   host.md                  the host's cost per layer (bench/host_overhead.py)
 Each page has one section per GPU (or host), the baselines' GPU (docs/performance.md) first: a figure from one card
@@ -158,6 +160,9 @@ def _plot_wgrad(totals, ts, cols, path) -> None:
     plt.close(fig)
 
 
+# The largest per-rank peak a card is taken to fit (its capacity less what its driver, the
+# CUDA context and NCCL's buffers take): an 80 GB H100 and a 141 GB H200.
+RANK_FITS = (("H100 80 GB", 75.0), ("H200 141 GB", 130.0))
 STEPS_TITLE = "Whole training steps"
 STEPS_INTRO = ("forge-bench: random-init models from their public configs, batch 1, bf16 "
                "parameters, median step of 8 after 2 warm-ups (forward, backward, optimizer), "
@@ -189,6 +194,62 @@ def render_steps(cur) -> List[str]:
             else:
                 cells.append("")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines + ["", "Measured:"] + sources(rows)
+
+
+RANKS_TITLE = "GPUs needed per model"
+RANKS_INTRO = ("forge-bench --simulate-ranks N (--fsdp, --tp K): rank 0 of an N-rank job alone "
+               "on one card (torch's fake process group), the model built on the meta device and "
+               "only rank 0's shards made, so its peak is the real rank's; its step time leaves "
+               "out all communication. Cells: rank 0's peak GiB (its weights + optimizer states "
+               "GiB), step ms. A card fits a rank whose peak is at most "
+               + " or ".join(f"{limit} GiB ({card})" for card, limit in RANK_FITS) + ".")
+
+
+def _ranks_of(case: str) -> Tuple[str, int]:
+    """('llama-3.1-70b seq=4096 ckpt fsdp', 8) from 'llama-3.1-70b seq=4096 ckpt 8 ranks fsdp'."""
+    words = case.split()
+    i = words.index("ranks")
+    return " ".join(words[:i - 1] + words[i + 1:]), int(words[i - 1])
+
+
+def render_ranks(cur) -> List[str]:
+    rows = [r for (b, _, _, _), r in cur.items() if b == "ranks"]
+    if not rows:
+        return []
+    by = {(r["case"], r["variant"], r["metric"]): r["value"] for r in rows}
+    cases = sorted({r["case"] for r in rows}, key=lambda c: (_ranks_of(c)[0], _ranks_of(c)[1]))
+    variants = sorted({r["variant"] for r in rows})
+    lines = ["| case | ranks | " + " | ".join(variants) + " |",
+             "| --- | --- |" + " --- |" * len(variants)]
+    need: Dict[Tuple[str, str, str], int] = {}  # (job, variant, card) -> fewest ranks that fit
+    for c in cases:
+        job, world = _ranks_of(c)
+        cells = []
+        for v in variants:
+            if (c, v, "oom") in by:
+                cells.append("OOM")
+                continue
+            peak = by.get((c, v, "peak_gib"))
+            if peak is None:
+                cells.append("")
+                continue
+            held = [by.get((c, v, m)) for m in ("weights_gib", "states_gib")]
+            held = " + ".join(fmt(x) for x in held if x is not None)
+            cells.append(f"{fmt(peak)} ({held}), {fmt(by.get((c, v, 'step_ms'), ''))} ms")
+            for card, limit in RANK_FITS:
+                if float(peak) <= limit:
+                    key = (job, v, card)
+                    need[key] = min(need.get(key, world), world)
+        lines.append(f"| {job} | {world} | " + " | ".join(cells) + " |")
+    jobs = sorted({_ranks_of(c)[0] for c in cases})
+    lines += ["", "Fewest ranks measured whose rank 0 fits:", "",
+              "| case | " + " | ".join(f"{v}: {card}" for v in variants for card, _ in RANK_FITS)
+              + " |", "| --- |" + " --- |" * (len(variants) * len(RANK_FITS))]
+    for job in jobs:
+        lines.append(f"| {job} | " + " | ".join(
+            str(need.get((job, v, card), "none measured")) for v in variants
+            for card, _ in RANK_FITS) + " |")
     return lines + ["", "Measured:"] + sources(rows)
 
 
@@ -226,6 +287,7 @@ def main(argv=None) -> int:
         "wgrad.md": page(WGRAD_TITLE, WGRAD_INTRO, cur,
                          lambda figures, first: render_wgrad(figures, png if first else "")),
         "steps.md": page(STEPS_TITLE, STEPS_INTRO, cur, lambda figures, _: render_steps(figures)),
+        "ranks.md": page(RANKS_TITLE, RANKS_INTRO, cur, lambda figures, _: render_ranks(figures)),
         "parity.md": page(
             "Convergence parity",
             "forge-bench --parity: the ~100M model of forge-train, bf16, seq 512 × batch 8, "

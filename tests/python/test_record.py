@@ -295,3 +295,42 @@ def test_current_rows_come_in_table_order(tmp_path):
     record.compact(table)
     assert [r["command"] for r in record.read(table)] == ["run b", "run c"]
     assert render.sources(record.current(record.read(table)).values()) == full
+
+
+def test_simulated_ranks_are_their_own_benchmark_and_page(tmp_path):
+    """forge-bench --simulate-ranks: rank 0's rows go to the "ranks" benchmark, under the card's
+    own name, each case saying its ranks, with its weights and states beside its peak; ranks.md
+    gives, per job and mode, the fewest ranks measured whose rank 0 fits each card."""
+    record = load_record()
+    render = bench_scripts.load("render")
+    table = tmp_path / "results.csv"
+    for world, torch_peak, forge_peak in ((4, 141.0, 118.0), (8, 76.0, 70.0)):
+        d = {"environment": {"date": f"2026-12-06T0{world}:00:00", "card": "NVIDIA H200",
+                             "gpu": f"NVIDIA H200, rank 0 of {world} simulated",
+                             "command": f"forge-bench --simulate-ranks {world} --fsdp",
+                             "parallel": {"world": world, "tp": 1, "dp": world, "fsdp": True,
+                                          "simulated": True}},
+             "results": [
+                 {"model": "llama-3.1-70b", "seq": 4096, "ckpt": True, "mode": "torch-adamw",
+                  "status": "ok", "peak_gib": torch_peak, "step_ms": 900.0,
+                  "weights_gib": 131.0 / world, "states_gib": 524.0 / world},
+                 {"model": "llama-3.1-70b", "seq": 4096, "ckpt": True, "mode": "forge-int8",
+                  "status": "ok", "peak_gib": forge_peak, "step_ms": 950.0,
+                  "weights_gib": 131.0 / world, "states_gib": 131.0 / world}]}
+        path = tmp_path / f"forge-bench-{world}.json"
+        path.write_text(json.dumps(d))
+        assert record.main([str(path), "--commit", "abc1234", "--table", str(table)]) == 0
+    rows = record.read(str(table))
+    assert {r["benchmark"] for r in rows} == {"ranks"} and {r["gpu"] for r in rows} == {
+        "NVIDIA H200"}
+    assert {r["case"] for r in rows} == {"llama-3.1-70b seq=4096 ckpt 4 ranks fsdp",
+                                         "llama-3.1-70b seq=4096 ckpt 8 ranks fsdp"}
+    assert {r["metric"] for r in rows} >= {"peak_gib", "weights_gib", "states_gib"}
+    out = tmp_path / "rendered"
+    assert render.main(["--table", str(table), "--out", str(out)]) == 0
+    page = (out / "ranks.md").read_text()
+    assert "| llama-3.1-70b seq=4096 ckpt fsdp | 4 | " in page
+    # columns: forge-int8 on H100, on H200, then torch-adamw's. forge int8: 70 GiB at 8 ranks
+    # fits an H100, 118 at 4 an H200; torch: 76 GiB at 8 fits an H200 only, 141 at 4 neither
+    assert "| llama-3.1-70b seq=4096 ckpt fsdp | 8 | 4 | none measured | 8 |" in page
+    assert not (out / "steps.md").exists()

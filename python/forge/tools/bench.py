@@ -166,6 +166,11 @@ MEMORY_SUITE = [("llama-3.1-8b", seq, ckpt, MEMORY_MODES)
     ("qwen3-0.6b", 2048, False, MEMORY_MODES),
     ("qwen3-14b", 2048, True, MEMORY_MODES),
 ]
+# GPUs needed per model (--suite scale, with --simulate-ranks N --fsdp, N = 2, 4, 8 one call
+# each): rank 0's peak for torch's fused AdamW and FORGE's state formats, checkpointing on.
+SCALE_MODES = ["torch-adamw", "forge-bf16", "forge-int8", "forge-fp8"]
+SCALE_SUITE = [(model, 4096, True, SCALE_MODES)
+               for model in ("llama-3.1-8b", "qwen3-32b", "llama-3.1-70b")]
 # The memory and time targets on the H200 that forge-bench checks and reports: (model, seq,
 # ckpt, mode, field, limit). A limit of None means "no more than torch-adamw in the same case".
 TARGETS = [
@@ -625,6 +630,7 @@ def environment(device: torch.device, argv: List[str]) -> dict:
     if _PARALLEL is not None:
         info["parallel"] = {"world": _PARALLEL.world, "tp": _PARALLEL.tp, "dp": _PARALLEL.dp,
                             "fsdp": _PARALLEL.fsdp, "simulated": _PARALLEL.simulated}
+        info["card"] = info["gpu"]  # (one card's name, for the results table)
         if _PARALLEL.simulated:
             info["gpu"] += (f", rank 0 of {_PARALLEL.world} simulated (tp {_PARALLEL.tp}, "
                             f"dp {_PARALLEL.dp}" + (", FSDP2" if _PARALLEL.fsdp else "") +
@@ -1171,11 +1177,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"from {', '.join(KNOWN_MODES)} (default: {', '.join(MODES)})")
     p.add_argument("--ckpt", choices=["off", "on", "both"], default="both",
                    help="activation checkpointing")
-    p.add_argument("--suite", choices=["full", "anchors", "memory"], default="full",
+    p.add_argument("--suite", choices=["full", "anchors", "memory", "scale"], default="full",
                    help="full: every combination of the filters; anchors: the cases of "
                         "the baselines (docs/performance.md) and TARGETS, most important first; "
                         "memory: the default "
                         "arguments' peak against torch and the modes named (MEMORY_SUITE); "
+                        "scale: GPUs needed per model, with --simulate-ranks (SCALE_SUITE); "
                         "the filters still apply")
     p.add_argument("--batch", type=int, default=1, metavar="B",
                    help="sequences per step (default 1)")
@@ -1252,7 +1259,8 @@ def plan(args) -> List[tuple]:
             raise BenchError(f"unknown mode {mode!r}; choose from {', '.join(KNOWN_MODES)}")
     ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.ckpt]
     if args.suite != "full":
-        suite = ANCHOR_SUITE if args.suite == "anchors" else MEMORY_SUITE
+        suite = {"anchors": ANCHOR_SUITE, "memory": MEMORY_SUITE,
+                 "scale": SCALE_SUITE}[args.suite]
         return [(m, s, c, mode) for m, s, c, suite_modes in suite
                 if (args.models is None or m in models) and (args.seqs is None or s in seqs)
                 and c in ckpts for mode in suite_modes if mode in modes]
