@@ -264,3 +264,12 @@ def test_a_nonfinite_gradient_element_adds_nothing_and_never_reaches_a_weight(mo
     assert torch.equal(momentum[:, 1], torch.zeros_like(momentum[:, 1]))
     assert torch.isfinite(momentum).all()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_cuda_graph_capture_is_refused_before_it_begins():
+    """forge.graphs asks the optimizer before it captures: Muon's whole-matrix step runs in
+    torch outside libforge's captured launches, so the capture is refused at once, by name."""
+    model = make_model()
+    opt = forge.optim.Muon(model, lr=0.02, mode="immediate")
+    with pytest.raises(RuntimeError, match="Muon's steps are not captured.*'0.weight' and 3 more"):
+        opt.begin_graph_capture()

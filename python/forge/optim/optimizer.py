@@ -443,6 +443,11 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                 "one is deferred")
         if self.max_grad_norm is not None:
             raise RuntimeError("forge: max_grad_norm is not supported in a CUDA-graph step")
+        muon = [slot.name for slot in self._shared.slots.values() if slot.muon]
+        if muon:
+            raise RuntimeError(f"forge: Muon's steps are not captured in CUDA graphs (its "
+                               f"Newton-Schulz step runs outside libforge): '{muon[0]}'"
+                               + (f" and {len(muon) - 1} more" if len(muon) > 1 else ""))
         self._backward.settle_all()
         self._capture.begin()
 
