@@ -1024,6 +1024,34 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
         assert not [n for n, r in json.load(f)["runs"].items() if "error" in r]
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
+def test_bench_parity_of_muon_on_cpu(tmp_path):
+    """--parity-optimizer muon: forge.optim.Muon against torch.optim.Muon + AdamW, its runs
+    named for it, Muon's learning rate by default and no AdamW betas on the command."""
+    from forge.tools import bench
+    names = bench.PARITY_NAMES["muon"]
+    assert bench.main(["--parity", "--parity-optimizer", "muon", "--parity-model", "tiny",
+                       "--parity-steps", "2", "--parity-seq-len", "16", "--parity-batch-size",
+                       "2", "--device", "cpu", "--parity-noise-runs", "1",
+                       "--parity-amp-seeds", "2", "--parity-runs", names["forge"][1],
+                       "--out", str(tmp_path / "out"),
+                       "--parity-work-dir", str(tmp_path / "runs")]) == 0
+    with open(tmp_path / "out" / next(f for f in os.listdir(tmp_path / "out")
+                                      if f.endswith(".json"))) as f:
+        report = json.load(f)
+    amp = bench.amp_run_names(2, names["amp"])
+    assert list(report["runs"]) == [names["reference"], amp[0], names["noise"],
+                                    names["forge"][1], amp[1]]
+    assert not [n for n, r in report["runs"].items() if "error" in r]
+    assert report["runs"][names["forge"][1]]["optimizer"].startswith("forge.optim.Muon")
+    assert report["runs"][names["reference"]]["optimizer"] == \
+        "torch.optim.Muon + torch.optim.AdamW"
+    settings = report["settings"]
+    assert settings[settings.index("--lr") + 1] == str(names["lr"]) and "--betas" not in settings
+    assert set(report["amp_seed_spread"]["runs"]) == {names["reference"], names["noise"],
+                                                      names["forge"][1]}
+
+
 def test_bench_parity_runs_chooses_forges_runs(tmp_path, capsys):
     """--parity-runs: only the named FORGE runs, beside every reference run; an unknown or
     missing name is refused before anything runs."""

@@ -773,8 +773,9 @@ def summarize(directory: str) -> int:
         # reports written before the spread existed: computed from their loss curves
         spread = report.get("spread") or parity_spread(
             {n: r["losses"] for n, r in report["runs"].items() if "losses" in r},
-            [report.get("reference", PARITY_REFERENCE)] +
-            [n for n in report["runs"] if n.startswith(NOISE_RUN)])
+            [report.get("bf16_reference", PARITY_REFERENCE)] +
+            [n for n in report["runs"]
+             if n.startswith(PARITY_NAMES[report.get("optimizer", "adamw")]["noise"])])
         lines.extend(f"  {line}" for line in spread_lines(spread))
         for name, r in report["runs"].items():
             lines.append(f"  run {name}: " + (f"error: {r['error']}" if "error" in r else
@@ -880,14 +881,22 @@ PARITY_AMP_REFERENCE = "torch-adamw-amp"
 # lies within the largest torch-vs-torch distance measured ("noise floor"), and parity_spread
 # compares every run with every torch run.
 NOISE_RUN = "torch-adamw-fused-perturbed"
+# --parity-optimizer muon: the same report for forge.optim.Muon against torch.optim.Muon +
+# AdamW (forge-train --optimizer muon, its torch baseline), its runs named for it.
+PARITY_NAMES = {
+    "adamw": dict(reference=PARITY_REFERENCE, amp=PARITY_AMP_REFERENCE, noise=NOISE_RUN,
+                  forge=PARITY_RUNS, lr=6e-4),
+    "muon": dict(reference="torch-muon", amp="torch-muon-amp", noise="torch-muon-perturbed",
+                 forge=("forge-muon-bf16-sr", "forge-muon-int8", "forge-muon-fp8"), lr=0.02),
+}
 NOISE_SCALE = 2.0 ** -8
 NOISE_SEED = 12345
 SMOOTH_WINDOW = 50
 
 
-def amp_run_names(count: int) -> List[str]:
+def amp_run_names(count: int, base: str = PARITY_AMP_REFERENCE) -> List[str]:
     """torch-adamw-amp (seed 0), torch-adamw-amp-seed1, ... (count runs in all)."""
-    return [PARITY_AMP_REFERENCE] + [f"{PARITY_AMP_REFERENCE}-seed{k}" for k in range(1, count)]
+    return [base] + [f"{base}-seed{k}" for k in range(1, count)]
 
 
 def amp_seed_spread(curves: Dict[str, List[float]], amp_runs: List[str]) -> dict:
@@ -916,10 +925,10 @@ def amp_seed_spread(curves: Dict[str, List[float]], amp_runs: List[str]) -> dict
     return result
 
 
-def amp_spread_lines(spread: Optional[dict]) -> List[str]:
+def amp_spread_lines(spread: Optional[dict], base: str = PARITY_AMP_REFERENCE) -> List[str]:
     if not spread or "radius" not in spread:
         return []
-    lines = [f"{PARITY_AMP_REFERENCE} over {len(spread['seeds'])} seeds: last-half mean loss "
+    lines = [f"{base} over {len(spread['seeds'])} seeds: last-half mean loss "
              f"{spread['center']:.5f} ± {spread['radius']:.5f} nats"]
     for name, e in spread["runs"].items():
         lines.append(f"{name}: {e['last_half_mean']:.5f} ({e['offset']:+.5f}): "
@@ -927,9 +936,9 @@ def amp_spread_lines(spread: Optional[dict]) -> List[str]:
     return lines
 
 
-def noise_run_names(count: int) -> List[str]:
+def noise_run_names(count: int, base: str = NOISE_RUN) -> List[str]:
     """torch-adamw-fused-perturbed, torch-adamw-fused-perturbed-2, ..."""
-    return [NOISE_RUN if i == 0 else f"{NOISE_RUN}-{i + 1}" for i in range(count)]
+    return [base if i == 0 else f"{base}-{i + 1}" for i in range(count)]
 
 
 def parity_report(args, info: dict) -> int:
@@ -938,37 +947,45 @@ def parity_report(args, info: dict) -> int:
         raise BenchError(f"--parity-noise-runs: must be >= 0, got {args.parity_noise_runs}")
     if args.parity_amp_seeds < 1:
         raise BenchError(f"--parity-amp-seeds: must be >= 1, got {args.parity_amp_seeds}")
-    unknown = [r for r in args.parity_runs if r not in PARITY_RUNS]
-    if unknown or not args.parity_runs:
-        raise BenchError(f"--parity-runs: choose one or more of {', '.join(PARITY_RUNS)}, got "
-                         f"{' '.join(args.parity_runs) or 'none'}")
-    noise_runs = noise_run_names(args.parity_noise_runs)
-    amp_runs = amp_run_names(args.parity_amp_seeds)
+    names = PARITY_NAMES[args.parity_optimizer]
+    reference, amp_reference, forge_runs = names["reference"], names["amp"], names["forge"]
+    chosen = list(forge_runs) if args.parity_runs is None else args.parity_runs
+    unknown = [r for r in chosen if r not in forge_runs]
+    if unknown or not chosen:
+        raise BenchError(f"--parity-runs: choose one or more of {', '.join(forge_runs)}, got "
+                         f"{' '.join(chosen) or 'none'}")
+    noise_runs = noise_run_names(args.parity_noise_runs, names["noise"])
+    amp_runs = amp_run_names(args.parity_amp_seeds, amp_reference)
+    bf16, int8, fp8 = forge_runs
     # NOTE: the mixed-precision reference and the first noise run go before the int8 run: the
     # bf16 comparison is only meaningful beside them, and a cut-short call keeps all three.
-    runs = {PARITY_REFERENCE: ["--bf16", "--baseline", "torch"],
-            "forge-bf16-sr": ["--bf16", "--state-format", "bf16", "--stochastic-rounding"],
-            PARITY_AMP_REFERENCE: ["--amp", "--baseline", "torch"]}
+    runs = {reference: ["--bf16", "--baseline", "torch"],
+            bf16: ["--bf16", "--state-format", "bf16", "--stochastic-rounding"],
+            amp_reference: ["--amp", "--baseline", "torch"]}
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[:1]})
-    runs["forge-int8"] = ["--bf16", "--state-format", "int8", "--stochastic-rounding"]
-    runs["forge-fp8"] = ["--bf16", "--state-format", "fp8", "--stochastic-rounding"]
+    runs[int8] = ["--bf16", "--state-format", "int8", "--stochastic-rounding"]
+    runs[fp8] = ["--bf16", "--state-format", "fp8", "--stochastic-rounding"]
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[1:]})
     # (common's "--seed 0" comes first: argparse keeps the last)
     runs.update({name: ["--amp", "--baseline", "torch", "--seed", str(k)]
                  for k, name in enumerate(amp_runs) if k > 0})
-    for name in set(PARITY_RUNS) - set(args.parity_runs):  # (--parity-runs: FORGE's runs)
+    for name in set(forge_runs) - set(chosen):  # (--parity-runs: FORGE's runs)
         del runs[name]
+    lr = names["lr"] if args.parity_lr is None else args.parity_lr
+    # (Muon's AdamW part keeps torch's betas: forge-train takes --betas for AdamW only)
+    betas = ["--betas", "0.9", "0.95"] if args.parity_optimizer == "adamw" else []
     common = ["--model", args.parity_model, "--steps", str(args.parity_steps),
               "--seq-len", str(args.parity_seq_len), "--batch-size", str(args.parity_batch_size),
-              "--lr", str(args.parity_lr), "--betas", "0.9", "0.95", "--weight-decay", "0.1",
-              "--seed", "0", "--device", args.device, "--no-plot", "--overwrite",
-              "--log-every", str(max(1, args.parity_steps // 10))]
+              "--optimizer", args.parity_optimizer, "--lr", str(lr), *betas,
+              "--weight-decay", "0.1", "--seed", "0", "--device", args.device, "--no-plot",
+              "--overwrite", "--log-every", str(max(1, args.parity_steps // 10))]
     if args.parity_data:
         common += ["--data", *args.parity_data]
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, result_stem(info, "parity"))
     curves = {}
-    report = {"environment": info, "settings": common, "reference": PARITY_AMP_REFERENCE, "noise_runs": {
+    report = {"environment": info, "settings": common, "reference": amp_reference,
+              "optimizer": args.parity_optimizer, "bf16_reference": reference, "noise_runs": {
                   name: f"initial weights scaled by (1 + {NOISE_SCALE:g}·N(0,1)), noise seed "
                         f"{NOISE_SEED + i}" for i, name in enumerate(noise_runs)},
               "runs": {}, "comparisons": {}}
@@ -990,21 +1007,21 @@ def parity_report(args, info: dict) -> int:
                                 "tokens_per_s": round(result.tokens_per_s),
                                 "peak_memory_gib": round(result.peak_memory / 2**30, 2),
                                 "losses": result.losses}
-        ref = curves.get(PARITY_REFERENCE)
-        for other in PARITY_RUNS + tuple(noise_runs):
+        ref = curves.get(reference)
+        for other in tuple(forge_runs) + tuple(noise_runs):
             if ref is not None and other in curves:
                 report["comparisons"][other] = compare_curves(ref, curves[other])
         floor = [report["comparisons"][n]["mean_abs_diff_last_half"] for n in noise_runs
                  if n in report["comparisons"]]
-        for other in PARITY_RUNS:
+        for other in forge_runs:
             c = report["comparisons"].get(other)
             if c is not None and floor:
                 c["noise_floor"] = floor
                 c["within_noise_floor"] = c["mean_abs_diff_last_half"] <= max(floor)
         report["spread"] = parity_spread(
             {k: v for k, v in curves.items() if k not in amp_runs},
-            [PARITY_REFERENCE] + noise_runs)
-        amp = curves.get(PARITY_AMP_REFERENCE)
+            [reference] + noise_runs)
+        amp = curves.get(amp_reference)
         if amp is not None:
             report["against_amp"] = {name: compare_curves(amp, curve)
                                      for name, curve in curves.items()
@@ -1012,17 +1029,17 @@ def parity_report(args, info: dict) -> int:
         report["amp_seed_spread"] = amp_seed_spread(curves, amp_runs)
         with open(stem + ".json", "w") as f:  # after every run: a cut-short job keeps it
             json.dump(report, f, indent=1)
-        _plot_parity(curves, stem + ".png", info, args)
+        _plot_parity(curves, stem + ".png", info, args, reference)
     print(f"parity ({args.parity_model}, bf16, {args.parity_steps} steps): the criterion, "
-          f"{PARITY_AMP_REFERENCE} (fp32 weights and states, bf16 autocast) over its seeds:")
-    for line in amp_spread_lines(report.get("amp_seed_spread")):
+          f"{amp_reference} (fp32 weights and states, bf16 autocast) over its seeds:")
+    for line in amp_spread_lines(report.get("amp_seed_spread"), amp_reference):
         print(f"  {line}")
-    print(f"  per step, against {PARITY_REFERENCE} (bf16 weights and states, same batches):")
+    print(f"  per step, against {reference} (bf16 weights and states, same batches):")
     for name, c in report["comparisons"].items():
         print(f"    {name}: {parity_line(c)}")
     for line in spread_lines(report.get("spread")):
         print(f"    {line}")
-    print(f"  per step, against {PARITY_AMP_REFERENCE} (seed 0):")
+    print(f"  per step, against {amp_reference} (seed 0):")
     for name, c in report.get("against_amp", {}).items():
         print(f"    {name}: {parity_line(c)}")
     print(f"  report: {stem}.json, {stem}.png", flush=True)
@@ -1125,7 +1142,8 @@ def parity_line(c: dict) -> str:
             f"{c['steps']} steps{floor}")
 
 
-def _plot_parity(curves: Dict[str, List[float]], path: str, info: dict, args) -> None:
+def _plot_parity(curves: Dict[str, List[float]], path: str, info: dict, args,
+                 reference: str = PARITY_REFERENCE) -> None:
     """Loss curves (top) and each run's loss minus the reference's, smoothed (bottom)."""
     try:
         import matplotlib
@@ -1141,10 +1159,10 @@ def _plot_parity(curves: Dict[str, List[float]], path: str, info: dict, args) ->
                   f"{info['date'][:10]}", fontsize=10)
     top.legend(fontsize=8)
     top.grid(alpha=0.3)
-    ref = curves.get(PARITY_REFERENCE)
+    ref = curves.get(reference)
     if ref is not None and len(curves) > 1:
         for name, losses in curves.items():
-            if name == PARITY_REFERENCE:
+            if name == reference:
                 continue
             n = min(len(ref), len(losses))
             w = max(1, min(SMOOTH_WINDOW, n // 10))
@@ -1230,14 +1248,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--parity-steps", type=int, default=1000)
     g.add_argument("--parity-seq-len", type=int, default=512)
     g.add_argument("--parity-batch-size", type=int, default=8)
-    g.add_argument("--parity-lr", type=float, default=6e-4)
+    g.add_argument("--parity-optimizer", choices=sorted(PARITY_NAMES), default="adamw",
+                   help="adamw: forge.optim.AdamW against torch's; muon: forge.optim.Muon against "
+                        "torch.optim.Muon + AdamW (forge-train --optimizer muon), runs named for it")
+    g.add_argument("--parity-lr", type=float, default=None,
+                   help="default per optimizer: " + ", ".join(
+                       f"{k} {v['lr']:g}" for k, v in PARITY_NAMES.items()))
     g.add_argument("--parity-data", nargs="+", help="text files/dirs (default: built-in corpus)")
     g.add_argument("--parity-amp-seeds", type=int, default=3, metavar="N",
                    help="the mixed-precision reference over seeds 0 .. N-1 (after every other "
                         "run): every run's last-half mean loss is held to their spread")
-    g.add_argument("--parity-runs", nargs="+", default=list(PARITY_RUNS), metavar="RUN",
-                   help=f"FORGE's runs ({', '.join(PARITY_RUNS)}; default all): the references "
-                        "run whatever this says")
+    g.add_argument("--parity-runs", nargs="+", default=None, metavar="RUN",
+                   help=f"FORGE's runs (adamw: {', '.join(PARITY_RUNS)}; muon: "
+                        f"{', '.join(PARITY_NAMES['muon']['forge'])}; default all): the "
+                        "references run whatever this says")
     g.add_argument("--parity-noise-runs", type=int, default=1,
                    help="torch runs with perturbed initial weights (one noise seed each) that "
                         "measure the run-to-run noise floor (default 1)")
