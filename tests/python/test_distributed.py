@@ -220,5 +220,6 @@ def test_forge_bench_under_torchrun(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
-    assert saved["environment"]["parallel"] == {"world": 2, "tp": 2, "dp": 1, "fsdp": False}
+    assert saved["environment"]["parallel"] == {"world": 2, "tp": 2, "dp": 1, "fsdp": False,
+                                                "simulated": False}
     assert [r["status"] for r in saved["results"]] == ["ok", "ok"], saved["results"]
