@@ -133,8 +133,8 @@ class Backward:
         # a backward returns a defined stand-in: one zero expanded to W's shape (no memory).
         # The hook knows it by identity and drops it; a sum with a dW from another use is a
         # new tensor and takes the materialized path, as it must.
-        # NOTE: made once per weight and reused: a fresh one cost a fill kernel and ~50 µs of
-        # host time per Linear per step on the H200's host (forge-bench --profile).
+        # NOTE: made once per weight and reused: a fresh one costs a fill kernel and host time
+        # per Linear per step (forge-bench --profile showed it).
         # Nothing writes to it: autograd copies an expanded gradient before accumulating it.
         # (Remade if the weight moved: the update then says what changed.)
         slot.marker = slot.stand_in_for(weight)

@@ -238,8 +238,7 @@ class Updater:
             direction = self._muon_direction(slot, args) if slot.muon else None
             self._lib.elementwise_step(args)
         if direction is not None:
-            muon.apply_direction(slot.param, direction, self.shared.group_of(slot),
-                                 as_float(self.shared.group_of(slot)["lr"], "lr"))
+            self._muon_apply(slot, direction)
         if last:
             self._count_update(slot, st, step, capturing, args.hparams)
 
@@ -265,8 +264,7 @@ class Updater:
             counts.append((slot, st, step, capturing, args.hparams))
         self._lib.elementwise_step_batch(calls)
         for slot, direction in directions:
-            group = self.shared.group_of(slot)
-            muon.apply_direction(slot.param, direction, group, as_float(group["lr"], "lr"))
+            self._muon_apply(slot, direction)
         for slot, st, step, capturing, hp in counts:
             self._count_update(slot, st, step, capturing, hp)
 
@@ -284,6 +282,12 @@ class Updater:
         args.param.weight_format = _lib.WEIGHT_BF16
         args.param.master = None
         return direction
+
+    def _muon_apply(self, slot, direction: torch.Tensor) -> None:
+        """slot's Muon weight update from the direction its call wrote (muon.py), with its
+        group's hyper-parameters as they are now."""
+        group = self.shared.group_of(slot)
+        muon.apply_direction(slot.param, direction, group, as_float(group["lr"], "lr"))
 
     def _call_parts(self, slot, stream):
         """What every update of slot's parameter passes: (its state dict, this update's

@@ -52,6 +52,18 @@ class Parallel:
         return slice(dp_rank * per, (dp_rank + 1) * per)
 
 
+def _data_parallel(world: int, tp: int, fsdp: bool, what: str) -> int:
+    """The data-parallel size of `world` ranks with tensor parallel over `tp`: refused where tp
+    does not divide them, or where it leaves replicas that --fsdp does not shard."""
+    if tp < 1 or world % tp:
+        raise ParallelError(f"--tp {tp}: must divide the {world} {what}")
+    dp = world // tp
+    if dp > 1 and not fsdp:
+        raise ParallelError(f"{world} ranks with --tp {tp} leave {dp} data-parallel replicas: "
+                            "add --fsdp to shard them (forge.optim refuses DDP replicas)")
+    return dp
+
+
 def from_environment(tp: int, fsdp: bool, device_name: str) -> Optional[Parallel]:
     """The process group of a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK), or None for one
     process without --tp / --fsdp."""
@@ -60,12 +72,7 @@ def from_environment(tp: int, fsdp: bool, device_name: str) -> Optional[Parallel
         return None
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    if tp < 1 or world % tp:
-        raise ParallelError(f"--tp {tp}: must divide the {world} ranks")
-    dp = world // tp
-    if dp > 1 and not fsdp:
-        raise ParallelError(f"{world} ranks with --tp {tp} leave {dp} data-parallel replicas: "
-                            "add --fsdp to shard them (forge.optim refuses DDP replicas)")
+    dp = _data_parallel(world, tp, fsdp, "ranks")
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device_name != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -90,12 +97,7 @@ def simulate(world: int, tp: int, fsdp: bool, device_name: str) -> Parallel:
                             f"under FSDP2 is not tried on older ones; this is {torch.__version__})")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ParallelError("--simulate-ranks runs in one process: not under torchrun")
-    if tp < 1 or world % tp:
-        raise ParallelError(f"--tp {tp}: must divide the {world} simulated ranks")
-    dp = world // tp
-    if dp > 1 and not fsdp:
-        raise ParallelError(f"{world} ranks with --tp {tp} leave {dp} data-parallel replicas: "
-                            "add --fsdp to shard them (forge.optim refuses DDP replicas)")
+    dp = _data_parallel(world, tp, fsdp, "simulated ranks")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
