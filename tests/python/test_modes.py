@@ -825,17 +825,25 @@ def test_replaced_state_tensor_is_the_one_updated(device, state_format):
 @requires_cuda
 @pytest.mark.parametrize("hooks", ["python", "cpp"])
 def test_fused_step_runs_on_the_stream_backward_used(hooks, monkeypatch):
-    """X and dY are ready on the stream backward made them on, so the fused step must be
-    launched there: a step taken inside torch.cuda.stream(side), then one on the default
-    stream (the legacy default stream's handle is 0, a real stream). Seen at the C ABI: the
-    calls made through forge._lib, and those the C++ pre-hook made from the kept args."""
+    """X and dY (or the deferred gradient) are ready on the stream backward made them on, so
+    the step must be launched there: a step taken inside torch.cuda.stream(side), then one on
+    the default stream (the legacy default stream's handle is 0, a real stream). Seen at the C
+    ABI: every update call made through forge._lib (the fused step, and the element-wise steps
+    a deferred step makes from a gradient it kept), and those the C++ pre-hook made from the
+    kept args."""
     seen = []
-    real = forge._lib.Library.wgrad_step
 
-    def spy(self, args):
-        seen.append(args.device.stream or 0)  # ctypes gives None for a null void*
-        return real(self, args)
-    monkeypatch.setattr(forge._lib.Library, "wgrad_step", spy)
+    def spy_on(method, calls_of):
+        real = getattr(forge._lib.Library, method)
+
+        def spy(self, arg):
+            # (ctypes gives None for a null void*)
+            seen.extend(call.device.stream or 0 for call in calls_of(arg))
+            return real(self, arg)
+        monkeypatch.setattr(forge._lib.Library, method, spy)
+    spy_on("wgrad_step", lambda args: [args])
+    spy_on("elementwise_step", lambda args: [args])
+    spy_on("elementwise_step_batch", list)
     if hooks == "python":
         monkeypatch.setattr(forge._prehook, "get", lambda: None)
     elif forge._prehook.get() is None:

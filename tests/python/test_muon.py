@@ -42,13 +42,19 @@ def normwise(a, b):
                for x, y in zip(a.parameters(), b.parameters()))
 
 
+# torch runs whose batches have their rows permuted (the same loss summed in another order):
+# the largest of their distances from torch's own run is the spread FORGE is held to.
+REORDERINGS = 3
+
+
 def batches(device, steps):
+    """(x, y, perms): 64-row batches, and REORDERINGS permutations of their rows."""
     g = torch.Generator().manual_seed(1)
     X, Y = torch.randn(256, 17, generator=g), torch.randn(256, 1, generator=g)
-    perm = torch.randperm(64, generator=g)
+    perms = [torch.randperm(64, generator=g).to(device) for _ in range(REORDERINGS)]
     for step in range(steps):
         i = (step * 64) % 256
-        yield X[i:i + 64].to(device), Y[i:i + 64].to(device), perm.to(device)
+        yield X[i:i + 64].to(device), Y[i:i + 64].to(device), perms
 
 
 def loss_of(model, x, y):
@@ -60,23 +66,25 @@ def loss_of(model, x, y):
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("mode", ["auto", "immediate", "deferred"])
 def test_muon_matches_torch_over_100_steps(mode, nesterov, device, record_difference):
-    forge_model, stock, reordered = (make_model(device) for _ in range(3))
+    forge_model, stock = make_model(device), make_model(device)
+    reordered = [make_model(device) for _ in range(REORDERINGS)]
     opt = forge.optim.Muon(forge_model, lr=0.02, adamw_lr=1e-3, nesterov=nesterov, mode=mode)
-    stock_opts = torch_pair(stock, nesterov=nesterov)
-    reordered_opts = torch_pair(reordered, nesterov=nesterov)
-    for x, y, perm in batches(device, 100):
+    torch_opts = [o for m in [stock] + reordered for o in torch_pair(m, nesterov=nesterov)]
+    for x, y, perms in batches(device, 100):
         loss_of(forge_model, x, y).backward()
         loss_of(stock, x, y).backward()
-        loss_of(reordered, x[perm], y[perm]).backward()
+        for m, perm in zip(reordered, perms):
+            loss_of(m, x[perm], y[perm]).backward()
         opt.step()
         opt.zero_grad()
-        for o in stock_opts + reordered_opts:
+        for o in torch_opts:
             o.step()
             o.zero_grad()
-    ours, torch_own = normwise(forge_model, stock), normwise(reordered, stock)
+    ours = normwise(forge_model, stock)
+    torch_own = max(normwise(m, stock) for m in reordered)
     record_difference(f"Muon {mode} nesterov={nesterov}", ours)
-    record_difference(f"  torch reordered, {mode}", torch_own)
-    assert torch_own > 0  # (the reordered run did differ: the bound below is measured)
+    record_difference(f"  torch reordered (largest of {REORDERINGS}), {mode}", torch_own)
+    assert torch_own > 0  # (the reordered runs did differ: the bound below is measured)
     assert ours <= MUON_SUM_ORDER_FACTOR * torch_own, (ours, torch_own)
 
 
