@@ -130,6 +130,51 @@ def test_cpp_linear_backward_enters_python_once_per_step(cpp, device, monkeypatc
         finish_step(models, opts)
 
 
+class _ProductShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The (a, b) shapes of every matrix product (aten.mm, aten.addmm) run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            a, b = args[-2:]
+            self.shapes.append((tuple(a.shape), tuple(b.shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_linear_recomputed_under_checkpoint_stops_where_torchs_does(cpp, device,
+                                                                        monkeypatch):
+    """A non-reentrant checkpoint's recomputation stops at the save that completes what
+    backward needs. torch's Linear saves its input before its product, so a recomputed block
+    never runs its last Linear's product; the C++ Linear makes its node (and saves) first too,
+    with the same bits as the Python Function. (The last Linear maps 24 -> 8 features and no
+    other product of backward has its shapes: x needs no gradient.)"""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 24, bias=False), nn.Tanh(), nn.Linear(24, 8))
+    base = nn.ModuleDict({"block": block, "head": nn.Linear(8, 3)}).to(device)
+    models = [copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [build(models[0], True, monkeypatch), build(models[1], False, monkeypatch),
+            torch.optim.AdamW(models[2].parameters(), lr=1e-2, weight_decay=0.1)]
+    x = torch.randn(2, 5, 8, device=device)  # (no dX of the first Linear: its shapes collide)
+    last_product = ((10, 24), (24, 8))  # (the rows of x, in) @ (in, out): the block's output
+    for step in range(STEPS):
+        products = []
+        for model in models:
+            y = torch.utils.checkpoint.checkpoint(model["block"], x, use_reentrant=False)
+            loss = model["head"](y).square().mean()
+            with _ProductShapes() as seen:
+                loss.backward()
+            products.append(seen.shapes.count(last_product))
+        # torch's Linear and the C++ one: never; the Python Function saves after its product
+        assert products == [0, 1, 0], products
+        finish_step(models[:2], opts[:2])
+        opts[2].step()
+        opts[2].zero_grad()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_cpp_linear_under_autocast_matches_the_python_function(cpp, device, monkeypatch):
     """fp32 weights under bf16 autocast (with and without bias): the C++ Linear casts W and b

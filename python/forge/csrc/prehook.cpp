@@ -371,15 +371,16 @@ struct FusedLinearBackward : torch::autograd::Node {
   }
 };
 
-// y's autograd history: a FusedLinearBackward node (conv1d: Conv1D's) over x, weight, bias.
-at::Tensor with_fused_backward(at::Tensor y, const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& bias, std::shared_ptr<Record> record,
-                               std::optional<at::ScalarType> compute_dtype, bool conv1d) {
-  // NOTE: a product reshaped to a 3-d input's rows is a view of the 2-d one; the node's output
-  // must not be a view (autograd would rebuild a view's grad_fn from its base after an
-  // in-place op), and the base is this call's own buffer.
-  if (y.is_view()) y = at::_unsafe_view(y, y.sizes());
-  if (!torch::autograd::compute_requires_grad(x, weight, bias)) return y;
+// The FusedLinearBackward node (conv1d: Conv1D's) over x, weight, bias, holding x and weight;
+// null where none of them requires grad.
+// NOTE: made before the product, as torch's own Linear saves its inputs before it computes:
+// a non-reentrant checkpoint's recomputation stops at the save that completes what backward
+// needs, so the last Linear of a recomputed block stops there instead of running its GEMM for
+// an output nobody reads (at long sequences one MLP-sized GEMM per layer and step).
+NodePtr fused_backward_node(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            std::shared_ptr<Record> record,
+                            std::optional<at::ScalarType> compute_dtype, bool conv1d) {
+  if (!torch::autograd::compute_requires_grad(x, weight, bias)) return nullptr;
   NodePtr node = make_node<FusedLinearBackward>();
   auto& n = static_cast<FusedLinearBackward&>(*node);
   n.set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
@@ -389,7 +390,16 @@ at::Tensor with_fused_backward(at::Tensor y, const at::Tensor& x, const at::Tens
   n.compute_dtype = compute_dtype;
   n.conv1d = conv1d;
   if (bias.defined()) n.bias_dtype = bias.scalar_type();
-  torch::autograd::set_history(y, node);
+  return node;
+}
+
+// y with node's history (none where node is null).
+at::Tensor with_history(at::Tensor y, const NodePtr& node) {
+  // NOTE: a product reshaped to a 3-d input's rows is a view of the 2-d one; the node's output
+  // must not be a view (autograd would rebuild a view's grad_fn from its base after an
+  // in-place op), and the base is this call's own buffer.
+  if (y.is_view()) y = at::_unsafe_view(y, y.sizes());
+  if (node) torch::autograd::set_history(y, node);
   return y;
 }
 
@@ -400,6 +410,8 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias_, std::shared_ptr<Record> record,
                         std::optional<at::ScalarType> compute_dtype) {
   const at::Tensor bias = bias_.has_value() ? *bias_ : at::Tensor();
+  const NodePtr node = fused_backward_node(x, weight, bias, std::move(record), compute_dtype,
+                                           false);
   at::Tensor y;
   {
     at::AutoGradMode no_grad(false);
@@ -411,8 +423,7 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
       y = at::linear(x, weight, bias_);
     }
   }
-  return with_fused_backward(std::move(y), x, weight, bias, std::move(record), compute_dtype,
-                             false);
+  return with_history(std::move(y), node);
 }
 
 // transformers' Conv1D forward, y = x·W + b with W: [in, out], as FusedConv1DFunction.forward
@@ -421,6 +432,8 @@ at::Tensor fused_conv1d(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias_, std::shared_ptr<Record> record,
                         std::optional<at::ScalarType> compute_dtype) {
   const at::Tensor bias = bias_.has_value() ? *bias_ : at::Tensor();
+  const NodePtr node = fused_backward_node(x, weight, bias, std::move(record), compute_dtype,
+                                           true);
   at::Tensor y;
   {
     at::AutoGradMode no_grad(false);
@@ -433,8 +446,7 @@ at::Tensor fused_conv1d(const at::Tensor& x, const at::Tensor& weight,
     shape.push_back(w.size(1));
     y = y2.view(shape);  // [..., out]
   }
-  return with_fused_backward(std::move(y), x, weight, bias, std::move(record), compute_dtype,
-                             true);
+  return with_history(std::move(y), node);
 }
 
 // A compiled backward's hand-off (forge::wgrad_hand_off(x, dy, weight, key, keep), forge/_ops.py):
