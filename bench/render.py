@@ -166,9 +166,9 @@ RANK_FITS = (("H100 80 GB", 75.0), ("H200 141 GB", 130.0))
 STEPS_TITLE = "Whole training steps"
 STEPS_INTRO = ("forge-bench: random-init models from their public configs, batch 1, bf16 "
                "parameters, median step of 8 after 2 warm-ups (forward, backward, optimizer), "
-               "peak = torch.cuda.max_memory_allocated. Cells: peak GiB (where a run recorded "
-               "the first step apart and it peaked higher: the steps after it, the first "
-               "step's beside), step ms (`-graph`: the step replayed as one CUDA graph).")
+               "peak = torch.cuda.max_memory_allocated. Cells: peak GiB of the first step / of "
+               "the steps after it (one peak where a run did not record them apart), step ms "
+               "(`-graph`: the step replayed as one CUDA graph).")
 
 
 def render_steps(cur) -> List[str]:
@@ -186,8 +186,8 @@ def render_steps(cur) -> List[str]:
                 cells.append("OOM")
             elif (c, v, "step_ms") in by:
                 first, steady = by.get((c, v, "first_peak_gib")), by.get((c, v, "steady_peak_gib"))
-                if first is not None and steady is not None and float(first) > float(steady) + 0.05:
-                    memory = f"{fmt(steady)} GiB (first step {fmt(first)})"
+                if first is not None and steady is not None:
+                    memory = f"{fmt(first)} / {fmt(steady)} GiB"
                 else:
                     memory = f"{fmt(by.get((c, v, 'peak_gib'), ''))} GiB"
                 cells.append(f"{memory}, {fmt(by[(c, v, 'step_ms')])} ms")

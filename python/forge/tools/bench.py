@@ -648,14 +648,15 @@ def result_stem(info: dict, kind: str = "bench") -> str:
 
 
 def cell(row: dict) -> str:
-    """peak GiB (the first step's beside it where it is the larger), step ms."""
+    """peak GiB of the first step / of the steps after it (one peak where the row has no
+    such split), step ms."""
     if row["status"] == "ok":
         mem = ""
         if row.get("peak_gib") is not None:
             first, steady = row.get("first_peak_gib"), row.get("steady_peak_gib")
             mem = f"{row['peak_gib']:.1f} GiB, "
-            if first is not None and steady is not None and first > steady + 0.05:
-                mem = f"{steady:.1f} GiB (first step {first:.1f}), "
+            if first is not None and steady is not None:
+                mem = f"{first:.1f} / {steady:.1f} GiB, "
         return f"{mem}{row['step_ms']:.1f} ms"
     labels = {"oom": "OOM", "skipped": "skipped", "unsupported": "unsupported"}
     return labels.get(row["status"], "error")
@@ -683,8 +684,8 @@ def markdown(info: dict, rows: List[dict]) -> str:
              f"torch {info['torch']}, transformers {info['transformers']}, forge "
              f"{info['forge']}, {info['date']}. Batch 1, bf16 weights, median of "
              f"{TIMED_STEPS} steps after {WARMUP_STEPS} warm-ups (forward + backward + "
-             "optimizer); peak = torch.cuda.max_memory_allocated() (GPU runs only), of the "
-             "steps after the first, with the first step's beside it where that is larger."
+             "optimizer); peak = torch.cuda.max_memory_allocated() (GPU runs only): of the first "
+             "step / of the steps after it."
              + (f" Batch {rows[0]['batch']}." if rows and rows[0].get("batch") else "")
              + (" The model under torch.compile." if any(r.get("compiled") for r in rows)
                 else "")
