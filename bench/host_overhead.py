@@ -20,10 +20,13 @@ are) instead of the batched path (one library call at step()) that parameters th
 --compile runs both stacks' models under torch.compile (default mode, Inductor; the optimizers
 as they are): the stack is one graph, and FORGE's backward calls its custom operators per
 Linear (forge/_ops.py); the first warm-up step compiles.
+--tokens T: rows of the input (default 4). Under --compile a hand-off keeps X and dY where they
+take fewer bytes than dW and forms dW otherwise (then W is updated element-wise): with these
+16 × 16 layers, --tokens 64 times that path.
 
     python bench/host_overhead.py [--device cpu|cuda] [--dtype fp32|bf16] [--layers 100]
                                   [--layer linear|conv1d|scale] [--hook-path] [--steps 200]
-                                  [--compile]
+                                  [--compile] [--tokens 4]
                                   [--profile N] [--baseline DIR]
 --profile N: then N more steps of each optimizer under cProfile (the top functions).
 --baseline DIR: also measure the forge.optim.AdamW of another FORGE, whose `forge` package is in
@@ -153,6 +156,10 @@ def main() -> int:
                         "pass of each measures the load as much as the code")
     p.add_argument("--baseline", metavar="DIR",
                    help="also measure the FORGE whose package is in DIR (see the file header)")
+    p.add_argument("--tokens", type=int, default=4, metavar="T",
+                   help="rows of the input (default 4). Under --compile a hand-off keeps X and dY "
+                        "while they are smaller than dW (T * 32 < 256 elements for 16 x 16 "
+                        "layers) and forms dW otherwise: --tokens 64 times that path")
     p.add_argument("--json", metavar="PATH", help="also write the figures there (bench/record.py "
                    "appends them to the results table)")
     args = p.parse_args()
@@ -160,7 +167,7 @@ def main() -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     width = 1024 if args.layer == "scale" else 16
-    x = torch.randn(4, width, device=device, dtype=dtype)
+    x = torch.randn(args.tokens, width, device=device, dtype=dtype)
     if args.layer == "conv1d":
         try:
             from transformers.pytorch_utils import Conv1D
@@ -219,14 +226,16 @@ def main() -> int:
     what = {"linear": ("Linear", f"{args.layers} Linears of 16x16"),
             "conv1d": ("Conv1D", f"{args.layers} Conv1Ds of 16x16 with bias"),
             "scale": ("parameter", f"{args.layers} element-wise parameters of 1024")}[args.layer]
-    print(f"host cost per {what[0]} per step ({what[1]}, {args.dtype}, {device}"
+    tokens = f", {args.tokens} tokens" if args.tokens != 4 else ""
+    print(f"host cost per {what[0]} per step ({what[1]}{tokens}, {args.dtype}, {device}"
           f"{compiled}, torch {torch.__version__}, median of {args.rounds} round(s)): torch "
           f"AdamW(foreach) {torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us"
           + (f", {baseline} {baseline_us:.1f} us" if args.baseline else ""))
     if args.json:
         shape = {"linear": "Linears 16x16", "conv1d": "Conv1Ds 16x16 with bias",
                  "scale": "element-wise params 1024"}[args.layer]
-        case = f"{args.layers} {shape} {args.dtype} {device.type}{compiled}"
+        case = f"{args.layers} {shape}{tokens.replace(',', '')} {args.dtype} {device.type}"
+        case += compiled
         metric = "us_per_param" if args.layer == "scale" else "us_per_linear"
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         with open(args.json, "w") as f:

@@ -771,7 +771,7 @@ def test_host_overhead_bench_runs():
     """bench/host_overhead.py (a benchmark, not timed here) runs and prints both figures."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
                           "host_overhead.py")
-    layers = [[], ["--layer", "scale", "--hook-path"]]
+    layers = [[], ["--layer", "scale", "--hook-path"], ["--tokens", "64"]]
     if importlib.util.find_spec("transformers") is not None:
         layers.append(["--layer", "conv1d"])
     for extra in layers:
@@ -783,6 +783,7 @@ def test_host_overhead_bench_runs():
         assert "torch AdamW(foreach)" in line and "forge.optim.AdamW" in line, line
         assert ("hook path" in line) == ("--hook-path" in extra), line
         assert ("Conv1Ds" in line) == ("conv1d" in extra), line
+        assert ("64 tokens" in line) == ("--tokens" in extra), line
 
 
 def test_host_overhead_bench_measures_a_baseline(tmp_path):
