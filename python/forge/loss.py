@@ -135,6 +135,9 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Ten
 
 
 def _refuse_sharded_head(weight: torch.Tensor, what: str) -> None:
+    """A head whose weight is a DTensor when the loss runs (tensor parallel) is refused. Under
+    FSDP2 alone the loss sees the unsharded weight, a plain tensor: its dW, formed block by
+    block, is what FSDP2 reduce-scatters."""
     if distributed.is_dtensor(weight):
         raise ValueError(
             f"{what}: the head's weight is a DTensor (tensor parallel), whose vocabulary blocks "
@@ -173,7 +176,8 @@ def enable_fused_head(model: nn.Module) -> nn.Module:
             or head.bias is not None:
         raise ValueError(f"enable_fused_head: {type(model).__name__} has no .model and bias-free "
                          ".lm_head nn.Linear (a Hugging Face *ForCausalLM)")
-    _refuse_sharded_head(head.weight, "enable_fused_head")
+    if not distributed.is_fsdp_module(model):  # (FSDP2 swaps in a plain weight for forward)
+        _refuse_sharded_head(head.weight, "enable_fused_head")
     # Already made (this file's forward, or a wrapper's around it, stays) unless the model was
     # saved whole and loaded: its forward is then its class's again
     loaded = getattr(model.__dict__.get("forward"), "__func__", None) is type(model).forward

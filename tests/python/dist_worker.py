@@ -91,11 +91,15 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.norm = RMSNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.fused_head = False  # True: forward(tokens, targets) is forge.loss's fused loss
 
-    def forward(self, tokens):
+    def forward(self, tokens, targets=None):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
+        if self.fused_head:
+            import forge.loss
+            return forge.loss.head_cross_entropy(self.norm(x), self.head, targets)
         return self.head(self.norm(x))
 
 
@@ -122,6 +126,8 @@ def batch(step: int, rows: slice = slice(None)):
 
 def loss_of(model, step: int, rows: slice = slice(None)):
     x, y = batch(step, rows)
+    if getattr(model, "fused_head", False):
+        return model(x, y)
     logits = model(x)
     if hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
@@ -363,6 +369,52 @@ def job_loops(rank, world, args):
     return measured
 
 
+def job_fsdp_head(rank, world, args):
+    """FSDP2 with forge.loss's fused head (no logits): the loss sees the unsharded head weight,
+    whose dW it forms block by block for FSDP2's reduce-scatter. forge on FSDP2 with the fused
+    head tracks single-process forge with the fused head (its head updated block by block in
+    backward) within what torch FSDP2 moves against single-process torch (plain head). And
+    enable_fused_head takes an FSDP2 model whose head weight is a DTensor between steps."""
+    import forge.loss
+    import forge.optim
+    from reference import torch_optimizer
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    base = make_model()
+    runs = {}
+    for key in ("forge_fsdp", "forge_1", "torch_fsdp", "torch_1"):
+        model = copy.deepcopy(base)
+        model.fused_head = key.startswith("forge")
+        if key.endswith("fsdp"):
+            fsdp(model, mesh)
+        opt = (forge.optim.AdamW(model, **kwargs) if key.startswith("forge")
+               else torch_optimizer("AdamW", model.parameters(), **kwargs))
+        train(model, opt, args["steps"], rows if key.endswith("fsdp") else slice(None))
+        runs[key] = model
+    causal_lm = nn.Module()
+    causal_lm.model, causal_lm.lm_head = nn.Identity(), nn.Linear(DIM, VOCAB, bias=False)
+    fsdp_lm = fsdp_root(causal_lm, mesh)
+    try:
+        forge.loss.enable_fused_head(fsdp_lm)
+        enabled = "enabled"
+    except ValueError as e:
+        enabled = str(e)
+    return {"forge_fsdp_vs_1": max_normwise(runs["forge_fsdp"], runs["forge_1"]),
+            "torch_fsdp_vs_1": max_normwise(runs["torch_fsdp"], runs["torch_1"]),
+            "head_is_dtensor": bool(hasattr(fsdp_lm.lm_head.weight, "full_tensor")),
+            "enable_fused_head": enabled}
+
+
+def fsdp_root(model, mesh):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard(model, mesh=mesh)
+
+
 def job_head(rank, world, args):
     """forge.loss's chunked head refuses a tensor-parallel head by name, before anything runs."""
     import forge.loss
@@ -482,6 +534,7 @@ def job_dcp_load(rank, world, args):
 
 
 JOBS = {"tp": job_tp, "fsdp": job_fsdp, "loops": job_loops, "ddp": job_ddp, "head": job_head,
+        "fsdp_head": job_fsdp_head,
         "dcp_save": job_dcp_save, "dcp_load": job_dcp_load}
 
 

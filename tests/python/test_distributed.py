@@ -104,6 +104,7 @@ def results(tmp_path_factory):
                             ("loops", {"steps": LOOP_STEPS}),
                             ("ddp", {}),
                             ("head", {}),
+                            ("fsdp_head", {"steps": STEPS}),
                             ("dcp_load", {"dir": checkpoint})], tmp)
     measured[1] = spawn(1, [("dcp_load", {"dir": checkpoint})], tmp)
     return measured
@@ -151,6 +152,17 @@ def test_training_loops_on_shards_match_torch(results, setup, loop, mode, record
         assert unchanged  # weights, states and step counts, where it was refused
     if mode == "auto":  # (it cannot see a DTensor gradient's use: never goes immediate)
         assert m["mode_after"] == "deferred"
+
+
+def test_fused_head_on_fsdp2_tracks_one_process(results, record_difference):
+    """FSDP2 with forge.loss's fused head: the loss forms the unsharded head's dW block by
+    block for the reduce-scatter; against one process whose fused head updates the weight
+    block by block in backward. enable_fused_head takes the FSDP2 model (its head weight a
+    DTensor between steps)."""
+    m = results[2]["fsdp_head"]
+    _assert_tracks(m["forge_fsdp_vs_1"], m["torch_fsdp_vs_1"], "FSDP2 fused head",
+                   record_difference)
+    assert m["head_is_dtensor"] and m["enable_fused_head"] == "enabled", m
 
 
 @pytest.mark.parametrize("what", ["head_cross_entropy", "enable_fused_head"])

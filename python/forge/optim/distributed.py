@@ -55,6 +55,18 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def is_fsdp_module(module) -> bool:
+    """module is an FSDP2 (fully_shard) module."""
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # torch 2.4-2.5
+        except ImportError:
+            return False
+    return isinstance(module, FSDPModule)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of t (t itself unless a DTensor)."""
     if DTensor is not None and isinstance(t, DTensor):
