@@ -616,6 +616,10 @@ def test_bench_simulated_ranks_on_cpu(tmp_path):
     for r in fsdp["results"]:
         assert 0 < r["weights_gib"] < 0.3 * full
     assert all(r["states_gib"] is not None for r in fsdp["results"])
+    if importlib.util.find_spec("transformers") is not None:  # (the fused head: HF's models)
+        head = rows_of(tmp_path / "head", ["--simulate-ranks", "4", "--fsdp",
+                                           "--modes", "forge-int8-head"])
+        assert [r["mode"] for r in head["results"]] == ["forge-int8-head"]
     for extra, message in ((["--simulate-ranks", "1", "--fsdp"], "at least 2"),
                            (["--simulate-ranks", "4"], "add --fsdp")):
         assert bench.main(common + extra + ["--out", str(tmp_path / "bad")]) == 2
