@@ -28,6 +28,8 @@ Modes, batch 1, one step = forward + backward + optimizer:
                      states and every other argument at its default (mode="auto": the first
                      step deferred, then immediate where the loop reads no gradient)
   forge-bf16-immediate / forge-bf16-deferred   the same with that mode named (LOOP_MODES)
+  torch-muon / forge-muon-bf16 / forge-muon-int8   torch.optim.Muon + fused AdamW against
+                     forge.optim.Muon (MUON_MODES); a -head suffix (HEAD_MODES): the fused head
 Peak = torch.cuda.max_memory_allocated() (reset after the model is built, so weights count),
 of the first step and of the steps after it apart (first_peak_gib, steady_peak_gib; peak_gib
 is the larger); time = median of 8 steps after 2 warm-ups, timed with CUDA events.
@@ -143,6 +145,8 @@ HEAD_MODES = ["forge-bf16-head", "forge-int8-head", "forge-fp8-head"]
 # Muon (hidden Linear weights) + AdamW (the rest), as forge.optim.Muon groups them: torch's
 # pair (torch.optim.Muon + fused AdamW, torch >= 2.9) and forge.optim.Muon by momentum format.
 MUON_MODES = ["torch-muon", "forge-muon-bf16", "forge-muon-int8"]
+# ... and forge.optim.Muon with the fused head (the head is in its AdamW group).
+HEAD_MODES += ["forge-muon-bf16-head", "forge-muon-int8-head"]
 MUON_LR = 0.02
 KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES + MUON_MODES
 # The baselines' cases (docs/performance.md, "What we measure against") and those of TARGETS
@@ -298,10 +302,10 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         except ValueError as e:  # (a torch without torch.optim.Muon)
             raise BenchError(f"torch-muon: {e}") from None
     import forge.optim
-    if mode in ("forge-muon-bf16", "forge-muon-int8"):
-        return forge.optim.Muon(model, lr=MUON_LR, adamw_lr=LR, state_format=mode[-4:])
     mode = mode[:-len("-lean")] if mode in LEAN_MODES else mode
     mode = mode[:-len("-head")] if mode in HEAD_MODES else mode
+    if mode in ("forge-muon-bf16", "forge-muon-int8"):
+        return forge.optim.Muon(model, lr=MUON_LR, adamw_lr=LR, state_format=mode[-4:])
     if mode == "forge-bf16":
         return forge.optim.AdamW(model, lr=LR, state_format="bf16")
     if mode == "forge-int8":
