@@ -226,16 +226,16 @@ def main() -> int:
     what = {"linear": ("Linear", f"{args.layers} Linears of 16x16"),
             "conv1d": ("Conv1D", f"{args.layers} Conv1Ds of 16x16 with bias"),
             "scale": ("parameter", f"{args.layers} element-wise parameters of 1024")}[args.layer]
-    tokens = f", {args.tokens} tokens" if args.tokens != 4 else ""
-    print(f"host cost per {what[0]} per step ({what[1]}{tokens}, {args.dtype}, {device}"
+    tokens = f" {args.tokens} tokens" if args.tokens != 4 else ""  # (default: unnamed)
+    print(f"host cost per {what[0]} per step ({what[1]}{',' if tokens else ''}{tokens}, "
+          f"{args.dtype}, {device}"
           f"{compiled}, torch {torch.__version__}, median of {args.rounds} round(s)): torch "
           f"AdamW(foreach) {torch_us:.1f} us, forge.optim.AdamW {forge_us:.1f} us"
           + (f", {baseline} {baseline_us:.1f} us" if args.baseline else ""))
     if args.json:
         shape = {"linear": "Linears 16x16", "conv1d": "Conv1Ds 16x16 with bias",
                  "scale": "element-wise params 1024"}[args.layer]
-        case = f"{args.layers} {shape}{tokens.replace(',', '')} {args.dtype} {device.type}"
-        case += compiled
+        case = f"{args.layers} {shape}{tokens} {args.dtype} {device.type}{compiled}"
         metric = "us_per_param" if args.layer == "scale" else "us_per_linear"
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         with open(args.json, "w") as f:

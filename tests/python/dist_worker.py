@@ -163,12 +163,12 @@ def parallelize(model, mesh, sp: bool):
 
 
 def fsdp(model, mesh):
-    """FSDP2 over mesh: a unit per layer and the root."""
+    """FSDP2 over mesh: a unit per layer (where the model has layers) and the root."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:
         from torch.distributed._composable.fsdp import fully_shard
-    for layer in model.layers:
+    for layer in getattr(model, "layers", ()):
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
@@ -395,7 +395,7 @@ def job_fsdp_head(rank, world, args):
         runs[key] = model
     causal_lm = nn.Module()
     causal_lm.model, causal_lm.lm_head = nn.Identity(), nn.Linear(DIM, VOCAB, bias=False)
-    fsdp_lm = fsdp_root(causal_lm, mesh)
+    fsdp_lm = fsdp(causal_lm, mesh)
     try:
         forge.loss.enable_fused_head(fsdp_lm)
         enabled = "enabled"
@@ -405,14 +405,6 @@ def job_fsdp_head(rank, world, args):
             "torch_fsdp_vs_1": max_normwise(runs["torch_fsdp"], runs["torch_1"]),
             "head_is_dtensor": bool(hasattr(fsdp_lm.lm_head.weight, "full_tensor")),
             "enable_fused_head": enabled}
-
-
-def fsdp_root(model, mesh):
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
-    return fully_shard(model, mesh=mesh)
 
 
 def job_head(rank, world, args):
