@@ -28,7 +28,8 @@ namespace cuda {
 
 // Split-K: publish this CTA's partial tile (sC, [kBM][kLdC]) to the workspace; the last CTA of
 // the tile to arrive sums all partials in split order into sC and returns true, the others
-// return false (and must exit). Each thread touches only its own elements of sC.
+// return false (and must exit). The sum is written in the plain quad layout; the update may
+// read sC in the paired one (QuadBlocks), so the sum ends with a barrier.
 __device__ __forceinline__ bool reduce_split_k(const WgradParams& a, float* sC, int tile,
                                                int split) {
   __shared__ int s_is_last;
@@ -80,6 +81,7 @@ __device__ __forceinline__ bool reduce_split_k(const WgradParams& a, float* sC, 
     }
   }
   if (threadIdx.x == 0) a.counters[tile] = 0;  // ready for the next launch on this stream
+  __syncthreads();  // sC's sum is read by other threads of the warp in the paired layout
   return true;
 }
 
