@@ -82,11 +82,19 @@ void DeviceBuffer::allocate(size_t bytes) {
   CUDA_OK(cudaMalloc(&p, bytes + 2 * kGuard));
   base_ = static_cast<uint8_t*>(p);
   CUDA_OK(cudaMemset(base_, 0xFF, bytes + 2 * kGuard));
+  settle_legacy_stream();
 }
+
+// cudaMemset is asynchronous, and a cudaMemcpy from pageable memory may return before its
+// DMA lands; both run on the legacy default stream, which a non-blocking stream does not wait
+// for. So every write here is complete when it returns: a test may then step on any stream
+// (on a busy GPU a replay on a non-blocking stream otherwise ran before the weights landed).
+void DeviceBuffer::settle_legacy_stream() { CUDA_OK(cudaStreamSynchronize(cudaStreamLegacy)); }
 
 void DeviceBuffer::upload(const void* host, size_t bytes) {
   if (bytes > bytes_) throw std::runtime_error("DeviceBuffer::upload: too many bytes");
   if (bytes) CUDA_OK(cudaMemcpy(data(), host, bytes, cudaMemcpyHostToDevice));
+  settle_legacy_stream();
 }
 
 void DeviceBuffer::download(void* host, size_t bytes) const {
@@ -96,6 +104,7 @@ void DeviceBuffer::download(void* host, size_t bytes) const {
 
 void DeviceBuffer::fill(int byte_value) {
   if (bytes_) CUDA_OK(cudaMemset(data(), byte_value, bytes_));
+  settle_legacy_stream();
 }
 
 bool DeviceBuffer::guards_intact() const {

@@ -67,6 +67,7 @@ class DeviceBuffer {
   bool guards_intact() const;
 
  private:
+  static void settle_legacy_stream();
   uint8_t* base_ = nullptr;
   size_t bytes_ = 0;
 };
