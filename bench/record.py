@@ -181,7 +181,8 @@ def step_rows(d: dict, base: dict) -> Iterable[dict]:
              + (" fsdp" if par.get("fsdp") else "")) if par else ""
     base = dict(base, benchmark="ranks" if par.get("simulated") else "step")
     metrics = ("peak_gib", "first_peak_gib", "steady_peak_gib", "step_ms", "tokens_per_s") + (
-        ("weights_gib", "states_gib") if par.get("simulated") else ())
+        ("weights_gib", "states_gib", "held_gib", "saved_gib", "forward_extra_gib",
+         "backward_extra_gib", "step_extra_gib") if par.get("simulated") else ())
     for r in d["results"]:
         if r.get("status") != "ok":
             if r.get("status") == "oom":

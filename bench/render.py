@@ -250,7 +250,33 @@ def render_ranks(cur) -> List[str]:
         lines.append(f"| {job} | " + " | ".join(
             str(need.get((job, v, card), "none measured")) for v in variants
             for card, _ in RANK_FITS) + " |")
-    return lines + ["", "Measured:"] + sources(rows)
+    return lines + _rank_bytes(cases, variants, by) + ["", "Measured:"] + sources(rows)
+
+
+# rank 0's bytes by phase (forge-bench's memory_phases), in the order a step meets them
+RANK_BYTES = [("weights_gib", "weights"), ("states_gib", "states"),
+              ("held_gib", "held between steps"), ("saved_gib", "saved by the forward"),
+              ("forward_extra_gib", "forward's transients"),
+              ("backward_extra_gib", "backward's transients"), ("step_extra_gib", "step's")]
+
+
+def _rank_bytes(cases, variants, by) -> List[str]:
+    """Where rank 0's bytes go, for every measured case that has the phases."""
+    lines = []
+    for c in cases:
+        job, world = _ranks_of(c)
+        for v in variants:
+            if (c, v, "held_gib") not in by:
+                continue
+            if not lines:
+                lines = ["", "Where rank 0's bytes go (GiB; a phase's transients are what it "
+                         "allocates above what it starts from):", "",
+                         "| case | ranks | variant | " + " | ".join(n for _, n in RANK_BYTES)
+                         + " | peak |", "| --- | --- | --- |" + " --- |" * (len(RANK_BYTES) + 1)]
+            lines.append(f"| {job} | {world} | {v} | " + " | ".join(
+                fmt(by.get((c, v, m), "")) for m, _ in RANK_BYTES)
+                + f" | {fmt(by.get((c, v, 'peak_gib'), ''))} |")
+    return lines
 
 
 def render_simple(cur, bench: str, digits: int) -> List[str]:

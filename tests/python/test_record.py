@@ -316,7 +316,9 @@ def test_simulated_ranks_are_their_own_benchmark_and_page(tmp_path):
                   "weights_gib": 131.0 / world, "states_gib": 524.0 / world},
                  {"model": "llama-3.1-70b", "seq": 4096, "ckpt": True, "mode": "forge-int8",
                   "status": "ok", "peak_gib": forge_peak, "step_ms": 950.0,
-                  "weights_gib": 131.0 / world, "states_gib": 131.0 / world}]}
+                  "weights_gib": 131.0 / world, "states_gib": 131.0 / world,
+                  "held_gib": 262.0 / world, "saved_gib": 5.0, "forward_extra_gib": 2.5,
+                  "backward_extra_gib": 9.0, "step_extra_gib": 0.25}]}
         path = tmp_path / f"forge-bench-{world}.json"
         path.write_text(json.dumps(d))
         assert record.main([str(path), "--commit", "abc1234", "--table", str(table)]) == 0
@@ -333,4 +335,8 @@ def test_simulated_ranks_are_their_own_benchmark_and_page(tmp_path):
     # columns: forge-int8 on H100, on H200, then torch-adamw's. forge int8: 70 GiB at 8 ranks
     # fits an H100, 118 at 4 an H200; torch: 76 GiB at 8 fits an H200 only, 141 at 4 neither
     assert "| llama-3.1-70b seq=4096 ckpt fsdp | 8 | 4 | none measured | 8 |" in page
+    # where forge's bytes go, phase by phase (torch's row had no phases: no row)
+    assert ("| llama-3.1-70b seq=4096 ckpt fsdp | 8 | forge-int8 | 16.4 | 16.4 | 32.8 | 5.0 | "
+            "2.5 | 9.0 | 0.2 | 70.0 |") in page
+    assert "| torch-adamw | " not in page
     assert not (out / "steps.md").exists()

@@ -34,6 +34,12 @@ Peak = torch.cuda.max_memory_allocated() (reset after the model is built, so wei
 of the first step and of the steps after it apart (first_peak_gib, steady_peak_gib; peak_gib
 is the larger); time = median of 8 steps after 2 warm-ups, timed with CUDA events.
 Out-of-memory is a result.
+Under --simulate-ranks a further step says where rank 0's bytes go (memory_phases): what
+lives between steps (held_gib: weights, states and anything else kept), what the forward
+leaves for the backward (saved_gib: activations, checkpoints, the loss), and what each phase
+allocates above that (forward_extra_gib: layers gathered for the forward, logits;
+backward_extra_gib: recomputation, gathered layers, gradients awaiting their reduce-scatter;
+step_extra_gib: the optimizer's temporaries).
 --cuda-graph: each step runs through forge.graphs.CUDAGraphStep (the warm-ups eager, one
 untimed call that captures, then the timed steps are replays; torch AdamW with
 capturable=True; torch-hooks is reported unsupported).
@@ -491,6 +497,33 @@ def train_phases(model, optimizer, tokens: torch.Tensor, lean: bool = False):
     return [("forward", forward), ("backward", backward), ("optimizer", step)]
 
 
+def memory_phases(model, optimizer, tokens: torch.Tensor, lean: bool = False) -> dict:
+    """One more step, its GPU memory phase by phase (GiB): held between steps, saved by the
+    forward for the backward, and what the forward, the backward and the optimizer step
+    allocate above what they start from (module docstring)."""
+    gib = (lambda b: round(b / 2**30, 2))
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = model_loss(model, tokens, lean)
+    after_forward = torch.cuda.memory_allocated()
+    forward_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    del loss
+    backward_peak = torch.cuda.max_memory_allocated()
+    after_backward = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    step_peak = torch.cuda.max_memory_allocated()
+    return dict(held_gib=gib(held), saved_gib=gib(after_forward - held),
+                forward_extra_gib=gib(forward_peak - after_forward),
+                backward_extra_gib=gib(backward_peak - after_forward),
+                step_extra_gib=gib(step_peak - after_backward))
+
+
 def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
                 weights: int, leftover: int, profile: int = 0, lean: bool = False,
                 graph: bool = False, batch: int = 1) -> dict:
@@ -546,6 +579,8 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
                params_b=round(n_params / 1e9, 3), weights_gib=round(weights / 2**30, 6),
                states_gib=state_gib(optimizer), note=note, step_ms_each=[round(t, 1) for t in times],
                host_ms=round(statistics.median(host), 1))
+    if cuda and not graph and _PARALLEL is not None and _PARALLEL.simulated:
+        row.update(memory_phases(model, optimizer, tokens, lean))
     if profile > 0:  # after the peak and the times are taken: the profiler perturbs both
         from forge.tools.step_profile import profile_steps
         # A graphed step is one replay: its kernels are profiled, but it has no phases to time
