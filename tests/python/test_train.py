@@ -694,6 +694,22 @@ def test_bench_merge_rounds_keeps_an_out_of_memory_and_drops_skipped_rounds():
     assert bench.main(["--models", "tiny", "--device", "cpu", "--rounds", "0"]) == 2
 
 
+def test_bench_out_of_memory_says_where(monkeypatch):
+    """A case that runs out of memory is a row saying so, and where: the stage and the step's
+    phase (on a GPU also the bytes allocated then, the weights' share, the failing ask)."""
+    from forge.tools import bench
+    real_backward = torch.Tensor.backward
+
+    def backward_out_of_memory(self, *args, **kwargs):
+        if bench._WHERE.get("stage") == "the steps after the first":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real_backward(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "backward", backward_out_of_memory)
+    row = bench.measure("tiny", 32, False, "forge-bf16", torch.device("cpu"), torch.float32)
+    assert row["status"] == "oom", row
+    assert row["note"] == "out of memory in the steps after the first (backward)", row
+
+
 def test_bench_profile_on_cpu(tmp_path):
     """--profile: each case's row gets per-step times by category and the host profile, and
     forge-profile-*.md is written; on the CPU the categories hold operator self times."""

@@ -33,7 +33,8 @@ Modes, batch 1, one step = forward + backward + optimizer:
 Peak = torch.cuda.max_memory_allocated() (reset after the model is built, so weights count),
 of the first step and of the steps after it apart (first_peak_gib, steady_peak_gib; peak_gib
 is the larger); time = median of 8 steps after 2 warm-ups, timed with CUDA events.
-Out-of-memory is a result.
+Out-of-memory is a result; its note says where (the stage and the step's phase, the bytes
+allocated then and the failing ask).
 Under --simulate-ranks a further step says where rank 0's bytes go (memory_phases): what
 lives between steps (held_gib: weights, states and anything else kept), what the forward
 leaves for the backward (saved_gib: activations, checkpoints, the loss), and what each phase
@@ -362,6 +363,34 @@ class OptimizerInBackward:
         self.handles.clear()
 
 
+# Where the running case is, for an out-of-memory row's note (oom_note): the stage (building
+# the model, making the optimizer, a step) and the step's phase, the weights' bytes once known.
+_WHERE: Dict[str, object] = {}
+
+
+def _at(stage: str) -> None:
+    _WHERE.update(stage=stage, phase=None)
+
+
+def oom_note(e: BaseException, device: torch.device) -> str:
+    """"out of memory", and on a GPU where: the stage and phase, what was allocated then
+    (the weights' share where known) and what the failing allocation asked for."""
+    note = "out of memory"
+    stage, phase = _WHERE.get("stage"), _WHERE.get("phase")
+    if stage:
+        note += f" in {stage}" + (f" ({phase})" if phase else "")
+    if device.type == "cuda":
+        gib = (lambda b: f"{b / 2**30:.1f}")
+        weights = _WHERE.get("weights")
+        note += (f": {gib(torch.cuda.memory_allocated())} GiB allocated"
+                 + (f" ({gib(weights)} of them weights)" if weights else "")
+                 + f", peak {gib(torch.cuda.max_memory_allocated())} GiB")
+        asked = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(e))
+        if asked:
+            note += f", asking for {asked.group(1)} more"
+    return note
+
+
 def is_oom(e: BaseException) -> bool:
     oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
                                   torch.cuda.OutOfMemoryError, MemoryError) if t)
@@ -411,6 +440,8 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
     simulated = _PARALLEL is not None and _PARALLEL.simulated
     # (simulated ranks: built on the meta device, sharded, then this rank's shards made: a
     # model larger than the card never exists whole)
+    _WHERE.clear()
+    _at("building the model")
     model = build_model(model_name, torch.device("meta") if simulated else device, dtype)
     model.train()
     if ckpt:
@@ -429,6 +460,8 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
         weights = torch.cuda.memory_allocated()
     else:  # (this rank's shards: a DTensor's local tensor)
         weights = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    _WHERE["weights"] = weights
+    _at("making the optimizer")
     optimizer = make_optimizer(mode, model, device, graph)
     if compiled:  # (after the optimizer: forge.optim patches the Linears' forwards)
         model = torch.compile(model)
@@ -472,9 +505,12 @@ def prepare_model(model, model_name: str, mode: str) -> None:
 
 def train_step(model, optimizer, tokens: torch.Tensor, lean: bool = False) -> torch.Tensor:
     """One measured step: forward, backward, optimizer; returns the loss."""
+    _WHERE["phase"] = "forward"
     loss = model_loss(model, tokens, lean)
+    _WHERE["phase"] = "backward"
     loss.backward()
     if optimizer is not None:
+        _WHERE["phase"] = "optimizer step"
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss
@@ -556,7 +592,9 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
     # NOTE: the first step's peak apart: a default forge optimizer's first step is deferred
     # (mode="auto") and makes the states, so it may peak where the steady state does not
     cuda = device.type == "cuda"
+    _at("the first step")
     timed(1)
+    _at("the steps after the first")
     first_peak = torch.cuda.max_memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -634,7 +672,7 @@ def measure(model_name, seq, ckpt, mode, device, dtype, profile: int = 0,
         raise
     except Exception as e:  # noqa: BLE001 — a failed case is a result
         if is_oom(e):
-            row.update(status="oom", note="out of memory")
+            row.update(status="oom", note=oom_note(e, device))
         else:
             row.update(status="error", note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                        if str(e) else type(e).__name__)
