@@ -411,6 +411,11 @@ class Library:
         """forge_wgrad_step's address, for a caller in C++ (forge/_prehook.py)."""
         return ctypes.cast(self._lib.forge_wgrad_step, ctypes.c_void_p).value
 
+    @property
+    def elementwise_step_address(self) -> int:
+        """forge_elementwise_step's address, for a caller in C++ (forge/_prehook.py)."""
+        return ctypes.cast(self._lib.forge_elementwise_step, ctypes.c_void_p).value
+
     # NOTE: the two per-update calls pass the struct itself (ctypes takes its address, as
     # argtypes is a POINTER to its type: ~130 ns less than ctypes.byref) and call check()
     # only on an error.

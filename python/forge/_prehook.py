@@ -77,5 +77,8 @@ def _build():
     module.set_operand_layout([(getattr(_lib.WgradArgs, field).offset,
                                 getattr(_lib.WgradArgs, field).size)
                                for field in _lib.WGRAD_OPERAND_FIELDS])
+    module.set_grad_layout([(getattr(_lib.ElementwiseArgs, field).offset,
+                             getattr(_lib.ElementwiseArgs, field).size)
+                            for field in ("grad", "grad_dtype")])
     module.set_dtype_codes(_lib.DTYPE_FP32, _lib.DTYPE_BF16, _lib.DTYPE_FP16)
     return module

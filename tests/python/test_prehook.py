@@ -261,14 +261,19 @@ def test_cpp_prehook_falls_back_for_second_and_outside_uses(cpp, device, monkeyp
                            "(test_compile.py)")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("relu", [True, False])
-def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, device, monkeypatch):
+@pytest.mark.parametrize("tokens", [3, 200], ids=["keeps", "forms"])
+def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, tokens, device,
+                                                        monkeypatch):
     """A compiled backward hands X and dY over in its graph (forge::wgrad_hand_off): its C++
     kernel arms the weight's record but for the step's first hand-off (Python's, which
     checks the step) and a second use, and the C++ pre-hook makes each update but that of a
     Linear applied twice (the graph sums its stand-ins); the same bits as the Python hooks.
-    Inductor, the backward with (relu) and without element-wise kernels."""
+    Inductor, the backward with (relu) and without element-wise kernels. With 3 tokens a
+    row every hand-off keeps X and dY (the fused call is armed); with 200 each forms dW
+    (_linear.hand_off_keeps: X and dY take more bytes), and the element-wise call on it is
+    armed, in C++ from the second step (the first forms it in Python, and the next check
+    readies the call)."""
     torch.manual_seed(0)
-    # (6 tokens against these widths: every hand-off keeps its X and dY, _linear.hand_off_keeps)
     base = nn.ModuleDict({"a": nn.Linear(32, 64), "b": nn.Linear(64, 64, bias=False),
                           "c": nn.Linear(64, 16)}).to(device)
 
@@ -295,7 +300,8 @@ def test_cpp_prehook_makes_a_compiled_backwards_updates(cpp, relu, device, monke
         steps = [torch.compile(lambda x, m=m: forward(m, x)) for m in models]
         for step in range(STEPS):
             entered.clear()
-            x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(step)).to(device)
+            x = torch.randn(2, tokens, 32,
+                            generator=torch.Generator().manual_seed(step)).to(device)
             for run in steps:
                 run(x).square().mean().backward()
             # (from the second step: the step's first hand-off, in the graph's order, and b's
@@ -381,6 +387,40 @@ def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch)
     monkeypatch.setattr(forge.optim.updater.Updater, "ready_wgrad", ready_but_wrong_version)
     with pytest.raises(Exception, match="forge_wgrad_step: args.abi_version: 0"):
         model(x).sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert opt.state[p]["step"] == steps[n], n
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 8),
+                    reason="Dynamo traces the fused Linear's forward from torch 2.8 "
+                           "(test_compile.py)")
+def test_cpp_prehook_a_refused_element_wise_call_raises_and_changes_nothing(cpp, monkeypatch):
+    """The same for the element-wise call a compiled backward's hand-off armed on the dW it
+    formed (200 tokens: X and dY take more bytes than dW)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = build(model, True, monkeypatch)
+    x = torch.randn(200, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    for step in range(3):
+        compiled(x).sum().backward()
+        # (from the second step both element-wise calls are made in C++)
+        assert sorted(calls_made_in_cpp(opt)) == (["0.weight", "2.weight"] if step else [])
+        opt.step()
+        opt.zero_grad()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
+    ready_wgrad = forge.optim.updater.Updater.ready_wgrad
+
+    def ready_but_wrong_version(updater, slot, *args):
+        ready = ready_wgrad(updater, slot, *args)  # the calls as readied, a bad ABI version
+        slot.kept_args["elementwise"][0].abi_version = 0
+        return ready
+    monkeypatch.setattr(forge.optim.updater.Updater, "ready_wgrad", ready_but_wrong_version)
+    with pytest.raises(Exception, match="forge_elementwise_step: args.abi_version: 0"):
+        compiled(x).sum().backward()
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
         assert opt.state[p]["step"] == steps[n], n

@@ -15,7 +15,10 @@
 //     W.grad and drops the gradient; Python commits the call's step count when it next meets
 //     the weight (Record::settle).
 //   - in a compiled backward (forge/_ops.py), the hand-off operator's kernel arms the record
-//     as the Linear's backward does, where it is ready, and returns the stand-in.
+//     as the Linear's backward does, where it is ready, and returns the stand-in; a hand-off
+//     that may not keep X and dY forms dW (W's dtype, as the Python hand-off forms it) and
+//     arms the record's element-wise call with it (Python readied that call too, for a
+//     weight whose hand-off formed dW before), which the pre-hook makes the same way.
 // Anything else (not ready, armed already, another gradient, a refusal) goes to the Python
 // routing, with the GIL, which stays the reference; so does the post-hook's fallback, only
 // where no pre-hook ran.
@@ -53,6 +56,11 @@ struct Field {
 };
 Field operand_fields[kOperands];
 bool operand_layout_set = false;
+// forge_elementwise_args' gradient fields (grad, grad_dtype), from forge/_lib.py's struct
+// (set_grad_layout).
+enum GradField { kGrad, kGradDtype, kGradFields };
+Field grad_fields[kGradFields];
+bool grad_layout_set = false;
 int dtype_code_fp32 = -1, dtype_code_bf16 = -1, dtype_code_fp16 = -1;  // set_dtype_codes
 
 int dtype_code(at::ScalarType t) {
@@ -64,8 +72,7 @@ int dtype_code(at::ScalarType t) {
   }
 }
 
-void write_field(void* args, Operand which, int64_t value) {
-  const Field& f = operand_fields[which];
+void write_at(void* args, const Field& f, int64_t value) {
   char* at = static_cast<char*>(args) + f.offset;
   if (f.size == 4) {
     const int32_t v = static_cast<int32_t>(value);
@@ -73,6 +80,10 @@ void write_field(void* args, Operand which, int64_t value) {
   } else {
     std::memcpy(at, &value, 8);
   }
+}
+
+void write_field(void* args, Operand which, int64_t value) {
+  write_at(args, operand_fields[which], value);
 }
 
 // One optimizer's readiness epoch: a record is ready while its epoch is the clock's. Python
@@ -93,8 +104,13 @@ struct Record {
   at::Tensor consumed;  // what W.grad becomes once the update ran
   at::Tensor x, dy;     // the armed call's operands, released once it ran
   int64_t ldx = 0, lddy = 0;
+  at::Tensor dw;        // the armed element-wise call's gradient (dense), released once it ran
+  bool dense = false;   // what is armed: the element-wise call on dw (else the fused one)
   void* args = nullptr;  // the kept forge_wgrad_args
   WgradStepFn wgrad_step = nullptr;
+  void* dense_args = nullptr;  // the kept forge_elementwise_args (a weight that formed dW)
+  WgradStepFn elementwise_step = nullptr;  // forge_elementwise_step(const ..._args*)
+  int64_t dense_epoch = -1;  // the clock's epoch when Python readied dense_args; -1: not
   std::shared_ptr<Clock> clock;
   int64_t ready_epoch = -1;    // the clock's epoch when Python readied the args; -1: not
   c10::StreamId stream_id = 0;  // the CUDA stream current then (the args hold its handle)
@@ -103,6 +119,7 @@ struct Record {
   bool pre_ran = false;  // the pre-hook ran since the last post-hook
   bool enabled = true;   // false: gradients pass through (the optimizer was detached)
   py::object keep;       // the ctypes object at `args`, alive while the record is
+  py::object keep_dense;  // the ctypes object at `dense_args`
   py::object fallback;   // the Python pre-hook: (grads tuple) -> None or a tuple
   py::object post_fallback;    // the Python post-hook, () -> None: where no pre-hook ran
   py::object on_error;         // (status) -> raises the library's error
@@ -113,13 +130,15 @@ struct Record {
       // The interpreter is gone: a node still queued when the process exits (torch 2.4 keeps
       // a failed backward's nodes in the thread's ready queue until its thread-local
       // destructors run). Taking the GIL would wait forever; the objects go with the process.
-      for (py::object* o : {&keep, &fallback, &post_fallback, &on_error, &linear_fallback})
+      for (py::object* o :
+           {&keep, &keep_dense, &fallback, &post_fallback, &on_error, &linear_fallback})
         o->release();
       return;
     }
     // (the node that owns the hook may go on autograd's thread, without the GIL)
     py::gil_scoped_acquire gil;
     keep = py::object();
+    keep_dense = py::object();
     fallback = py::object();
     post_fallback = py::object();
     on_error = py::object();
@@ -140,48 +159,97 @@ struct Record {
     dy = std::move(dy_);
     ldx = ldx_;
     lddy = lddy_;
+    dense = false;
     state = State::kArmed;
     armed_in_graph = false;
     ready_epoch = -1;
+  }
+
+  // Whether an update of this step may be armed with these operands now: the args ready for
+  // this step, on this stream, the operands' rows as the args read them (contiguous, a dtype
+  // the library reads, X [T, cols] and dY [T, rows]).
+  bool may_arm(const at::Tensor& x_, const at::Tensor& dy_) const {
+    if (!enabled || state != State::kIdle || ready_epoch < 0 || ready_epoch != clock->epoch ||
+        x_.dim() < 1 || dy_.dim() < 1)
+      return false;
+    const int64_t cols = weight.size(1), rows = weight.size(0);
+    if (x_.size(-1) != cols || dy_.size(-1) != rows || !x_.is_contiguous() || !dy_.is_contiguous())
+      return false;
+    if (dtype_code(x_.scalar_type()) < 0 || dtype_code(dy_.scalar_type()) < 0) return false;
+    const int64_t tokens = x_.numel() / cols;
+    if (tokens <= 0 || dy_.numel() != tokens * rows) return false;
+    return !dy_.is_cuda() ||
+           (dy_.device() == weight.device() &&
+            c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dy_.device()).id() ==
+                stream_id);
   }
 
   // The C++ Linear backward's arming: where the args are ready for this step, on this stream,
   // and the operands fit them as they are (contiguous rows, a dtype the library reads), writes
   // them and arms. False: nothing changed (the Python Linear backward takes it).
   bool try_arm(const at::Tensor& x_, const at::Tensor& dy_) {
-    if (!enabled || state != State::kIdle || ready_epoch < 0 || ready_epoch != clock->epoch ||
-        !operand_layout_set || x_.dim() < 1 || dy_.dim() < 1)
-      return false;
+    if (!operand_layout_set || !may_arm(x_, dy_)) return false;
     const int64_t cols = weight.size(1), rows = weight.size(0);
-    if (x_.size(-1) != cols || dy_.size(-1) != rows || !x_.is_contiguous() || !dy_.is_contiguous())
-      return false;
-    const int x_code = dtype_code(x_.scalar_type()), dy_code = dtype_code(dy_.scalar_type());
-    const int64_t tokens = x_.numel() / cols;
-    if (x_code < 0 || dy_code < 0 || tokens <= 0 || dy_.numel() != tokens * rows) return false;
-    if (dy_.is_cuda() &&
-        (dy_.device() != weight.device() ||
-         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dy_.device()).id() != stream_id))
-      return false;
-    write_field(args, kTokens, tokens);
+    write_field(args, kTokens, x_.numel() / cols);
     write_field(args, kX, reinterpret_cast<int64_t>(x_.data_ptr()));
-    write_field(args, kXDtype, x_code);
+    write_field(args, kXDtype, dtype_code(x_.scalar_type()));
     write_field(args, kLdx, cols);
     write_field(args, kDy, reinterpret_cast<int64_t>(dy_.data_ptr()));
-    write_field(args, kDyDtype, dy_code);
+    write_field(args, kDyDtype, dtype_code(dy_.scalar_type()));
     write_field(args, kLddy, rows);
     arm(x_, cols, dy_, rows);
     return true;
   }
 
+  // Arms the element-wise call with dW [rows, cols] (contiguous, in W's dtype) where Python
+  // readied it for this step (a weight whose hand-off formed dW before: forge/_ops.py), as
+  // arm arms the fused one; the caller checked the stream. False: nothing changed.
+  bool arm_dense(at::Tensor formed) {
+    if (!enabled || state != State::kIdle || ready_epoch < 0 || ready_epoch != clock->epoch ||
+        !grad_layout_set || dense_args == nullptr || dense_epoch != clock->epoch ||
+        formed.scalar_type() != weight.scalar_type() || !formed.is_contiguous() ||
+        formed.numel() != weight.numel() || dtype_code(formed.scalar_type()) < 0)
+      return false;
+    write_at(dense_args, grad_fields[kGrad], reinterpret_cast<int64_t>(formed.data_ptr()));
+    write_at(dense_args, grad_fields[kGradDtype], dtype_code(formed.scalar_type()));
+    dw = std::move(formed);
+    dense = true;
+    state = State::kArmed;
+    armed_in_graph = false;
+    ready_epoch = -1;
+    dense_epoch = -1;
+    return true;
+  }
+
+  // A compiled backward's hand-off that may not keep X and dY: where the element-wise call is
+  // ready and X, dY and W share a dtype, dW = dYᵀ·X formed in it as the Python hand-off forms
+  // it (forge/optim/deferred.py, product: the same product, so the same bits) and armed.
+  // False: nothing changed (the Python hand-off takes it).
+  bool try_form(const at::Tensor& x_, const at::Tensor& dy_) {
+    if (!grad_layout_set || dense_args == nullptr || dense_epoch != clock->epoch ||
+        x_.scalar_type() != weight.scalar_type() || dy_.scalar_type() != weight.scalar_type() ||
+        !may_arm(x_, dy_))
+      return false;
+    const int64_t cols = weight.size(1), rows = weight.size(0);
+    return arm_dense(dy_.reshape({-1, rows}).t().matmul(x_.reshape({-1, cols})));  // [rows, cols]
+  }
+
   // For Python, once it meets the weight again: None (nothing armed), True (the hook made the
-  // call: Python commits its step count), or (x, ldx, dy, lddy) of an armed call never made
-  // (Python takes it over). The record is idle afterwards.
+  // fused call: Python commits its step count), "elementwise" (it made the element-wise
+  // call on a formed dW: likewise), (x, ldx, dy, lddy) of an armed fused call never made, or
+  // (dw,) of an armed element-wise call never made (Python takes either over). The record is
+  // idle afterwards.
   py::object settle() {
     const State was = state;
     state = State::kIdle;
     armed_in_graph = false;
     if (was == State::kIdle) return py::none();
-    if (was == State::kCalled) return py::bool_(true);
+    if (was == State::kCalled) return dense ? py::object(py::str("elementwise")) : py::bool_(true);
+    if (dense) {
+      py::tuple formed = py::make_tuple(std::move(dw));
+      dw = at::Tensor();
+      return formed;
+    }
     py::tuple pair = py::make_tuple(std::move(x), ldx, std::move(dy), lddy);
     x = at::Tensor();
     dy = at::Tensor();
@@ -232,14 +300,16 @@ struct FusedWeightPreHook : torch::autograd::FunctionPreHook {
     r.pre_ran = true;
     if (r.state == State::kArmed && grads.size() == 1 && grads[0].defined() &&
         grads[0].unsafeGetTensorImpl() == r.stand_in.unsafeGetTensorImpl()) {
-      const int status = r.wgrad_step(r.args);
-      r.x = at::Tensor();  // (X and dY were read in stream order: free to go)
+      const int status = r.dense ? r.elementwise_step(r.dense_args) : r.wgrad_step(r.args);
+      r.x = at::Tensor();  // (X and dY, or dW, were read in stream order: free to go)
       r.dy = at::Tensor();
+      r.dw = at::Tensor();
       if (status != 0) {
         r.state = State::kIdle;
+        const char* call = r.dense ? "forge_elementwise_step" : "forge_wgrad_step";
         py::gil_scoped_acquire gil;
-        r.on_error(status);  // raises
-        throw std::runtime_error("forge: forge_wgrad_step failed");
+        r.on_error(status, call);  // raises
+        throw std::runtime_error(std::string("forge: ") + call + " failed");
       }
       r.state = State::kCalled;
       r.weight.mutable_grad() = r.consumed;
@@ -477,10 +547,10 @@ at::Tensor hand_off(const at::Tensor& x, const at::Tensor& dy, const at::Tensor&
     auto it = hand_off_records.find(key);
     if (it != hand_off_records.end()) record = it->second.lock();
   }
-  // (a backward with create_graph=True: the Python path refuses or makes dW with its graph;
-  // one that may not keep X and dY: the Python path forms dW, forge/_ops.py)
-  if (record && keep && !at::GradMode::is_enabled() &&
-      weight_grad_use(record->weight) == kGradAccumulated && record->try_arm(x, dy)) {
+  // (a backward with create_graph=True: the Python path refuses or makes dW with its graph)
+  if (record && !at::GradMode::is_enabled() &&
+      weight_grad_use(record->weight) == kGradAccumulated &&
+      (keep ? record->try_arm(x, dy) : record->try_form(x, dy))) {
     record->armed_in_graph = true;
     return record->stand_in;
   }
@@ -529,8 +599,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              r.stand_in = std::move(stand_in);
              r.consumed = std::move(consumed);
            })
+      .def("set_dense_call",
+           [](Record& r, py::object args, std::uintptr_t address, std::uintptr_t step) {
+             r.keep_dense = std::move(args);
+             r.dense_args = reinterpret_cast<void*>(address);
+             r.elementwise_step = reinterpret_cast<WgradStepFn>(step);
+             r.dense_epoch = r.clock->epoch;
+           })
       .def("ready", &Record::ready)
       .def("arm", &Record::arm)
+      .def("arm_dense", &Record::arm_dense)
       .def("settle", &Record::settle)
       .def_property_readonly("armed", [](const Record& r) { return r.state == State::kArmed; })
       .def_property_readonly("called", [](const Record& r) { return r.state == State::kCalled; })
@@ -555,6 +633,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       operand_fields[i] = {fields[i].first, fields[i].second};
     }
     operand_layout_set = true;
+  });
+  m.def("set_grad_layout", [](std::vector<std::pair<size_t, size_t>> fields) {
+    TORCH_CHECK(fields.size() == kGradFields, "forge: ", kGradFields, " gradient fields expected");
+    for (int i = 0; i < kGradFields; ++i) {
+      TORCH_CHECK(fields[i].second == 4 || fields[i].second == 8, "forge: field size ",
+                  fields[i].second);
+      grad_fields[i] = {fields[i].first, fields[i].second};
+    }
+    grad_layout_set = true;
   });
   m.def("set_dtype_codes", [](int fp32, int bf16, int fp16) {
     dtype_code_fp32 = fp32;

@@ -121,7 +121,12 @@ class Backward:
             return slot.marker
         if not slot.pending and slot.partial is None:
             if dense:
-                slot.partial = product(x2, dy2, slot.param.dtype).reshape(slot.local().shape)
+                slot.forms_in_graph = True  # (from the next step, the C++ hand-off forms it)
+                formed = product(x2, dy2, slot.param.dtype).reshape(slot.local().shape)
+                if (slot.record is not None and slot.uses == 1
+                        and self._arm_dense(slot, formed, handle)):
+                    return slot.marker
+                slot.partial = formed
             else:
                 slot.pending.append((x2, ldx, dy2, lddy, handle, index))
         else:  # a second use in this backward: sum this one and the earlier ones in fp32
@@ -165,21 +170,45 @@ class Backward:
         slot.marker = slot.stand_in
         return True
 
+    def _arm_dense(self, slot, formed, handle) -> bool:
+        """_arm for a compiled backward's hand-off that formed dW (`formed`, in W's dtype):
+        where the check readied slot's element-wise call for this step, its record is armed
+        with dW, as the C++ hand-off arms it, so that a later use of W in this backward finds
+        it armed (and takes the Python path, as after _arm). False: nothing changed."""
+        shared = self.shared
+        if shared.deferring or shared.capturing or slot.layouts is not None:
+            return False
+        if shared.checked_step != shared.step_id:
+            self._check_step()
+        if (self._ready_for(slot, handle) is None or not slot.record.is_ready
+                or not slot.record.arm_dense(formed)):
+            return False
+        slot.marker = slot.stand_in
+        return True
+
     def settle_armed(self, slot) -> None:
         """Once Python meets an armed weight again (its next use, its node's Python hooks,
         step()): a call the C++ pre-hook made is committed (the step count and updated_at, as
         update_wgrad's success sets them); an armed call never made becomes the pending pair
         the Python path expects (one use of W, its stand-in returned; a compiled backward's,
-        where the C++ hand-off armed it, counted among in_graph_uses)."""
+        where the C++ hand-off armed it, counted among in_graph_uses); an armed element-wise
+        call never made, its formed dW (slot.partial)."""
         record = slot.record
         in_graph = record is not None and record.armed_in_graph
         settled = record.settle() if record is not None else None
         if settled is None:
             return
-        if settled is True:
-            self._commit_made(slot)
+        if settled is True or isinstance(settled, str):  # (True: the fused call)
+            self._commit_made(slot, "wgrad" if settled is True else settled)
             slot.marker = None
             slot.uses = slot.in_graph_uses = 0
+            return
+        if len(settled) == 1:
+            slot.partial = settled[0].reshape(slot.local().shape)
+            slot.uses = max(slot.uses, 1)
+            if in_graph:
+                slot.in_graph_uses += 1
+            slot.marker = slot.stand_in
             return
         x2, ldx, dy2, lddy = settled
         index = dy2.get_device() if dy2.is_cuda else None

@@ -96,16 +96,17 @@ def _weight_grad_ready(ref, grads):
     return backward.on_weight_grad_ready(slot, grads)
 
 
-def _armed_call_failed(ref, status: int) -> None:
-    """The C++ pre-hook's call failed (nothing was committed): backward's hand-offs are
-    dropped and the library's error raised."""
+def _armed_call_failed(ref, status: int, call: str) -> None:
+    """The C++ pre-hook's call (forge_wgrad_step, or forge_elementwise_step on a formed dW)
+    failed (nothing was committed): backward's hand-offs are dropped and the library's error
+    raised."""
     slot = ref()
     if slot is None or slot.backward_ref() is None:
-        raise RuntimeError(f"forge: forge_wgrad_step failed (status {status})")
+        raise RuntimeError(f"forge: {call} failed (status {status})")
     slot.marker = None
     slot.clear_backward()
     from .. import _lib
-    _lib.get().check(status, "forge_wgrad_step")
+    _lib.get().check(status, call)
 
 
 def _linear_fallback(ref, x, dy, weight):
@@ -395,7 +396,8 @@ class Router:
                 shared.clock = cpp.Clock()
             slot.record = cpp.Record(p, shared.clock, self._lib.wgrad_step_address,
                                      python_prehook, lambda ref=ref: _weight_grad_done(ref),
-                                     lambda status, ref=ref: _armed_call_failed(ref, status),
+                                     lambda status, call, ref=ref:
+                                     _armed_call_failed(ref, status, call),
                                      lambda x, dy, w, ref=ref: _linear_fallback(ref, x, dy, w))
             cpp.install(slot.record)
             cpp.register_hand_off_record(slot.key, slot.record)  # (a compiled backward's)

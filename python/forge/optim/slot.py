@@ -67,6 +67,9 @@ class Slot:
         # W's gradient arrives as a sum of stand-ins that the graph computed.
         self.key = _ops.new_key(self)
         self.in_graph_uses = 0
+        # Whether such a hand-off formed its dW (it could not keep X and dY): from then on each
+        # step's check readies its element-wise call for the C++ hand-off too (updater.py)
+        self.forms_in_graph = False
         # (formats and data pointers, forge_param) of the last update; rebuilt on any change
         self.param_cache: Optional[Tuple[tuple, Any]] = None
         self.modules: List[nn.Linear] = []

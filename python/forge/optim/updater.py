@@ -131,6 +131,13 @@ class Updater:
         _, held, hp = slot.kept_args["wgrad"]
         if slot.record is not None:
             self._ready_record(slot, args)
+            if slot.forms_in_graph:  # (its element-wise call on a formed dW: backward.py)
+                dense = kept_args(slot, "elementwise", device, slot.struct, hparams, outputs,
+                                  st["step"] + 1, self.seed + slot.index, self.backward_scale,
+                                  st["mu_product"] if self._keeps_mu_product else None, False,
+                                  None)
+                slot.record.set_dense_call(dense, ctypes.addressof(dense),
+                                           self._lib.elementwise_step_address)
         return self.shared.step_id, stream, args, held, hp, st
 
     def _ready_record(self, slot, args) -> None:
@@ -191,10 +198,11 @@ class Updater:
             return
         self.update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream)
 
-    def commit_made(self, slot) -> None:
-        """The C++ pre-hook made slot's readied call: its step count (and NAdam's product)
-        move on, as update_wgrad's success moves them."""
-        hp = slot.kept_args["wgrad"][2]  # (hparams.step: the step the call made)
+    def commit_made(self, slot, kind: str = "wgrad") -> None:
+        """The C++ pre-hook made slot's readied call (kind "wgrad", or "elementwise" on a
+        formed dW): its step count (and NAdam's product) move on, as update_wgrad's success
+        moves them."""
+        hp = slot.kept_args[kind][2]  # (hparams.step: the step the call made)
         st = self.shared.state[slot.param]
         st["step"] = hp.step  # (calls.commit)
         if self._keeps_mu_product:
