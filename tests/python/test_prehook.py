@@ -376,16 +376,22 @@ def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch)
     """A call the library refuses inside the C++ pre-hook raises its message out of backward,
     and neither the weights nor their step counts change."""
     model, opt, x = two_layers_after_two_steps(monkeypatch)
+    assert_refused_changes_nothing(model, opt, x, "wgrad", monkeypatch)
+
+
+def assert_refused_changes_nothing(model, opt, x, kind: str, monkeypatch):
+    """A backward of model(x) whose readied calls of `kind` ("wgrad", "elementwise") carry a
+    bad ABI version raises the library's message, and no weight or step count changes."""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
     ready_wgrad = forge.optim.updater.Updater.ready_wgrad
 
     def ready_but_wrong_version(updater, slot, *args):
         ready = ready_wgrad(updater, slot, *args)  # the calls as readied, a bad ABI version
-        ready[2].abi_version = 0
+        slot.kept_args[kind][0].abi_version = 0
         return ready
     monkeypatch.setattr(forge.optim.updater.Updater, "ready_wgrad", ready_but_wrong_version)
-    with pytest.raises(Exception, match="forge_wgrad_step: args.abi_version: 0"):
+    with pytest.raises(Exception, match=f"forge_{kind}_step: args.abi_version: 0"):
         model(x).sum().backward()
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
@@ -410,20 +416,7 @@ def test_cpp_prehook_a_refused_element_wise_call_raises_and_changes_nothing(cpp,
         assert sorted(calls_made_in_cpp(opt)) == (["0.weight", "2.weight"] if step else [])
         opt.step()
         opt.zero_grad()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
-    ready_wgrad = forge.optim.updater.Updater.ready_wgrad
-
-    def ready_but_wrong_version(updater, slot, *args):
-        ready = ready_wgrad(updater, slot, *args)  # the calls as readied, a bad ABI version
-        slot.kept_args["elementwise"][0].abi_version = 0
-        return ready
-    monkeypatch.setattr(forge.optim.updater.Updater, "ready_wgrad", ready_but_wrong_version)
-    with pytest.raises(Exception, match="forge_elementwise_step: args.abi_version: 0"):
-        compiled(x).sum().backward()
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n]), n
-        assert opt.state[p]["step"] == steps[n], n
+    assert_refused_changes_nothing(compiled, opt, x, "elementwise", monkeypatch)
 
 
 _REFUSED_THEN_EXIT = """

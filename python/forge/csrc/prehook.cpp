@@ -86,6 +86,16 @@ void write_field(void* args, Operand which, int64_t value) {
   write_at(args, operand_fields[which], value);
 }
 
+// The (offset, size) of `count` fields, as forge/_prehook.py reads them from forge/_lib.py.
+void set_fields(const std::vector<std::pair<size_t, size_t>>& given, Field* fields, int count) {
+  TORCH_CHECK(given.size() == static_cast<size_t>(count), "forge: ", count, " fields expected");
+  for (int i = 0; i < count; ++i) {
+    TORCH_CHECK(given[i].second == 4 || given[i].second == 8, "forge: field size ",
+                given[i].second);
+    fields[i] = {given[i].first, given[i].second};
+  }
+}
+
 // One optimizer's readiness epoch: a record is ready while its epoch is the clock's. Python
 // advances the clock at each step's check (then readies the records it checked) and wherever
 // the ready calls lapse (step(), a capture, a mode switch, loaded states).
@@ -625,22 +635,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("record"), py::arg("compute_dtype") = py::none());
   m.def("fused_conv1d", &fused_conv1d, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("record"), py::arg("compute_dtype") = py::none());
-  m.def("set_operand_layout", [](std::vector<std::pair<size_t, size_t>> fields) {
-    TORCH_CHECK(fields.size() == kOperands, "forge: ", kOperands, " operand fields expected");
-    for (int i = 0; i < kOperands; ++i) {
-      TORCH_CHECK(fields[i].second == 4 || fields[i].second == 8, "forge: field size ",
-                  fields[i].second);
-      operand_fields[i] = {fields[i].first, fields[i].second};
-    }
+  m.def("set_operand_layout", [](const std::vector<std::pair<size_t, size_t>>& fields) {
+    set_fields(fields, operand_fields, kOperands);
     operand_layout_set = true;
   });
-  m.def("set_grad_layout", [](std::vector<std::pair<size_t, size_t>> fields) {
-    TORCH_CHECK(fields.size() == kGradFields, "forge: ", kGradFields, " gradient fields expected");
-    for (int i = 0; i < kGradFields; ++i) {
-      TORCH_CHECK(fields[i].second == 4 || fields[i].second == 8, "forge: field size ",
-                  fields[i].second);
-      grad_fields[i] = {fields[i].first, fields[i].second};
-    }
+  m.def("set_grad_layout", [](const std::vector<std::pair<size_t, size_t>>& fields) {
+    set_fields(fields, grad_fields, kGradFields);
     grad_layout_set = true;
   });
   m.def("set_dtype_codes", [](int fp32, int bf16, int fp16) {
