@@ -46,7 +46,8 @@
 namespace {
 
 using torch::autograd::variable_list;
-using WgradStepFn = int (*)(const void*);  // forge_wgrad_step(const forge_wgrad_args*)
+// forge_wgrad_step(const forge_wgrad_args*) or forge_elementwise_step(const ..._args*)
+using StepFn = int (*)(const void*);
 
 // forge_wgrad_args' operand fields (tokens, x, x_dtype, ldx, dy, dy_dtype, lddy): byte
 // offset and size of each, from forge/_lib.py's struct (set_operand_layout).
@@ -117,9 +118,9 @@ struct Record {
   at::Tensor dw;        // the armed element-wise call's gradient (dense), released once it ran
   bool dense = false;   // what is armed: the element-wise call on dw (else the fused one)
   void* args = nullptr;  // the kept forge_wgrad_args
-  WgradStepFn wgrad_step = nullptr;
+  StepFn wgrad_step = nullptr;
   void* dense_args = nullptr;  // the kept forge_elementwise_args (a weight that formed dW)
-  WgradStepFn elementwise_step = nullptr;  // forge_elementwise_step(const ..._args*)
+  StepFn elementwise_step = nullptr;
   int64_t dense_epoch = -1;  // the clock's epoch when Python readied dense_args; -1: not
   std::shared_ptr<Clock> clock;
   int64_t ready_epoch = -1;    // the clock's epoch when Python readied the args; -1: not
@@ -132,7 +133,7 @@ struct Record {
   py::object keep_dense;  // the ctypes object at `dense_args`
   py::object fallback;   // the Python pre-hook: (grads tuple) -> None or a tuple
   py::object post_fallback;    // the Python post-hook, () -> None: where no pre-hook ran
-  py::object on_error;         // (status) -> raises the library's error
+  py::object on_error;         // (status, call's name) -> raises the library's error
   py::object linear_fallback;  // the Python Linear backward: (x, dy, weight) -> dW or None
 
   ~Record() {
@@ -594,7 +595,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto r = std::make_shared<Record>();
         r->weight = std::move(weight);
         r->clock = std::move(clock);
-        r->wgrad_step = reinterpret_cast<WgradStepFn>(wgrad_step);
+        r->wgrad_step = reinterpret_cast<StepFn>(wgrad_step);
         r->fallback = std::move(fallback);
         r->post_fallback = std::move(post_fallback);
         r->on_error = std::move(on_error);
@@ -613,7 +614,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Record& r, py::object args, std::uintptr_t address, std::uintptr_t step) {
              r.keep_dense = std::move(args);
              r.dense_args = reinterpret_cast<void*>(address);
-             r.elementwise_step = reinterpret_cast<WgradStepFn>(step);
+             r.elementwise_step = reinterpret_cast<StepFn>(step);
              r.dense_epoch = r.clock->epoch;
            })
       .def("ready", &Record::ready)

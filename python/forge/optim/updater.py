@@ -51,6 +51,7 @@ class Updater:
         # The gradient scale of updates that run inside backward: the lagged clip coefficient
         # in immediate mode with max_grad_norm, else 1 (stepping.py sets it)
         self.backward_scale = 1.0
+        self._elementwise_address: Optional[int] = None  # _elementwise_step_address()
 
     def check_step(self) -> None:
         """Before the first update of a step: everything the step's updates read is checked
@@ -137,8 +138,14 @@ class Updater:
                                   st["mu_product"] if self._keeps_mu_product else None, False,
                                   None)
                 slot.record.set_dense_call(dense, ctypes.addressof(dense),
-                                           self._lib.elementwise_step_address)
+                                           self._elementwise_step_address())
         return self.shared.step_id, stream, args, held, hp, st
+
+    def _elementwise_step_address(self) -> int:
+        """forge_elementwise_step's address (for the C++ pre-hook), looked up once."""
+        if self._elementwise_address is None:
+            self._elementwise_address = self._lib.elementwise_step_address
+        return self._elementwise_address
 
     def _ready_record(self, slot, args) -> None:
         """Gives slot's C++ record the call ready in args, with the stand-in and the

@@ -540,24 +540,15 @@ def memory_phases(model, optimizer, tokens: torch.Tensor, lean: bool = False) ->
     gib = (lambda b: round(b / 2**30, 2))
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    loss = model_loss(model, tokens, lean)
-    after_forward = torch.cuda.memory_allocated()
-    forward_peak = torch.cuda.max_memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    loss.backward()
-    del loss
-    backward_peak = torch.cuda.max_memory_allocated()
-    after_backward = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    step_peak = torch.cuda.max_memory_allocated()
-    return dict(held_gib=gib(held), saved_gib=gib(after_forward - held),
-                forward_extra_gib=gib(forward_peak - after_forward),
-                backward_extra_gib=gib(backward_peak - after_forward),
-                step_extra_gib=gib(step_peak - after_backward))
+    peak, end = {}, {}  # phase -> bytes at its peak, at its end
+    for phase, run in train_phases(model, optimizer, tokens, lean):
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        peak[phase], end[phase] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    return dict(held_gib=gib(held), saved_gib=gib(end["forward"] - held),
+                forward_extra_gib=gib(peak["forward"] - end["forward"]),
+                backward_extra_gib=gib(peak["backward"] - end["forward"]),
+                step_extra_gib=gib(peak["optimizer"] - end["backward"]))
 
 
 def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
