@@ -1,9 +1,16 @@
-"""dist_worker.py — what each process of test_distributed.py runs (gloo, CPU backend).
+"""dist_worker.py — what each rank of test_distributed.py and test_distributed_cuda.py runs.
 
-run(rank, world, out_dir, jobs) initializes the process group, runs the jobs' checks and writes
-one JSON file per rank into out_dir: {"ok": bool, "error": str | None, "measured": {...}}.
-The test process reads the files and asserts; every check that can fail here raises. Each
-rank's stderr goes to rank<r>.log there, which the test prints if a rank dies.
+run(rank, world, out_dir, port, jobs) is one process of a gloo process group on the CPU (what
+test_distributed.py spawns); run_threads(world, out_dir, jobs, device) runs every rank as a
+thread of the calling process on torch's threaded process group (test_distributed_cuda.py:
+several ranks on one GPU). Either initializes the group, runs the jobs' checks and writes one
+JSON file per rank into out_dir: {"ok": bool, "error": str | None, "measured": {...}}. The test
+process reads the files and asserts; every check that can fail here raises. A process rank's
+stderr goes to rank<r>.log there, which the test prints if a rank dies.
+
+device: where the model, its batches, the optimizer states and the collectives' tensors are,
+"cpu" or "cuda". On "cuda" every rank uses cuda:0, and torch's kernels are deterministic, as the
+resumed checkpoint's bit-exact continuation needs.
 
 Model: a small Llama-style decoder (embedding, RMSNorm, attention q/k/v/o, SwiGLU gate/up/down,
 final norm, untied head), written so that tensor parallel only shards heads and features:
@@ -16,9 +23,9 @@ import copy
 import datetime
 import faulthandler
 import json
-import math
 import os
 import sys
+import threading
 import traceback
 
 import torch
@@ -33,6 +40,7 @@ VOCAB, HEADS, SEQ, BATCH, LAYERS = 128, 4, 8, 4, 1
 COLLECTIVE_TIMEOUT_S = 300  # a whole spawn takes 10-30 s on 2 busy cores
 DIM, FFN = 128, 256  # set_dims: 256, 512 where int8 column shards of 4 ranks need 64 columns
 SKIP_MLP = False
+DEVICE = "cpu"  # (run_threads sets it: the model, batches and device meshes of every job)
 
 
 class RMSNorm(nn.Module):
@@ -108,19 +116,23 @@ def set_dims(dim: int, ffn: int) -> None:
     DIM, FFN = dim, ffn
 
 
+_MAKE_MODEL = threading.Lock()  # (ranks that are threads share torch's global generator)
+
+
 def make_model() -> Decoder:
-    torch.manual_seed(0)
-    model = Decoder()
+    with _MAKE_MODEL:
+        torch.manual_seed(0)
+        model = Decoder()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(0.5)
-    return model
+    return model.to(DEVICE)  # (made on the CPU: the same weights on every device)
 
 
 def batch(step: int, rows: slice = slice(None)):
     g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)[rows]
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)[rows].to(DEVICE)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -178,7 +190,7 @@ def full(t):
 
 
 def normwise(a, b) -> float:
-    a, b = full(a).detach().double(), full(b).detach().double()
+    a, b = (full(t).detach().to("cpu", torch.float64) for t in (a, b))
     scale = b.abs().max().item()
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
@@ -206,7 +218,7 @@ def job_tp(rank, world, args):
     import forge.optim
     from reference import torch_optimizer
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     measured = {}
     for case in args["cases"]:
         name, kwargs, forge_kw, sp = case["name"], case["kwargs"], case["forge"], case["sp"]
@@ -238,7 +250,7 @@ def job_fsdp(rank, world, args):
     import forge.optim
     from reference import torch_optimizer
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     measured = {}
     for case in args["cases"]:
@@ -293,7 +305,7 @@ def job_loops(rank, world, args):
     with what torch itself moves between that sharding and one process as the allowance."""
     import forge.optim
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     steps = args["steps"]
 
     def run(setup, make_opt, loop, refuse_at=None):
@@ -379,7 +391,7 @@ def job_fsdp_head(rank, world, args):
     import forge.optim
     from reference import torch_optimizer
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     kwargs = dict(lr=1e-2, weight_decay=0.1)
     base = make_model()
@@ -394,7 +406,8 @@ def job_fsdp_head(rank, world, args):
         train(model, opt, args["steps"], rows if key.endswith("fsdp") else slice(None))
         runs[key] = model
     causal_lm = nn.Module()
-    causal_lm.model, causal_lm.lm_head = nn.Identity(), nn.Linear(DIM, VOCAB, bias=False)
+    causal_lm.model = nn.Identity()
+    causal_lm.lm_head = nn.Linear(DIM, VOCAB, bias=False, device=DEVICE)
     fsdp_lm = fsdp(causal_lm, mesh)
     try:
         forge.loss.enable_fused_head(fsdp_lm)
@@ -412,13 +425,14 @@ def job_head(rank, world, args):
     import forge.loss
     from torch.distributed.device_mesh import init_device_mesh
     model = make_model()
-    parallelize(model, init_device_mesh("cpu", (world,)), sp=False)
+    parallelize(model, init_device_mesh(DEVICE, (world,)), sp=False)
     causal_lm = nn.Module()
     causal_lm.model, causal_lm.lm_head = nn.Identity(), model.head
     refusals = {}
     for what, call in (
             ("head_cross_entropy", lambda: forge.loss.head_cross_entropy(
-                torch.randn(2, DIM), model.head, torch.zeros(2, dtype=torch.long))),
+                torch.randn(2, DIM, device=DEVICE), model.head,
+                torch.zeros(2, dtype=torch.long, device=DEVICE))),
             ("enable_fused_head", lambda: forge.loss.enable_fused_head(causal_lm))):
         try:
             call()
@@ -469,9 +483,11 @@ def job_ddp(rank, world, args):
 
 
 def full_states(model, opt):
-    """Every state of opt as full tensors (collective), keyed by parameter name and state."""
+    """Every state of opt as full tensors on the CPU (collective), keyed by parameter name and
+    state."""
     names = {id(p): n for n, p in model.named_parameters()}
-    return {f"{names[id(p)]}.{k}": full(v).detach().clone() for p, st in opt.state.items()
+    return {f"{names[id(p)]}.{k}": full(v).detach().to("cpu", copy=True)
+            for p, st in opt.state.items()
             for k, v in st.items() if torch.is_tensor(v)} | {
         f"{names[id(p)]}.step": torch.tensor(st["step"]) for p, st in opt.state.items()}
 
@@ -485,7 +501,7 @@ def job_dcp_save(rank, world, args):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE, (world,))
     model = parallelize(make_model(), mesh, sp=False)
     opt = forge.optim.AdamW(model, lr=1e-2, state_format="int8", mode="immediate")
     train(model, opt, 2)
@@ -493,7 +509,8 @@ def job_dcp_save(rank, world, args):
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
     states = full_states(model, opt)
     train(model, opt, 2, start=2)
-    weights = {n: full(p).detach().clone() for n, p in model.named_parameters()}  # (collective)
+    weights = {n: full(p).detach().to("cpu", copy=True)  # (collective)
+               for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"states": states, "weights": weights},
                    os.path.join(args["dir"], "reference.pt"))
@@ -510,7 +527,7 @@ def job_dcp_load(rank, world, args):
     model = make_model()
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        parallelize(model, init_device_mesh("cpu", (world,)), sp=False)
+        parallelize(model, init_device_mesh(DEVICE, (world,)), sp=False)
     opt = forge.optim.AdamW(model, lr=1e-2, state_format="int8", mode="immediate")
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
@@ -569,3 +586,64 @@ def run(rank: int, world: int, out_dir: str, port: int, jobs) -> None:
     # PyEval_AcquireThread; pytorch/pytorch#190489). It aborted in about 1 spawn in 20 on 2
     # busy cores.
     os._exit(0)
+
+
+def _use_device(device: str) -> None:
+    global DEVICE
+    DEVICE = device
+    if device == "cuda":
+        # (before anything touches the GPU: cuBLAS reads its workspace setting when it starts,
+        # which deterministic mode needs)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.cuda.set_device(0)
+        torch.use_deterministic_algorithms(True)
+
+
+def run_threads(world: int, out_dir: str, jobs, device: str = "cpu",
+                timeout_s: float = COLLECTIVE_TIMEOUT_S * 4) -> None:
+    """The ranks as threads of this process on torch's threaded process group (backend
+    "threaded", torch.testing._internal.distributed.multi_threaded_pg: what torch's own DTensor
+    tests use): every collective really moves the ranks' tensors between them, with torch ops
+    on whatever device they are on. So several ranks share one GPU, which NCCL does not allow
+    and gloo does not survive with CUDA tensors. Writes rank<r>.json as run() does; a rank
+    that fails wakes the others (they fail too, naming it)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    _use_device(device)
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    threaded._install_threaded_pg()
+    store = dist.HashStore()
+
+    def rank_main(rank):
+        result = {"ok": True, "error": None, "measured": {}}
+        try:
+            if device == "cuda":
+                torch.cuda.set_device(0)  # (the current device is per thread)
+            if world > 1:
+                dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+            for name, args in jobs:
+                result["measured"][name] = JOBS[name](rank, world, args)
+        except BaseException as e:  # noqa: B036 (reported in the JSON, the others woken)
+            result = {"ok": False, "error": traceback.format_exc(),
+                      "measured": result["measured"]}
+            threaded.ProcessLocalGroup.exception_handle(e)
+        finally:
+            if world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f, default=str)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
+               for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+            if t.is_alive():
+                raise TimeoutError(f"{t.name} still runs after {timeout_s:.0f} s")
+    finally:
+        threaded._uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        torch.use_deterministic_algorithms(deterministic)

@@ -15,6 +15,8 @@ groups of 2 and 4 ranks that the tests spawn themselves (dist_worker.py runs in 
 - DDP is refused before any weight changes, however the optimizer meets it.
 - torch.distributed.checkpoint: int8 states saved at 4 ranks load bit for bit at 4, 2 and 1;
   resumed at 4 the run continues bit-exactly.
+
+test_distributed_cuda.py makes the tensor parallel, FSDP2 and checkpoint comparisons on CUDA.
 """
 import json
 import os
@@ -35,9 +37,11 @@ import dist_worker  # noqa: E402
 # These runs are CPU process groups (gloo). torch 2.4's DTensor does not run them: its FSDP2
 # makes CUDA streams at the first forward, and its row-parallel embedding asserts
 # (embedding_ops, mask_buffer) in the tensor-parallel forward: both in torch's own code.
-pytestmark = pytest.mark.skipif(
+# (test_distributed_cuda.py carries the same mark)
+NEEDS_TORCH_2_5 = pytest.mark.skipif(
     tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5),
     reason="torch 2.4's DTensor does not run these CPU process groups")
+pytestmark = NEEDS_TORCH_2_5
 
 STEPS = 3
 LOOP_STEPS = 4  # (job_loops: the MLP is left out of steps 1 and 3)
@@ -50,8 +54,8 @@ def _free_port() -> int:
 
 
 def spawn(world: int, jobs, tmp_path):
-    """Runs `jobs` on `world` processes; returns rank 0's measurements (every rank must
-    have succeeded)."""
+    """Runs `jobs` on `world` processes (dist_worker.run); returns rank 0's measurements (every
+    rank must have succeeded)."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
     out = tmp_path / f"world{world}"
@@ -114,31 +118,46 @@ def _assert_tracks(forge_error, torch_error, what, record_difference):
     """forge's run against its reference (its single-process run, or torch.optim's on the
     same sharding): within CONTRACT_RTOL, or SUM_ORDER_FACTOR times what torch.optim moves
     between the sharded and the single-process run."""
-    from tolerances import CONTRACT_RTOL, GRAD_NORM_RTOL, SUM_ORDER_FACTOR
+    from tolerances import CONTRACT_RTOL, SUM_ORDER_FACTOR
     record_difference(what, forge_error)
     assert forge_error <= max(CONTRACT_RTOL, SUM_ORDER_FACTOR * torch_error), \
         (forge_error, torch_error)
 
 
+def assert_tensor_parallel(m, what, record_difference):
+    """job_tp's measurements of one case (test_distributed_cuda.py's too)."""
+    from tolerances import GRAD_NORM_RTOL
+    _assert_tracks(m["forge_tp_vs_1"], m["torch_tp_vs_1"], what, record_difference)
+    assert m["grad_norm_rel"] <= GRAD_NORM_RTOL, m  # global, each element once
+    assert m["nonfinite"] == 0
+
+
+def assert_fsdp2(m, what, record_difference):
+    """job_fsdp's measurements of one case (test_distributed_cuda.py's too)."""
+    from tolerances import GRAD_NORM_RTOL
+    _assert_tracks(m["forge_fsdp_vs_1"], m["torch_fsdp_vs_1"], what, record_difference)
+    assert m["grad_norm_rel"] <= GRAD_NORM_RTOL, m
+
+
+def assert_checkpoint(m, world):
+    """job_dcp_load's measurements at `world` ranks (test_distributed_cuda.py's too)."""
+    assert m["same_states"], m["differ"]
+    if world == 4:
+        assert m["continued_vs_saver"] == 0.0, "resumed at the same size: bit-exact"
+
+
 @pytest.mark.parametrize("world,case", [(2, c) for c in TP2] + [(4, c) for c in TP4],
                          ids=lambda v: v["id"] if isinstance(v, dict) else f"tp{v}")
 def test_tensor_parallel_tracks_one_process(results, world, case, record_difference):
-    from tolerances import GRAD_NORM_RTOL
-    m = results[world]["tp"][case["id"]]
-    _assert_tracks(m["forge_tp_vs_1"], m["torch_tp_vs_1"], f"TP{world} {case['id']}",
-                   record_difference)
-    assert m["grad_norm_rel"] <= GRAD_NORM_RTOL, m  # global, each element once
-    assert m["nonfinite"] == 0
+    assert_tensor_parallel(results[world]["tp"][case["id"]], f"TP{world} {case['id']}",
+                           record_difference)
 
 
 @pytest.mark.parametrize("world,case", [(2, c) for c in FSDP2] + [(4, c) for c in FSDP4],
                          ids=lambda v: v["id"] if isinstance(v, dict) else f"fsdp{v}")
 def test_fsdp2_tracks_one_process_on_the_whole_batch(results, world, case, record_difference):
-    from tolerances import GRAD_NORM_RTOL
-    m = results[world]["fsdp"][case["id"]]
-    _assert_tracks(m["forge_fsdp_vs_1"], m["torch_fsdp_vs_1"], f"FSDP{world} {case['id']}",
-                   record_difference)
-    assert m["grad_norm_rel"] <= GRAD_NORM_RTOL, m
+    assert_fsdp2(results[world]["fsdp"][case["id"]], f"FSDP{world} {case['id']}",
+                 record_difference)
 
 
 @pytest.mark.parametrize("setup,loop,mode", dist_worker.LOOP_CASES,
@@ -181,10 +200,7 @@ def test_ddp_is_refused_before_any_weight_changes(results, how):
 
 @pytest.mark.parametrize("world", [4, 2, 1])
 def test_checkpoint_reshards_int8_states_bit_for_bit(results, world):
-    m = results[world]["dcp_load"]
-    assert m["same_states"], m["differ"]
-    if world == 4:
-        assert m["continued_vs_saver"] == 0.0, "resumed at the same size: bit-exact"
+    assert_checkpoint(results[world]["dcp_load"], world)
 
 
 def _forge_train(tmp_path, name, nproc, *options):
