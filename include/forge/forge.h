@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 #define FORGE_ABI_VERSION 6
-/* Elements of a row that share one absmax (int8 and fp8 states). */
+/* Elements of a row that share one absmax (int8, fp8 and int4 states). */
 #define FORGE_INT8_BLOCK 64
 /* Most optimizer states any rule keeps per parameter element. */
 #define FORGE_MAX_STATES 3
@@ -94,11 +94,14 @@ typedef enum {
   FORGE_STATE_BF16_STOCHASTIC = 2,
   FORGE_STATE_INT8_BLOCK64 = 3,     /* dynamic map code per element + fp32 absmax per 64
                                        consecutive elements of a row */
-  FORGE_STATE_FP8_BLOCK64 = 4       /* fp8 per element (signed states e4m3, unsigned e5m2),
+  FORGE_STATE_FP8_BLOCK64 = 4,      /* fp8 per element (signed states e4m3, unsigned e5m2),
                                        scaled by an fp32 absmax per 64 consecutive elements of
                                        a row */
+  FORGE_STATE_INT4_BLOCK64 = 5      /* a 4-bit map code per element, two to a byte, + fp32
+                                       absmax per 64 consecutive elements of a row (CPU
+                                       backend only: the CUDA backend refuses it) */
 } forge_state_format;
-#define FORGE_STATE_FORMAT_COUNT 5
+#define FORGE_STATE_FORMAT_COUNT 6
 
 typedef enum { FORGE_DEVICE_CPU = 0, FORGE_DEVICE_CUDA = 1 } forge_device_kind;
 
@@ -177,17 +180,20 @@ typedef struct {
   void* weight;                       /* [rows, cols] fp32 or bf16 per weight_format */
   float* master;                      /* [rows, cols] fp32, FORGE_WEIGHT_BF16_MASTER only */
   int32_t state_format;               /* a forge_state_format value */
-  void* state[FORGE_MAX_STATES];      /* [rows, cols] each; float / bf16 / uint8 codes */
-  float* state_absmax[FORGE_MAX_STATES]; /* [rows, ceil(cols / 64)] each, int8 / fp8 only */
+  void* state[FORGE_MAX_STATES];      /* [rows, cols] each; float / bf16 / uint8 codes; int4:
+                                         [rows, ceil(cols / 2)] bytes, column 2j in byte j's
+                                         low 4 bits, 2j + 1 in its high 4 bits */
+  float* state_absmax[FORGE_MAX_STATES]; /* [rows, ceil(cols / 64)] each, int8 / fp8 / int4 */
   /* Shards (tensor parallel: a block of rows or of columns; FSDP: rows): this param is the
    * block [rows, cols] at (row_offset, col_offset) of a full [*, full_cols] parameter. Its
    * element (r, c) then draws the stochastic-rounding bits of its index in the full parameter,
    * (row_offset + r) · full_cols + col_offset + c, so a step gives the same bits however the
    * parameter is sharded. 0, 0, 0: not a shard (the index is r · cols + c). Checked: offsets
    * >= 0; full_cols 0 only with both offsets 0, else full_cols >= col_offset + cols and every
-   * index below 2^61; int8 and fp8 states need shards of whole blocks of 64 columns
+   * index below 2^61; int8, fp8 and int4 states need shards of whole blocks of 64 columns
    * (col_offset % 64 == 0, and col_offset + cols a multiple of 64 or full_cols). The buffers
-   * are the shard's own: [rows, cols] contiguous, absmax [rows, ceil(cols / 64)]. On CUDA a
+   * are the shard's own: [rows, cols] contiguous (int4: [rows, ceil(cols / 2)] bytes), absmax
+   * [rows, ceil(cols / 64)]. On CUDA a
    * stochastically rounded shard whose col_offset or full_cols is not a multiple of 4 takes a
    * slower path (no vector accesses); the bits are the same. */
   int64_t row_offset, col_offset, full_cols;
@@ -206,7 +212,7 @@ typedef struct {
  * finite gradient of 1e20 whose g² overflows, an lr·update beyond fp32), is skipped: its
  * weight, master and states stay as they were, it is counted in nonfinite_count and left
  * out of grad_sq_sum. Every format, every backend, fused or element-wise.
- * int8 and fp8 states share an absmax per block of 64: a block without skipped elements
+ * int8, fp8 and int4 states share an absmax per block of 64: a block without skipped elements
  * takes the largest magnitude of its new values as absmax (fp8: 0 below 2^-100). A block
  * holding one keeps its absmax while the new magnitudes of its updated elements fit under it,
  * and its skipped elements keep their code bytes; otherwise the absmax grows to the old one
@@ -215,7 +221,8 @@ typedef struct {
  * stays bit for bit what it was while it lies in its block's range (int8: at or above the
  * smallest level, 2^-15.75 of the absmax for a signed state, 2^-31.75 unsigned; fp8: at or
  * above the smallest normal value, 2^-6 / 448 of the absmax for e4m3, 2^-14 / 57344 for e5m2),
- * and within one step of the block's smallest grid below that.
+ * and within one step of the block's smallest grid below that. int4's maps are not powers of
+ * two apart: there a re-encoded skipped element takes the nearest code of the grown block.
  * An absmax no step stores (NaN, infinite, negative, above the largest bf16) is refused by a
  * CPU step, naming the block, before anything is written. The CUDA backend does not read
  * device memory at the call: there such a block steps on what its codes decode to (a NaN or
@@ -235,7 +242,7 @@ typedef struct {
   forge_hparams hparams;
   forge_step_outputs outputs;
   int32_t tile_rows, tile_cols; /* CPU tile shape, 0 = 128, at most FORGE_MAX_TILE each;
-                                   int8 / fp8 states need tile_cols % 64 == 0 */
+                                   block states need tile_cols % 64 == 0 */
 } forge_wgrad_args;
 
 /* The same rules on a gradient that already exists ([rows, cols], contiguous). */
@@ -251,9 +258,10 @@ typedef struct {
 /* What a rule keeps for a parameter, in the given state format. */
 typedef struct {
   int32_t num_states;                      /* 0..3; state[0..num_states) are used */
-  int32_t is_signed[FORGE_MAX_STATES];     /* 1: first-moment-like (signed int8 map, e4m3 fp8) */
+  int32_t is_signed[FORGE_MAX_STATES];     /* 1: first-moment-like (signed int8 / int4 map, e4m3
+                                              fp8) */
   int64_t state_bytes[FORGE_MAX_STATES];   /* bytes of each state buffer */
-  int64_t absmax_count[FORGE_MAX_STATES];  /* floats of each absmax buffer (int8 / fp8, else 0) */
+  int64_t absmax_count[FORGE_MAX_STATES];  /* floats of each absmax buffer (block states, else 0) */
   const char* names[FORGE_MAX_STATES];     /* torch.optim's state keys: "exp_avg", ... */
 } forge_state_layout;
 

@@ -12,6 +12,11 @@ int state_element_bytes(int32_t state_format) {
   return state_format == FORGE_STATE_FP32 ? 4 : is_block_format(state_format) ? 1 : 2;
 }
 
+int64_t state_buffer_bytes(int32_t state_format, int64_t rows, int64_t cols) {
+  if (state_format == FORGE_STATE_INT4_BLOCK64) return rows * ((cols + 1) / 2);
+  return rows * cols * state_element_bytes(state_format);
+}
+
 forge_status BufferSet::add(const char* name, const void* p, int64_t bytes, int align,
                             const char* what, bool written) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
@@ -55,6 +60,7 @@ const char* state_format_name(int32_t f) {
   return f == FORGE_STATE_FP32           ? "fp32 state"
          : f == FORGE_STATE_INT8_BLOCK64 ? "int8 codes"
          : f == FORGE_STATE_FP8_BLOCK64  ? "fp8 codes"
+         : f == FORGE_STATE_INT4_BLOCK64 ? "int4 codes"
                                          : "bf16 state";
 }
 
@@ -66,9 +72,9 @@ forge_status add_state_buffers(BufferSet& set, const forge_param& p, int index, 
                                                             "param.state[2]"};
   static const char* const kAbsmaxNames[FORGE_MAX_STATES] = {
       "param.state_absmax[0]", "param.state_absmax[1]", "param.state_absmax[2]"};
-  const int64_t n = p.rows * p.cols;
-  const int elem = state_element_bytes(p.state_format);
-  if (forge_status s = set.add(kStateNames[index], p.state[index], n * elem, elem,
+  if (forge_status s = set.add(kStateNames[index], p.state[index],
+                               state_buffer_bytes(p.state_format, p.rows, p.cols),
+                               state_element_bytes(p.state_format),
                                state_format_name(p.state_format), written))
     return s;
   if (!is_block_format(p.state_format)) return FORGE_OK;

@@ -23,12 +23,16 @@ inline bool product_within(int64_t a, int64_t b, int64_t limit, int64_t* out) {
 
 int dtype_bytes(int32_t dtype);               // 4 or 2
 int weight_bytes(int32_t weight_format);      // 4 or 2
-int state_element_bytes(int32_t state_format);  // 4, 2 or 1
+int state_element_bytes(int32_t state_format);  // 4, 2 or 1 (int4: its buffer's alignment)
+// Bytes of one state buffer of a [rows, cols] parameter (int4: two codes per byte, each row
+// ceil(cols / 2) bytes); the shape must be checked (rows · cols <= kMaxElements).
+int64_t state_buffer_bytes(int32_t state_format, int64_t rows, int64_t cols);
 
-// int8 and fp8 states: a code byte per element and an fp32 absmax per block of
+// int8, fp8 and int4 states: a code per element and an fp32 absmax per block of
 // FORGE_INT8_BLOCK columns of a row.
 inline bool is_block_format(int32_t state_format) {
-  return state_format == FORGE_STATE_INT8_BLOCK64 || state_format == FORGE_STATE_FP8_BLOCK64;
+  return state_format == FORGE_STATE_INT8_BLOCK64 || state_format == FORGE_STATE_FP8_BLOCK64 ||
+         state_format == FORGE_STATE_INT4_BLOCK64;
 }
 
 class BufferSet {
@@ -57,10 +61,10 @@ class BufferSet {
 };
 
 // The parameter's buffers a step touches: the weight, the master (FORGE_WEIGHT_BF16_MASTER),
-// states 0 .. num_states - 1 and, for int8, their absmax arrays; all written. The shape must
+// states 0 .. num_states - 1 and, for block states, their absmax arrays; all written. The shape must
 // be checked (rows · cols <= kMaxElements).
 forge_status add_param_buffers(BufferSet& set, const forge_param& p, int num_states);
-// State `index` of the parameter and its absmax (int8), read or written.
+// State `index` of the parameter and its absmax (block states), read or written.
 forge_status add_state_buffers(BufferSet& set, const forge_param& p, int index, bool written);
 
 }  // namespace forge

@@ -106,14 +106,15 @@ forge_status check_shard(const forge_param& p) {
                 "((param.row_offset + param.rows) × param.full_cols) exceed 2^61", ro);
   if (is_block_format(p.state_format)) {
     if (co % FORGE_INT8_BLOCK != 0)
-      return fail(kBad, "param.col_offset: %lld is not a multiple of %d, which int8 / fp8 block "
-                  "states need (one absmax per %d columns of a row of the full parameter)", co,
+      return fail(kBad, "param.col_offset: %lld is not a multiple of %d, which block states "
+                  "need (one absmax per %d columns of a row of the full parameter)", co,
                   FORGE_INT8_BLOCK, FORGE_INT8_BLOCK);
     const long long end = co + static_cast<long long>(p.cols);
     if (end % FORGE_INT8_BLOCK != 0 && end != fc)
       return fail(kBad, "param.col_offset + param.cols: the shard ends at column %lld of "
-                  "param.full_cols = %lld, inside a block of %d: int8 / fp8 block states need "
-                  "shards of whole blocks (or one that ends the row)", end, fc, FORGE_INT8_BLOCK);
+                  "param.full_cols = %lld, inside a block of %d: block states (int8, fp8, int4) "
+                  "need shards of whole blocks (or one that ends the row)", end, fc,
+                  FORGE_INT8_BLOCK);
   }
   return FORGE_OK;
 }
@@ -126,11 +127,20 @@ forge_status check_param_shape(const forge_param& p) {
   return check_shard(p);
 }
 
+// A state format the device's backend has no kernels for: refused by name before anything is
+// read or written.
+forge_status check_backend_format(const forge_param& p, const forge_device& d) {
+  if (d.kind == FORGE_DEVICE_CUDA && p.state_format == FORGE_STATE_INT4_BLOCK64)
+    return fail(FORGE_ERR_UNSUPPORTED, "param.state_format: int4 states run on the CPU backend "
+                "only; the CUDA backend has no int4 kernels");
+  return FORGE_OK;
+}
+
 forge_status check_state(const forge_param& p, int i) {
   if (!p.state[i]) return fail(kBad, "param.state[%d]: NULL, but the rule keeps this state", i);
   if (is_block_format(p.state_format) && !p.state_absmax[i])
-    return fail(kBad, "param.state_absmax[%d]: NULL, but int8 / fp8 states need an absmax buffer",
-                i);
+    return fail(kBad, "param.state_absmax[%d]: NULL, but block states (int8, fp8, int4) need an "
+                "absmax buffer", i);
   return FORGE_OK;
 }
 
@@ -152,7 +162,7 @@ forge_status check_param(const forge_param& p, const RuleScalars& k) {
 
 // What a CPU step reads before it writes, checked at the call (host memory, read only; the
 // CUDA backend does not read device memory at the call): a run_scalars buffer's tag, so that a
-// batch refuses a later entry's before any entry runs; and the int8 / fp8 absmax arrays, which
+// batch refuses a later entry's before any entry runs; and the block states' absmax arrays, which
 // must hold what steps store: values in [0, the largest bf16] (NaN, infinities and negative
 // values refused, naming the block), so a block whose absmax was set by hand never makes its
 // elements skip forever (forge.h, "Skipped elements").
@@ -226,6 +236,7 @@ forge_status add_step_extras(BufferSet& set, const forge_step_outputs& out,
 forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
   if (forge_status s = check_step_common(a, "forge_wgrad_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
+  if (forge_status s = check_backend_format(a->param, a->device)) return s;
   if (a->tokens <= 0) return fail(kBad, "tokens: must be > 0, got %lld", static_cast<long long>(a->tokens));
   if (!a->x) return fail(kBad, "x: NULL");
   if (!a->dy) return fail(kBad, "dy: NULL");
@@ -245,8 +256,8 @@ forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
     return fail(kBad, "tile_cols: must be in 0 .. FORGE_MAX_TILE = %d (0 = default), got %d",
                 FORGE_MAX_TILE, a->tile_cols);
   if (is_block_format(a->param.state_format) && a->tile_cols % FORGE_INT8_BLOCK != 0)
-    return fail(kBad, "tile_cols: %d is not a multiple of %d, which int8 / fp8 block states need",
-                a->tile_cols, FORGE_INT8_BLOCK);
+    return fail(kBad, "tile_cols: %d is not a multiple of %d, which block states (int8, fp8, "
+                "int4) need", a->tile_cols, FORGE_INT8_BLOCK);
   BufferSet set;
   if (forge_status s = add_param_buffers(set, a->param, k->num_states)) return s;
   const int xb = dtype_bytes(a->x_dtype), dyb = dtype_bytes(a->dy_dtype);
@@ -265,6 +276,7 @@ forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k,
                                BufferSet* buffers = nullptr) {
   if (forge_status s = check_step_common(a, "forge_elementwise_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
+  if (forge_status s = check_backend_format(a->param, a->device)) return s;
   if (!a->grad) return fail(kBad, "grad: NULL");
   if (forge_status s = check_dtype(a->grad_dtype, "grad_dtype")) return s;
   BufferSet set;
@@ -353,6 +365,7 @@ forge_status check_state_access(const forge_param* p, const forge_hparams* hp, i
   if (forge_status s = check_hparams(hp)) return s;
   if (forge_status s = check_device(device)) return s;
   if (forge_status s = check_param_shape(*p)) return s;
+  if (forge_status s = check_backend_format(*p, device)) return s;
   forge_state_layout layout{};
   if (forge_status s = state_layout(*hp, p->state_format, p->rows, p->cols, &layout)) return s;
   if (index < 0 || index >= layout.num_states)
@@ -535,6 +548,7 @@ forge_status forge_state_init(const forge_param* param, const forge_hparams* hpa
     if (forge_status s = check_hparams(hparams)) return s;
     if (forge_status s = check_device(device)) return s;
     if (forge_status s = check_param_shape(*param)) return s;
+    if (forge_status s = check_backend_format(*param, device)) return s;
     forge_state_layout layout{};
     if (forge_status s = state_layout(*hparams, param->state_format, param->rows, param->cols, &layout))
       return s;

@@ -378,10 +378,105 @@ FORGE_HD float fp8_decode(uint8_t code, float absmax, bool is_signed) {
   return fp8_value(code, is_signed) * (absmax / fp8_format(is_signed).top);
 }
 
-// ---- a block holding a skipped element (int8 and fp8) --------------------------------------
+// ---- int4 block-64 states: two 16-value maps, two codes per byte ------------------------
 //
-// The absmax of an int8 or fp8 block some of whose elements a step skipped (forge.h, "Skipped
-// elements"): `old_absmax` is the block's absmax before the step, `updated_max` the largest
+// A block of 64 consecutive elements of a row shares one fp32 absmax, as int8 and fp8 blocks
+// do (the largest magnitude of its values); each element keeps a 4-bit code, two to a byte:
+// a row of `cols` elements is ceil(cols / 2) bytes, column 2j in byte j's low 4 bits and
+// 2j + 1 in its high 4 bits (a block starts at an even column, so it owns its 32 bytes).
+// value = map(code) · absmax: one fp32 product, as int8's decode.
+//  - signed states (first moments): the 4-bit dynamic-exponent map (Dettmers' dynamic tree
+//    quantization at 4 bits; the first-moment map of Li et al., "Memory Efficient Optimizers
+//    with 4-bit States", 2023): a sign, a decade 10^-2, 10^-1 or 1 holding 1, 2 or 4 values at
+//    the midpoints of equal bins of [0.1, 1], plus 0 and +1. Magnitudes 0.0055; 0.0325, 0.0775;
+//    0.2125, 0.4375, 0.6625, 0.8875; the largest negative value is -0.8875.
+//    Codes: 0 is 0 (so zeroed bytes are zero states), 1..8 the positive values ascending up to
+//    1, 9..15 the negative ones ascending from -0.8875 to -0.0055.
+//  - unsigned states (second moments): linear without zero, (c + 1) / 16 for code c (the same
+//    paper's second-moment map). A map with a zero sends a block's small second moments to 0,
+//    whose 1 / (√v + eps) then blows their updates up; here the smallest value is 1/16 of the
+//    block's absmax, so a small second moment is over-estimated, which only shrinks its update.
+// Encoding: q = x / absmax (one IEEE division), then the nearest map value, ties up: the code of
+// the largest value whose midpoint with the one below it q reaches (q >= midpoint). The
+// midpoints are the fp32 half-sums of the fp32 map values, so both backends store the same
+// codes. A block whose absmax is 0 decodes to zeros whatever its codes.
+// NOTE: 64-element blocks (the paper uses 128): a block is int8's and fp8's, so shards, tiles
+// and the absmax layout are theirs; 4 B of absmax per 64 elements is 0.5625 B per element.
+
+constexpr int kInt4Codes = 16;
+
+// The signed map's 16 values in ascending order (index 0: -0.8875 .. 7: 0 .. 15: 1).
+FORGE_HD float int4_signed_ascending(int index) {
+  switch (index) {
+    case 0: return -0.8875f;
+    case 1: return -0.6625f;
+    case 2: return -0.4375f;
+    case 3: return -0.2125f;
+    case 4: return -0.0775f;
+    case 5: return -0.0325f;
+    case 6: return -0.0055f;
+    case 7: return 0.0f;
+    case 8: return 0.0055f;
+    case 9: return 0.0325f;
+    case 10: return 0.0775f;
+    case 11: return 0.2125f;
+    case 12: return 0.4375f;
+    case 13: return 0.6625f;
+    case 14: return 0.8875f;
+    default: return 1.0f;
+  }
+}
+
+// A signed code's position in the ascending order, and back (code 0 is the value 0).
+FORGE_HD int int4_signed_index(uint8_t code) { return (code + 7) & 15; }
+FORGE_HD uint8_t int4_signed_code(int index) { return static_cast<uint8_t>((index + 9) & 15); }
+
+// map(code): the value a code stands for, before the absmax.
+FORGE_HD float int4_map(uint8_t code, bool is_signed) {
+  return is_signed ? int4_signed_ascending(int4_signed_index(code & 15))
+                   : static_cast<float>((code & 15) + 1) * 0.0625f;
+}
+
+// The code of q = x / absmax (q in [-1, 1] signed, [0, 1] unsigned): nearest, ties up. A q below
+// the map (a negative unsigned value, impossible for a second moment) takes the lowest code.
+FORGE_HD uint8_t int4_nearest_code(float q, bool is_signed) {
+  int index = 0;
+  if (is_signed) {
+    for (int k = 1; k < kInt4Codes; ++k)
+      index += q >= 0.5f * (int4_signed_ascending(k - 1) + int4_signed_ascending(k)) ? 1 : 0;
+    return int4_signed_code(index);
+  }
+  // (the midpoint of (k + 1) / 16 and (k + 2) / 16 is (2k + 3) / 32, exact in fp32)
+  for (int k = 0; k < kInt4Codes - 1; ++k) index += q >= static_cast<float>(2 * k + 3) * 0.03125f;
+  return static_cast<uint8_t>(index);
+}
+
+FORGE_HD float int4_decode(uint8_t code, float absmax, bool is_signed) {
+  return int4_map(code, is_signed) * absmax;
+}
+
+// x (|x| <= absmax, the block's absmax) as its 4-bit code; an absmax of 0 gives code 0.
+FORGE_HD uint8_t int4_encode(float x, float absmax, bool is_signed) {
+  if (!(absmax > 0.0f)) return 0;
+  return int4_nearest_code(x / absmax, is_signed);
+}
+
+// Element `col`'s code in a row of packed codes, and the byte with it replaced.
+FORGE_HD uint8_t int4_code_at(const uint8_t* row, int64_t col) {
+  return static_cast<uint8_t>((row[col >> 1] >> (4 * (col & 1))) & 15);
+}
+FORGE_HD uint8_t int4_with_code(uint8_t byte, int64_t col, uint8_t code) {
+  const int shift = 4 * static_cast<int>(col & 1);
+  return static_cast<uint8_t>((byte & ~(15 << shift)) | ((code & 15) << shift));
+}
+
+// Bytes of a row of `cols` int4 codes.
+FORGE_HD int64_t int4_row_bytes(int64_t cols) { return (cols + 1) / 2; }
+
+// ---- a block holding a skipped element (int8, fp8 and int4) -------------------------------
+//
+// The absmax of an int8, fp8 or int4 block some of whose elements a step skipped (forge.h,
+// "Skipped elements"): `old_absmax` is the block's absmax before the step, `updated_max` the largest
 // magnitude of its updated elements' new values (0 or -inf when none was updated). While
 // updated_max fits (a NaN old absmax included), the absmax stays, and the skipped elements keep
 // their code bytes. Otherwise it grows by a power of two, to old_absmax · 2^k with the
@@ -397,8 +492,9 @@ FORGE_HD float fp8_decode(uint8_t code, float absmax, bool is_signed) {
 // skipped element's code came back the same at every small growth, and its value grew as much
 // as the absmax did. An old absmax of 0 (an all-zero block, whose
 // elements decode to 0 whatever their codes) takes updated_max; fp8 then flushes the result
-// as fp8_block_absmax does. Exact operations only (frexpf, ldexpf, comparisons), so the CPU and
-// the CUDA epilogue compute the same bits.
+// as fp8_block_absmax does. int4's maps are no power-of-two scalings of themselves: there a
+// re-encoded skipped element takes the nearest code of the grown block. Exact operations only
+// (frexpf, ldexpf, comparisons), so the CPU and the CUDA epilogue compute the same bits.
 FORGE_HD float block_absmax_with_skipped(float old_absmax, float updated_max, bool fp8) {
   if (!(old_absmax < updated_max)) return old_absmax;  // it fits (or a NaN absmax): kept
   float absmax = updated_max;

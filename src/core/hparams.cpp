@@ -193,6 +193,10 @@ forge_status state_layout(const forge_hparams& hp, int format, int64_t rows, int
         layout.state_bytes[i] = n;
         layout.absmax_count[i] = blocks;
         break;
+      case FORGE_STATE_INT4_BLOCK64:
+        layout.state_bytes[i] = rows * ((cols + 1) / 2);  // two codes per byte, rows apart
+        layout.absmax_count[i] = blocks;
+        break;
       default:
         return fail(kBad, "state_format: unknown value %d", format);
     }

@@ -127,7 +127,7 @@ const char* const kDtypeNames[] = {"fp32", "bf16", "fp16"};
 const char* const kRuleNames[] = {"SGD",  "SGD_MOMENTUM", "AdamW",   "NAdam", "RAdam",
                                   "Lion", "RMSprop",      "Adagrad", "Muon"};
 const char* const kWeightFormatNames[] = {"fp32", "bf16", "bf16_sr", "bf16_master"};
-const char* const kStateFormatNames[] = {"fp32", "bf16", "bf16_sr", "int8", "fp8"};
+const char* const kStateFormatNames[] = {"fp32", "bf16", "bf16_sr", "int8", "fp8", "int4"};
 const char* const kDeviceKindNames[] = {"cpu", "cuda"};
 
 struct EnumTable {

@@ -43,8 +43,8 @@ int64_t absmax_index(const forge_param& p, int64_t row, int64_t col0) {
   return row * blocks_per_row + col0 / FORGE_INT8_BLOCK;
 }
 
-// Reads n fp32 values of state `i` starting at (row, col0). For int8 and fp8, [col0, col0 + n)
-// is one whole block.
+// Reads n fp32 values of state `i` starting at (row, col0). For block states (int8, fp8, int4),
+// [col0, col0 + n) is one whole block.
 void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
                 float* out) {
   const int64_t base = row * p.cols + col0;
@@ -70,18 +70,24 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
       for (int e = 0; e < n; ++e) out[e] = fp8_decode(s[e], absmax, is_signed);
       break;
     }
+    case FORGE_STATE_INT4_BLOCK64: {
+      const uint8_t* s = static_cast<const uint8_t*>(p.state[i]) + row * int4_row_bytes(p.cols);
+      const float absmax = p.state_absmax[i][absmax_index(p, row, col0)];
+      for (int e = 0; e < n; ++e) out[e] = int4_decode(int4_code_at(s, col0 + e), absmax, is_signed);
+      break;
+    }
   }
 }
 
 // Writes n fp32 values to state `i`. Elements with keep[e] set (skipped by the step) are
-// left as they are. For int8 and fp8, where a block shares one scale: a block with no skipped
-// element takes the largest magnitude of its values as its absmax (fp8: 0 below
-// kFp8MinAbsmax, formats.h); one holding a skipped element takes
+// left as they are. For block states (int8, fp8, int4), where a block shares one scale: a
+// block with no skipped element takes the largest magnitude of its values as its absmax (fp8:
+// 0 below kFp8MinAbsmax, formats.h); one holding a skipped element takes
 // block_absmax_with_skipped(its old absmax, the updated elements' largest magnitude)
 // (formats.h: the old one while that fits, else the old one times a power of two), and its
-// skipped elements keep their code bytes while the absmax stays, or are re-encoded from their
+// skipped elements keep their codes while the absmax stays, or are re-encoded from their
 // decoded values (in[e], loaded against the old absmax) when it grew, which keeps their
-// values. `draw` (nullable: n draws packed as rng_draw packs them) selects stochastic rounding
+// values (int4: the nearest code). `draw` (nullable: n draws packed as rng_draw packs them) selects stochastic rounding
 // for FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
 void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
                  const float* in, const bool* keep, const uint64_t* draw) {
@@ -105,8 +111,8 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
       break;
     }
     case FORGE_STATE_INT8_BLOCK64:
-    case FORGE_STATE_FP8_BLOCK64: {
-      uint8_t* s = static_cast<uint8_t*>(p.state[i]) + base;
+    case FORGE_STATE_FP8_BLOCK64:
+    case FORGE_STATE_INT4_BLOCK64: {
       float& block_absmax = p.state_absmax[i][absmax_index(p, row, col0)];
       bool any_kept = false;
       for (int e = 0; e < n; ++e) any_kept = any_kept || (keep && keep[e]);
@@ -122,6 +128,16 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
                                     : updated_max;
       const bool grew = float_bits(absmax) != float_bits(old_absmax);
       block_absmax = absmax;
+      if (p.state_format == FORGE_STATE_INT4_BLOCK64) {
+        uint8_t* s = static_cast<uint8_t*>(p.state[i]) + row * int4_row_bytes(p.cols);
+        for (int e = 0; e < n; ++e)
+          if (!(keep && keep[e]) || grew) {
+            const int64_t col = col0 + e;
+            s[col >> 1] = int4_with_code(s[col >> 1], col, int4_encode(in[e], absmax, is_signed));
+          }
+        break;
+      }
+      uint8_t* s = static_cast<uint8_t*>(p.state[i]) + base;
       for (int e = 0; e < n; ++e)
         if (!(keep && keep[e]) || grew)
           s[e] = fp8 ? fp8_encode(in[e], absmax, is_signed) : int8_encode(in[e], absmax, is_signed);

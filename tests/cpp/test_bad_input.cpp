@@ -288,7 +288,7 @@ TEST(Abi, EnumNamesRoundTrip) {
       {"fp32", "bf16", "fp16"},
       {"SGD", "SGD_MOMENTUM", "AdamW", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "Muon"},
       {"fp32", "bf16", "bf16_sr", "bf16_master"},
-      {"fp32", "bf16", "bf16_sr", "int8", "fp8"},
+      {"fp32", "bf16", "bf16_sr", "int8", "fp8", "int4"},
       {"cpu", "cuda"}};
   ASSERT_EQ(documented.size(), static_cast<size_t>(FORGE_ENUM_COUNT));
   for (int32_t kind = 0; kind < FORGE_ENUM_COUNT; ++kind) {

@@ -454,7 +454,7 @@ TEST(FusedNonFinite, OverflowingUpdateIsSkippedAndCounted) {
             EXPECT_EQ(after.w[j], before.w[j]);
             if (!after.master.empty()) EXPECT_EQ(after.master[j], before.master[j]);
             for (int i = 0; i < p.num_states; ++i) {
-              // int8 / fp8: a block with a skipped element keeps its absmax unless the others
+              // Block states: a block with a skipped element keeps its absmax unless the others
               // grow it; the skipped element's value then stays or is re-encoded (one rounding).
               if (sf == FORGE_STATE_INT8_BLOCK64)
                 EXPECT_NEAR(after.s[i][j], before.s[i][j], kInt8MapRel * std::fabs(before.s[i][j]) + 1e-30)
@@ -462,6 +462,11 @@ TEST(FusedNonFinite, OverflowingUpdateIsSkippedAndCounted) {
               else if (sf == FORGE_STATE_FP8_BLOCK64)  // (AdamW: exp_avg e4m3, exp_avg_sq e5m2)
                 EXPECT_NEAR(after.s[i][j], before.s[i][j],
                             (i == 0 ? kFp8E4m3Rel : kFp8E5m2Rel) * std::fabs(before.s[i][j]) + 1e-30)
+                    << "state " << i;
+              else if (sf == FORGE_STATE_INT4_BLOCK64)  // (its block's new absmax: block 0 of row 1)
+                EXPECT_NEAR(after.s[i][j], before.s[i][j],
+                            (i == 0 ? kInt4SignedAbsmaxStep : kInt4UnsignedAbsmaxStep) *
+                                reinterpret_cast<const float*>(p.absmax[i].data())[1 * 2 + 0])
                     << "state " << i;
               else
                 EXPECT_EQ(after.s[i][j], before.s[i][j]) << "state " << i;

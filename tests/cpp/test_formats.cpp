@@ -1,7 +1,7 @@
 // test_formats.cpp — storage formats: bf16 nearest and stochastic rounding, fp16
-// input decoding, the int8 dynamic map, the fp8 encodings (e4m3, e5m2) against a
-// brute-force nearest value, the int8 and fp8 block-64 round trips, AdamW runs with int8 and
-// fp8 states that track the fp32-state run on least squares, how a block holding a skipped
+// input decoding, the int8 dynamic map, the fp8 encodings (e4m3, e5m2) and the int4 maps against
+// a brute-force nearest value, the int8, fp8 and int4 block-64 round trips (int4's packed rows),
+// AdamW runs with int8, fp8 and int4 states that track the fp32-state run on least squares, how a block holding a skipped
 // element keeps its absmax and codes, and what forge_state_from_fp32 refuses.
 #include <algorithm>
 #include <cmath>
@@ -413,8 +413,11 @@ double lsq_run_step(HostParam& p, const forge_hparams& hp, const Matrix& x, cons
   return loss;
 }
 
-// AdamW with `sf` (int8 or fp8) states against fp32 states from the same start.
-void expect_adamw_tracks_fp32(forge_state_format sf) {
+// AdamW with `sf` (int8, fp8 or int4) states against fp32 states from the same start: the
+// low-precision run's progress within `share` of the fp32 run's at every checkpoint, and its
+// loss cut by `min_reduction` (tolerances.h says why each format's pair is what it is).
+void expect_adamw_tracks_fp32(forge_state_format sf, double share = kLsqProgressShare,
+                              double min_reduction = kLsqMinReduction) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
   Rng rng(seed);
@@ -440,16 +443,162 @@ void expect_adamw_tracks_fp32(forge_state_format sf) {
     if (step == 1) first = loss32;
     if (step % 25 == 0) {
       const double progress32 = std::log(first / loss32), progress8 = std::log(first / loss8);
-      EXPECT_GE(progress8, kLsqProgressShare * progress32) << "step " << step;
-      EXPECT_LE(progress8, progress32 / kLsqProgressShare) << "step " << step;
+      EXPECT_GE(progress8, share * progress32) << "step " << step;
+      EXPECT_LE(progress8, progress32 / share) << "step " << step;
     }
   }
   EXPECT_LE(loss32, first / kLsqMinReduction);
-  EXPECT_LE(loss8, first / kLsqMinReduction);
+  EXPECT_LE(loss8, first / min_reduction);
 }
 
 TEST(Int8States, AdamWTracksFp32OnLeastSquares) { expect_adamw_tracks_fp32(FORGE_STATE_INT8_BLOCK64); }
 TEST(Fp8States, AdamWTracksFp32OnLeastSquares) { expect_adamw_tracks_fp32(FORGE_STATE_FP8_BLOCK64); }
+TEST(Int4States, AdamWTracksFp32OnLeastSquares) {
+  expect_adamw_tracks_fp32(FORGE_STATE_INT4_BLOCK64, kLsqInt4ProgressShare, kLsqInt4MinReduction);
+}
+
+// ---- int4 ---------------------------------------------------------------------------------
+
+// The maps as formats.h documents them: signed, code 0 is 0, codes 1..8 the positive values
+// ascending to 1, 9..15 the negative ones ascending from -0.8875 (the 4-bit dynamic-exponent
+// values); unsigned, (c + 1) / 16. The code <-> ascending-index bijection round-trips.
+TEST(Int4Map, ValuesAndCodes) {
+  const float positive[] = {0.0055f, 0.0325f, 0.0775f, 0.2125f, 0.4375f, 0.6625f, 0.8875f, 1.0f};
+  EXPECT_EQ(int4_map(0, true), 0.0f);
+  for (int c = 1; c <= 8; ++c) EXPECT_EQ(int4_map(static_cast<uint8_t>(c), true), positive[c - 1]);
+  for (int c = 9; c <= 15; ++c)
+    EXPECT_EQ(int4_map(static_cast<uint8_t>(c), true), -positive[6 - (c - 9)]) << c;
+  for (int k = 1; k < kInt4Codes; ++k)
+    EXPECT_LT(int4_signed_ascending(k - 1), int4_signed_ascending(k)) << k;
+  for (int c = 0; c < kInt4Codes; ++c) {
+    EXPECT_EQ(int4_signed_code(int4_signed_index(static_cast<uint8_t>(c))), c);
+    EXPECT_EQ(int4_map(static_cast<uint8_t>(c), false), (c + 1) / 16.0f);
+    // a code's own value (times an absmax) encodes back to the code
+    for (float absmax : {1.0f, 3.7e-20f, 0.3f, 2.5e30f})
+      for (bool is_signed : {true, false}) {
+        const uint8_t code = static_cast<uint8_t>(c);
+        EXPECT_EQ(int4_encode(int4_decode(code, absmax, is_signed), absmax, is_signed), code)
+            << c << " " << absmax << " " << is_signed;
+      }
+  }
+}
+
+// int4_nearest_code against a brute-force nearest value (distances in double, ties to the
+// larger value): a fine grid of [-1, 1], and ±4 floats around every midpoint of neighbouring
+// values. The code compares q with the fp32 half-sum of the two values, one rounding from
+// their real midpoint: within one float of it either neighbour is allowed. A negative q is
+// below the unsigned map: its lowest code. An absmax of 0 gives code 0 (the value 0 signed).
+TEST(Int4Map, NearestIsTheClosestValueTiesUp) {
+  auto brute = [](float q, bool is_signed, bool* near_midpoint) {
+    int best = 0;
+    *near_midpoint = false;
+    for (int c = 1; c < kInt4Codes; ++c) {
+      const double vb = int4_map(static_cast<uint8_t>(best), is_signed);
+      const double vc = int4_map(static_cast<uint8_t>(c), is_signed);
+      const double db = std::fabs(vb - q), dc = std::fabs(vc - q);
+      if (std::fabs(db - dc) <= 2.0 * (std::nextafter(std::fabs(q), 2.0f) - std::fabs(q)))
+        *near_midpoint = true;
+      if (dc < db || (dc == db && vc > vb)) best = c;
+    }
+    return best;
+  };
+  std::vector<float> qs;
+  for (int i = -200000; i <= 200000; ++i) qs.push_back(i / 200000.0f);
+  for (bool is_signed : {true, false})
+    for (int k = 1; k < kInt4Codes; ++k) {
+      const float lo = is_signed ? int4_signed_ascending(k - 1) : k / 16.0f;
+      const float hi = is_signed ? int4_signed_ascending(k) : (k + 1) / 16.0f;
+      float q = 0.5f * (lo + hi);
+      for (int j = 0; j < 4; ++j) q = std::nextafter(q, -2.0f);
+      for (int j = 0; j < 9; ++j, q = std::nextafter(q, 2.0f)) qs.push_back(q);
+    }
+  for (bool is_signed : {true, false})
+    for (float q : qs) {
+      if (!is_signed && q < 0) {
+        EXPECT_EQ(int4_nearest_code(q, false), 0) << q;
+        continue;
+      }
+      bool near_midpoint = false;
+      const int expected = brute(q, is_signed, &near_midpoint);
+      const int code = int4_nearest_code(q, is_signed);
+      if (code == expected) continue;
+      ASSERT_TRUE(near_midpoint) << q << " " << is_signed << ": " << code << " vs " << expected;
+      const float got = int4_map(static_cast<uint8_t>(code), is_signed);
+      const float want = int4_map(static_cast<uint8_t>(expected), is_signed);
+      ASSERT_LE(std::fabs(std::fabs(got - q) - std::fabs(want - q)), 1e-6f) << q;
+    }
+  EXPECT_EQ(int4_encode(0.5f, 0.0f, true), 0);
+  EXPECT_EQ(int4_decode(9, 0.0f, true), -0.0f);  // (an absmax of 0: zeros whatever the codes)
+}
+
+// Codes pack two to a byte, column 2j low and 2j + 1 high; writing one leaves the other.
+TEST(Int4Map, PackedCodes) {
+  uint8_t row[3] = {0, 0, 0};
+  for (int c = 0; c < 5; ++c)
+    row[c >> 1] = int4_with_code(row[c >> 1], c, static_cast<uint8_t>(10 + c));
+  EXPECT_EQ(row[0], 0xBA);
+  EXPECT_EQ(row[1], 0xDC);
+  EXPECT_EQ(row[2], 0x0E);
+  for (int c = 0; c < 5; ++c) EXPECT_EQ(int4_code_at(row, c), 10 + c);
+  row[1] = int4_with_code(row[1], 3, 1);
+  EXPECT_EQ(row[1], 0x1C);
+  EXPECT_EQ(int4_row_bytes(129), 65);
+}
+
+// Moments spanning 6 decades through forge_state_from_fp32 and back: each value within half
+// the map's widest gap of its block's absmax (unsigned: within its smallest value, 1/16, which
+// a value below it reads as), never a flipped sign, never a zero second moment in a block that
+// has one above zero; the absmax is the block's largest magnitude, which comes back exactly.
+TEST(Int4States, BlockRoundTripErrorBound) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
+  Rng rng(seed);
+  const BlockRoundTrip r = block_round_trip(FORGE_STATE_INT4_BLOCK64, rng);
+  for (int64_t row = 0; row < r.kRows; ++row)
+    for (int64_t c = 0; c < r.kCols; ++c) {
+      const int64_t i = row * r.kCols + c, b = row * 4 + c / 64;
+      EXPECT_LE(std::fabs(r.m2[i] - r.m[i]), kInt4SignedAbsmaxStep * r.absmax_m[b]) << i;
+      EXPECT_LE(std::fabs(r.v2[i] - r.v[i]), kInt4UnsignedAbsmaxStep * r.absmax_v[b]) << i;
+      EXPECT_GE(r.v2[i], r.absmax_v[b] / 16) << i;
+      EXPECT_TRUE(r.m2[i] == 0 || (r.m2[i] > 0) == (r.m[i] > 0)) << "sign flipped at " << i;
+    }
+  for (int64_t b = 0; b < r.kRows * 4; ++b) {
+    const int64_t row = b / 4, c0 = (b % 4) * 64, c1 = std::min<int64_t>(c0 + 64, r.kCols);
+    float largest = 0;
+    for (int64_t c = c0; c < c1; ++c) largest = std::max(largest, std::fabs(r.m[row * r.kCols + c]));
+    EXPECT_EQ(r.absmax_m[b], largest);
+    for (int64_t c = c0; c < c1; ++c)
+      if (std::fabs(r.m[row * r.kCols + c]) == largest && r.m[row * r.kCols + c] > 0)
+        EXPECT_EQ(r.m2[row * r.kCols + c], largest);
+  }
+}
+
+// Rows of an odd number of columns keep their own bytes (ceil(cols / 2) each): writing one row
+// through forge_state_from_fp32 reads back the same in every other row, and the partial
+// block's last element (the low half of the row's last byte) round-trips.
+TEST(Int4States, OddColumnsKeepRowsApart) {
+  forge_hparams hp;
+  forge_hparams_default(FORGE_RULE_SGD_MOMENTUM, &hp);
+  hp.momentum = 0.9;
+  const int64_t rows = 3, cols = 129;
+  HostParam p(rows, cols, FORGE_WEIGHT_FP32, FORGE_STATE_INT4_BLOCK64, hp);
+  ASSERT_EQ(p.state[0].size(), static_cast<size_t>(rows * 65));
+  std::vector<float> in(rows * cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      in[r * cols + c] = int4_map(static_cast<uint8_t>((r * 7 + c) % 16), true) * (r + 1);
+  forge_device cpu{};
+  ASSERT_EQ(forge_state_from_fp32(&p.p, &hp, 0, in.data(), cpu), FORGE_OK) << forge_last_error();
+  const std::vector<float> out = p.state_fp32(0, hp);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    // every block holds the value 1 · (r + 1), so its absmax is r + 1 and each value is a
+    // map value times it, which comes back exactly; the last block holds 1 column, with
+    // absmax |its value|
+    const int64_t c = i % cols;
+    if (c < 128) EXPECT_EQ(out[i], in[i]) << i;
+    else EXPECT_NEAR(out[i], in[i], kInt4SignedAbsmaxStep * std::fabs(in[i])) << i;
+  }
+}
 
 }  // namespace
 }  // namespace forge_test

@@ -24,7 +24,7 @@ struct Block {
 
 
 // The shard `b` of `full` in buffers of its own, with its offsets set; `to_full` copies it back.
-// int8 blocks: b.c0 % 64 == 0, so the shard's absmax blocks are the full parameter's.
+// Block states: b.c0 % 64 == 0, so the shard's absmax blocks are the full parameter's.
 struct Shard {
   Block b;
   HostParam p;
@@ -52,10 +52,15 @@ struct Shard {
     };
     move(full.weight, p.weight, fc, b.cols, b.r0, b.c0, b.rows, b.cols, wb);
     if (!full.master.empty()) move(full.master, p.master, fc, b.cols, b.r0, b.c0, b.rows, b.cols, 4);
-    const int sb = state_element_bytes(full.p.state_format);
+    const int sf = full.p.state_format;
     for (int i = 0; i < full.num_states; ++i) {
-      move(full.state[i], p.state[i], fc, b.cols, b.r0, b.c0, b.rows, b.cols, sb);
-      if (block_states(full.p.state_format)) {
+      if (sf == FORGE_STATE_INT4_BLOCK64)  // (rows of packed bytes; b.c0 is even)
+        move(full.state[i], p.state[i], state_row_bytes(sf, fc), state_row_bytes(sf, b.cols),
+             b.r0, b.c0 / 2, b.rows, state_row_bytes(sf, b.cols), 1);
+      else
+        move(full.state[i], p.state[i], fc, b.cols, b.r0, b.c0, b.rows, b.cols,
+             state_element_bytes(sf));
+      if (block_states(sf)) {
         const int64_t full_blocks = (fc + 63) / 64, shard_blocks = (b.cols + 63) / 64;
         move(full.absmax[i], p.absmax[i], full_blocks, shard_blocks, b.r0, b.c0 / 64, b.rows,
              shard_blocks, 4);
@@ -65,7 +70,7 @@ struct Shard {
 };
 
 // Row shards and column shards of a [rows, cols] parameter: three of each, uneven; column
-// shards of whole 64-column blocks for int8 and fp8 states (the last one ends the row), anywhere
+// shards of whole 64-column blocks for block states (the last one ends the row), anywhere
 // otherwise (SR groups of 4 straddling shard borders).
 std::vector<std::vector<Block>> shardings(int64_t rows, int64_t cols, int sf) {
   std::vector<Block> by_rows = {{0, 2, 0, cols}, {2, rows - 3, 0, cols}, {rows - 1, 1, 0, cols}};

@@ -226,7 +226,7 @@ inline const char* weight_format_name(int f) {
   return k[f];
 }
 inline const char* state_format_name(int f) {
-  static const char* k[] = {"SFp32", "SBf16", "SBf16SR", "SInt8", "SFp8"};
+  static const char* k[] = {"SFp32", "SBf16", "SBf16SR", "SInt8", "SFp8", "SInt4"};
   return k[f];
 }
 

@@ -311,9 +311,15 @@ int num_states(const forge_hparams& hp) {
   return layout.num_states;
 }
 
-bool block_format(int32_t f) { return f == FORGE_STATE_INT8_BLOCK64 || f == FORGE_STATE_FP8_BLOCK64; }
+bool block_format(int32_t f) {
+  return f == FORGE_STATE_INT8_BLOCK64 || f == FORGE_STATE_FP8_BLOCK64 || f == FORGE_STATE_INT4_BLOCK64;
+}
 int weight_elem(int32_t f) { return f == FORGE_WEIGHT_FP32 ? 4 : 2; }
 int state_elem(int32_t f) { return f == FORGE_STATE_FP32 ? 4 : block_format(f) ? 1 : 2; }
+// Bytes of a [rows, cols] state buffer (int4: two codes per byte, rows of ceil(cols / 2)).
+int64_t state_bytes(int32_t f, int64_t rows, int64_t cols) {
+  return f == FORGE_STATE_INT4_BLOCK64 ? rows * ((cols + 1) / 2) : rows * cols * state_elem(f);
+}
 bool valid_weight_format(int32_t f) { return f >= 0 && f < FORGE_WEIGHT_FORMAT_COUNT; }
 bool valid_state_format(int32_t f) { return f >= 0 && f < FORGE_STATE_FORMAT_COUNT; }
 
@@ -360,7 +366,9 @@ ParamPlan plan_param(ByteReader& in, Layout& layout, const forge_hparams& hp, in
   p.states = num_states(hp);
   const int64_t n = p.elements();
   const int we = valid_weight_format(p.weight_format) ? weight_elem(p.weight_format) : 4;
-  const int se = valid_state_format(p.state_format) ? state_elem(p.state_format) : 4;
+  const int64_t state_buffer = valid_state_format(p.state_format) && p.shape.small
+                                   ? state_bytes(p.state_format, p.shape.rows, p.shape.cols)
+                                   : n * 4;
   p.weight = layout.add("param.weight", static_cast<size_t>(n * we));
   p.master_unwanted = p.weight_format != FORGE_WEIGHT_BF16_MASTER && in.chance(40);
   if (p.weight_format == FORGE_WEIGHT_BF16_MASTER || p.master_unwanted)
@@ -369,7 +377,7 @@ ParamPlan plan_param(ByteReader& in, Layout& layout, const forge_hparams& hp, in
   for (int i = 0; i < FORGE_MAX_STATES; ++i) {
     p.state[i] = p.absmax[i] = SIZE_MAX;
     if (i >= slots) continue;
-    p.state[i] = layout.add("param.state[i]", static_cast<size_t>(n * se));
+    p.state[i] = layout.add("param.state[i]", static_cast<size_t>(state_buffer));
     if (block_format(p.state_format) || in.chance(40))
       p.absmax[i] = layout.add("param.state_absmax[i]", static_cast<size_t>(p.blocks() * 4));
   }
@@ -588,7 +596,7 @@ void step_regions(const forge_param& fp, int states, const forge_step_outputs& o
   add(fp.weight, n * weight_elem(fp.weight_format));
   if (fp.weight_format == FORGE_WEIGHT_BF16_MASTER) add(fp.master, n * 4);
   for (int i = 0; i < states; ++i) {
-    add(fp.state[i], n * state_elem(fp.state_format));
+    add(fp.state[i], state_bytes(fp.state_format, fp.rows, fp.cols));
     if (block_format(fp.state_format)) add(fp.state_absmax[i], fp.rows * ((fp.cols + 63) / 64) * 4);
   }
   add(out.grad_sq_sum, 8);
@@ -673,7 +681,8 @@ struct Copy {
 Copy copy_param(const forge_param& fp, int states, const std::vector<uint8_t>& before, const uint8_t* arena_base) {
   const int64_t n = fp.rows * fp.cols, blocks = fp.rows * ((fp.cols + 63) / 64);
   const size_t wb = static_cast<size_t>(n * weight_elem(fp.weight_format)), mb = static_cast<size_t>(n * 4),
-               sb = static_cast<size_t>(n * state_elem(fp.state_format)), ab = static_cast<size_t>(blocks * 4);
+               sb = static_cast<size_t>(state_bytes(fp.state_format, fp.rows, fp.cols)),
+               ab = static_cast<size_t>(blocks * 4);
   auto round = [](size_t b) { return (b + 63) / 64 * 64; };
   Copy c;
   c.words.assign((round(wb) + round(mb) + FORGE_MAX_STATES * (round(sb) + round(ab))) / 8 + 8, 0);
@@ -700,7 +709,7 @@ bool same_param(const forge_param& a, const forge_param& b, int states) {
   if (!same(a.weight, b.weight, n * weight_elem(a.weight_format))) return false;
   if (a.weight_format == FORGE_WEIGHT_BF16_MASTER && !same(a.master, b.master, n * 4)) return false;
   for (int i = 0; i < states; ++i) {
-    if (!same(a.state[i], b.state[i], n * state_elem(a.state_format))) return false;
+    if (!same(a.state[i], b.state[i], state_bytes(a.state_format, a.rows, a.cols))) return false;
     if (block_format(a.state_format) && !same(a.state_absmax[i], b.state_absmax[i], blocks * 4)) return false;
   }
   return true;
@@ -996,7 +1005,7 @@ void fuzz_state(ByteReader& in, int which) {
   const int64_t n = fp.rows * fp.cols, blocks = fp.rows * ((fp.cols + 63) / 64);
   for (int i = 0; i < states; ++i) {
     if (which == 0 || (which == 2 && i == index)) {
-      add(fp.state[i], n * state_elem(fp.state_format));
+      add(fp.state[i], state_bytes(fp.state_format, fp.rows, fp.cols));
       if (block_format(fp.state_format)) add(fp.state_absmax[i], blocks * 4);
     }
   }
