@@ -220,10 +220,11 @@ def test_names_come_from_the_library():
     assert lib.weight_format_code("bf16_master") == forge._lib.WEIGHT_BF16_MASTER
     assert lib.state_format_code("int8") == forge._lib.STATE_INT8_BLOCK64
     assert lib.state_format_code("fp8") == forge._lib.STATE_FP8_BLOCK64
+    assert lib.state_format_code("int4") == forge._lib.STATE_INT4_BLOCK64
     assert lib.dtype_code("fp16") == forge._lib.DTYPE_FP16
     assert lib.device_kind_code("cuda") == forge._lib.DEVICE_CUDA
     with pytest.raises(ValueError, match=r'"fp4" is no state format \(known: "fp32", "bf16", '
-                                         r'"bf16_sr", "int8", "fp8"\)'):
+                                         r'"bf16_sr", "int8", "fp8", "int4"\)'):
         lib.state_format_code("fp4")
     info = lib.rule_info(lib.rule_code("RMSprop"))
     assert [s["name"] for s in info["states"]] == ["square_avg", "grad_avg", "momentum_buffer"]

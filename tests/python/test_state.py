@@ -1,7 +1,7 @@
 """test_state.py — state_dict / load_state_dict and observability.
 
-Round trip is exact (raw int8 codes + absmax, bf16 bits, fp32 master, 'step'); a run
-resumed from a checkpoint is bit-for-bit the uninterrupted run. After step(): the global
+Round trip is exact (raw int8 / fp8 / int4 codes + absmax, bf16 bits, fp32 master, 'step'); a
+run resumed from a checkpoint is bit-for-bit the uninterrupted run. After step(): the global
 grad norm (a by-product of the update kernels) equals clip_grad_norm_'s total norm of a
 plain torch run, and non-finite gradient elements are counted and skipped.
 """
@@ -20,7 +20,9 @@ FORMATS = [("float32", "fp32", False), ("float32", "bf16", False), ("float32", "
            ("bfloat16", "bf16", False), ("bfloat16", "int8", True), ("bfloat16", "fp32", True),
            ("float32", "fp8", False), ("bfloat16", "fp8", True)]
 # (dtype, state_format, master, device)
-FORMATS_DEVICES = [(*f, "cpu") for f in FORMATS] + [
+# int4 states: the CPU backend only (libforge's CUDA backend refuses them)
+CPU_FORMATS = [("float32", "int4", False), ("bfloat16", "int4", True)]
+FORMATS_DEVICES = [(*f, "cpu") for f in FORMATS + CPU_FORMATS] + [
     pytest.param(*f, "cuda", marks=requires_cuda) for f in FORMATS]
 
 
@@ -87,7 +89,7 @@ def test_state_dict_hooks_run_as_on_torch_optim():
         assert all(g["lr"] == 1e-3 for g in saved["param_groups"])  # (the caller's dict)
 
 
-@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "int8", "fp8", "int4"])
 def test_state_dict_round_trip(state_format):
     model = TinyTransformer()
     opt = forge.optim.RMSprop(model, lr=1e-3, centered=True, momentum=0.9,
@@ -99,12 +101,14 @@ def test_state_dict_round_trip(state_format):
                 "bf16": {"square_avg", "grad_avg", "momentum_buffer"},
                 "int8": {"square_avg", "grad_avg", "momentum_buffer", "square_avg_absmax",
                          "grad_avg_absmax", "momentum_buffer_absmax"}}
-    expected["fp8"] = expected["int8"]
+    expected["fp8"] = expected["int4"] = expected["int8"]
     expected = expected[state_format]
     assert set(opt.state[p]) == expected | {"step"}
     assert opt.state[p]["step"] == 2
-    if state_format in ("int8", "fp8"):
-        assert opt.state[p]["square_avg"].dtype == torch.uint8
+    if state_format in ("int8", "fp8", "int4"):
+        codes = opt.state[p]["square_avg"]
+        assert codes.dtype == torch.uint8
+        assert codes.shape == (p.shape[0], p.shape[1] // 2 if state_format == "int4" else p.shape[1])
         assert opt.state[p]["square_avg_absmax"].shape == (p.shape[0], -(-p.shape[1] // 64))
 
     other = forge.optim.RMSprop(copy.deepcopy(model), lr=1e-3, centered=True, momentum=0.9,
@@ -309,7 +313,8 @@ def test_nonfinite_gradients_are_counted_and_skipped():
     assert torch.equal(w0[:, 1], before[0][:, 1]), "skipped elements are left as they were"
 
 
-@pytest.mark.parametrize("state_format,device", format_devices(["fp32", "bf16", "int8", "fp8"]))
+@pytest.mark.parametrize("state_format,device",
+                         format_devices(["fp32", "bf16", "int8", "fp8"]) + [("int4", "cpu")])
 def test_state_fp32_decodes_states(state_format, device):
     """state_fp32() decodes through libforge; against an fp32-state run of the same step
     (bounds: STATE_STORE_RTOL)."""
@@ -421,8 +426,8 @@ def test_state_format_is_fixed_once_states_exist(change):
 
 def test_bad_group_storage_options_are_refused():
     model = TinyTransformer()
-    with pytest.raises(ValueError, match=r"param group 1: state_format: unknown value 'int4'"):
-        forge.optim.AdamW(model, params=_groups(model, "int4"))
+    with pytest.raises(ValueError, match=r"param group 1: state_format: unknown value 'int3'"):
+        forge.optim.AdamW(model, params=_groups(model, "int3"))
     with pytest.raises(ValueError, match=r"param group 0: min_8bit_size: must be an int >= 0"):
         forge.optim.AdamW(model, params=_groups(model, min_8bit_size=-1))
     with pytest.raises(ValueError, match=r"^min_8bit_size: must be an int >= 0, got True"):

@@ -281,6 +281,11 @@ _WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2, "bf16_master": 2}
 _STATE_BYTES = {"fp32": 4, "bf16": 2, "bf16_sr": 2, "int8": 1, "fp8": 1}
 
 
+def _state_row_bytes(state_format: str, cols: int) -> int:
+    """Bytes of one row of a state of `cols` elements (int4: two codes per byte)."""
+    return -(-cols // 2) if state_format == "int4" else cols * _STATE_BYTES[state_format]
+
+
 def row_block(param: _lib.Param, rows: Tuple[int, int]) -> _lib.Param:
     """The forge_param of rows [r0, r1) of `param` (contiguous rows: the pointers move by
     whole rows), placed at its rows in the full parameter for stochastic rounding."""
@@ -293,11 +298,12 @@ def row_block(param: _lib.Param, rows: Tuple[int, int]) -> _lib.Param:
         lib.enum_names(_lib.ENUM_WEIGHT_FORMAT)[param.weight_format]]
     if param.master:
         block.master = _lib.float_ptr(ctypes.addressof(param.master.contents) + r0 * cols * 4)
-    state_bytes = _STATE_BYTES[lib.enum_names(_lib.ENUM_STATE_FORMAT)[param.state_format]]
+    state_row = _state_row_bytes(
+        lib.enum_names(_lib.ENUM_STATE_FORMAT)[param.state_format], cols)
     blocks_per_row = -(-cols // _lib.INT8_BLOCK)
     for i in range(_lib.MAX_STATES):
         if param.state[i]:
-            block.state[i] = param.state[i] + r0 * cols * state_bytes
+            block.state[i] = param.state[i] + r0 * state_row
         if param.state_absmax[i]:
             block.state_absmax[i] = _lib.float_ptr(
                 ctypes.addressof(param.state_absmax[i].contents) + r0 * blocks_per_row * 4)

@@ -1,13 +1,14 @@
 """store.py — how a forge optimizer stores its states: formats, tensors, the forge_param struct.
 
-The state format ("fp32", "bf16", "int8", "fp8") is per parameter: its param group's
-"state_format" (default: the constructor's state_format), where an 8-bit format ("int8",
-"fp8") gives a parameter of fewer than the group's "min_8bit_size" elements (default 4096,
+The state format ("fp32", "bf16", "int8", "fp8", "int4") is per parameter: its param group's
+"state_format" (default: the constructor's state_format), where a block format ("int8", "fp8",
+"int4") gives a parameter of fewer than the group's "min_8bit_size" elements (default 4096,
 bitsandbytes' name and value) fp32 states. It is fixed when the parameter's states are made
 (slot.state_format); a group changed afterwards is refused at the next step. With
 master_weights / stochastic_rounding it decides the storage codes passed to libforge; the
 states of a parameter are plain tensors in optimizer.state[param] under torch.optim's names
-(exp_avg, exp_avg_sq, ...; int8 and fp8 add <name>_absmax, master weights "master"), so
+(exp_avg, exp_avg_sq, ...; block formats add <name>_absmax, master weights "master"; int4
+codes are two per byte, the last dimension halved, rounded up), so
 state_dict() holds the raw buffers, and its 'forge' entry each parameter's format
 (checkpoint.py).
 """
@@ -20,9 +21,11 @@ import torch
 from .. import _lib
 from . import distributed
 
-STATE_FORMATS = ("fp32", "bf16", "int8", "fp8")
-# Formats of a code byte per element and an fp32 absmax per block of 64 columns of a row.
-BLOCK_FORMATS = ("int8", "fp8")
+STATE_FORMATS = ("fp32", "bf16", "int8", "fp8", "int4")
+# Formats of a code per element and an fp32 absmax per block of 64 columns of a row.
+BLOCK_FORMATS = ("int8", "fp8", "int4")
+# Formats the CUDA backend has no kernels for (libforge refuses them there).
+CPU_ONLY_FORMATS = ("int4",)
 _UPDATABLE = (torch.float32, torch.bfloat16)  # parameter dtypes FORGE updates
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 states under 8 bits
 # The keys a param group may carry to choose its storage (defaults: the constructor's).
@@ -40,10 +43,24 @@ def check_storage_options(state_format, min_8bit_size, where: str = "") -> None:
         raise ValueError(f"{where}min_8bit_size: must be an int >= 0, got {min_8bit_size!r}")
 
 
+def packed_shape(shape: tuple) -> tuple:
+    """An int4 state's shape: the parameter's, two codes per byte along the last dimension
+    (each row ceil(cols / 2) bytes, as libforge lays them out)."""
+    if not shape:
+        return (1,)
+    return tuple(shape[:-1]) + (-(-shape[-1] // 2),)
+
+
+def cpu_only_error(fmt: str, where: str) -> ValueError:
+    return ValueError(f"state_format: {fmt!r} states run on the CPU backend only (libforge's "
+                      f"CUDA backend has no {fmt} kernels), but {where}; choose 'int8', 'fp8', "
+                      "'bf16' or 'fp32' for CUDA parameters")
+
+
 def requested_format(group: Dict[str, Any], numel: int, default_format: str,
                      default_min_8bit_size: int) -> str:
     """The state format a parameter of `numel` elements in `group` gets: the group's
-    "state_format", with "int8" / "fp8" meaning fp32 below "min_8bit_size" elements."""
+    "state_format", with a block format meaning fp32 below "min_8bit_size" elements."""
     fmt = group.get("state_format", default_format)
     if fmt in BLOCK_FORMATS and numel < group.get("min_8bit_size", default_min_8bit_size):
         return "fp32"
@@ -57,6 +74,8 @@ def state_format_code(fmt: str, stochastic_rounding: bool) -> int:
         return _lib.STATE_INT8_BLOCK64
     if fmt == "fp8":
         return _lib.STATE_FP8_BLOCK64
+    if fmt == "int4":
+        return _lib.STATE_INT4_BLOCK64
     return _lib.STATE_BF16_STOCHASTIC if stochastic_rounding else _lib.STATE_BF16
 
 
@@ -123,12 +142,18 @@ class Store:
         return self.requested_format(slot, group)
 
     def check_group_storage(self, group: Dict[str, Any]) -> None:
-        """A param group's "state_format" / "min_8bit_size" (torch fills the defaults in)."""
+        """A param group's "state_format" / "min_8bit_size" (torch fills the defaults in), and
+        a CPU-only format asked for a parameter on another device."""
         index = next((i for i, g in enumerate(self.shared.param_groups) if g is group), None)
-        check_storage_options(group.get("state_format", self.state_format),
-                              group.get("min_8bit_size", self.min_8bit_size),
-                              where="param group: " if index is None
-                              else f"param group {index}: ")
+        where = "param group: " if index is None else f"param group {index}: "
+        fmt = group.get("state_format", self.state_format)
+        min_size = group.get("min_8bit_size", self.min_8bit_size)
+        check_storage_options(fmt, min_size, where=where)
+        if fmt in CPU_ONLY_FORMATS:
+            for p in group.get("params", ()):
+                if isinstance(p, torch.Tensor) and p.device.type != "cpu" \
+                        and requested_format(group, p.numel(), fmt, min_size) == fmt:
+                    raise cpu_only_error(fmt, f"{where}holds a parameter on {p.device}")
 
     def formats_by_index(self) -> Dict[int, str]:
         """{state_dict index: state format} of every parameter that has states."""
@@ -190,8 +215,8 @@ class Store:
                 spec[name] = (torch.float32, shape)
             elif fmt == "bf16":
                 spec[name] = (torch.bfloat16, shape)
-            else:  # int8 / fp8
-                spec[name] = (torch.uint8, shape)
+            else:  # int8 / fp8 / int4
+                spec[name] = (torch.uint8, packed_shape(shape) if fmt == "int4" else shape)
                 spec[name + "_absmax"] = (torch.float32, (rows, -(-cols // _lib.INT8_BLOCK)))
         if self.weight_format(slot) == _lib.WEIGHT_BF16_MASTER:
             spec["master"] = (torch.float32, shape)
@@ -209,6 +234,8 @@ class Store:
         to fill) in its group's format, which is fixed from here on."""
         p = slot.param
         fmt = self.requested_format(slot, group)
+        if fmt in CPU_ONLY_FORMATS and p.device.type != "cpu":
+            raise cpu_only_error(fmt, f"parameter '{slot.name}' is on {p.device}")
         if slot.dtensor and fmt in BLOCK_FORMATS:
             distributed.check_int8_blocks(slot.geometry, slot.name)
         self._fix_state_format(slot, group)
