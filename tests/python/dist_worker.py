@@ -209,6 +209,16 @@ def train(model, opt, steps, rows=slice(None), start=0):
     return norms
 
 
+def reference_optimizer(name, params, **kwargs):
+    """torch.optim's optimizer (reference.py) with its per-parameter loop, what it runs on the
+    CPU by default: on CUDA its default foreach step refuses a list mixing DTensor and plain
+    parameters (a model whose norms the plan leaves unsharded)."""
+    from reference import torch_optimizer
+    if name != "Lion":
+        kwargs.setdefault("foreach", False)
+    return torch_optimizer(name, params, **kwargs)
+
+
 # ---------------------------------------------------------------------------- jobs
 
 def job_tp(rank, world, args):
@@ -216,7 +226,6 @@ def job_tp(rank, world, args):
     itself moves between the same parallel and single-process runs; its statistics are
     global."""
     import forge.optim
-    from reference import torch_optimizer
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(DEVICE, (world,))
     measured = {}
@@ -231,7 +240,7 @@ def job_tp(rank, world, args):
             if key.startswith("forge"):
                 opt = getattr(forge.optim, name)(model, **kwargs, **forge_kw)
             else:
-                opt = torch_optimizer(name, model.parameters(), **kwargs)
+                opt = reference_optimizer(name, model.parameters(), **kwargs)
             norms = train(model, opt, args["steps"])
             runs[key] = (model, norms, getattr(opt, "nonfinite_count", None))
         forge_error = max_normwise(runs["forge_tp"][0], runs["forge_1"][0])
@@ -248,7 +257,6 @@ def job_fsdp(rank, world, args):
     the reduce-scatter. forge tracks single-process forge on the whole batch within what
     torch FSDP2 moves against single-process torch."""
     import forge.optim
-    from reference import torch_optimizer
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(DEVICE, (world,))
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -264,7 +272,7 @@ def job_fsdp(rank, world, args):
             if key.startswith("forge"):
                 opt = getattr(forge.optim, name)(model, **kwargs, **forge_kw)
             else:
-                opt = torch_optimizer(name, model.parameters(), **kwargs)
+                opt = reference_optimizer(name, model.parameters(), **kwargs)
             norms = train(model, opt, args["steps"], rows if key.endswith("fsdp") else
                           slice(None))
             runs[key] = (model, norms)
@@ -389,7 +397,6 @@ def job_fsdp_head(rank, world, args):
     enable_fused_head takes an FSDP2 model whose head weight is a DTensor between steps."""
     import forge.loss
     import forge.optim
-    from reference import torch_optimizer
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(DEVICE, (world,))
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -402,7 +409,7 @@ def job_fsdp_head(rank, world, args):
         if key.endswith("fsdp"):
             fsdp(model, mesh)
         opt = (forge.optim.AdamW(model, **kwargs) if key.startswith("forge")
-               else torch_optimizer("AdamW", model.parameters(), **kwargs))
+               else reference_optimizer("AdamW", model.parameters(), **kwargs))
         train(model, opt, args["steps"], rows if key.endswith("fsdp") else slice(None))
         runs[key] = model
     causal_lm = nn.Module()
@@ -630,7 +637,10 @@ def run_threads(world: int, out_dir: str, jobs, device: str = "cpu",
             threaded.ProcessLocalGroup.exception_handle(e)
         finally:
             if world > 1 and dist.is_initialized():
-                dist.destroy_process_group()
+                try:
+                    dist.destroy_process_group()
+                except AttributeError:  # (torch 2.11's thread-local world lacks `comms`:
+                    pass                # its groups go with the thread's world)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f, default=str)
 

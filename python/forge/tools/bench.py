@@ -934,6 +934,9 @@ def write_results(out_dir: str, info: dict, rows: List[dict]) -> Dict[str, str]:
 # torch.optim.AdamW(fused=True) on bf16 weights with the same seed and batches (mean |Δloss|
 # over the last half; information, with the noise floor below as its scale).
 PARITY_RUNS = ("forge-bf16-sr", "forge-int8", "forge-fp8")
+# Runs made only when --parity-runs names them: int4 states (libforge's CPU backend only, so a
+# parity run on the CPU, e.g. --parity-model tiny).
+PARITY_EXTRA_RUNS = {"forge-int4": ["--bf16", "--state-format", "int4", "--stochastic-rounding"]}
 PARITY_REFERENCE = "torch-adamw-fused"
 # The reference: torch's AdamW on fp32 weights and states with the model computing in bf16
 # under autocast (mixed precision), the update bf16 storage approximates. torch's AdamW on bf16
@@ -956,9 +959,10 @@ NOISE_RUN = "torch-adamw-fused-perturbed"
 # AdamW (forge-train --optimizer muon, its torch baseline), its runs named for it.
 PARITY_NAMES = {
     "adamw": dict(reference=PARITY_REFERENCE, amp=PARITY_AMP_REFERENCE, noise=NOISE_RUN,
-                  forge=PARITY_RUNS, lr=6e-4),
+                  forge=PARITY_RUNS, extra=PARITY_EXTRA_RUNS, lr=6e-4),
     "muon": dict(reference="torch-muon", amp="torch-muon-amp", noise="torch-muon-perturbed",
-                 forge=("forge-muon-bf16-sr", "forge-muon-int8", "forge-muon-fp8"), lr=0.02),
+                 forge=("forge-muon-bf16-sr", "forge-muon-int8", "forge-muon-fp8"), extra={},
+                 lr=0.02),
 }
 NOISE_SCALE = 2.0 ** -8
 NOISE_SEED = 12345
@@ -1019,15 +1023,17 @@ def parity_report(args, info: dict) -> int:
     if args.parity_amp_seeds < 1:
         raise BenchError(f"--parity-amp-seeds: must be >= 1, got {args.parity_amp_seeds}")
     names = PARITY_NAMES[args.parity_optimizer]
-    reference, amp_reference, forge_runs = names["reference"], names["amp"], names["forge"]
-    chosen = list(forge_runs) if args.parity_runs is None else args.parity_runs
+    reference, amp_reference = names["reference"], names["amp"]
+    chosen = list(names["forge"]) if args.parity_runs is None else args.parity_runs
+    forge_runs = tuple(names["forge"]) + tuple(r for r in names["extra"] if r in chosen)
     unknown = [r for r in chosen if r not in forge_runs]
     if unknown or not chosen:
-        raise BenchError(f"--parity-runs: choose one or more of {', '.join(forge_runs)}, got "
+        known = tuple(names["forge"]) + tuple(names["extra"])
+        raise BenchError(f"--parity-runs: choose one or more of {', '.join(known)}, got "
                          f"{' '.join(chosen) or 'none'}")
     noise_runs = noise_run_names(args.parity_noise_runs, names["noise"])
     amp_runs = amp_run_names(args.parity_amp_seeds, amp_reference)
-    bf16, int8, fp8 = forge_runs
+    bf16, int8, fp8 = names["forge"]
     # NOTE: the mixed-precision reference and the first noise run go before the int8 run: the
     # bf16 comparison is only meaningful beside them, and a cut-short call keeps all three.
     runs = {reference: ["--bf16", "--baseline", "torch"],
@@ -1036,6 +1042,7 @@ def parity_report(args, info: dict) -> int:
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[:1]})
     runs[int8] = ["--bf16", "--state-format", "int8", "--stochastic-rounding"]
     runs[fp8] = ["--bf16", "--state-format", "fp8", "--stochastic-rounding"]
+    runs.update({name: extra for name, extra in names["extra"].items() if name in chosen})
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[1:]})
     # (common's "--seed 0" comes first: argparse keeps the last)
     runs.update({name: ["--amp", "--baseline", "torch", "--seed", str(k)]
@@ -1330,9 +1337,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the mixed-precision reference over seeds 0 .. N-1 (after every other "
                         "run): every run's last-half mean loss is held to their spread")
     g.add_argument("--parity-runs", nargs="+", default=None, metavar="RUN",
-                   help=f"FORGE's runs (adamw: {', '.join(PARITY_RUNS)}; muon: "
-                        f"{', '.join(PARITY_NAMES['muon']['forge'])}; default all): the "
-                        "references run whatever this says")
+                   help=f"FORGE's runs (adamw: {', '.join(PARITY_RUNS)}, and "
+                        f"{', '.join(PARITY_EXTRA_RUNS)} when named; muon: "
+                        f"{', '.join(PARITY_NAMES['muon']['forge'])}; default: all but the "
+                        "named-only ones): the references run whatever this says")
     g.add_argument("--parity-noise-runs", type=int, default=1,
                    help="torch runs with perturbed initial weights (one noise seed each) that "
                         "measure the run-to-run noise floor (default 1)")
