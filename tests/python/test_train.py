@@ -1034,15 +1034,19 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
         c = report["comparisons"][name]
         assert c["noise_floor"] == floor
         assert c["within_noise_floor"] == (c["mean_abs_diff_last_half"] <= max(floor))
-    # the same report again into the same work folder: its runs replace the last ones'
+    # the same report again into the same work folder: its runs replace the last ones'; the
+    # int4 run only where named (libforge's CPU backend only)
+    assert "forge-int4" not in report["runs"]
     assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "2",
                        "--parity-seq-len", "16", "--parity-batch-size", "2", "--device", "cpu",
-                       "--parity-runs", "forge-bf16-sr", "--parity-noise-runs", "0",
-                       "--parity-amp-seeds", "1", "--out", str(tmp_path / "out2"),
+                       "--parity-runs", "forge-bf16-sr", "forge-int4", "--parity-noise-runs",
+                       "0", "--parity-amp-seeds", "1", "--out", str(tmp_path / "out2"),
                        "--parity-work-dir", str(tmp_path / "runs")]) == 0
     again = next(f for f in os.listdir(tmp_path / "out2") if f.endswith(".json"))
     with open(tmp_path / "out2" / again) as f:
-        assert not [n for n, r in json.load(f)["runs"].items() if "error" in r]
+        runs = json.load(f)["runs"]
+    assert not [n for n, r in runs.items() if "error" in r]
+    assert "forge-int4" in runs and "forge-int8" not in runs
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
