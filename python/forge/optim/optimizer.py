@@ -94,13 +94,11 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                            parameters; default: every parameter with requires_grad, one group.
                            See param_groups_no_decay().
       state_format         "fp32" | "bf16" | "int8" (block-64 dynamic map + fp32 absmax) |
-                           "fp8" (e4m3 / e5m2 scaled per block of 64 by an fp32 absmax) |
-                           "int4" (4-bit maps, two codes a byte, + fp32 absmax per block of
-                           64; CPU parameters only); a param group may carry its own
-                           "state_format" (store.py).
-      min_8bit_size        with "int8" / "fp8" / "int4", a parameter of fewer elements keeps
-                           fp32 states (bitsandbytes' name and default, 4096); a group may
-                           carry its own.
+                           "fp8" (e4m3 / e5m2 codes) | "int4" (4-bit codes; CPU parameters
+                           only), each block format under an fp32 absmax per 64; a param
+                           group may carry its own "state_format" (store.py).
+      min_8bit_size        with a block format, a parameter of fewer elements keeps fp32
+                           states (bitsandbytes' name and default, 4096); per group too.
       master_weights       bf16 parameters keep an fp32 master copy (state "master"); the
                            bf16 weight is its nearest rounding. No effect on fp32 parameters.
       stochastic_rounding  bf16 weight and state stores round stochastically (default True);
