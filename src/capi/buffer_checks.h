@@ -61,8 +61,8 @@ class BufferSet {
 };
 
 // The parameter's buffers a step touches: the weight, the master (FORGE_WEIGHT_BF16_MASTER),
-// states 0 .. num_states - 1 and, for block states, their absmax arrays; all written. The shape must
-// be checked (rows · cols <= kMaxElements).
+// states 0 .. num_states - 1 and, for block states, their absmax arrays; all written. The shape
+// must be checked (rows · cols <= kMaxElements).
 forge_status add_param_buffers(BufferSet& set, const forge_param& p, int num_states);
 // State `index` of the parameter and its absmax (block states), read or written.
 forge_status add_state_buffers(BufferSet& set, const forge_param& p, int index, bool written);

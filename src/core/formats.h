@@ -476,8 +476,8 @@ FORGE_HD int64_t int4_row_bytes(int64_t cols) { return (cols + 1) / 2; }
 // ---- a block holding a skipped element (int8, fp8 and int4) -------------------------------
 //
 // The absmax of an int8, fp8 or int4 block some of whose elements a step skipped (forge.h,
-// "Skipped elements"): `old_absmax` is the block's absmax before the step, `updated_max` the largest
-// magnitude of its updated elements' new values (0 or -inf when none was updated). While
+// "Skipped elements"): `old_absmax` is the block's absmax before the step, `updated_max` the
+// largest magnitude of its updated elements' new values (0 or -inf when none was updated). While
 // updated_max fits (a NaN old absmax included), the absmax stays, and the skipped elements keep
 // their code bytes. Otherwise it grows by a power of two, to old_absmax · 2^k with the
 // smallest k >= 1 that reaches updated_max (at most the largest bf16, the bound of every

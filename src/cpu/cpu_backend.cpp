@@ -73,7 +73,8 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
     case FORGE_STATE_INT4_BLOCK64: {
       const uint8_t* s = static_cast<const uint8_t*>(p.state[i]) + row * int4_row_bytes(p.cols);
       const float absmax = p.state_absmax[i][absmax_index(p, row, col0)];
-      for (int e = 0; e < n; ++e) out[e] = int4_decode(int4_code_at(s, col0 + e), absmax, is_signed);
+      for (int e = 0; e < n; ++e)
+        out[e] = int4_decode(int4_code_at(s, col0 + e), absmax, is_signed);
       break;
     }
   }
@@ -87,8 +88,8 @@ void load_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_
 // (formats.h: the old one while that fits, else the old one times a power of two), and its
 // skipped elements keep their codes while the absmax stays, or are re-encoded from their
 // decoded values (in[e], loaded against the old absmax) when it grew, which keeps their
-// values (int4: the nearest code). `draw` (nullable: n draws packed as rng_draw packs them) selects stochastic rounding
-// for FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
+// values (int4: the nearest code). `draw` (nullable: n draws packed as rng_draw packs them)
+// selects stochastic rounding for FORGE_STATE_BF16_STOCHASTIC, with stream 1 + i's bits.
 void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64_t col0, int n,
                  const float* in, const bool* keep, const uint64_t* draw) {
   const int64_t base = row * p.cols + col0;

@@ -463,7 +463,7 @@ TEST(FusedNonFinite, OverflowingUpdateIsSkippedAndCounted) {
                 EXPECT_NEAR(after.s[i][j], before.s[i][j],
                             (i == 0 ? kFp8E4m3Rel : kFp8E5m2Rel) * std::fabs(before.s[i][j]) + 1e-30)
                     << "state " << i;
-              else if (sf == FORGE_STATE_INT4_BLOCK64)  // (its block's new absmax: block 0 of row 1)
+              else if (sf == FORGE_STATE_INT4_BLOCK64)  // (within a step of block 0 of row 1)
                 EXPECT_NEAR(after.s[i][j], before.s[i][j],
                             (i == 0 ? kInt4SignedAbsmaxStep : kInt4UnsignedAbsmaxStep) *
                                 reinterpret_cast<const float*>(p.absmax[i].data())[1 * 2 + 0])

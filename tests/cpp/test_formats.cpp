@@ -1,8 +1,9 @@
 // test_formats.cpp — storage formats: bf16 nearest and stochastic rounding, fp16
 // input decoding, the int8 dynamic map, the fp8 encodings (e4m3, e5m2) and the int4 maps against
 // a brute-force nearest value, the int8, fp8 and int4 block-64 round trips (int4's packed rows),
-// AdamW runs with int8, fp8 and int4 states that track the fp32-state run on least squares, how a block holding a skipped
-// element keeps its absmax and codes, and what forge_state_from_fp32 refuses.
+// AdamW runs with int8, fp8 and int4 states that track the fp32-state run on least squares, how
+// a block holding a skipped element keeps its absmax and codes, and what forge_state_from_fp32
+// refuses.
 #include <algorithm>
 #include <cmath>
 
@@ -565,7 +566,8 @@ TEST(Int4States, BlockRoundTripErrorBound) {
   for (int64_t b = 0; b < r.kRows * 4; ++b) {
     const int64_t row = b / 4, c0 = (b % 4) * 64, c1 = std::min<int64_t>(c0 + 64, r.kCols);
     float largest = 0;
-    for (int64_t c = c0; c < c1; ++c) largest = std::max(largest, std::fabs(r.m[row * r.kCols + c]));
+    for (int64_t c = c0; c < c1; ++c)
+      largest = std::max(largest, std::fabs(r.m[row * r.kCols + c]));
     EXPECT_EQ(r.absmax_m[b], largest);
     for (int64_t c = c0; c < c1; ++c)
       if (std::fabs(r.m[row * r.kCols + c]) == largest && r.m[row * r.kCols + c] > 0)

@@ -108,7 +108,8 @@ def test_state_dict_round_trip(state_format):
     if state_format in ("int8", "fp8", "int4"):
         codes = opt.state[p]["square_avg"]
         assert codes.dtype == torch.uint8
-        assert codes.shape == (p.shape[0], p.shape[1] // 2 if state_format == "int4" else p.shape[1])
+        cols = p.shape[1] // 2 if state_format == "int4" else p.shape[1]
+        assert codes.shape == (p.shape[0], cols)
         assert opt.state[p]["square_avg_absmax"].shape == (p.shape[0], -(-p.shape[1] // 64))
 
     other = forge.optim.RMSprop(copy.deepcopy(model), lr=1e-3, centered=True, momentum=0.9,

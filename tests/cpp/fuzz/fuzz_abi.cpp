@@ -312,7 +312,8 @@ int num_states(const forge_hparams& hp) {
 }
 
 bool block_format(int32_t f) {
-  return f == FORGE_STATE_INT8_BLOCK64 || f == FORGE_STATE_FP8_BLOCK64 || f == FORGE_STATE_INT4_BLOCK64;
+  return f == FORGE_STATE_INT8_BLOCK64 || f == FORGE_STATE_FP8_BLOCK64 ||
+         f == FORGE_STATE_INT4_BLOCK64;
 }
 int weight_elem(int32_t f) { return f == FORGE_WEIGHT_FP32 ? 4 : 2; }
 int state_elem(int32_t f) { return f == FORGE_STATE_FP32 ? 4 : block_format(f) ? 1 : 2; }
