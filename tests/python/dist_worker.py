@@ -500,9 +500,9 @@ def full_states(model, opt):
 
 
 def job_dcp_save(rank, world, args):
-    """Tensor parallel over `world` ranks, int8 states: train, save model and optimizer with
-    torch.distributed.checkpoint, train on; record the full states at the save and the
-    weights after the continuation."""
+    """Tensor parallel over `world` ranks, int8 states (args["state_format"]: another block
+    format): train, save model and optimizer with torch.distributed.checkpoint, train on; record
+    the full states at the save and the weights after the continuation."""
     set_dims(256, 512)
     import forge.optim
     import torch.distributed.checkpoint as dcp
@@ -510,7 +510,8 @@ def job_dcp_save(rank, world, args):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(DEVICE, (world,))
     model = parallelize(make_model(), mesh, sp=False)
-    opt = forge.optim.AdamW(model, lr=1e-2, state_format="int8", mode="immediate")
+    opt = forge.optim.AdamW(model, lr=1e-2, state_format=args.get("state_format", "int8"),
+                            mode="immediate")
     train(model, opt, 2)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
@@ -535,7 +536,8 @@ def job_dcp_load(rank, world, args):
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         parallelize(model, init_device_mesh(DEVICE, (world,)), sp=False)
-    opt = forge.optim.AdamW(model, lr=1e-2, state_format="int8", mode="immediate")
+    opt = forge.optim.AdamW(model, lr=1e-2, state_format=args.get("state_format", "int8"),
+                            mode="immediate")
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -549,6 +551,8 @@ def job_dcp_load(rank, world, args):
     return {"same_states": same_states, "differ": differ[:5], "continued_vs_saver": error}
 
 
+# A job's name, with an optional ":label" to run it twice in one spawn (its measurements are
+# keyed by the whole name).
 JOBS = {"tp": job_tp, "fsdp": job_fsdp, "loops": job_loops, "ddp": job_ddp, "head": job_head,
         "fsdp_head": job_fsdp_head,
         "dcp_save": job_dcp_save, "dcp_load": job_dcp_load}
@@ -574,7 +578,7 @@ def run(rank: int, world: int, out_dir: str, port: int, jobs) -> None:
                                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         for name, args in jobs:
             print(f"job {name}: start", file=log)
-            result["measured"][name] = JOBS[name](rank, world, args)
+            result["measured"][name] = JOBS[name.split(":")[0]](rank, world, args)
             print(f"job {name}: done", file=log)
     except Exception:
         result = {"ok": False, "error": traceback.format_exc(), "measured": result["measured"]}
@@ -630,7 +634,7 @@ def run_threads(world: int, out_dir: str, jobs, device: str = "cpu",
             if world > 1:
                 dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
             for name, args in jobs:
-                result["measured"][name] = JOBS[name](rank, world, args)
+                result["measured"][name] = JOBS[name.split(":")[0]](rank, world, args)
         except BaseException as e:  # noqa: B036 (reported in the JSON, the others woken)
             result = {"ok": False, "error": traceback.format_exc(),
                       "measured": result["measured"]}

@@ -13,8 +13,8 @@ groups of 2 and 4 ranks that the tests spawn themselves (dist_worker.py runs in 
   torch.optim does; a loop that never zeroes them is refused before anything changes;
   clipping and micro-batches match torch.optim (mode='auto' stays deferred on shards).
 - DDP is refused before any weight changes, however the optimizer meets it.
-- torch.distributed.checkpoint: int8 states saved at 4 ranks load bit for bit at 4, 2 and 1;
-  resumed at 4 the run continues bit-exactly.
+- torch.distributed.checkpoint: int8 and int4 states saved at 4 ranks load bit for bit at 4, 2
+  and 1; resumed at 4 the run continues bit-exactly.
 
 test_distributed_cuda.py makes the tensor parallel, FSDP2 and checkpoint comparisons on CUDA.
 """
@@ -99,18 +99,20 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     checkpoint = str(tmp / "checkpoint")
     measured = {}
+    int4 = {"dir": str(tmp / "checkpoint-int4"), "state_format": "int4"}
     measured[4] = spawn(4, [("tp", {"cases": TP4, "steps": STEPS}),
                             ("fsdp", {"cases": FSDP4, "steps": STEPS}),
                             ("dcp_save", {"dir": checkpoint}),
-                            ("dcp_load", {"dir": checkpoint})], tmp)
+                            ("dcp_load", {"dir": checkpoint}),
+                            ("dcp_save:int4", int4), ("dcp_load:int4", int4)], tmp)
     measured[2] = spawn(2, [("tp", {"cases": TP2, "steps": STEPS}),
                             ("fsdp", {"cases": FSDP2, "steps": STEPS}),
                             ("loops", {"steps": LOOP_STEPS}),
                             ("ddp", {}),
                             ("head", {}),
                             ("fsdp_head", {"steps": STEPS}),
-                            ("dcp_load", {"dir": checkpoint})], tmp)
-    measured[1] = spawn(1, [("dcp_load", {"dir": checkpoint})], tmp)
+                            ("dcp_load", {"dir": checkpoint}), ("dcp_load:int4", int4)], tmp)
+    measured[1] = spawn(1, [("dcp_load", {"dir": checkpoint}), ("dcp_load:int4", int4)], tmp)
     return measured
 
 
@@ -201,6 +203,13 @@ def test_ddp_is_refused_before_any_weight_changes(results, how):
 @pytest.mark.parametrize("world", [4, 2, 1])
 def test_checkpoint_reshards_int8_states_bit_for_bit(results, world):
     assert_checkpoint(results[world]["dcp_load"], world)
+
+
+@pytest.mark.parametrize("world", [4, 2, 1])
+def test_checkpoint_reshards_int4_states_bit_for_bit(results, world):
+    """int4 codes, two to a byte: a column shard of whole blocks is a column shard of the
+    packed bytes, so DCP reshards them as it does int8's."""
+    assert_checkpoint(results[world]["dcp_load:int4"], world)
 
 
 def _forge_train(tmp_path, name, nproc, *options):
