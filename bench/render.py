@@ -316,8 +316,9 @@ def main(argv=None) -> int:
         "ranks.md": page(RANKS_TITLE, RANKS_INTRO, cur, lambda figures, _: render_ranks(figures)),
         "parity.md": page(
             "Convergence parity",
-            "forge-bench --parity: the ~100M model of forge-train, bf16, seq 512 × batch 8, "
-            "on text; mean |Δloss| over the second half of the run against the reference.",
+            "forge-bench --parity: forge-train's model named in each case (by default the "
+            "~100M one, bf16, seq 512 × batch 8; the commands say), on text; mean |Δloss| over "
+            "the second half of the run against the reference.",
             cur, lambda figures, _: render_simple(figures, "parity", 4)),
         "host.md": page(
             "The host's cost per layer per step",
