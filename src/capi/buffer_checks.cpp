@@ -2,6 +2,7 @@
 #include "buffer_checks.h"
 
 
+#include "core/formats.h"
 #include "core/status.h"
 
 namespace forge {
@@ -13,7 +14,7 @@ int state_element_bytes(int32_t state_format) {
 }
 
 int64_t state_buffer_bytes(int32_t state_format, int64_t rows, int64_t cols) {
-  if (state_format == FORGE_STATE_INT4_BLOCK64) return rows * ((cols + 1) / 2);
+  if (state_format == FORGE_STATE_INT4_BLOCK64) return rows * int4_row_bytes(cols);
   return rows * cols * state_element_bytes(state_format);
 }
 

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "formats.h"
 #include "rule_table.h"
 #include "status.h"
 
@@ -194,7 +195,7 @@ forge_status state_layout(const forge_hparams& hp, int format, int64_t rows, int
         layout.absmax_count[i] = blocks;
         break;
       case FORGE_STATE_INT4_BLOCK64:
-        layout.state_bytes[i] = rows * ((cols + 1) / 2);  // two codes per byte, rows apart
+        layout.state_bytes[i] = rows * int4_row_bytes(cols);  // two codes per byte
         layout.absmax_count[i] = blocks;
         break;
       default:

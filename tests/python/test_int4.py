@@ -98,3 +98,18 @@ def test_int4_is_refused_for_a_cuda_parameter():
                              "state_format": "int4", "min_8bit_size": 0})
     # below min_8bit_size a parameter keeps fp32 states: nothing to refuse
     forge.optim.AdamW(torch.nn.Linear(4, 4, device="cuda"), lr=1e-3, state_format="int4")
+
+
+@requires_cuda
+def test_int4_asked_later_for_a_cuda_parameter_is_refused_before_any_update():
+    """A group switched to int4 after construction, before its parameters' states exist: the
+    step's first callback refuses it, by name, before any weight of the step changes."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 64)).cuda()
+    opt = forge.optim.AdamW(model, lr=1e-3, min_8bit_size=0)
+    opt.param_groups[0]["state_format"] = "int4"
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"state_format: 'int4' states run on the CPU backend "
+                                         r"only .* is on cuda"):
+        model(torch.randn(8, 128, device="cuda")).square().mean().backward()
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

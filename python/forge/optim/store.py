@@ -168,15 +168,20 @@ class Store:
 
     def check_storage(self, slot, group: Dict[str, Any]) -> None:
         """Before a step's first update (updater.py, check_step): refuses a parameter of a
-        dtype FORGE does not update (accepted frozen) that now holds a gradient, and a group
-        whose state format changed after slot's states were made (their buffers hold the old
-        format; converting them is not implemented)."""
+        dtype FORGE does not update (accepted frozen) that now holds a gradient, a CPU-only
+        format its group now asks for on another device, and a group whose state format
+        changed after slot's states were made (their buffers hold the old format; converting
+        them is not implemented)."""
         if slot.dtype not in _UPDATABLE and slot.param.grad is not None:
             self.weight_format(slot)  # (raises, naming it)
+        if slot.state_format is None:  # states not made yet: a CPU-only format, refused here
+            fmt = self.requested_format(slot, group)  # (before any update of the step runs)
+            if fmt in CPU_ONLY_FORMATS and slot.device.type != "cpu":
+                raise cpu_only_error(fmt, f"parameter '{slot.name}' is on {slot.device}")
+            return
         # NOTE: the group's keys as they were when the format was fixed: nothing changed (the
         # common case, once per parameter per step): 0.9 -> 0.3-0.5 µs (2-core CPU dev host)
-        if slot.state_format is None or slot.storage_asked == (
-                group.get("state_format"), group.get("min_8bit_size")):
+        if slot.storage_asked == (group.get("state_format"), group.get("min_8bit_size")):
             return
         if not self.shared.state.get(slot.param):
             return
