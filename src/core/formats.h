@@ -383,7 +383,8 @@ FORGE_HD float fp8_decode(uint8_t code, float absmax, bool is_signed) {
 // A block of 64 consecutive elements of a row shares one fp32 absmax, as int8 and fp8 blocks
 // do (the largest magnitude of its values); each element keeps a 4-bit code, two to a byte:
 // a row of `cols` elements is ceil(cols / 2) bytes, column 2j in byte j's low 4 bits and
-// 2j + 1 in its high 4 bits (a block starts at an even column, so it owns its 32 bytes).
+// 2j + 1 in its high 4 bits (a block starts at an even column, so it owns its 32 bytes; a row
+// of odd length ends in a padding nibble, stored 0: int4_store_code).
 // value = map(code) · absmax: one fp32 product, as int8's decode.
 //  - signed states (first moments): the 4-bit dynamic-exponent map (Dettmers' dynamic tree
 //    quantization at 4 bits; the first-moment map of Li et al., "Memory Efficient Optimizers
@@ -437,13 +438,19 @@ FORGE_HD float int4_map(uint8_t code, bool is_signed) {
                    : static_cast<float>((code & 15) + 1) * 0.0625f;
 }
 
+// The midpoint of the signed map's ascending values k - 1 and k (k in [1, 16)), in fp32: the
+// thresholds of the encoding, the same bits on every backend.
+FORGE_HD float int4_signed_midpoint(int k) {
+  return 0.5f * (int4_signed_ascending(k - 1) + int4_signed_ascending(k));
+}
+
 // The code of q = x / absmax (q in [-1, 1] signed, [0, 1] unsigned): nearest, ties up. A q below
-// the map (a negative unsigned value, impossible for a second moment) takes the lowest code.
+// the map (a negative unsigned value, impossible for a second moment) takes the lowest code; a
+// NaN q counts no threshold (signed: code 9, -0.8875; unsigned: code 0).
 FORGE_HD uint8_t int4_nearest_code(float q, bool is_signed) {
   int index = 0;
   if (is_signed) {
-    for (int k = 1; k < kInt4Codes; ++k)
-      index += q >= 0.5f * (int4_signed_ascending(k - 1) + int4_signed_ascending(k)) ? 1 : 0;
+    for (int k = 1; k < kInt4Codes; ++k) index += q >= int4_signed_midpoint(k) ? 1 : 0;
     return int4_signed_code(index);
   }
   // (the midpoint of (k + 1) / 16 and (k + 2) / 16 is (2k + 3) / 32, exact in fp32)
@@ -468,6 +475,15 @@ FORGE_HD uint8_t int4_code_at(const uint8_t* row, int64_t col) {
 FORGE_HD uint8_t int4_with_code(uint8_t byte, int64_t col, uint8_t code) {
   const int shift = 4 * static_cast<int>(col & 1);
   return static_cast<uint8_t>((byte & ~(15 << shift)) | ((code & 15) << shift));
+}
+
+// What a store writes to the byte holding element `col` of a row of `cols` codes: `byte` with
+// that code replaced. A row of odd length ends in a padding nibble, which a store of the last
+// element writes 0, so a state's bytes are a function of its values whatever its buffer held
+// (a fresh allocation's garbage included).
+FORGE_HD uint8_t int4_store_code(uint8_t byte, int64_t col, int64_t cols, uint8_t code) {
+  return col + 1 == cols && (col & 1) == 0 ? static_cast<uint8_t>(code & 15)
+                                            : int4_with_code(byte, col, code);
 }
 
 // Bytes of a row of `cols` int4 codes.

@@ -544,6 +544,12 @@ TEST(Int4Map, PackedCodes) {
   row[1] = int4_with_code(row[1], 3, 1);
   EXPECT_EQ(row[1], 0x1C);
   EXPECT_EQ(int4_row_bytes(129), 65);
+  // a store: as int4_with_code, but the last element of a row of odd length writes its padding
+  // nibble 0 (whatever the byte held), and only that one
+  EXPECT_EQ(int4_store_code(0xF7, 4, 5, 0xE), 0x0E);
+  EXPECT_EQ(int4_store_code(0xF7, 4, 6, 0xE), 0xFE);
+  EXPECT_EQ(int4_store_code(0xF7, 5, 6, 0xE), 0xE7);
+  EXPECT_EQ(int4_store_code(0xF7, 2, 5, 0xE), 0xFE);
 }
 
 // Moments spanning 6 decades through forge_state_from_fp32 and back: each value within half
