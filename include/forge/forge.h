@@ -98,8 +98,7 @@ typedef enum {
                                        scaled by an fp32 absmax per 64 consecutive elements of
                                        a row */
   FORGE_STATE_INT4_BLOCK64 = 5      /* a 4-bit map code per element, two to a byte, + fp32
-                                       absmax per 64 consecutive elements of a row (CPU
-                                       backend only: the CUDA backend refuses it) */
+                                       absmax per 64 consecutive elements of a row */
 } forge_state_format;
 #define FORGE_STATE_FORMAT_COUNT 6
 

@@ -127,15 +127,6 @@ forge_status check_param_shape(const forge_param& p) {
   return check_shard(p);
 }
 
-// A state format the device's backend has no kernels for: refused by name before anything is
-// read or written.
-forge_status check_backend_format(const forge_param& p, const forge_device& d) {
-  if (d.kind == FORGE_DEVICE_CUDA && p.state_format == FORGE_STATE_INT4_BLOCK64)
-    return fail(FORGE_ERR_UNSUPPORTED, "param.state_format: int4 states run on the CPU backend "
-                "only; the CUDA backend has no int4 kernels");
-  return FORGE_OK;
-}
-
 forge_status check_state(const forge_param& p, int i) {
   if (!p.state[i]) return fail(kBad, "param.state[%d]: NULL, but the rule keeps this state", i);
   if (is_block_format(p.state_format) && !p.state_absmax[i])
@@ -236,7 +227,6 @@ forge_status add_step_extras(BufferSet& set, const forge_step_outputs& out,
 forge_status check_wgrad(const forge_wgrad_args* a, RuleScalars* k) {
   if (forge_status s = check_step_common(a, "forge_wgrad_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
-  if (forge_status s = check_backend_format(a->param, a->device)) return s;
   if (a->tokens <= 0) return fail(kBad, "tokens: must be > 0, got %lld", static_cast<long long>(a->tokens));
   if (!a->x) return fail(kBad, "x: NULL");
   if (!a->dy) return fail(kBad, "dy: NULL");
@@ -276,7 +266,6 @@ forge_status check_elementwise(const forge_elementwise_args* a, RuleScalars* k,
                                BufferSet* buffers = nullptr) {
   if (forge_status s = check_step_common(a, "forge_elementwise_step", k)) return s;
   if (forge_status s = check_param(a->param, *k)) return s;
-  if (forge_status s = check_backend_format(a->param, a->device)) return s;
   if (!a->grad) return fail(kBad, "grad: NULL");
   if (forge_status s = check_dtype(a->grad_dtype, "grad_dtype")) return s;
   BufferSet set;
@@ -365,7 +354,6 @@ forge_status check_state_access(const forge_param* p, const forge_hparams* hp, i
   if (forge_status s = check_hparams(hp)) return s;
   if (forge_status s = check_device(device)) return s;
   if (forge_status s = check_param_shape(*p)) return s;
-  if (forge_status s = check_backend_format(*p, device)) return s;
   forge_state_layout layout{};
   if (forge_status s = state_layout(*hp, p->state_format, p->rows, p->cols, &layout)) return s;
   if (index < 0 || index >= layout.num_states)
@@ -548,7 +536,6 @@ forge_status forge_state_init(const forge_param* param, const forge_hparams* hpa
     if (forge_status s = check_hparams(hparams)) return s;
     if (forge_status s = check_device(device)) return s;
     if (forge_status s = check_param_shape(*param)) return s;
-    if (forge_status s = check_backend_format(*param, device)) return s;
     forge_state_layout layout{};
     if (forge_status s = state_layout(*hparams, param->state_format, param->rows, param->cols, &layout))
       return s;

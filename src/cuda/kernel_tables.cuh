@@ -57,6 +57,8 @@ struct Sm90Kernel {
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64,                      \
     "adamw, bf16 sr, fp8")                                                                       \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP32, "adamw, bf16 sr, fp32")     \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT4_BLOCK64,                     \
+    "adamw, bf16 sr, int4")                                                                      \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_BF16_STOCHASTIC,                      \
     "adamw, bf16 + master, bf16 sr")                                                             \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_MASTER, FORGE_STATE_INT8_BLOCK64,                         \

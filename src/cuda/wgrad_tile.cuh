@@ -171,12 +171,19 @@ __device__ __forceinline__ void prefetch_update_operands(const WgradParams& a, i
     case FORGE_WEIGHT_BF16_MASTER: prefetch_row_l2(p.master, 4, idx, count); break;
     default: prefetch_row_l2(p.weight, 2, idx, count);
   }
+  const bool int4 = p.state_format == FORGE_STATE_INT4_BLOCK64;  // two codes per byte
   const int state_bytes = p.state_format == FORGE_STATE_FP32 ? 4
                           : is_block_format(p.state_format)  ? 1
                                                              : 2;
 #pragma unroll
-  for (int i = 0; i < FORGE_MAX_STATES; ++i)
-    if (i < a.k.num_states) prefetch_row_l2(p.state[i], state_bytes, idx, count);
+  for (int i = 0; i < FORGE_MAX_STATES; ++i) {
+    if (i >= a.k.num_states) continue;
+    if (int4) {
+      prefetch_row_l2(p.state[i], 1, p.int4_byte(row, n0), (count + 1) / 2);
+    } else {
+      prefetch_row_l2(p.state[i], state_bytes, idx, count);
+    }
+  }
 }
 
 }  // namespace cuda

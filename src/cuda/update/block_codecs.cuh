@@ -1,10 +1,10 @@
-// block_codecs.cuh — int8 and fp8 block states' codes, per quad and bit for bit formats.h's:
-// the int8 dynamic map from two shared-memory tables (its level search and decoding), the
-// ratios |x| / absmax of an int8 encode, and the fp8 conversions (on sm_89 and later the
-// hardware's). Given a block's absmax or factor, each function is one thread's work; the
-// warp-cooperative part (block maxima, layouts, the batch's stores) is block_states.cuh.
-// tests/cpp/gpu/test_gpu_int8_map.cu and test_gpu_fp8.cu check every code against formats.h
-// on the device.
+// block_codecs.cuh — int8, fp8 and int4 block states' codes, per quad and bit for bit
+// formats.h's: the int8 dynamic map from two shared-memory tables (its level search and
+// decoding), the ratios |x| / absmax of an int8 or int4 encode, the fp8 conversions (on sm_89
+// and later the hardware's), and int4's packed codes. Given a block's absmax or factor, each
+// function is one thread's work; the warp-cooperative part (block maxima, layouts, the batch's
+// stores) is block_states.cuh. tests/cpp/gpu/test_gpu_int8_map.cu, test_gpu_fp8.cu and
+// test_gpu_int4.cu check every code against formats.h on the device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -51,11 +51,46 @@ __device__ __forceinline__ float* int8_code_table() {
   return table;
 }
 
-// Fills both tables: the CTA's threads (tid: the thread's index in it, blockDim.x of them)
-// write; a __syncthreads must follow before the first int8 access. Every kernel that may
-// touch int8 states calls it before its first __syncthreads (int8_table_needed<Spec>).
+// The int4 signed map's 16 values by code (formats.h, int4_map).
+__device__ __forceinline__ float* int4_signed_table() {
+  __shared__ float table[kInt4Codes];
+  return table;
+}
+
+// The signed int4 encode's buckets: a ratio r = |q| >= 0 by its exponent and top 4 mantissa
+// bits (r's bits >> 19), from 2^-9 (below it lies no midpoint: the smallest is 0.00275) to 2
+// (bucket 160: 2 and above, infinity and NaN). Each bucket holds at most one of the 8 positive
+// midpoints (they are at least 21 % apart, a bucket at most 6.25 % wide): entry b is {the count
+// of midpoints below the bucket, the bits of the one inside it or ~0u}.
+constexpr int kInt4Buckets = 161;
+constexpr int kInt4FirstBucket = (127 - 9) << 4;  // 2^-9's bits >> 19
+__device__ __forceinline__ uint2* int4_bucket_table() {
+  __shared__ uint2 table[kInt4Buckets];
+  return table;
+}
+__device__ __forceinline__ uint2 int4_bucket_entry(int b) {
+  const uint32_t lo = static_cast<uint32_t>(kInt4FirstBucket + b) << 19;
+  const uint32_t hi = b + 1 < kInt4Buckets ? lo + (1u << 19) : 0xFFFFFFFFu;
+  uint2 e = make_uint2(0u, 0xFFFFFFFFu);
+  for (int k = kInt4Codes / 2; k < kInt4Codes; ++k) {  // the positive midpoints
+    const uint32_t m = __float_as_uint(int4_signed_midpoint(k));
+    if (m < lo) {
+      e.x += 1u;
+    } else if (m < hi) {
+      e.y = m;
+    }
+  }
+  return e;
+}
+
+// Fills the tables (int8's two, int4's signed map and buckets): the CTA's threads (tid: the thread's
+// index in it, blockDim.x of them) write; a __syncthreads must follow before the first int8 or
+// int4 access. Every kernel that may touch int8 or int4 states calls it before its first
+// __syncthreads (int8_table_needed<Spec>).
 __device__ __forceinline__ void int8_tables_init(int tid) {
   if (tid < 16) int8_sixteenths_table()[tid] = int8_sixteenth_word(tid);
+  if (tid < kInt4Codes) int4_signed_table()[tid] = int4_map(static_cast<uint8_t>(tid), true);
+  for (int b = tid; b < kInt4Buckets; b += blockDim.x) int4_bucket_table()[b] = int4_bucket_entry(b);
   for (int i = tid; i < 512; i += blockDim.x) {
     const int code = i & 255;
     float v;
@@ -79,10 +114,11 @@ __device__ __forceinline__ int int8_nearest_level_unit_fast(float a, int top) {
   return int8_nearest_level_unit(a, top, int8_sixteenths_table());
 }
 
-// Whether a kernel instantiated for Spec can touch int8 states (and needs the table).
+// Whether a kernel instantiated for Spec can touch int8 or int4 states (and needs the tables).
 template <class Spec>
 constexpr bool int8_table_needed() {
-  return Spec::kGeneric || Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64;
+  return Spec::kGeneric || Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64 ||
+         Spec::kStateFormat == FORGE_STATE_INT4_BLOCK64;
 }
 
 // == formats.h int8_decode / int8_encode, bit for bit (the code table holds
@@ -125,7 +161,7 @@ __device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool 
   return static_cast<uint8_t>(int8_quad_codes(v, ratio, is_signed));
 }
 
-// ---- the ratios |x| / absmax of an int8 encode --------------------------------------------------
+// ---- the ratios |x| / absmax of an int8 or int4 encode --------------------------------------------------
 //
 // ratio[e] = |v[e]| / absmax for the 4 values of a quad in a block whose absmax (>= every
 // |v[e]|) is `absmax`, branch-free, with one check per block instead of FastMath's per
@@ -260,6 +296,59 @@ __device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], floa
     codes |= static_cast<uint32_t>(fp8_nearest(q[e], is_signed)) << (8 * e);
 #endif
   return nonzero ? codes : 0u;
+}
+
+// ---- int4 block states, bit for bit -------------------------------------------------------------
+//
+// formats.h's int4 encoding: code = the nearest map value of q = x / absmax, ties up (the code
+// of the largest value whose midpoint with the one below q reaches). The device takes |q| from
+// int8's ratios |x| / absmax (int8_quad_ratios: the IEEE quotient wherever it is 2^-40 or more,
+// and below that something under 3 · 2^-40) and q's sign from x: IEEE division is symmetric in
+// the sign, and every q of magnitude below 2^-38 has code 0 in both maps (the smallest signed
+// midpoints are ±0.00275, the smallest unsigned one 3/32), so the codes are the CPU's. Codes pack as formats.h says: 4 bits
+// per element, element e of a quad in bits 4e..4e+3 (the quad's two bytes, little end first).
+
+// map(code) · absmax: formats.h's int4_decode (the signed map from its table, the unsigned one
+// the same product (code + 1) · 1/16).
+__device__ __forceinline__ float int4_decode_fast(uint32_t code, bool is_signed, float absmax) {
+  const float m = is_signed ? int4_signed_table()[code & 15u]
+                            : static_cast<float>((code & 15u) + 1u) * 0.0625f;
+  return m * absmax;
+}
+
+// formats.h's int4_nearest_code(q, is_signed) for q = x / absmax, given x and ratio = |q| (or
+// a NaN where q is one).
+// NOTE: signed, by the bucket table (one shared-memory read, ~12 instructions, against 15
+// compares and adds): with the 8 positive midpoints m_j, a q >= 0 takes code #{m_j <= r} (index
+// 7 + that count); a q < 0 (or -0) index #{k : q >= m_k} = #{j < 15 : r <= m_j} (the negative
+// midpoints are the positive ones negated, bit for bit: the map's halves mirror), so code
+// (16 - min(#{m_j < r}, 7)) & 15. Both counts are the bucket's base count plus whether r's bits
+// pass the midpoint inside it, reached (>=) or passed (>); a NaN counts as negative and passes
+// all 8 (code 9, as the reference). Unsigned, the count of the midpoints (2k + 3) / 32 that q
+// reaches is floor(16q - 1/2) clamped to [0, 15], both operations exact for q in [0, 1] (16q is
+// a scaling, and subtracting 1/2 from a float of at least 1/2 below 2^23 is exact); a negative
+// q or a NaN takes code 0.
+__device__ __forceinline__ uint32_t int4_code_fast(float x, float ratio, bool is_signed) {
+  const uint32_t r = __float_as_uint(ratio);
+  const bool negative = (__float_as_uint(x) >> 31) != 0u || r > 0x7F800000u;
+  if (is_signed) {
+    const int b = min(max(static_cast<int>(r >> 19) - kInt4FirstBucket, 0), kInt4Buckets - 1);
+    const uint2 e = int4_bucket_table()[b];
+    const uint32_t count = e.x + ((r + (negative ? 0u : 1u)) > e.y ? 1u : 0u);
+    return negative ? (16u - min(count, 7u)) & 15u : count;
+  }
+  const int index = __float2int_rd(__fsub_rn(__fmul_rn(ratio, 16.0f), 0.5f));
+  return negative ? 0u : static_cast<uint32_t>(min(max(index, 0), kInt4Codes - 1));
+}
+
+// A quad's int4 codes (bits 4e..4e+3: element e's) given the ratios |x| / absmax
+// (int8_quad_ratios, or int8_quad_ratios_ieee where it declines the block).
+__device__ __forceinline__ uint32_t int4_quad_codes(const float (&x)[kQuad],
+                                                    const float (&ratio)[kQuad], bool is_signed) {
+  uint32_t codes = 0u;
+#pragma unroll
+  for (int e = 0; e < kQuad; ++e) codes |= int4_code_fast(x[e], ratio[e], is_signed) << (4 * e);
+  return codes;
 }
 
 }  // namespace cuda

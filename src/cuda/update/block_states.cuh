@@ -1,4 +1,4 @@
-// block_states.cuh — the warp-cooperative side of int8 / fp8 block states: the lanes that
+// block_states.cuh — the warp-cooperative side of int8 / fp8 / int4 block states: the lanes that
 // share a block (group_max, group_any), where a batch's quads sit in their blocks (QuadBlocks:
 // the classic and the paired layout), each block's maximum and factor computed once and
 // shuffled to its lanes, the absmax of a block holding a skipped element
@@ -226,8 +226,9 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
                                                    const bool (&vec)[kQ],
                                                    const unsigned (&keep)[kQ],
                                                    const float (&s)[FORGE_MAX_STATES][kQ][kQuad]) {
-  static_assert(is_block_format(kSF), "int8 or fp8 states");
+  static_assert(is_block_format(kSF), "int8, fp8 or int4 states");
   constexpr bool kFp8 = kSF == FORGE_STATE_FP8_BLOCK64;
+  constexpr bool kInt4 = kSF == FORGE_STATE_INT4_BLOCK64;
   using Blocks = QuadBlocks<kPaired, kQ>;
   constexpr int kPerState = Blocks::kPerState, kLanes = Blocks::kLanes;
   float amax[kNumStates][kPerState];  // the lane's blocks' absmax
@@ -279,7 +280,7 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
     if constexpr (kFp8) own = fp8_block_absmax(own);
     gather_blocks<kNumStates, kPerState, kLanes>(own, amax);
   }
-  uint32_t codes[kNumStates][kQ];  // byte e: element e's code
+  uint32_t codes[kNumStates][kQ];  // byte e (int4: bits 4e..4e+3): element e's code
   if constexpr (kFp8) {
     // the absmax is the same in every lane of the block: one encode factor per lane
     float factor[kNumStates][kPerState];
@@ -325,8 +326,19 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
-        codes[i][q] = int8_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i));
+        codes[i][q] = kInt4 ? int4_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i))
+                            : int8_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i));
   }
+  // (int4: a quad's two bytes, at its packed offset)
+  auto store_codes = [&](int i, int q, unsigned keep_codes) {
+    if constexpr (kInt4) {
+      store_quad_int4(static_cast<uint8_t*>(p.state[i]), p.int4_byte(row[q], col[q]), n[q],
+                      vec[q], keep_codes, codes[i][q]);
+    } else {
+      store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q], keep_codes,
+                       codes[i][q]);
+    }
+  };
   // NOTE: the stores in two copies, the masked ones only for a warp with a skipped element:
   // with one copy every quad's store is a branch of its own (vector or masked bytes), control
   // flow per quad and state on the fast path.
@@ -335,17 +347,13 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
-        if (n[q] > 0)
-          store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q],
-                           code_keep[i][q], codes[i][q]);
+        if (n[q] > 0) store_codes(i, q, code_keep[i][q]);
   } else {
 #pragma unroll
     for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
       for (int q = 0; q < kQ; ++q)
-        if (n[q] > 0)
-          store_quad_codes(static_cast<uint8_t*>(p.state[i]), idx[q], n[q], vec[q], 0u,
-                           codes[i][q]);
+        if (n[q] > 0) store_codes(i, q, 0u);
   }
   // the first lane of the block holds its first column (in quad 0 when paired), so it is in
   // range whenever any column of the block is

@@ -47,6 +47,15 @@ __device__ __forceinline__ void load_state_quad(const ParamView& p, int i, bool 
       fp8_quad_values(codes, is_signed, absmax / fp8_format(is_signed).top, v);
       break;
     }
+    case FORGE_STATE_INT4_BLOCK64: {
+      const uint32_t codes =
+          load_quad_int4(static_cast<const uint8_t*>(p.state[i]), p.int4_byte(row, col), n, vec);
+      const float absmax =
+          n > 0 ? p.absmax[i][row * p.blocks_per_row + col / FORGE_INT8_BLOCK] : 0.0f;
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e) v[e] = int4_decode_fast(codes >> (4 * e), is_signed, absmax);
+      break;
+    }
     default: {  // FORGE_STATE_INT8_BLOCK64
       uint8_t c[kQuad];
       load_quad_codes(static_cast<const uint8_t*>(p.state[i]), idx, n, vec, c);
@@ -103,7 +112,7 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
       store_quad_u16(static_cast<uint16_t*>(p.state[i]), idx, n, vec, keep, h);
       break;
     }
-    default: {  // int8 / fp8: the block's absmax, then every code of the block
+    default: {  // int8 / fp8 / int4: the block's absmax, then every code of the block
       const bool fp8 = format == FORGE_STATE_FP8_BLOCK64;
       float* const absmax_slot = &p.absmax[i][row * p.blocks_per_row + col / FORGE_INT8_BLOCK];
       float amax = 0.0f;
@@ -119,6 +128,14 @@ __device__ __forceinline__ void store_state_quad(const ParamView& p, int i, bool
       }
       if (n > 0) {
         uint32_t codes;
+        if (format == FORGE_STATE_INT4_BLOCK64) {
+          float ratio[kQuad];
+          if (!int8_quad_ratios(amax, v, ratio)) int8_quad_ratios_ieee(amax, v, ratio);
+          store_quad_int4(static_cast<uint8_t*>(p.state[i]), p.int4_byte(row, col), n, vec,
+                          code_keep, int4_quad_codes(v, ratio, is_signed));
+          if (lane16 == 0) *absmax_slot = amax;
+          break;
+        }
         if (fp8) {
           const float factor = fp8_format(is_signed).top / amax;
           codes = fp8_quad_codes(v, factor, amax >= kFp8MinAbsmax, is_signed);
@@ -241,8 +258,8 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
 
 // ---- raw operands of whole quads, for software pipelining ---------------------------------------
 //
-// The weight and states of kQ whole, vector-aligned quads as loaded (bf16 bits, int8 codes and
-// absmax, fp32 words), not yet converted: a tile loop loads the next batch into one of these
+// The weight and states of kQ whole, vector-aligned quads as loaded (bf16 bits, int8 / fp8 / int4
+// codes and absmax, fp32 words), not yet converted: a tile loop loads the next batch into one of these
 // before it updates the current one, so those loads are in flight during the update, and
 // converts them (unpack) only when it gets to them. Specialized Specs only (formats known at
 // compile time).
@@ -254,20 +271,20 @@ struct RawQuads {
   static constexpr int kWF = Spec::kWeightFormat, kSF = Spec::kStateFormat;
   static constexpr int kNS = Spec::kNumStates > 0 ? Spec::kNumStates : 1;
   static constexpr bool kWeight32 = kWF == FORGE_WEIGHT_FP32 || kWF == FORGE_WEIGHT_BF16_MASTER;
-  static constexpr int kStateWords =
-      kSF == FORGE_STATE_FP32 ? 4 : is_block_format(kSF) ? 1 : 2;
-  // Absmax words: int8 decodes with each of the lane's blocks' absmax; fp8 needs only one
-  // (the decode factors are spread over the block's lanes: lane_block).
+  static constexpr bool kInt4 = kSF == FORGE_STATE_INT4_BLOCK64;
+  static constexpr int kStateWords = kSF == FORGE_STATE_FP32 ? 4 : is_block_format(kSF) ? 1 : 2;
+  // Absmax words: int8 and int4 decode with each of the lane's blocks' absmax; fp8 needs only
+  // one (the decode factors are spread over the block's lanes: lane_block).
   static constexpr bool kFp8 = kSF == FORGE_STATE_FP8_BLOCK64;
   static constexpr int kAbsmaxWords =
-      kSF == FORGE_STATE_INT8_BLOCK64 ? kPerState * Spec::kNumStates
-                                      : kFp8 && Spec::kNumStates > 0 ? 1 : 0;
+      kSF == FORGE_STATE_INT8_BLOCK64 || kInt4 ? kPerState * Spec::kNumStates
+                                               : kFp8 && Spec::kNumStates > 0 ? 1 : 0;
   // Registers one batch holds while in flight.
   static constexpr int kWords =
       kQ * ((kWeight32 ? 4 : 2) + Spec::kNumStates * kStateWords) + kAbsmaxWords;
   uint32_t w[kQ][kWeight32 ? 4 : 2];  // fp32 words or bf16 pairs
-  uint32_t s[kNS][kQ][kStateWords];   // fp32 words, bf16 pairs or 4 int8 / fp8 codes
-  float absmax[kNS][kPerState];       // int8 only: the lane's blocks
+  uint32_t s[kNS][kQ][kStateWords];   // fp32 words, bf16 pairs, 4 int8 / fp8 or int4 codes
+  float absmax[kNS][kPerState];       // int8 and int4 only: the lane's blocks
   float block_absmax;                 // fp8 only: the absmax of the lane's block (lane_block)
 
   __device__ __forceinline__ void load(const ParamView& p, const int64_t (&row)[kQ],
@@ -296,6 +313,11 @@ struct RawQuads {
           const float* base = static_cast<const float*>(p.state[i]);
           const uint4 v = *reinterpret_cast<const uint4*>(base + idx[q]);
           s[i][q][0] = v.x; s[i][q][1] = v.y; s[i][q][2] = v.z; s[i][q][3] = v.w;
+        } else if constexpr (kInt4) {
+          const uint8_t* base = static_cast<const uint8_t*>(p.state[i]);
+          s[i][q][0] = *reinterpret_cast<const uint16_t*>(base + p.int4_byte(row[q], col[q]));
+          if (q < kPerState)
+            absmax[i][q] = p.absmax[i][row[q] * p.blocks_per_row + col[q] / FORGE_INT8_BLOCK];
         } else if constexpr (is_block_format(kSF)) {
           const uint8_t* base = static_cast<const uint8_t*>(p.state[i]);
           s[i][q][0] = *reinterpret_cast<const uint32_t*>(base + idx[q]);
@@ -368,6 +390,9 @@ struct RawQuads {
             const uint8_t code = static_cast<uint8_t>(s[i][q][0] >> (8 * e));
             const bool is_signed = spec_state_signed(Spec::kRule, i);
             sf[i][q][e] = int8_decode_fast(code, is_signed) * absmax[i][Blocks::of(q)];
+          } else if constexpr (kInt4) {
+            sf[i][q][e] = int4_decode_fast(s[i][q][0] >> (4 * e), spec_state_signed(Spec::kRule, i),
+                                           absmax[i][Blocks::of(q)]);
           } else {
             sf[i][q][e] = bf16_to_float(static_cast<uint16_t>(s[i][q][e / 2] >> (16 * (e % 2))));
           }

@@ -109,5 +109,48 @@ __device__ __forceinline__ void store_quad_codes(uint8_t* base, int64_t idx, int
   }
 }
 
+// ---- int4 codes: a quad is two bytes ----------------------------------------------------------
+// `byte` = row * int4_row_bytes(cols) + col / 2 of the quad's first element (formats.h): with
+// col % 4 == 0 a quad owns its two bytes, so no other thread writes them. Codes are packed 4 bits
+// per element, element e in bits 4e..4e+3. `vec`: n == 4 and ParamView::vec4 (cols % 4 == 0, so
+// byte is even: one aligned 16-bit access).
+
+__device__ __forceinline__ uint32_t load_quad_int4(const uint8_t* base, int64_t byte, int n,
+                                                   bool vec) {
+  if (vec) return *reinterpret_cast<const uint16_t*>(base + byte);
+  uint32_t codes = n > 0 ? base[byte] : 0u;
+  if (n > 2) codes |= static_cast<uint32_t>(base[byte + 1]) << 8;
+  return codes;
+}
+
+// Stores element e's code (bits 4e..4e+3 of `codes`) unless bit e of `keep` is set (a block's
+// skipped element whose code stays), as formats.h's int4_store_code: a kept element's nibble
+// stays, and an odd n (a quad ends its row only where n < 4) puts the row's padding nibble after
+// element n - 1, written 0 with it.
+__device__ __forceinline__ void store_quad_int4(uint8_t* base, int64_t byte, int n, bool vec,
+                                                unsigned keep, uint32_t codes) {
+  if (vec && keep == 0) {
+    *reinterpret_cast<uint16_t*>(base + byte) = static_cast<uint16_t>(codes);
+    return;
+  }
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    uint32_t mask = 0u, value = 0u;  // the nibbles of byte b this store writes; with codes
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e = 2 * b + h;
+      if (e < n && !((keep >> e) & 1u)) {
+        mask |= 15u << (4 * h);
+        value |= 15u << (4 * h);
+      }
+      if (h == 1 && e == n && (mask & 15u)) mask |= 0xF0u;  // the padding: 0
+    }
+    if (mask == 0u) continue;
+    const uint32_t mine = (codes >> (8 * b)) & value;
+    base[byte + b] = static_cast<uint8_t>(
+        mask == 0xFFu ? mine : (static_cast<uint32_t>(base[byte + b]) & ~mask) | mine);
+  }
+}
+
 }  // namespace cuda
 }  // namespace forge

@@ -13,15 +13,18 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "core/formats.h"
 #include "core/rules.h"
 #include "forge/forge.h"
 
 namespace forge {
 namespace cuda {
 
-// int8 and fp8 states: a code byte per element, an fp32 absmax per 64-column block of a row.
+// int8, fp8 and int4 states: a code per element (a byte; int4: half of one, two to a byte), an
+// fp32 absmax per 64-column block of a row.
 __host__ __device__ constexpr bool is_block_format(int state_format) {
-  return state_format == FORGE_STATE_INT8_BLOCK64 || state_format == FORGE_STATE_FP8_BLOCK64;
+  return state_format == FORGE_STATE_INT8_BLOCK64 || state_format == FORGE_STATE_FP8_BLOCK64 ||
+         state_format == FORGE_STATE_INT4_BLOCK64;
 }
 
 // ---- compile-time specialization ----------------------------------------------------------------
@@ -86,8 +89,9 @@ struct ParamView {
   int32_t vec4;
   void* weight;            // [rows, cols] fp32 or bf16
   float* master;           // [rows, cols] fp32 (FORGE_WEIGHT_BF16_MASTER only)
-  void* state[FORGE_MAX_STATES];     // [rows, cols] fp32 / bf16 / uint8 codes
-  float* absmax[FORGE_MAX_STATES];   // [rows, blocks_per_row] (int8 and fp8 only)
+  void* state[FORGE_MAX_STATES];     // [rows, cols] fp32 / bf16 / uint8 codes; int4:
+                                     // [rows, int4_row_bytes(cols)] bytes
+  float* absmax[FORGE_MAX_STATES];   // [rows, blocks_per_row] (int8, fp8 and int4 only)
   // Stochastic rounding's element index (rng.h) of element (row, col), at offset
   // idx = row * cols + col: idx + sr_base + row * sr_row_extra. A shard's
   // (row_offset + row) * full_cols + col_offset + col (forge_param); 0 and 0 otherwise.
@@ -95,6 +99,10 @@ struct ParamView {
 
   __host__ __device__ __forceinline__ int64_t sr_index(int64_t row, int64_t idx) const {
     return idx + sr_base + row * sr_row_extra;
+  }
+  // int4 states: the byte holding element (row, col) (formats.h's packed rows).
+  __host__ __device__ __forceinline__ int64_t int4_byte(int64_t row, int64_t col) const {
+    return row * int4_row_bytes(cols) + col / 2;
   }
 };
 

@@ -1,6 +1,6 @@
 // device_draws.cuh — random inputs drawn on the device by the GPU format tests
-// (test_gpu_int8_map.cu, test_gpu_fp8.cu): a hash of the draw's index, so every thread draws
-// its own and a failure's inputs can be drawn again.
+// (test_gpu_int8_map.cu, test_gpu_fp8.cu, test_gpu_int4.cu): a hash of the draw's index, so
+// every thread draws its own and a failure's inputs can be drawn again.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -16,6 +16,7 @@ namespace fgt {
 
 using forge_test::block_states;
 using forge_test::state_element_bytes;
+using forge_test::state_row_bytes;
 
 bool gpu_available() {
   static const bool available = [] {
@@ -156,8 +157,13 @@ void move_shard(HostParam& full, HostParam& shard, bool to_shard) {
   if (full.weight_format == FORGE_WEIGHT_BF16_MASTER)
     move(full.master, shard.master, full.cols, cols, c0, cols, 4);
   for (int i = 0; i < full.layout.num_states; ++i) {
-    move(full.state[i], shard.state[i], full.cols, cols, c0, cols,
-         state_element_bytes(full.state_format));
+    if (full.state_format == FORGE_STATE_INT4_BLOCK64) {  // packed rows (c0 % 64 == 0: whole bytes)
+      move(full.state[i], shard.state[i], state_row_bytes(full.state_format, full.cols),
+           state_row_bytes(full.state_format, cols), c0 / 2, state_row_bytes(full.state_format, cols), 1);
+    } else {
+      move(full.state[i], shard.state[i], full.cols, cols, c0, cols,
+           state_element_bytes(full.state_format));
+    }
     if (block_states(full.state_format)) {
       const int64_t full_blocks = (full.cols + 63) / 64, blocks = (cols + 63) / 64;
       auto* f = reinterpret_cast<uint8_t*>(full.absmax[i].data());
@@ -181,7 +187,7 @@ HostParam take_shard(const HostParam& full, int64_t r0, int64_t rows, int64_t c0
   h.weight.resize(static_cast<size_t>(rows * cols) * (full.weight_format == FORGE_WEIGHT_FP32 ? 4 : 2));
   if (full.weight_format == FORGE_WEIGHT_BF16_MASTER) h.master.resize(static_cast<size_t>(rows * cols) * 4);
   for (int i = 0; i < full.layout.num_states; ++i) {
-    h.layout.state_bytes[i] = rows * cols * state_element_bytes(full.state_format);
+    h.layout.state_bytes[i] = rows * state_row_bytes(full.state_format, cols);
     h.state[i].resize(static_cast<size_t>(h.layout.state_bytes[i]));
     if (block_states(full.state_format)) {
       h.layout.absmax_count[i] = rows * ((cols + 63) / 64);
@@ -378,8 +384,11 @@ std::vector<uint8_t> float_bytes(const std::vector<float>& v) {
     int64_t index = 0;
     if (first_difference(*b.e, *b.a, b.elem, &index)) {
       if (index < 0) return ::testing::AssertionFailure() << b.name << ": sizes differ";
+      // (int4 states: elements are bytes, two codes each)
       const int64_t cols = b.name.rfind("absmax", 0) == 0
                                ? (expected.cols + FORGE_INT8_BLOCK - 1) / FORGE_INT8_BLOCK
+                           : b.name.rfind("state", 0) == 0
+                               ? state_row_bytes(expected.state_format, expected.cols) / b.elem
                                : expected.cols;
       int64_t count = 0;
       for (size_t i = 0; i < b.e->size(); i += b.elem)
@@ -396,10 +405,12 @@ std::vector<uint8_t> float_bytes(const std::vector<float>& v) {
 
 namespace {
 
-// The code an element of an int8 / fp8 block (sf) gets when its block's absmax changes from
-// old_absmax to new_absmax: its old code decoded, then encoded again.
+// The code an element of an int8 / fp8 / int4 block (sf) gets when its block's absmax changes
+// from old_absmax to new_absmax: its old code decoded, then encoded again.
 uint8_t reencoded(forge_state_format sf, uint8_t old_code, float old_absmax, float new_absmax,
                   bool is_signed) {
+  if (sf == FORGE_STATE_INT4_BLOCK64)
+    return forge::int4_encode(forge::int4_decode(old_code, old_absmax, is_signed), new_absmax, is_signed);
   if (sf == FORGE_STATE_FP8_BLOCK64)
     return forge::fp8_encode(forge::fp8_decode(old_code, old_absmax, is_signed), new_absmax, is_signed);
   return forge::int8_encode(forge::int8_decode(old_code, is_signed) * old_absmax, new_absmax, is_signed);
@@ -414,7 +425,15 @@ void expect_skipped_codes(const HostParam& before, const HostParam& after,
     for (int64_t r = 0; r < after.rows; ++r)
       for (int64_t c : skipped) {
         const int64_t b = r * blocks_per_row + c / 64;
-        const uint8_t old_code = before.state[s][r * cols + c], code = after.state[s][r * cols + c];
+        uint8_t old_code, code;
+        if (after.state_format == FORGE_STATE_INT4_BLOCK64) {
+          const int64_t row_bytes = state_row_bytes(after.state_format, cols);
+          old_code = forge::int4_code_at(before.state[s].data() + r * row_bytes, c);
+          code = forge::int4_code_at(after.state[s].data() + r * row_bytes, c);
+        } else {
+          old_code = before.state[s][r * cols + c];
+          code = after.state[s][r * cols + c];
+        }
         if (std::memcmp(&before.absmax[s][b], &after.absmax[s][b], 4) == 0) {
           ++*stayed;
           EXPECT_EQ(code, old_code) << "state " << s << ", row " << r << ", col " << c;
@@ -450,11 +469,13 @@ std::vector<float> decoded(const HostParam& p, const std::string& buffer, const 
 
 ::testing::AssertionResult close_enough(const HostParam& expected, const HostParam& actual,
                                         const forge_hparams& hp) {
-  std::vector<std::pair<std::string, int>> buffers;  // name, kind: 0 fp32, 1 bf16, 2 int8
+  // name, kind: 0 fp32, 1 bf16, 2 int8 / fp8, 3 int4
+  std::vector<std::pair<std::string, int>> buffers;
   buffers.push_back({"weight", expected.weight_format == FORGE_WEIGHT_FP32 ? 0 : 1});
   if (expected.weight_format == FORGE_WEIGHT_BF16_MASTER) buffers.push_back({"master", 0});
   for (int i = 0; i < expected.layout.num_states; ++i) {
     const int kind = expected.state_format == FORGE_STATE_FP32           ? 0
+                     : expected.state_format == FORGE_STATE_INT4_BLOCK64 ? 3
                      : block_states(expected.state_format)                ? 2
                                                                          : 1;
     buffers.push_back({"state" + std::to_string(i), kind});
@@ -464,8 +485,12 @@ std::vector<float> decoded(const HostParam& p, const std::string& buffer, const 
     double max_ref = 0.0;
     for (float v : e)
       if (std::isfinite(v)) max_ref = std::max(max_ref, std::fabs(static_cast<double>(v)));
-    const double rel = kind == 0 ? kFp32Rel : kind == 1 ? kBf16Rel : kInt8Rel;
-    const double abs = (kind == 0 ? kFp32AbsOfMax : kind == 1 ? kBf16AbsOfMax : kInt8AbsOfMax) * max_ref;
+    const double rel = kind == 0 ? kFp32Rel : kind == 1 ? kBf16Rel : kind == 2 ? kInt8Rel : kInt4Rel;
+    const double abs = (kind == 0   ? kFp32AbsOfMax
+                        : kind == 1 ? kBf16AbsOfMax
+                        : kind == 2 ? kInt8AbsOfMax
+                                    : kInt4AbsOfMax) *
+                       max_ref;
     int64_t outliers = 0, first = -1;
     for (size_t i = 0; i < e.size(); ++i) {
       if (!std::isfinite(e[i]) || !std::isfinite(a[i])) {
@@ -730,6 +755,7 @@ const char* state_format_name(forge_state_format f) {
     case FORGE_STATE_BF16: return "Sbf16";
     case FORGE_STATE_BF16_STOCHASTIC: return "Sbf16sr";
     case FORGE_STATE_FP8_BLOCK64: return "Sfp8";
+    case FORGE_STATE_INT4_BLOCK64: return "Sint4";
     default: return "Sint8";
   }
 }

@@ -27,7 +27,8 @@ constexpr forge_weight_format kWeightFormats[] = {FORGE_WEIGHT_FP32, FORGE_WEIGH
 constexpr forge_state_format kStateFormats[] = {FORGE_STATE_FP32, FORGE_STATE_BF16,
                                                 FORGE_STATE_BF16_STOCHASTIC,
                                                 FORGE_STATE_INT8_BLOCK64,
-                                                FORGE_STATE_FP8_BLOCK64};
+                                                FORGE_STATE_FP8_BLOCK64,
+                                                FORGE_STATE_INT4_BLOCK64};
 
 // True when a CUDA device is present. GPU tests skip themselves otherwise (the CPU-only CI
 // machine builds and lists them, never runs them); scripts/gpu_check.sh fails on skips.
@@ -111,7 +112,7 @@ struct DeviceParam {
 // Decoded fp32 values of one buffer ("weight", "master", "state0".."state2").
 std::vector<float> decoded(const HostParam& p, const std::string& buffer, const forge_hparams& hp);
 
-// The block rule of int8 / fp8 states for elements skipped in a step (a non-finite gradient):
+// The block rule of int8 / fp8 / int4 states for elements skipped in a step (a non-finite gradient):
 // for each row of `after` (the step's result from `before`) and each column in `skipped`, in
 // every state, the element keeps its code where its block's absmax stayed, else gets its old
 // code decoded and encoded again with the new absmax (formats.h). Counts the two cases.

@@ -46,6 +46,13 @@ constexpr double kBf16AbsOfMax = 1e-5;
 //    boundary may pick the neighbouring level: levels are 2^(1/8) apart, 9.05% relative.
 constexpr double kInt8Rel = 0.1;
 constexpr double kInt8AbsOfMax = 1e-4;
+//  - int4 block-64: the same absmax motion (~1e-5 relative) moves a decoded value as much while
+//    its code stays, so 1e-3 relative covers it with 100x margin. A code within that noise of a
+//    midpoint may pick its neighbour, 1/16 to 0.225 of the absmax away: no band short of the
+//    map's spacing holds that, so such an element is an outlier (kMaxOutlierFraction), as rare
+//    as a value that close to one of 15 midpoints (~1e-4 per element).
+constexpr double kInt4Rel = 1e-3;
+constexpr double kInt4AbsOfMax = 1e-4;
 // Elements allowed outside the band above: a gradient element within summation noise of
 // 0 can change sign between the two orders, and sign-driven updates (Lion; Adam's first
 // step, lr · g / (|g| + eps)) then differ by up to 2 lr. With |dW| ~ N(0, T) the chance

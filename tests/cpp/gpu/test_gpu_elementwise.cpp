@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/formats.h"
+#include "block_copy.h"
 #include "gpu_test_util.h"
 #include "gpu_tolerances.h"
 
@@ -327,7 +328,8 @@ TEST(ElementwiseStorable, UnstorableUpdatesAreSkippedLikeTheCpu) {
     }
 }
 
-// The int8 rule for a block holding a skipped element, bit for bit like the CPU, and as the
+// The block rule (int8, fp8, int4) for a block holding a skipped element, bit for bit like the
+// CPU, and as the
 // rule says: elements 5 and 70 of every row get a NaN gradient every step; the others a normal
 // one for 3 steps, then 0 for 8 (their moments only decay: each block keeps its absmax and the
 // skipped element its code), then a large one for 3 (the absmax grows: the skipped element is
@@ -336,7 +338,8 @@ TEST(ElementwiseBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
   FORGE_REQUIRE_GPU();
   // 4 × 128: the specialized kernels' flat loop; 5 × 100: their row loop and a partial block.
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 128}, {5, 100}})
-    for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
+    for (forge_state_format sf :
+         {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64, FORGE_STATE_INT4_BLOCK64})
       for (forge_weight_format wf : kWeightFormats) {
         SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + " " + weight_format_name(wf) +
                      " " + state_format_name(sf));
@@ -425,7 +428,8 @@ TEST(ElementwiseBlockSkipped, SkippedValueKeptWhileTheAbsmaxGrowsLikeTheCpu) {
 // fp8 alike (fp8's used to reset to 0). The other blocks step as the CPU steps them.
 TEST(ElementwiseBlockSkipped, NonFiniteAbsmaxSkipsItsBlockOnTheGpu) {
   FORGE_REQUIRE_GPU();
-  for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
+  for (forge_state_format sf :
+         {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64, FORGE_STATE_INT4_BLOCK64})
     for (float bad : {NAN, INFINITY}) {
       SCOPED_TRACE(std::string(state_format_name(sf)) + (std::isnan(bad) ? " NaN" : " inf"));
       forge_hparams hp = rule_cases()[3].hp;  // AdamW
@@ -459,9 +463,13 @@ TEST(ElementwiseBlockSkipped, NonFiniteAbsmaxSkipsItsBlockOnTheGpu) {
       HostParam after = gpu.download(poisoned);
       EXPECT_EQ(std::memcmp(&after.absmax[1][3], &bad, 4), 0);
       EXPECT_EQ(after.absmax[0][3], poisoned.absmax[0][3]);  // (the first moment's block: all skipped)
+      // the block's code bytes (int4: its 32 bytes of row 1)
+      const int64_t row_bytes = forge_test::state_row_bytes(sf, cols);
+      const int64_t first = sf == FORGE_STATE_INT4_BLOCK64 ? 32 : 64;
       for (int s = 0; s < 2; ++s)
-        for (int64_t c = 64; c < 128; ++c)
-          EXPECT_EQ(after.state[s][cols + c], poisoned.state[s][cols + c]) << "state " << s << " col " << c;
+        for (int64_t b = first; b < row_bytes; ++b)
+          EXPECT_EQ(after.state[s][row_bytes + b], poisoned.state[s][row_bytes + b])
+              << "state " << s << " byte " << b;
       const auto* w_after = reinterpret_cast<const uint16_t*>(after.weight.data());
       const auto* w_before = reinterpret_cast<const uint16_t*>(poisoned.weight.data());
       for (int64_t c = 64; c < 128; ++c) EXPECT_EQ(w_after[cols + c], w_before[cols + c]) << "weight col " << c;
@@ -469,7 +477,8 @@ TEST(ElementwiseBlockSkipped, NonFiniteAbsmaxSkipsItsBlockOnTheGpu) {
       after.absmax[0][3] = reference.absmax[0][3];
       after.absmax[1][3] = reference.absmax[1][3];
       for (int s = 0; s < 2; ++s)
-        for (int64_t c = 64; c < 128; ++c) after.state[s][cols + c] = reference.state[s][cols + c];
+        for (int64_t b = first; b < row_bytes; ++b)
+          after.state[s][row_bytes + b] = reference.state[s][row_bytes + b];
       auto* w = reinterpret_cast<uint16_t*>(after.weight.data());
       const auto* w_ref = reinterpret_cast<const uint16_t*>(reference.weight.data());
       for (int64_t c = 64; c < 128; ++c) w[cols + c] = w_ref[cols + c];

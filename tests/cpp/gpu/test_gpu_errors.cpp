@@ -108,35 +108,6 @@ TEST(GpuErrors, InvalidArgumentsOnACudaDeviceWriteNothing) {
   EXPECT_TRUE(s.gpu.guards_intact());
 }
 
-// int4 states have no CUDA kernels: every entry point refuses them on a CUDA device as
-// unsupported, naming param.state_format, and writes nothing. (The int8 parameter's buffers
-// are larger than int4's: only the refusal is under test.)
-TEST(GpuErrors, Int4StatesAreRefusedOnACudaDevice) {
-  FORGE_REQUIRE_GPU();
-  SmallStep s(FORGE_STATE_INT8_BLOCK64, 3);
-  auto refused = [](forge_status status) {
-    EXPECT_EQ(FORGE_ERR_UNSUPPORTED, status);
-    EXPECT_NE(std::string(forge_last_error()).find("param.state_format: int4"), std::string::npos)
-        << forge_last_error();
-  };
-  forge_wgrad_args a = s.args(gpu_device());
-  a.param.state_format = FORGE_STATE_INT4_BLOCK64;
-  refused(forge_wgrad_step(&a));
-  DeviceBuffer grad(s.rows * s.cols * 4), buffer(s.rows * s.cols * 4);
-  grad.fill(0);
-  forge_elementwise_args e = elementwise_args(grad.data(), FORGE_DTYPE_FP32, a.param, s.hp,
-                                              gpu_device(), nullptr, nullptr);
-  refused(forge_elementwise_step(&e));
-  refused(forge_state_init(&a.param, &s.hp, gpu_device()));
-  refused(forge_state_to_fp32(&a.param, &s.hp, 0, static_cast<float*>(buffer.data()),
-                              gpu_device()));
-  refused(forge_state_from_fp32(&a.param, &s.hp, 0, static_cast<const float*>(grad.data()),
-                                gpu_device()));
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_TRUE(same_bits(s.host, s.gpu.download(s.host)));
-  EXPECT_TRUE(s.gpu.guards_intact());
-}
-
 // The CPU suite's invalid fused calls (tests/cpp/bad_input_cases.h) on a CUDA device: the same
 // status and message, and nothing written: the parameter, the outputs (set beforehand to values
 // a step would never leave there) and every guard band unchanged.

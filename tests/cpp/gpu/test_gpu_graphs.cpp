@@ -97,7 +97,7 @@ std::vector<RunParam> run_params() {
          {FORGE_WEIGHT_BF16, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_WEIGHT_BF16_MASTER})
       for (forge_state_format sf :
            {FORGE_STATE_BF16, FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64,
-            FORGE_STATE_FP8_BLOCK64})
+            FORGE_STATE_FP8_BLOCK64, FORGE_STATE_INT4_BLOCK64})
         v.emplace_back(i, wf, sf);
   }
   return v;
@@ -121,7 +121,8 @@ TEST(ElementwiseRunScalars, MatchesCpuBitForBit) {
     // 37 × 320: the flat, pipelined loop of the specialized kernels; 5 × 129: the other.
     for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{37, 320}, {5, 129}})
       for (forge_state_format sf :
-           {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64}) {
+           {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64,
+            FORGE_STATE_INT4_BLOCK64}) {
         SCOPED_TRACE(std::string(rule_cases()[i].name) + ", " + std::to_string(rows) + " x " +
                      std::to_string(cols) + ", " + state_format_name(sf));
         HostParam cpu = make_param(rows, cols, FORGE_WEIGHT_BF16_STOCHASTIC, sf, hp, 40 + i);
@@ -158,7 +159,8 @@ TEST(CudaGraph, ReplaysWithRefilledScalarsMatchEagerSteps) {
   hp.seed = 1234;
   for (const Shape& s : {Shape{256, 384, 96}, Shape{96, 160, 1100}})
     for (forge_state_format sf :
-         {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64}) {
+         {FORGE_STATE_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64,
+          FORGE_STATE_INT4_BLOCK64}) {
       SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.cols) + ", " +
                    state_format_name(sf));
       cudaStream_t stream = nullptr;

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "block_copy.h"
 #include "gpu_test_util.h"
 
 namespace fgt {
@@ -23,14 +24,14 @@ struct Block {
   int64_t r0, rows, c0, cols;
 };
 
-// Row shards and column shards of a [rows, cols] parameter, three each, uneven. int8 / fp8:
+// Row shards and column shards of a [rows, cols] parameter, three each, uneven. int8 / fp8 / int4:
 // column shards of whole 64-column blocks (the last ends the row); `aligned`: columns start on multiples
 // of 8 (vector quads, and 16-byte aligned X for TMA), else anywhere.
 std::vector<std::vector<Block>> shardings(int64_t rows, int64_t cols, forge_state_format sf,
                                           bool aligned) {
   std::vector<std::vector<Block>> v;
   v.push_back({{0, 72, 0, cols}, {72, rows - 80, 0, cols}, {rows - 8, 8, 0, cols}});
-  if (sf == FORGE_STATE_INT8_BLOCK64 || sf == FORGE_STATE_FP8_BLOCK64) {
+  if (forge_test::block_states(sf)) {
     v.push_back({{0, rows, 0, 128}, {0, rows, 128, 192}, {0, rows, 320, cols - 320}});
   } else if (aligned) {
     v.push_back({{0, rows, 0, 136}, {0, rows, 136, 176}, {0, rows, 312, cols - 312}});
@@ -70,6 +71,8 @@ const ShardCase kCases[] = {
     {"RMSpropCenteredMomentum_Wfp32_Sbf16sr", 12, FORGE_WEIGHT_FP32, FORGE_STATE_BF16_STOCHASTIC, true},
     {"NAdam_Wbf16sr_Sint8", 6, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, true},
     {"NAdam_Wbf16sr_Sfp8", 6, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64, true},
+    {"AdamW_Wbf16sr_Sint4", 3, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT4_BLOCK64, true},
+    {"RMSpropCenteredMomentum_Wfp32_Sint4", 12, FORGE_WEIGHT_FP32, FORGE_STATE_INT4_BLOCK64, true},
     {"Adagrad_Wbf16sr_Sbf16sr_unaligned", 13, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC, false},
     {"MuonNesterov_Wbf16sr_Sint8", 14, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT8_BLOCK64, true},
     {"MuonPlain_Wfp32_Sbf16sr_unaligned", 15, FORGE_WEIGHT_FP32, FORGE_STATE_BF16_STOCHASTIC, false},

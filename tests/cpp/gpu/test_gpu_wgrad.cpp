@@ -372,8 +372,8 @@ TEST(WgradStorable, WeightPushedAboveTheLargestBf16IsSkippedLikeTheCpu) {
     }
 }
 
-// The block-state rule (int8, fp8) for a block holding a skipped element, bit for bit like the
-// CPU: columns 5 and
+// The block-state rule (int8, fp8, int4) for a block holding a skipped element, bit for bit like
+// the CPU: columns 5 and
 // 70 of dW are NaN every step (X's columns hold a NaN); the rest of dW is ordinary for 3 steps,
 // then 0 for 8 (the moments only decay: every block keeps its absmax, the skipped elements their
 // codes), then large for 3 (the absmax grows: the skipped elements are re-encoded from their
@@ -383,7 +383,8 @@ TEST(WgradBlockSkipped, KeepsTheCodeUnlessTheAbsmaxGrowsLikeTheCpu) {
   forge_hparams hp{};
   FORGE_OK(forge_hparams_default(FORGE_RULE_ADAMW, &hp));
   for (const Shape& s : {Shape{128, 256, 64}, Shape{100, 200, 40}})
-    for (forge_state_format sf : {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64})
+    for (forge_state_format sf :
+         {FORGE_STATE_INT8_BLOCK64, FORGE_STATE_FP8_BLOCK64, FORGE_STATE_INT4_BLOCK64})
       for (forge_weight_format wf : kWeightFormats) {
         SCOPED_TRACE(shape_string(s) + " " + weight_format_name(wf) + " " + state_format_name(sf));
         HostParam cpu = make_param(s.rows, s.cols, wf, sf, hp, 94);
