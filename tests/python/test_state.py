@@ -18,11 +18,10 @@ from tolerances import GRAD_NORM_RTOL, NADAM_CROSSING_RTOL, STATE_STORE_RTOL
 
 FORMATS = [("float32", "fp32", False), ("float32", "bf16", False), ("float32", "int8", False),
            ("bfloat16", "bf16", False), ("bfloat16", "int8", True), ("bfloat16", "fp32", True),
-           ("float32", "fp8", False), ("bfloat16", "fp8", True)]
+           ("float32", "fp8", False), ("bfloat16", "fp8", True), ("float32", "int4", False),
+           ("bfloat16", "int4", True)]
 # (dtype, state_format, master, device)
-# int4 states: the CPU backend only (libforge's CUDA backend refuses them)
-CPU_FORMATS = [("float32", "int4", False), ("bfloat16", "int4", True)]
-FORMATS_DEVICES = [(*f, "cpu") for f in FORMATS + CPU_FORMATS] + [
+FORMATS_DEVICES = [(*f, "cpu") for f in FORMATS] + [
     pytest.param(*f, "cuda", marks=requires_cuda) for f in FORMATS]
 
 
@@ -315,7 +314,7 @@ def test_nonfinite_gradients_are_counted_and_skipped():
 
 
 @pytest.mark.parametrize("state_format,device",
-                         format_devices(["fp32", "bf16", "int8", "fp8"]) + [("int4", "cpu")])
+                         format_devices(["fp32", "bf16", "int8", "fp8", "int4"]))
 def test_state_fp32_decodes_states(state_format, device):
     """state_fp32() decodes through libforge; against an fp32-state run of the same step
     (bounds: STATE_STORE_RTOL)."""

@@ -24,8 +24,6 @@ from . import distributed
 STATE_FORMATS = ("fp32", "bf16", "int8", "fp8", "int4")
 # Formats of a code per element and an fp32 absmax per block of 64 columns of a row.
 BLOCK_FORMATS = ("int8", "fp8", "int4")
-# Formats the CUDA backend has no kernels for (libforge refuses them there).
-CPU_ONLY_FORMATS = ("int4",)
 _UPDATABLE = (torch.float32, torch.bfloat16)  # parameter dtypes FORGE updates
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 states under 8 bits
 # The keys a param group may carry to choose its storage (defaults: the constructor's).
@@ -49,12 +47,6 @@ def packed_shape(shape: tuple) -> tuple:
     if not shape:
         return (1,)
     return tuple(shape[:-1]) + (-(-shape[-1] // 2),)
-
-
-def cpu_only_error(fmt: str, where: str) -> ValueError:
-    return ValueError(f"state_format: {fmt!r} states run on the CPU backend only (libforge's "
-                      f"CUDA backend has no {fmt} kernels), but {where}; choose 'int8', 'fp8', "
-                      "'bf16' or 'fp32' for CUDA parameters")
 
 
 def requested_format(group: Dict[str, Any], numel: int, default_format: str,
@@ -142,18 +134,12 @@ class Store:
         return self.requested_format(slot, group)
 
     def check_group_storage(self, group: Dict[str, Any]) -> None:
-        """A param group's "state_format" / "min_8bit_size" (torch fills the defaults in), and
-        a CPU-only format asked for a parameter on another device."""
+        """A param group's "state_format" / "min_8bit_size" (torch fills the defaults in)."""
         index = next((i for i, g in enumerate(self.shared.param_groups) if g is group), None)
         where = "param group: " if index is None else f"param group {index}: "
         fmt = group.get("state_format", self.state_format)
         min_size = group.get("min_8bit_size", self.min_8bit_size)
         check_storage_options(fmt, min_size, where=where)
-        if fmt in CPU_ONLY_FORMATS:
-            for p in group.get("params", ()):
-                if isinstance(p, torch.Tensor) and p.device.type != "cpu" \
-                        and requested_format(group, p.numel(), fmt, min_size) == fmt:
-                    raise cpu_only_error(fmt, f"{where}holds a parameter on {p.device}")
 
     def formats_by_index(self) -> Dict[int, str]:
         """{state_dict index: state format} of every parameter that has states."""
@@ -168,16 +154,12 @@ class Store:
 
     def check_storage(self, slot, group: Dict[str, Any]) -> None:
         """Before a step's first update (updater.py, check_step): refuses a parameter of a
-        dtype FORGE does not update (accepted frozen) that now holds a gradient, a CPU-only
-        format its group now asks for on another device, and a group whose state format
-        changed after slot's states were made (their buffers hold the old format; converting
-        them is not implemented)."""
+        dtype FORGE does not update (accepted frozen) that now holds a gradient, and a group
+        whose state format changed after slot's states were made (their buffers hold the old
+        format; converting them is not implemented)."""
         if slot.dtype not in _UPDATABLE and slot.param.grad is not None:
             self.weight_format(slot)  # (raises, naming it)
-        if slot.state_format is None:  # states not made yet: a CPU-only format, refused here
-            fmt = self.requested_format(slot, group)  # (before any update of the step runs)
-            if fmt in CPU_ONLY_FORMATS and slot.device.type != "cpu":
-                raise cpu_only_error(fmt, f"parameter '{slot.name}' is on {slot.device}")
+        if slot.state_format is None:  # states not made yet: made in the group's format
             return
         # NOTE: the group's keys as they were when the format was fixed: nothing changed (the
         # common case, once per parameter per step): 0.9 -> 0.3-0.5 µs (2-core CPU dev host)
@@ -239,8 +221,6 @@ class Store:
         to fill) in its group's format, which is fixed from here on."""
         p = slot.param
         fmt = self.requested_format(slot, group)
-        if fmt in CPU_ONLY_FORMATS and p.device.type != "cpu":
-            raise cpu_only_error(fmt, f"parameter '{slot.name}' is on {p.device}")
         if slot.dtensor and fmt in BLOCK_FORMATS:
             distributed.check_int8_blocks(slot.geometry, slot.name)
         self._fix_state_format(slot, group)

@@ -150,8 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dampening", type=float, help="SGD")
     g.add_argument("--nesterov", action="store_true", default=None, help="SGD (default off); Muon (default on)")
     g.add_argument("--state-format", choices=["fp32", "bf16", "int8", "fp8", "int4"],
-                   help="FORGE optimizer-state storage (default: forge.optim's; int4: the "
-                        "CPU backend only)")
+                   help="FORGE optimizer-state storage (default: forge.optim's)")
     g.add_argument("--master-weights", action="store_true", default=None,
                    help="FORGE: keep an fp32 master copy of bf16 weights")
     g.add_argument("--stochastic-rounding", action=argparse.BooleanOptionalAction,
