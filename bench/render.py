@@ -44,6 +44,7 @@ WGRAD_TOTALS = [
     ("wgrad", "fused_sr_int8", "FORGE SR W + int8 states"),
     ("wgrad", "fused_fp8", "FORGE fp8 states"),
     ("wgrad", "fused_sr_fp8", "FORGE SR W + fp8 states"),
+    ("wgrad", "fused_sr_int4", "FORGE SR W + int4 states"),
     ("wgrad", "fused_master", "FORGE fp32 master + states"),
     ("wgrad", "cublas_fp32_out", "cuBLAS dW alone"),
     ("wgrad", "unfused", "cuBLAS dW + our AdamW pass"),

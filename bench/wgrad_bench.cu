@@ -2,7 +2,7 @@
 // the linear layers of Llama-3.1-8B (out × in = 4096×4096, 1024×4096, 14336×4096,
 // 4096×14336) at T ∈ {512, 2048, 4096} tokens, bf16 inputs and bf16 W:
 //  (a) forge_wgrad_step, AdamW, with bf16 states, int8 states, fp8 states, and fp32 master +
-//      fp32 states;
+//      fp32 states (int4 states beside a stochastically rounded weight, below);
 //  (b) cuBLAS dW = dYᵀX alone (bf16 in; fp32 out, and bf16 out);
 //  (c) cuBLAS (bf16 out) + a separate vectorized AdamW pass over bf16 W, m, v — the
 //      unfused step (what torch does with bf16 grads and a fused AdamW).
@@ -247,12 +247,13 @@ std::vector<int64_t> g_tokens = {512, 2048, 4096};
 constexpr int kLayers = 32;
 
 enum Variant { kFusedBf16, kFusedInt8, kFusedMaster, kCublasF32, kCublasBf16, kUnfused, kFusedSr, kFusedInt8Sr,
-               kFusedFp8, kFusedFp8Sr, kVariants };
+               kFusedFp8, kFusedFp8Sr, kFusedInt4Sr, kVariants };
 const char* kVariantNames[] = {"fused_adamw_bf16_states", "fused_adamw_int8_states", "fused_adamw_fp32_master",
                                "cublas_dw_fp32_out", "cublas_dw_bf16_out", "unfused_cublas_plus_adamw_bf16",
                                "fused_adamw_bf16_sr_weight_bf16_sr_states",
                                "fused_adamw_bf16_sr_weight_int8_states", "fused_adamw_fp8_states",
-                               "fused_adamw_bf16_sr_weight_fp8_states"};
+                               "fused_adamw_bf16_sr_weight_fp8_states",
+                               "fused_adamw_bf16_sr_weight_int4_states"};
 
 // Minimum bytes each variant moves per parameter element, and its input bytes.
 double param_bytes(int v) {
@@ -260,6 +261,7 @@ double param_bytes(int v) {
     case kFusedBf16: case kFusedSr: return 12;       // W, m, v bf16: read + write
     case kFusedInt8: case kFusedInt8Sr: case kFusedFp8: case kFusedFp8Sr:
       return 4 + 4 + 2 * 2 * 4.0 / 64;  // W bf16 r+w, 2 codes r+w, 2 absmax r+w
+    case kFusedInt4Sr: return 4 + 2 + 2 * 2 * 4.0 / 64;  // W bf16 r+w, 2 half-byte codes r+w, absmax
     case kFusedMaster: return 2 + 8 + 16;                    // W bf16 write, master r+w, m, v fp32 r+w
     case kCublasF32: return 4;
     case kCublasBf16: return 2;
@@ -315,7 +317,7 @@ forge_param adamw_param(int64_t rows, int64_t cols, forge_weight_format wf, void
   return p;
 }
 
-// p's weight with block AdamW states instead (int8 or fp8: sf): codes m8, v8 and their absmax
+// p's weight with block AdamW states instead (int8, fp8 or int4: sf): codes m8, v8 and their absmax
 // am8, av8, set from random fp32 values (m in ±1e-3, v in (0, 1e-6]) through the library's
 // encoder; seeds `seed`, `seed + 1`.
 forge_param with_block_adamw_states(forge_param p, forge_state_format sf, const DevMem& m8,
@@ -811,6 +813,7 @@ int main(int argc, char** argv) {
     // Parameters in each format (bf16 W shared by the bf16-state and int8 variants).
     DevMem w(n * 2), m16(n * 2), v16(n * 2), m8(n), v8(n), am8((n / 64 + s.out) * 4), av8((n / 64 + s.out) * 4),
         mf8(n), vf8(n), amf8((n / 64 + s.out) * 4), avf8((n / 64 + s.out) * 4),
+        mi4(n / 2), vi4(n / 2), ami4((n / 64 + s.out) * 4), avi4((n / 64 + s.out) * 4),
         w2(n * 2), master(n * 4), m32(n * 4), v32(n * 4), dw(n * 4), grad16(n * 2), zero(n * 4);
     fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
     fill_bf16<<<grid_for(n), 256>>>(w2.as<uint16_t>(), n, 3, 0.02f);
@@ -847,6 +850,10 @@ int main(int argc, char** argv) {
     // ... and with fp8 states.
     forge_param pf8sr = pf8;
     pf8sr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
+    // ... and with int4 states (forge-bench's forge-int4 mode).
+    forge_param pi4sr =
+        with_block_adamw_states(p16, FORGE_STATE_INT4_BLOCK64, mi4, vi4, ami4, avi4, 9, adamw);
+    pi4sr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
     pz.weight_format = FORGE_WEIGHT_FP32;
     pz.weight = zero.p;
     pz.state_format = FORGE_STATE_FP32;
@@ -907,6 +914,7 @@ int main(int argc, char** argv) {
       variants[kFusedInt8Sr] = [&] { fused(p8sr, tokens); };
       variants[kFusedFp8] = [&] { fused(pf8, tokens); };
       variants[kFusedFp8Sr] = [&] { fused(pf8sr, tokens); };
+      variants[kFusedInt4Sr] = [&] { fused(pi4sr, tokens); };
       variants[kCublasF32] = [&] { run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, tokens, s); };
       variants[kCublasBf16] = [&] { run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, tokens, s); };
       variants[kUnfused] = [&] {
@@ -916,9 +924,10 @@ int main(int argc, char** argv) {
       const std::vector<double> ms = timer.medians_ms(iters, variants);
       std::copy(ms.begin(), ms.end(), r.ms);
       results.push_back(r);
-      std::printf("%-18s T=%-5lld fused bf16 %.3f ms | int8 %.3f | fp8 %.3f | master %.3f | bf16 sr %.3f | sr int8 %.3f | sr fp8 %.3f | cuBLAS f32 %.3f bf16 %.3f | unfused %.3f | speedup %.2fx\n",
+      std::printf("%-18s T=%-5lld fused bf16 %.3f ms | int8 %.3f | fp8 %.3f | master %.3f | bf16 sr %.3f | sr int8 %.3f | sr fp8 %.3f | sr int4 %.3f | cuBLAS f32 %.3f bf16 %.3f | unfused %.3f | speedup %.2fx\n",
                   s.name, static_cast<long long>(tokens), r.ms[kFusedBf16], r.ms[kFusedInt8], r.ms[kFusedFp8],
-                  r.ms[kFusedMaster], r.ms[kFusedSr], r.ms[kFusedInt8Sr], r.ms[kFusedFp8Sr], r.ms[kCublasF32],
+                  r.ms[kFusedMaster], r.ms[kFusedSr], r.ms[kFusedInt8Sr], r.ms[kFusedFp8Sr], r.ms[kFusedInt4Sr],
+                  r.ms[kCublasF32],
                   r.ms[kCublasBf16], r.ms[kUnfused],
                   r.ms[kUnfused] / r.ms[kFusedBf16]);
       std::fflush(stdout);
@@ -953,8 +962,8 @@ int main(int argc, char** argv) {
   md += "- epilogue-only = the fused step at T = 32 (GEMM negligible): AdamW bf16 states / SGD, no states\n";
   if (run_scalars) md += "- --run-scalars: every AdamW step read its scalars from device memory (a CUDA graph's kernels)\n";
   md += "\n";
-  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | fused bf16 SR W + int8 states ms (the same, int8) | fused bf16 SR W + fp8 states ms | epilogue-only ms AdamW / SGD | dW check |\n";
-  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  md += "| layer (out×in) | T | fused bf16 ms (TF/s, GB/s) | fused int8 ms | fused fp8 ms | fused fp32+master ms | cuBLAS fp32-out ms (TF/s) | cuBLAS bf16-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms (forge.optim default) | fused bf16 SR W + int8 states ms (the same, int8) | fused bf16 SR W + fp8 states ms | fused bf16 SR W + int4 states ms | epilogue-only ms AdamW / SGD | dW check |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   std::string json = "{\n  \"date\": \"" + std::string(date) + "\",\n  \"gpu\": \"" + prop.name +
                      "\",\n  \"sms\": " + std::to_string(g_sms) + ",\n  \"command\": \"" + command +
                      "\",\n  \"iters\": " + std::to_string(iters) + ",\n  \"results\": [\n";
@@ -973,7 +982,7 @@ int main(int argc, char** argv) {
           fmt("%.3f", r.ms[kCublasBf16]) + " | " + fmt("%.3f", r.ms[kUnfused]) + " | **" +
           fmt("%.2f", r.ms[kUnfused] / r.ms[kFusedBf16]) + "×** | " + fmt("%.3f", r.ms[kFusedSr]) + " | " +
           fmt("%.3f", r.ms[kFusedInt8Sr]) + " | " + fmt("%.3f", r.ms[kFusedFp8Sr]) + " | " +
-          fmt("%.3f", r.epilogue_ms) + " / " + fmt("%.3f", r.epilogue_sgd_ms) + " | " +
+          fmt("%.3f", r.ms[kFusedInt4Sr]) + " | " + fmt("%.3f", r.epilogue_ms) + " / " + fmt("%.3f", r.epilogue_sgd_ms) + " | " +
           fmt("%.1e", r.dw_rel_error) + " |\n";
     for (int v = 0; v < kVariants; ++v) {
       json += std::string(first ? "" : ",\n") + "    {\"layer\": \"" + r.shape->name + "\", \"out\": " +
@@ -993,8 +1002,8 @@ int main(int argc, char** argv) {
 
   // Whole-model estimate: the 224 linear layers of Llama-3.1-8B (32 decoder layers).
   md += "\n## Llama-3.1-8B, all 224 linear layers (sum of the per-layer medians × occurrences)\n\n";
-  md += "| T | fused bf16 ms | fused int8 ms | fused fp8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms | fused bf16 SR W + int8 states ms | fused bf16 SR W + fp8 states ms |\n";
-  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  md += "| T | fused bf16 ms | fused int8 ms | fused fp8 ms | fused fp32+master ms | cuBLAS fp32-out ms | unfused (c) ms | speedup (c)/(a-bf16) | fused bf16 SR W + SR states ms | fused bf16 SR W + int8 states ms | fused bf16 SR W + fp8 states ms | fused bf16 SR W + int4 states ms |\n";
+  md += "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   bool first_t = true;
   for (int64_t tokens : g_tokens) {
     double tot[kVariants] = {};
@@ -1009,14 +1018,15 @@ int main(int argc, char** argv) {
           " | " + fmt("%.1f", tot[kFusedFp8]) + " | " + fmt("%.1f", tot[kFusedMaster]) + " | " + fmt("%.1f", tot[kCublasF32]) + " | " +
           fmt("%.1f", tot[kUnfused]) + " | " + fmt("%.2f", tot[kUnfused] / tot[kFusedBf16]) + "× | " +
           fmt("%.1f", tot[kFusedSr]) + " | " + fmt("%.1f", tot[kFusedInt8Sr]) + " | " +
-          fmt("%.1f", tot[kFusedFp8Sr]) + " |\n";
+          fmt("%.1f", tot[kFusedFp8Sr]) + " | " + fmt("%.1f", tot[kFusedInt4Sr]) + " |\n";
     json += std::string(first_t ? "" : ",") + "\n    \"" + std::to_string(tokens) + "\": {\"fused_bf16\": " +
             fmt("%.3f", tot[kFusedBf16]) + ", \"fused_int8\": " + fmt("%.3f", tot[kFusedInt8]) +
             ", \"fused_master\": " + fmt("%.3f", tot[kFusedMaster]) + ", \"cublas_fp32_out\": " +
             fmt("%.3f", tot[kCublasF32]) + ", \"unfused\": " + fmt("%.3f", tot[kUnfused]) +
             ", \"fused_sr\": " + fmt("%.3f", tot[kFusedSr]) + ", \"fused_sr_int8\": " +
             fmt("%.3f", tot[kFusedInt8Sr]) + ", \"fused_fp8\": " + fmt("%.3f", tot[kFusedFp8]) +
-            ", \"fused_sr_fp8\": " + fmt("%.3f", tot[kFusedFp8Sr]) + "}";
+            ", \"fused_sr_fp8\": " + fmt("%.3f", tot[kFusedFp8Sr]) +
+            ", \"fused_sr_int4\": " + fmt("%.3f", tot[kFusedInt4Sr]) + "}";
     first_t = false;
   }
   json += "\n  }";

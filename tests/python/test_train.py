@@ -990,6 +990,14 @@ def test_bench_rejects_negative_profile_steps(capsys):
     assert "--profile" in capsys.readouterr().err
 
 
+def test_bench_memory_limit_is_a_cuda_device_limit(capsys):
+    """--memory-limit-gib caps the CUDA caching allocator: on the CPU it is refused by name
+    before any case runs."""
+    from forge.tools import bench
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--memory-limit-gib", "30"]) == 2
+    assert "--memory-limit-gib" in capsys.readouterr().err
+
+
 def test_bench_parity_report_smoke_on_cpu(tmp_path):
     from forge.tools import bench
     assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "4",
@@ -1002,16 +1010,17 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
         report = json.load(f)
     noise = bench.noise_run_names(2)
     assert noise == [bench.NOISE_RUN, bench.NOISE_RUN + "-2"]
-    assert set(report["comparisons"]) == {"forge-bf16-sr", "forge-int8", "forge-fp8", *noise}
+    forge_runs = {"forge-bf16-sr", "forge-int8", "forge-fp8", "forge-int4"}
+    assert set(report["comparisons"]) == {*forge_runs, *noise}
     assert len(report["spread"]["torch_pairs"]) == 3  # reference and two noise runs
-    assert set(report["spread"]["forge"]) == {"forge-bf16-sr", "forge-int8", "forge-fp8"}
+    assert set(report["spread"]["forge"]) == forge_runs
     # run order: a call cut short keeps the bf16 comparison beside a noise floor
     amp = bench.amp_run_names(3)
     assert amp == [bench.PARITY_AMP_REFERENCE, bench.PARITY_AMP_REFERENCE + "-seed1",
                    bench.PARITY_AMP_REFERENCE + "-seed2"]
     assert list(report["runs"]) == [bench.PARITY_REFERENCE, "forge-bf16-sr", amp[0],
-                                    noise[0], "forge-int8", "forge-fp8", noise[1], amp[1],
-                                    amp[2]]
+                                    noise[0], "forge-int8", "forge-fp8", "forge-int4", noise[1],
+                                    amp[1], amp[2]]
     # every other run measured against the mixed-precision (fp32 weights, autocast) run ...
     assert set(report["against_amp"]) == set(report["runs"]) - set(amp)
     # ... and held to that reference's spread over its three seeds (other initial weights and
@@ -1030,13 +1039,12 @@ def test_bench_parity_report_smoke_on_cpu(tmp_path):
     runs = report["runs"]
     assert runs[noise[0]]["losses"] != runs[noise[1]]["losses"]
     floor = [report["comparisons"][n]["mean_abs_diff_last_half"] for n in noise]
-    for name in ("forge-bf16-sr", "forge-int8", "forge-fp8"):
+    for name in forge_runs:
         c = report["comparisons"][name]
         assert c["noise_floor"] == floor
         assert c["within_noise_floor"] == (c["mean_abs_diff_last_half"] <= max(floor))
-    # the same report again into the same work folder: its runs replace the last ones'; the
-    # int4 run only where named (libforge's CPU backend only)
-    assert "forge-int4" not in report["runs"]
+    # the same report again into the same work folder, two runs named: its runs replace the
+    # last ones'
     assert bench.main(["--parity", "--parity-model", "tiny", "--parity-steps", "2",
                        "--parity-seq-len", "16", "--parity-batch-size", "2", "--device", "cpu",
                        "--parity-runs", "forge-bf16-sr", "forge-int4", "--parity-noise-runs",
@@ -1058,7 +1066,7 @@ def test_bench_parity_of_muon_on_cpu(tmp_path):
     assert bench.main(["--parity", "--parity-optimizer", "muon", "--parity-model", "tiny",
                        "--parity-steps", "2", "--parity-seq-len", "16", "--parity-batch-size",
                        "2", "--device", "cpu", "--parity-noise-runs", "1",
-                       "--parity-amp-seeds", "2", "--parity-runs", names["forge"][1],
+                       "--parity-amp-seeds", "2", "--parity-runs", list(names["forge"])[1],
                        "--out", str(tmp_path / "out"),
                        "--parity-work-dir", str(tmp_path / "runs")]) == 0
     with open(tmp_path / "out" / next(f for f in os.listdir(tmp_path / "out")
@@ -1066,15 +1074,15 @@ def test_bench_parity_of_muon_on_cpu(tmp_path):
         report = json.load(f)
     amp = bench.amp_run_names(2, names["amp"])
     assert list(report["runs"]) == [names["reference"], amp[0], names["noise"],
-                                    names["forge"][1], amp[1]]
+                                    list(names["forge"])[1], amp[1]]
     assert not [n for n, r in report["runs"].items() if "error" in r]
-    assert report["runs"][names["forge"][1]]["optimizer"].startswith("forge.optim.Muon")
+    assert report["runs"][list(names["forge"])[1]]["optimizer"].startswith("forge.optim.Muon")
     assert report["runs"][names["reference"]]["optimizer"] == \
         "torch.optim.Muon + torch.optim.AdamW"
     settings = report["settings"]
     assert settings[settings.index("--lr") + 1] == str(names["lr"]) and "--betas" not in settings
     assert set(report["amp_seed_spread"]["runs"]) == {names["reference"], names["noise"],
-                                                      names["forge"][1]}
+                                                      list(names["forge"])[1]}
 
 
 def test_bench_parity_runs_chooses_forges_runs(tmp_path, capsys):

@@ -28,6 +28,7 @@ Modes, batch 1, one step = forward + backward + optimizer:
                      states and every other argument at its default (mode="auto": the first
                      step deferred, then immediate where the loop reads no gradient)
   forge-bf16-immediate / forge-bf16-deferred   the same with that mode named (LOOP_MODES)
+  forge-int4         forge.optim.AdamW with 4-bit states (named only: INT4_MODES)
   torch-muon / forge-muon-bf16 / forge-muon-int8   torch.optim.Muon + fused AdamW against
                      forge.optim.Muon (MUON_MODES); a -head suffix (HEAD_MODES): the fused head
 Peak = torch.cuda.max_memory_allocated() (reset after the model is built, so weights count),
@@ -147,15 +148,18 @@ LOOP_MODES = ["forge-bf16-immediate", "forge-bf16-deferred", "forge-bf16-clip",
 # which the clip keeps deferred).
 LOOP_CLIP_SUFFIX = "-loopclip"
 LOOP_MODES += ["torch-adamw-loopclip", "forge-bf16-loopclip"]
+# FORGE with 4-bit states, run only when named.
+INT4_MODES = ["forge-int4"]
 # FORGE with the head and its cross entropy fused (forge.loss.enable_fused_head): no logits.
-HEAD_MODES = ["forge-bf16-head", "forge-int8-head", "forge-fp8-head"]
+HEAD_MODES = ["forge-bf16-head", "forge-int8-head", "forge-fp8-head", "forge-int4-head"]
 # Muon (hidden Linear weights) + AdamW (the rest), as forge.optim.Muon groups them: torch's
 # pair (torch.optim.Muon + fused AdamW, torch >= 2.9) and forge.optim.Muon by momentum format.
 MUON_MODES = ["torch-muon", "forge-muon-bf16", "forge-muon-int8"]
 # ... and forge.optim.Muon with the fused head (the head is in its AdamW group).
 HEAD_MODES += ["forge-muon-bf16-head", "forge-muon-int8-head"]
 MUON_LR = 0.02
-KNOWN_MODES = MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES + MUON_MODES
+KNOWN_MODES = MODES + INT4_MODES + LEAN_MODES + GRAPH_MODES + LOOP_MODES + HEAD_MODES + \
+    MUON_MODES
 # The baselines' cases (docs/performance.md, "What we measure against") and those of TARGETS
 # below, most important first:
 # (model, seq, activation checkpointing, modes). torch-adamw leads each group: its number
@@ -319,6 +323,8 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         return forge.optim.AdamW(model, lr=LR, state_format="int8")
     if mode == "forge-fp8":
         return forge.optim.AdamW(model, lr=LR, state_format="fp8")
+    if mode == "forge-int4":
+        return forge.optim.AdamW(model, lr=LR, state_format="int4")
     if mode == "forge-fp32-master":
         return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True)
     if mode == "forge-bf16-immediate":
@@ -625,6 +631,18 @@ def timed_steps(model, optimizer, seq: int, device: torch.device, n_params: int,
     return row
 
 
+def limit_memory(gib: float, device: torch.device) -> None:
+    """--memory-limit-gib: the caching allocator refuses to hold more than `gib` GiB."""
+    if device.type != "cuda":
+        raise BenchError(f"--memory-limit-gib: a CUDA device's limit, not {device}'s")
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not 0 < gib * 2**30 <= total:
+        raise BenchError(f"--memory-limit-gib: must be in (0, {total / 2**30:.1f}] on this "
+                         f"device, got {gib:g}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, index)
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -928,15 +946,14 @@ def write_results(out_dir: str, info: dict, rows: List[dict]) -> Dict[str, str]:
 
 # ----------------------------------------------------------------------------- parity
 
-# The GPU convergence-parity report: FORGE (bf16 weights: stochastic rounding; bf16, int8 and
-# fp8 states) on the ~100M model, held to the spread of a mixed-precision reference over seeds
+# The GPU convergence-parity report: FORGE (bf16 weights: stochastic rounding; bf16, int8,
+# fp8 and int4 states) on the ~100M model, held to the spread of a mixed-precision reference over seeds
 # (PARITY_AMP_REFERENCE, amp_seed_spread: the criterion), and measured per step against
 # torch.optim.AdamW(fused=True) on bf16 weights with the same seed and batches (mean |Δloss|
 # over the last half; information, with the noise floor below as its scale).
-PARITY_RUNS = ("forge-bf16-sr", "forge-int8", "forge-fp8")
-# Runs made only when --parity-runs names them: int4 states (libforge's CPU backend only, so a
-# parity run on the CPU, e.g. --parity-model tiny).
-PARITY_EXTRA_RUNS = {"forge-int4": ["--bf16", "--state-format", "int4", "--stochastic-rounding"]}
+# FORGE's runs, each with its state format (the first: bf16 states).
+PARITY_RUNS = {"forge-bf16-sr": "bf16", "forge-int8": "int8", "forge-fp8": "fp8",
+               "forge-int4": "int4"}
 PARITY_REFERENCE = "torch-adamw-fused"
 # The reference: torch's AdamW on fp32 weights and states with the model computing in bf16
 # under autocast (mixed precision), the update bf16 storage approximates. torch's AdamW on bf16
@@ -959,10 +976,10 @@ NOISE_RUN = "torch-adamw-fused-perturbed"
 # AdamW (forge-train --optimizer muon, its torch baseline), its runs named for it.
 PARITY_NAMES = {
     "adamw": dict(reference=PARITY_REFERENCE, amp=PARITY_AMP_REFERENCE, noise=NOISE_RUN,
-                  forge=PARITY_RUNS, extra=PARITY_EXTRA_RUNS, lr=6e-4),
+                  forge=PARITY_RUNS, lr=6e-4),
     "muon": dict(reference="torch-muon", amp="torch-muon-amp", noise="torch-muon-perturbed",
-                 forge=("forge-muon-bf16-sr", "forge-muon-int8", "forge-muon-fp8"), extra={},
-                 lr=0.02),
+                 forge={"forge-muon-bf16-sr": "bf16", "forge-muon-int8": "int8",
+                        "forge-muon-fp8": "fp8"}, lr=0.02),
 }
 NOISE_SCALE = 2.0 ** -8
 NOISE_SEED = 12345
@@ -1024,25 +1041,23 @@ def parity_report(args, info: dict) -> int:
         raise BenchError(f"--parity-amp-seeds: must be >= 1, got {args.parity_amp_seeds}")
     names = PARITY_NAMES[args.parity_optimizer]
     reference, amp_reference = names["reference"], names["amp"]
-    chosen = list(names["forge"]) if args.parity_runs is None else args.parity_runs
-    forge_runs = tuple(names["forge"]) + tuple(r for r in names["extra"] if r in chosen)
+    forge_runs = tuple(names["forge"])
+    chosen = list(forge_runs) if args.parity_runs is None else args.parity_runs
     unknown = [r for r in chosen if r not in forge_runs]
     if unknown or not chosen:
-        known = tuple(names["forge"]) + tuple(names["extra"])
-        raise BenchError(f"--parity-runs: choose one or more of {', '.join(known)}, got "
+        raise BenchError(f"--parity-runs: choose one or more of {', '.join(forge_runs)}, got "
                          f"{' '.join(chosen) or 'none'}")
     noise_runs = noise_run_names(args.parity_noise_runs, names["noise"])
     amp_runs = amp_run_names(args.parity_amp_seeds, amp_reference)
-    bf16, int8, fp8 = names["forge"]
+    def forge_args(state_format: str) -> List[str]:
+        return ["--bf16", "--state-format", state_format, "--stochastic-rounding"]
+    (bf16, _), *quantized = names["forge"].items()
     # NOTE: the mixed-precision reference and the first noise run go before the int8 run: the
     # bf16 comparison is only meaningful beside them, and a cut-short call keeps all three.
-    runs = {reference: ["--bf16", "--baseline", "torch"],
-            bf16: ["--bf16", "--state-format", "bf16", "--stochastic-rounding"],
+    runs = {reference: ["--bf16", "--baseline", "torch"], bf16: forge_args("bf16"),
             amp_reference: ["--amp", "--baseline", "torch"]}
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[:1]})
-    runs[int8] = ["--bf16", "--state-format", "int8", "--stochastic-rounding"]
-    runs[fp8] = ["--bf16", "--state-format", "fp8", "--stochastic-rounding"]
-    runs.update({name: extra for name, extra in names["extra"].items() if name in chosen})
+    runs.update({name: forge_args(fmt) for name, fmt in quantized})
     runs.update({name: ["--bf16", "--baseline", "torch"] for name in noise_runs[1:]})
     # (common's "--seed 0" comes first: argparse keeps the last)
     runs.update({name: ["--amp", "--baseline", "torch", "--seed", str(k)]
@@ -1284,6 +1299,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per step (default 1)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile(model) in every case (made after the optimizer)")
+    p.add_argument("--memory-limit-gib", type=float, default=0, metavar="GIB",
+                   help="cap this process's CUDA memory at GIB (torch.cuda."
+                        "set_per_process_memory_fraction): what a smaller card would hold; "
+                        "a case above it is out of memory (0: the whole device)")
     p.add_argument("--timed-steps", type=int, default=TIMED_STEPS, metavar="N",
                    help=f"steps timed after the warm-ups (default {TIMED_STEPS})")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
@@ -1337,10 +1356,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the mixed-precision reference over seeds 0 .. N-1 (after every other "
                         "run): every run's last-half mean loss is held to their spread")
     g.add_argument("--parity-runs", nargs="+", default=None, metavar="RUN",
-                   help=f"FORGE's runs (adamw: {', '.join(PARITY_RUNS)}, and "
-                        f"{', '.join(PARITY_EXTRA_RUNS)} when named; muon: "
-                        f"{', '.join(PARITY_NAMES['muon']['forge'])}; default: all but the "
-                        "named-only ones): the references run whatever this says")
+                   help=f"FORGE's runs (adamw: {', '.join(PARITY_RUNS)}; muon: "
+                        f"{', '.join(PARITY_NAMES['muon']['forge'])}; default: all): the "
+                        "references run whatever this says")
     g.add_argument("--parity-noise-runs", type=int, default=1,
                    help="torch runs with perturbed initial weights (one noise seed each) that "
                         "measure the run-to-run noise floor (default 1)")
@@ -1487,6 +1505,8 @@ def _run(argv) -> int:
             raise BenchError("--device cuda: no CUDA GPU is available to torch")
         if args.cuda_graph and device.type != "cuda":
             raise BenchError(f"--cuda-graph: CUDA graphs need a CUDA device, not {device}")
+        if args.memory_limit_gib:
+            limit_memory(args.memory_limit_gib, device)
         info = environment(device, argv)
         if args.parity:
             return parity_report(args, info)
