@@ -173,7 +173,11 @@ def step_rows(d: dict, base: dict) -> Iterable[dict]:
     """forge-bench's forge-bench-*.json: whole training steps (and, profiled, their GPU time by
     kernel category)."""
     env = d["environment"]
-    mode_suffix = "-graph" if "--cuda-graph" in env.get("command", "") else ""
+    command = env.get("command", "").split()
+    mode_suffix = "-graph" if "--cuda-graph" in command else ""
+    # (--memory-limit-gib: a smaller card's share, its own case)
+    limit = (f" limit={command[command.index('--memory-limit-gib') + 1]}GiB"
+             if "--memory-limit-gib" in command[:-1] else "")
     # (several ranks: their case says how many; rank 0 of a simulated job is its own benchmark,
     # "ranks", with this rank's weights and states beside its peak)
     par = env.get("parallel") or {}
@@ -186,10 +190,10 @@ def step_rows(d: dict, base: dict) -> Iterable[dict]:
     for r in d["results"]:
         if r.get("status") != "ok":
             if r.get("status") == "oom":
-                yield _row(dict(base, value="nan"), _step_case(r) + ranks, r["mode"] + mode_suffix,
-                           "oom", 1)
+                yield _row(dict(base, value="nan"), _step_case(r) + ranks + limit,
+                           r["mode"] + mode_suffix, "oom", 1)
             continue
-        case, variant = _step_case(r) + ranks, r["mode"] + mode_suffix
+        case, variant = _step_case(r) + ranks + limit, r["mode"] + mode_suffix
         for metric in metrics:
             if r.get(metric) is not None:
                 yield _row(base, case, variant, metric, r[metric])

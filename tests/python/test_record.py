@@ -120,6 +120,23 @@ def test_a_profiled_step_records_its_kernel_categories(tmp_path):
                     ("forge-bf16-graph", "profile_ms GEMM (cuBLAS)"): "23.188"}
 
 
+def test_a_memory_limited_run_is_its_own_case(tmp_path):
+    """forge-bench --memory-limit-gib: a smaller card's share; its cases (an OOM included) are
+    not the uncapped ones."""
+    record = load_record()
+    d = {"environment": {"date": "2026-12-06T19:10:00", "gpu": "NVIDIA H100 80GB HBM3",
+                         "command": "forge-bench --memory-limit-gib 29.8 --ckpt on"},
+         "results": [{"model": "llama-3.1-8b", "seq": 2048, "ckpt": True,
+                      "mode": "forge-int4-head", "status": "ok", "peak_gib": 26.3},
+                     {"model": "llama-3.1-8b", "seq": 2048, "ckpt": True,
+                      "mode": "forge-int8-head", "status": "oom"}]}
+    path = tmp_path / "forge-bench.json"
+    path.write_text(json.dumps(d))
+    rows = {(r["case"], r["variant"], r["metric"]) for r in record.rows_of(str(path), "abc")}
+    case = "llama-3.1-8b seq=2048 ckpt limit=29.8GiB"
+    assert rows == {(case, "forge-int4-head", "peak_gib"), (case, "forge-int8-head", "oom")}
+
+
 def test_commands_are_written_repository_relative(tmp_path):
     """No machine path reaches the table: the checkout's root and any checkout's build folder
     give way to relative paths, other absolute paths to "$OUT/..."."""
