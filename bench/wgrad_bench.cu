@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <string>
@@ -361,11 +362,16 @@ void run_cublas(cublasHandle_t h, const void* x, const void* dy, void* dw, cudaD
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-// Writes `text` to `path` (a report next to the printed one; skipped if it cannot be opened).
+// Writes `text` to `path` (a report next to the printed one), its folder made first; says so on
+// stderr when it cannot.
 void write_text(const std::string& path, const std::string& text) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
   if (FILE* f = std::fopen(path.c_str(), "w")) {
     std::fputs(text.c_str(), f);
     std::fclose(f);
+  } else {
+    std::fprintf(stderr, "wgrad_bench: cannot write %s\n", path.c_str());
   }
 }
 
