@@ -51,9 +51,12 @@ __device__ __forceinline__ float* int8_code_table() {
   return table;
 }
 
-// The int4 signed map's 16 values by code (formats.h, int4_map).
-__device__ __forceinline__ float* int4_signed_table() {
-  __shared__ float table[kInt4Codes];
+// Both int4 maps' values by code (formats.h, int4_map): [0, 16) the signed codes, [16, 32) the
+// unsigned ones.
+// NOTE: the unsigned map too, though (c + 1) / 16 is arithmetic: the int-to-float conversion
+// runs on the quarter-rate pipe that AdamW's square roots and reciprocals already load.
+__device__ __forceinline__ float* int4_code_table() {
+  __shared__ float table[2 * kInt4Codes];
   return table;
 }
 
@@ -83,13 +86,14 @@ __device__ __forceinline__ uint2 int4_bucket_entry(int b) {
   return e;
 }
 
-// Fills the tables (int8's two, int4's signed map and buckets): the CTA's threads (tid: the thread's
+// Fills the tables (int8's two, int4's maps and buckets): the CTA's threads (tid: the thread's
 // index in it, blockDim.x of them) write; a __syncthreads must follow before the first int8 or
 // int4 access. Every kernel that may touch int8 or int4 states calls it before its first
 // __syncthreads (int8_table_needed<Spec>).
 __device__ __forceinline__ void int8_tables_init(int tid) {
   if (tid < 16) int8_sixteenths_table()[tid] = int8_sixteenth_word(tid);
-  if (tid < kInt4Codes) int4_signed_table()[tid] = int4_map(static_cast<uint8_t>(tid), true);
+  if (tid < 2 * kInt4Codes)
+    int4_code_table()[tid] = int4_map(static_cast<uint8_t>(tid % kInt4Codes), tid < kInt4Codes);
   for (int b = tid; b < kInt4Buckets; b += blockDim.x) int4_bucket_table()[b] = int4_bucket_entry(b);
   for (int i = tid; i < 512; i += blockDim.x) {
     const int code = i & 255;
@@ -308,12 +312,9 @@ __device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], floa
 // midpoints are ±0.00275, the smallest unsigned one 3/32), so the codes are the CPU's. Codes pack as formats.h says: 4 bits
 // per element, element e of a quad in bits 4e..4e+3 (the quad's two bytes, little end first).
 
-// map(code) · absmax: formats.h's int4_decode (the signed map from its table, the unsigned one
-// the same product (code + 1) · 1/16).
+// map(code) · absmax: formats.h's int4_decode (the low 4 bits of `code`).
 __device__ __forceinline__ float int4_decode_fast(uint32_t code, bool is_signed, float absmax) {
-  const float m = is_signed ? int4_signed_table()[code & 15u]
-                            : static_cast<float>((code & 15u) + 1u) * 0.0625f;
-  return m * absmax;
+  return int4_code_table()[(is_signed ? 0u : 16u) + (code & 15u)] * absmax;
 }
 
 // formats.h's int4_nearest_code(q, is_signed) for q = x / absmax, given x and ratio = |q| (or
@@ -325,9 +326,12 @@ __device__ __forceinline__ float int4_decode_fast(uint32_t code, bool is_signed,
 // (16 - min(#{m_j < r}, 7)) & 15. Both counts are the bucket's base count plus whether r's bits
 // pass the midpoint inside it, reached (>=) or passed (>); a NaN counts as negative and passes
 // all 8 (code 9, as the reference). Unsigned, the count of the midpoints (2k + 3) / 32 that q
-// reaches is floor(16q - 1/2) clamped to [0, 15], both operations exact for q in [0, 1] (16q is
-// a scaling, and subtracting 1/2 from a float of at least 1/2 below 2^23 is exact); a negative
-// q or a NaN takes code 0.
+// reaches is floor(16q - 1/2) clamped to [0, 15]: 16q - 1/2 is exact for q in [0, 1] (16q is a
+// scaling, and subtracting 1/2 from a float of at least 1/2 below 2^23 is exact), and adding
+// 1.5 · 2^23 rounding down leaves floor(t) in the low bits for any t in [-2^22, 2^22) (an
+// infinity clamps to 15); a negative q or a NaN takes code 0.
+// NOTE: the rounding-mode add, not a float-to-int conversion: the conversion runs on the
+// quarter-rate pipe that AdamW's square roots and reciprocals already load.
 __device__ __forceinline__ uint32_t int4_code_fast(float x, float ratio, bool is_signed) {
   const uint32_t r = __float_as_uint(ratio);
   const bool negative = (__float_as_uint(x) >> 31) != 0u || r > 0x7F800000u;
@@ -337,7 +341,10 @@ __device__ __forceinline__ uint32_t int4_code_fast(float x, float ratio, bool is
     const uint32_t count = e.x + ((r + (negative ? 0u : 1u)) > e.y ? 1u : 0u);
     return negative ? (16u - min(count, 7u)) & 15u : count;
   }
-  const int index = __float2int_rd(__fsub_rn(__fmul_rn(ratio, 16.0f), 0.5f));
+  constexpr float kFloorMagic = 0x1.8p23f;
+  const float t = __fsub_rn(__fmul_rn(ratio, 16.0f), 0.5f);
+  const int index = static_cast<int>(__float_as_uint(__fadd_rd(t, kFloorMagic)) -
+                                     __float_as_uint(kFloorMagic));
   return negative ? 0u : static_cast<uint32_t>(min(max(index, 0), kInt4Codes - 1));
 }
 
