@@ -14,6 +14,20 @@ namespace fgt {
 // Draw z: 32 random bits.
 __device__ inline uint32_t mix(uint64_t z) { return static_cast<uint32_t>(forge::mix64(z) >> 32); }
 
+// A block's absmax as the int8 / int4 encode tests draw it (draws first, first + 1): 2^-75 ..
+// 2^70, and a quarter of the time one no step stores (zero, subnormal, infinite, NaN).
+__device__ inline float block_absmax_draw(uint64_t first) {
+  const uint32_t r = mix(first);
+  switch (r & 15) {
+    case 0: return 0.0f;
+    case 1: return __uint_as_float(r >> 9);  // subnormal
+    case 2: return INFINITY;
+    case 3: return __uint_as_float(0x7FC00000u | (r >> 9));  // NaN
+    default:  // 2^-75 .. 2^70
+      return __uint_as_float(((52u + (r >> 4) % 146u) << 23) | (mix(first + 1) & 0x7FFFFFu));
+  }
+}
+
 // A quad of values of a block whose absmax is `absmax`: each |v| <= absmax, at a log-uniform
 // fraction of it down to 2^-149 (zeros and ±absmax included), either sign; draws first .. first
 // + 3.

@@ -446,6 +446,19 @@ void expect_skipped_codes(const HostParam& before, const HostParam& after,
       }
 }
 
+unsigned long long run_and_count(void (*launch)(unsigned long long*)) {
+  unsigned long long* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, sizeof(unsigned long long)));
+  CUDA_OK(cudaMemset(d, 0, sizeof(unsigned long long)));
+  launch(d);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  unsigned long long h = 0;
+  CUDA_OK(cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaFree(d));
+  return h;
+}
+
 std::vector<float> decoded(const HostParam& p, const std::string& buffer, const forge_hparams& hp) {
   const int64_t n = p.rows * p.cols;
   std::vector<float> out(n);

@@ -109,6 +109,10 @@ struct DeviceParam {
 // Bit-for-bit comparison of every buffer; the message names the first differing element.
 ::testing::AssertionResult same_bits(const HostParam& expected, const HostParam& actual);
 
+// Runs `launch` with a zeroed device counter and returns what it counted (the format tests'
+// mismatches).
+unsigned long long run_and_count(void (*launch)(unsigned long long*));
+
 // Decoded fp32 values of one buffer ("weight", "master", "state0".."state2").
 std::vector<float> decoded(const HostParam& p, const std::string& buffer, const forge_hparams& hp);
 

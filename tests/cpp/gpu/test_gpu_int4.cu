@@ -53,23 +53,13 @@ __global__ void compare_nearest(uint64_t first, uint64_t count, unsigned long lo
 
 // The encode of a block's quad as the kernels do it (int8_quad_ratios, the IEEE ratios where it
 // declines, int4_quad_codes) against int4_encode: absmax over 2^-75..2^70 and zero, subnormal,
-// infinite, NaN (test_gpu_int8_map.cu's draws), four values |v| <= absmax.
+// infinite, NaN (block_absmax_draw, as test_gpu_int8_map.cu), four values |v| <= absmax.
 __global__ void compare_quad_codes(uint32_t count, unsigned long long* mismatches) {
   forge::cuda::int8_tables_init(threadIdx.x);  // the signed encode reads its bucket table
   __syncthreads();
   unsigned long long bad = 0;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
-    const uint32_t r = mix(6 * uint64_t(i));
-    float absmax;
-    switch (r & 15) {
-      case 0: absmax = 0.0f; break;
-      case 1: absmax = __uint_as_float(r >> 9); break;  // subnormal
-      case 2: absmax = INFINITY; break;
-      case 3: absmax = __uint_as_float(0x7FC00000u | (r >> 9)); break;  // NaN
-      default:  // 2^-75 .. 2^70
-        absmax = __uint_as_float(((52u + (r >> 4) % 146u) << 23) |
-                                 (mix(6 * uint64_t(i) + 1) & 0x7FFFFFu));
-    }
+    const float absmax = block_absmax_draw(6 * uint64_t(i));
     float v[kQuad], ratio[kQuad];
     block_quad(isfinite(absmax) ? absmax : 1.0f, 6 * uint64_t(i) + 2, v);
     if (!forge::cuda::int8_quad_ratios(absmax, v, ratio))
@@ -107,19 +97,6 @@ __global__ void compare_packed(uint8_t* bytes, unsigned long long* mismatches) {
   for (int e = 0; e < n; ++e)
     bad = bad || ((loaded >> (4 * e)) & 15u) != forge::int4_code_at(want, e);
   if (bad) atomicAdd(mismatches, 1ull);
-}
-
-unsigned long long run_and_count(void (*launch)(unsigned long long*)) {
-  unsigned long long* d = nullptr;
-  CUDA_OK(cudaMalloc(&d, sizeof(unsigned long long)));
-  CUDA_OK(cudaMemset(d, 0, sizeof(unsigned long long)));
-  launch(d);
-  CUDA_OK(cudaGetLastError());
-  CUDA_OK(cudaDeviceSynchronize());
-  unsigned long long h = 0;
-  CUDA_OK(cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaFree(d));
-  return h;
 }
 
 TEST(Int4CodecFast, DecodeEveryCode) {

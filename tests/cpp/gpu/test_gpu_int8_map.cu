@@ -82,17 +82,7 @@ __global__ void compare_quad_ratios(uint32_t count, unsigned long long* mismatch
   __syncthreads();
   unsigned long long bad = 0, took = 0;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
-    const uint32_t r = mix(6 * uint64_t(i));
-    float absmax;
-    switch (r & 15) {
-      case 0: absmax = 0.0f; break;
-      case 1: absmax = __uint_as_float(r >> 9); break;  // subnormal
-      case 2: absmax = INFINITY; break;
-      case 3: absmax = __uint_as_float(0x7FC00000u | (r >> 9)); break;  // NaN
-      default:  // 2^-75 .. 2^70
-        absmax = __uint_as_float(((52u + (r >> 4) % 146u) << 23) |
-                                 (mix(6 * uint64_t(i) + 1) & 0x7FFFFFu));
-    }
+    const float absmax = block_absmax_draw(6 * uint64_t(i));
     float v[forge::cuda::kQuad], ratio[forge::cuda::kQuad];
     // an infinite or NaN absmax (which no step stores) over finite values, as a stored block's
     block_quad(isfinite(absmax) ? absmax : 1.0f, 6 * uint64_t(i) + 2, v);
@@ -109,19 +99,6 @@ __global__ void compare_quad_ratios(uint32_t count, unsigned long long* mismatch
   }
   if (bad) atomicAdd(mismatches, bad);
   atomicAdd(fast, took);
-}
-
-unsigned long long run_and_count(void (*launch)(unsigned long long*)) {
-  unsigned long long* d = nullptr;
-  CUDA_OK(cudaMalloc(&d, sizeof(unsigned long long)));
-  CUDA_OK(cudaMemset(d, 0, sizeof(unsigned long long)));
-  launch(d);
-  CUDA_OK(cudaGetLastError());
-  CUDA_OK(cudaDeviceSynchronize());
-  unsigned long long h = 0;
-  CUDA_OK(cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaFree(d));
-  return h;
 }
 
 TEST(Int8MapFast, DecodeEveryCode) {
