@@ -134,7 +134,8 @@ void store_state(const forge_param& p, int i, bool is_signed, int64_t row, int64
         for (int e = 0; e < n; ++e)
           if (!(keep && keep[e]) || grew) {
             const int64_t col = col0 + e;
-            s[col >> 1] = int4_store_code(s[col >> 1], col, p.cols, int4_encode(in[e], absmax, is_signed));
+            s[col >> 1] =
+                int4_store_code(s[col >> 1], col, p.cols, int4_encode(in[e], absmax, is_signed));
           }
         break;
       }

@@ -947,10 +947,10 @@ def write_results(out_dir: str, info: dict, rows: List[dict]) -> Dict[str, str]:
 # ----------------------------------------------------------------------------- parity
 
 # The GPU convergence-parity report: FORGE (bf16 weights: stochastic rounding; bf16, int8,
-# fp8 and int4 states) on the ~100M model, held to the spread of a mixed-precision reference over seeds
-# (PARITY_AMP_REFERENCE, amp_seed_spread: the criterion), and measured per step against
-# torch.optim.AdamW(fused=True) on bf16 weights with the same seed and batches (mean |Δloss|
-# over the last half; information, with the noise floor below as its scale).
+# fp8 and int4 states) on the ~100M model, held to the spread of a mixed-precision reference
+# over seeds (PARITY_AMP_REFERENCE, amp_seed_spread: the criterion), and measured per step
+# against torch.optim.AdamW(fused=True) on bf16 weights with the same seed and batches (mean
+# |Δloss| over the last half; information, with the noise floor below as its scale).
 # FORGE's runs, each with its state format (the first: bf16 states).
 PARITY_RUNS = {"forge-bf16-sr": "bf16", "forge-int8": "int8", "forge-fp8": "fp8",
                "forge-int4": "int4"}
@@ -1049,6 +1049,7 @@ def parity_report(args, info: dict) -> int:
                          f"{' '.join(chosen) or 'none'}")
     noise_runs = noise_run_names(args.parity_noise_runs, names["noise"])
     amp_runs = amp_run_names(args.parity_amp_seeds, amp_reference)
+
     def forge_args(state_format: str) -> List[str]:
         return ["--bf16", "--state-format", state_format, "--stochastic-rounding"]
     (bf16, _), *quantized = names["forge"].items()

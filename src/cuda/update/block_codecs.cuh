@@ -94,7 +94,8 @@ __device__ __forceinline__ void int8_tables_init(int tid) {
   if (tid < 16) int8_sixteenths_table()[tid] = int8_sixteenth_word(tid);
   if (tid < 2 * kInt4Codes)
     int4_code_table()[tid] = int4_map(static_cast<uint8_t>(tid % kInt4Codes), tid < kInt4Codes);
-  for (int b = tid; b < kInt4Buckets; b += blockDim.x) int4_bucket_table()[b] = int4_bucket_entry(b);
+  for (int b = tid; b < kInt4Buckets; b += blockDim.x)
+    int4_bucket_table()[b] = int4_bucket_entry(b);
   for (int i = tid; i < 512; i += blockDim.x) {
     const int code = i & 255;
     float v;
@@ -165,7 +166,7 @@ __device__ __forceinline__ uint8_t int8_encode_fast(float x, float absmax, bool 
   return static_cast<uint8_t>(int8_quad_codes(v, ratio, is_signed));
 }
 
-// ---- the ratios |x| / absmax of an int8 or int4 encode --------------------------------------------------
+// ---- the ratios |x| / absmax of an int8 or int4 encode -----------------------------------------
 //
 // ratio[e] = |v[e]| / absmax for the 4 values of a quad in a block whose absmax (>= every
 // |v[e]|) is `absmax`, branch-free, with one check per block instead of FastMath's per
@@ -309,8 +310,9 @@ __device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], floa
 // int8's ratios |x| / absmax (int8_quad_ratios: the IEEE quotient wherever it is 2^-40 or more,
 // and below that something under 3 · 2^-40) and q's sign from x: IEEE division is symmetric in
 // the sign, and every q of magnitude below 2^-38 has code 0 in both maps (the smallest signed
-// midpoints are ±0.00275, the smallest unsigned one 3/32), so the codes are the CPU's. Codes pack as formats.h says: 4 bits
-// per element, element e of a quad in bits 4e..4e+3 (the quad's two bytes, little end first).
+// midpoints are ±0.00275, the smallest unsigned one 3/32), so the codes are the CPU's. Codes
+// pack as formats.h says: 4 bits per element, element e of a quad in bits 4e..4e+3 (the quad's
+// two bytes, little end first).
 
 // map(code) · absmax: formats.h's int4_decode (the low 4 bits of `code`).
 __device__ __forceinline__ float int4_decode_fast(uint32_t code, bool is_signed, float absmax) {

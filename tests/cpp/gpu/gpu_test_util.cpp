@@ -158,8 +158,9 @@ void move_shard(HostParam& full, HostParam& shard, bool to_shard) {
     move(full.master, shard.master, full.cols, cols, c0, cols, 4);
   for (int i = 0; i < full.layout.num_states; ++i) {
     if (full.state_format == FORGE_STATE_INT4_BLOCK64) {  // packed rows (c0 % 64 == 0: whole bytes)
-      move(full.state[i], shard.state[i], state_row_bytes(full.state_format, full.cols),
-           state_row_bytes(full.state_format, cols), c0 / 2, state_row_bytes(full.state_format, cols), 1);
+      const int64_t full_row = state_row_bytes(full.state_format, full.cols),
+                    shard_row = state_row_bytes(full.state_format, cols);
+      move(full.state[i], shard.state[i], full_row, shard_row, c0 / 2, shard_row, 1);
     } else {
       move(full.state[i], shard.state[i], full.cols, cols, c0, cols,
            state_element_bytes(full.state_format));
@@ -410,7 +411,8 @@ namespace {
 uint8_t reencoded(forge_state_format sf, uint8_t old_code, float old_absmax, float new_absmax,
                   bool is_signed) {
   if (sf == FORGE_STATE_INT4_BLOCK64)
-    return forge::int4_encode(forge::int4_decode(old_code, old_absmax, is_signed), new_absmax, is_signed);
+    return forge::int4_encode(forge::int4_decode(old_code, old_absmax, is_signed), new_absmax,
+                              is_signed);
   if (sf == FORGE_STATE_FP8_BLOCK64)
     return forge::fp8_encode(forge::fp8_decode(old_code, old_absmax, is_signed), new_absmax, is_signed);
   return forge::int8_encode(forge::int8_decode(old_code, is_signed) * old_absmax, new_absmax, is_signed);
@@ -498,7 +500,10 @@ std::vector<float> decoded(const HostParam& p, const std::string& buffer, const 
     double max_ref = 0.0;
     for (float v : e)
       if (std::isfinite(v)) max_ref = std::max(max_ref, std::fabs(static_cast<double>(v)));
-    const double rel = kind == 0 ? kFp32Rel : kind == 1 ? kBf16Rel : kind == 2 ? kInt8Rel : kInt4Rel;
+    const double rel = kind == 0   ? kFp32Rel
+                       : kind == 1 ? kBf16Rel
+                       : kind == 2 ? kInt8Rel
+                                   : kInt4Rel;
     const double abs = (kind == 0   ? kFp32AbsOfMax
                         : kind == 1 ? kBf16AbsOfMax
                         : kind == 2 ? kInt8AbsOfMax

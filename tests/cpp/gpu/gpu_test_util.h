@@ -116,10 +116,11 @@ unsigned long long run_and_count(void (*launch)(unsigned long long*));
 // Decoded fp32 values of one buffer ("weight", "master", "state0".."state2").
 std::vector<float> decoded(const HostParam& p, const std::string& buffer, const forge_hparams& hp);
 
-// The block rule of int8 / fp8 / int4 states for elements skipped in a step (a non-finite gradient):
-// for each row of `after` (the step's result from `before`) and each column in `skipped`, in
-// every state, the element keeps its code where its block's absmax stayed, else gets its old
-// code decoded and encoded again with the new absmax (formats.h). Counts the two cases.
+// The block rule of int8 / fp8 / int4 states for elements skipped in a step (a non-finite
+// gradient): for each row of `after` (the step's result from `before`) and each column in
+// `skipped`, in every state, the element keeps its code where its block's absmax stayed, else
+// gets its old code decoded and encoded again with the new absmax (formats.h). Counts the two
+// cases.
 void expect_skipped_codes(const HostParam& before, const HostParam& after,
                           std::initializer_list<int64_t> skipped, int* stayed, int* grew);
 

@@ -91,7 +91,8 @@ __global__ void compare_packed(uint8_t* bytes, unsigned long long* mismatches) {
   uint8_t want[2] = {start[0], start[1]};
   for (int e = 0; e < n; ++e)
     if (!((keep >> e) & 1))
-      want[e / 2] = forge::int4_store_code(want[e / 2], e, n, static_cast<uint8_t>((codes >> (4 * e)) & 15u));
+      want[e / 2] =
+          forge::int4_store_code(want[e / 2], e, n, static_cast<uint8_t>((codes >> (4 * e)) & 15u));
   bool bad = mine[0] != want[0] || mine[1] != want[1];
   const uint32_t loaded = forge::cuda::load_quad_int4(mine, 0, n, vec);
   for (int e = 0; e < n; ++e)
