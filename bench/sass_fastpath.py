@@ -19,9 +19,9 @@ The count excludes the fp64 sum-of-squares block and covers loads, stores and lo
 it is what the SASS says, not a device measurement (ncu's thread instructions per element
 also include the main loop, the split-K and the by-products).
 
-int8 and fp8 states beside an SR weight run one pass per loop iteration (the loop is not
+int8, int4 and fp8 states beside an SR weight run one pass per loop iteration (the loop is not
 unrolled for them); other specs two. The walk counts the passes by their fast/exact splits,
-two per pass for int8.
+two per pass for int8 and int4.
 
     python3 bench/sass_fastpath.py build-gpu/libforge.so 2,1,1 2,2,2
     python3 bench/sass_fastpath.py build-gpu/libforge.so 2,2,2 --run-scalars
@@ -120,7 +120,7 @@ def main() -> int:
             continue
         body = min(candidates, key=lambda c: (c[0], c[1]))[2]
         path, passes, other = walk(body)
-        if s == "3":  # int8 states: two fast/exact splits per pass
+        if s in ("3", "5"):  # int8 and int4 states: two fast/exact splits per pass
             passes = max(passes // 2, 1)
         per_element = len(path) / (passes * ELEMENTS_PER_PASS)
         ops = collections.Counter(op(t) for t in path)

@@ -790,6 +790,14 @@ int main(int argc, char** argv) {
       forge_wgrad_args a = fused_args(x.p, dy.p, tokens, s, *q, adamw);
       CHECK_FORGE(forge_wgrad_step(&a));
     }
+    // Then int4 states beside the SR weight at T = 512 (13th launch), int8's 4th.
+    DevMem mi4(n / 2), vi4(n / 2), ami4(n / 64 * 4), avi4(n / 64 * 4);
+    const forge_param pi4 =
+        with_block_adamw_states(p, FORGE_STATE_INT4_BLOCK64, mi4, vi4, ami4, avi4, 9, adamw);
+    {
+      forge_wgrad_args a = fused_args(x.p, dy.p, 512, s, pi4, adamw);
+      CHECK_FORGE(forge_wgrad_step(&a));
+    }
     CHECK_CUDA(cudaDeviceSynchronize());
     std::printf("profile launches done\n");
     return 0;

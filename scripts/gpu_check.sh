@@ -15,7 +15,7 @@
 # prints the medians (see below).
 # `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
 # Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 32 and 512, bf16 SR and
-# int8 states, bf16 nearest, and fp8 states), the element-wise step and the unfused AdamW
+# int8 states, bf16 nearest, fp8 states, int4 states), the element-wise step and the unfused AdamW
 # pass, writing $OUT/ncu.txt.
 # Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
 # (default 580, one 600 s device call). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
@@ -94,12 +94,13 @@ if [ "${1:-}" = profile ]; then
     exit 1
   }
   log "profile: ncu ($NCU)"
-  # wgrad_bench --profile's 9 launches (its main() lists them): the fused step (whichever kernel
+  # wgrad_bench --profile's 13 launches (its main() lists them): the fused step (whichever kernel
   # the environment selects: FORGE_DEBUG_PERSISTENT=1 profiles the persistent one) at T = 32 and
   # 512 with bf16 SR and int8 states, the element-wise step with both, the unfused AdamW pass,
-  # and the fused step with nearest-rounded bf16 W and states at T = 32 and 512.
+  # the fused step with nearest-rounded bf16 W and states at T = 32 and 512, with fp8 states
+  # (three), and with int4 states beside the SR weight at T = 512.
   timeout "${FORGE_NCU_TIMEOUT:-300}" "$NCU" --clock-control none --kernel-name regex:'wgrad|adamw|elementwise' \
-    --launch-skip 0 --launch-count 12 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --launch-skip 0 --launch-count 13 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section ComputeWorkloadAnalysis --section InstructionStats \
     --section SourceCounters \

@@ -63,8 +63,9 @@ __device__ __forceinline__ float* int4_code_table() {
 // The signed int4 encode's buckets: a ratio r = |q| >= 0 by its exponent and top 4 mantissa
 // bits (r's bits >> 19), from 2^-9 (below it lies no midpoint: the smallest is 0.00275) to 2
 // (bucket 160: 2 and above, infinity and NaN). Each bucket holds at most one of the 8 positive
-// midpoints (they are at least 21 % apart, a bucket at most 6.25 % wide): entry b is {the count
-// of midpoints below the bucket, the bits of the one inside it or ~0u}.
+// midpoints (they are at least 21 % apart, a bucket at most 6.25 % wide): entry b is {the four
+// codes the bucket can give, by selector (bit 0: q is negative, bit 1: r passes the midpoint
+// inside the bucket), one per byte; the bits of that midpoint or ~0u}.
 constexpr int kInt4Buckets = 161;
 constexpr int kInt4FirstBucket = (127 - 9) << 4;  // 2^-9's bits >> 19
 __device__ __forceinline__ uint2* int4_bucket_table() {
@@ -74,16 +75,21 @@ __device__ __forceinline__ uint2* int4_bucket_table() {
 __device__ __forceinline__ uint2 int4_bucket_entry(int b) {
   const uint32_t lo = static_cast<uint32_t>(kInt4FirstBucket + b) << 19;
   const uint32_t hi = b + 1 < kInt4Buckets ? lo + (1u << 19) : 0xFFFFFFFFu;
-  uint2 e = make_uint2(0u, 0xFFFFFFFFu);
+  uint32_t below = 0u, mid = 0xFFFFFFFFu;  // the midpoints below the bucket; the one inside it
   for (int k = kInt4Codes / 2; k < kInt4Codes; ++k) {  // the positive midpoints
     const uint32_t m = __float_as_uint(int4_signed_midpoint(k));
     if (m < lo) {
-      e.x += 1u;
+      below += 1u;
     } else if (m < hi) {
-      e.y = m;
+      mid = m;
     }
   }
-  return e;
+  // With c midpoints counted, a q >= 0 takes code c, a q < 0 code (16 - min(c, 7)) & 15
+  // (int4_code_fast).
+  auto negative = [](uint32_t c) { return (16u - min(c, 7u)) & 15u; };
+  const uint32_t codes = below | negative(below) << 8 | (below + 1u) << 16 |
+                         negative(below + 1u) << 24;
+  return make_uint2(codes, mid);
 }
 
 // Fills the tables (int8's two, int4's maps and buckets): the CTA's threads (tid: the thread's
@@ -320,43 +326,61 @@ __device__ __forceinline__ float int4_decode_fast(uint32_t code, bool is_signed,
 }
 
 // formats.h's int4_nearest_code(q, is_signed) for q = x / absmax, given x and ratio = |q| (or
-// a NaN where q is one).
-// NOTE: signed, by the bucket table (one shared-memory read, ~12 instructions, against 15
+// a NaN where q is one). kAccepted: the caller knows that every element whose code it stores has
+// a finite x and a ratio in [0, 1] (a warp where no element was skipped: each is a result
+// apply_rule accepted, and the block's absmax is their largest magnitude); any other element
+// gets some code there and changes no nibble but its own and those above it.
+// NOTE: signed, by the bucket table (one shared-memory read and ~10 instructions, against 15
 // compares and adds): with the 8 positive midpoints m_j, a q >= 0 takes code #{m_j <= r} (index
 // 7 + that count); a q < 0 (or -0) index #{k : q >= m_k} = #{j < 15 : r <= m_j} (the negative
 // midpoints are the positive ones negated, bit for bit: the map's halves mirror), so code
 // (16 - min(#{m_j < r}, 7)) & 15. Both counts are the bucket's base count plus whether r's bits
-// pass the midpoint inside it, reached (>=) or passed (>); a NaN counts as negative and passes
-// all 8 (code 9, as the reference). Unsigned, the count of the midpoints (2k + 3) / 32 that q
-// reaches is floor(16q - 1/2) clamped to [0, 15]: 16q - 1/2 is exact for q in [0, 1] (16q is a
-// scaling, and subtracting 1/2 from a float of at least 1/2 below 2^23 is exact), and adding
-// 1.5 · 2^23 rounding down leaves floor(t) in the low bits for any t in [-2^22, 2^22) (an
-// infinity clamps to 15); a negative q or a NaN takes code 0.
+// pass the midpoint inside it, reached (>=) or passed (>): the entry holds the four codes, and a
+// byte permute picks one. A NaN counts as negative and passes all 8 (code 9, as the reference).
+// Unsigned, the count of the midpoints (2k + 3) / 32 that q reaches is floor(16q - 1/2) clamped
+// to [0, 15]: 16q - 1/2 (one fma) is exact for q in [1/32, 2^23) and in [-1/2, 0) below that,
+// and adding 1.5 · 2^23 rounding down leaves floor(t) in the low bits for any t in
+// [-2^22, 2^22) (an infinity clamps to 15); a negative q or a NaN takes code 0. Accepted, q is
+// the ratio with x's sign: a negative one (or -0) gives t <= -1/2, whose floor -1 clamps to code
+// 0, and a ratio of at most 1 needs no upper clamp.
 // NOTE: the rounding-mode add, not a float-to-int conversion: the conversion runs on the
 // quarter-rate pipe that AdamW's square roots and reciprocals already load.
+template <bool kAccepted = false>
 __device__ __forceinline__ uint32_t int4_code_fast(float x, float ratio, bool is_signed) {
   const uint32_t r = __float_as_uint(ratio);
-  const bool negative = (__float_as_uint(x) >> 31) != 0u || r > 0x7F800000u;
+  const uint32_t sign = __float_as_uint(x) >> 31;
+  constexpr float kFloorMagic = 0x1.8p23f;
   if (is_signed) {
+    const uint32_t negative = kAccepted ? sign : sign | (r > 0x7F800000u ? 1u : 0u);
     const int b = min(max(static_cast<int>(r >> 19) - kInt4FirstBucket, 0), kInt4Buckets - 1);
     const uint2 e = int4_bucket_table()[b];
-    const uint32_t count = e.x + ((r + (negative ? 0u : 1u)) > e.y ? 1u : 0u);
-    return negative ? (16u - min(count, 7u)) & 15u : count;
+    const uint32_t passed = r + 1u - negative > e.y ? 2u : 0u;  // (>= where q >= 0)
+    return __byte_perm(e.x, 0u, passed | negative | 0x4440u);  // (bytes 1..3: zero)
   }
-  constexpr float kFloorMagic = 0x1.8p23f;
-  const float t = __fsub_rn(__fmul_rn(ratio, 16.0f), 0.5f);
+  if constexpr (kAccepted) {
+    const float q = __uint_as_float(r | (__float_as_uint(x) & 0x80000000u));
+    const float t = __fmaf_rn(q, 16.0f, -0.5f);
+    const int index = static_cast<int>(__float_as_uint(__fadd_rd(t, kFloorMagic)) -
+                                       __float_as_uint(kFloorMagic));
+    return static_cast<uint32_t>(max(index, 0));
+  }
+  const bool negative = sign != 0u || r > 0x7F800000u;
+  const float t = __fmaf_rn(ratio, 16.0f, -0.5f);
   const int index = static_cast<int>(__float_as_uint(__fadd_rd(t, kFloorMagic)) -
                                      __float_as_uint(kFloorMagic));
   return negative ? 0u : static_cast<uint32_t>(min(max(index, 0), kInt4Codes - 1));
 }
 
 // A quad's int4 codes (bits 4e..4e+3: element e's) given the ratios |x| / absmax
-// (int8_quad_ratios, or int8_quad_ratios_ieee where it declines the block).
+// (int8_quad_ratios, or int8_quad_ratios_ieee where it declines the block); kAccepted as
+// int4_code_fast's.
+template <bool kAccepted = false>
 __device__ __forceinline__ uint32_t int4_quad_codes(const float (&x)[kQuad],
                                                     const float (&ratio)[kQuad], bool is_signed) {
   uint32_t codes = 0u;
 #pragma unroll
-  for (int e = 0; e < kQuad; ++e) codes |= int4_code_fast(x[e], ratio[e], is_signed) << (4 * e);
+  for (int e = 0; e < kQuad; ++e)
+    codes |= int4_code_fast<kAccepted>(x[e], ratio[e], is_signed) << (4 * e);
   return codes;
 }
 

@@ -322,12 +322,24 @@ __device__ __forceinline__ void store_block_states(const ParamView& p, const int
         for (int q = 0; q < kQ; ++q)
           int8_quad_ratios_ieee(amax[i][Blocks::of(q)], s[i][q], ratio[i][q]);
     }
+    // NOTE: int4's codes in two copies: where no element of the warp was skipped, every value
+    // whose code is stored is a result apply_rule accepted, and the encode skips the checks for
+    // NaN and out-of-range values.
+    if (kInt4 && kept) {
 #pragma unroll
-    for (int i = 0; i < kNumStates; ++i)
+      for (int i = 0; i < kNumStates; ++i)
 #pragma unroll
-      for (int q = 0; q < kQ; ++q)
-        codes[i][q] = kInt4 ? int4_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i))
-                            : int8_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i));
+        for (int q = 0; q < kQ; ++q)
+          codes[i][q] = int4_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kNumStates; ++i)
+#pragma unroll
+        for (int q = 0; q < kQ; ++q)
+          codes[i][q] =
+              kInt4 ? int4_quad_codes<true>(s[i][q], ratio[i][q], spec_state_signed(kRule, i))
+                    : int8_quad_codes(s[i][q], ratio[i][q], spec_state_signed(kRule, i));
+    }
   }
   // (int4: a quad's two bytes, at its packed offset)
   auto store_codes = [&](int i, int q, unsigned keep_codes) {

@@ -1,5 +1,5 @@
 // test_gpu_int4.cu — the CUDA backend's int4 codec (src/cuda/update/block_codecs.cuh:
-// int4_decode_fast, int4_code_fast, int4_quad_codes over int8_quad_ratios /
+// int4_decode_fast, int4_code_fast, int4_quad_codes (both forms) over int8_quad_ratios /
 // int8_quad_ratios_ieee; src/cuda/update/quads.cuh: load_quad_int4, store_quad_int4) against
 // formats.h's reference functions, run on the device: every code, every float bit pattern
 // (all 2^32, both maps), 2^24 random blocks of four values against their absmax, and the packed
@@ -35,7 +35,7 @@ __global__ void compare_decode(unsigned long long* mismatches) {
 
 // Every float q whose bits lie in [first, first + count), as x = q against ratio |q|: NaNs,
 // infinities, negatives and values above 1 included (the reference's answer for each is
-// defined).
+// defined); the accepted form (int4_code_fast<true>) on every q in [-1, 1], its domain.
 __global__ void compare_nearest(uint64_t first, uint64_t count, unsigned long long* mismatches) {
   forge::cuda::int8_tables_init(threadIdx.x);  // the signed encode reads its bucket table
   __syncthreads();
@@ -43,17 +43,21 @@ __global__ void compare_nearest(uint64_t first, uint64_t count, unsigned long lo
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
        i += uint64_t(gridDim.x) * blockDim.x) {
     const float q = __uint_as_float(static_cast<uint32_t>(first + i));
-    for (int is_signed = 0; is_signed < 2; ++is_signed)
-      if (forge::int4_nearest_code(q, is_signed != 0) !=
-          forge::cuda::int4_code_fast(q, fabsf(q), is_signed != 0))
+    for (int is_signed = 0; is_signed < 2; ++is_signed) {
+      const uint32_t want = forge::int4_nearest_code(q, is_signed != 0);
+      if (want != forge::cuda::int4_code_fast(q, fabsf(q), is_signed != 0)) ++bad;
+      if (fabsf(q) <= 1.0f &&
+          want != forge::cuda::int4_code_fast<true>(q, fabsf(q), is_signed != 0))
         ++bad;
+    }
   }
   if (bad) atomicAdd(mismatches, bad);
 }
 
 // The encode of a block's quad as the kernels do it (int8_quad_ratios, the IEEE ratios where it
 // declines, int4_quad_codes) against int4_encode: absmax over 2^-75..2^70 and zero, subnormal,
-// infinite, NaN (block_absmax_draw, as test_gpu_int8_map.cu), four values |v| <= absmax.
+// infinite, NaN (block_absmax_draw, as test_gpu_int8_map.cu), four values |v| <= absmax; the
+// accepted form (int4_quad_codes<true>) too where the absmax is finite, its domain.
 __global__ void compare_quad_codes(uint32_t count, unsigned long long* mismatches) {
   forge::cuda::int8_tables_init(threadIdx.x);  // the signed encode reads its bucket table
   __syncthreads();
@@ -66,8 +70,12 @@ __global__ void compare_quad_codes(uint32_t count, unsigned long long* mismatche
       forge::cuda::int8_quad_ratios_ieee(absmax, v, ratio);
     for (int is_signed = 0; is_signed < 2; ++is_signed) {
       const uint32_t codes = forge::cuda::int4_quad_codes(v, ratio, is_signed != 0);
-      for (int e = 0; e < kQuad; ++e)
-        if (forge::int4_encode(v[e], absmax, is_signed != 0) != ((codes >> (4 * e)) & 15u)) ++bad;
+      const uint32_t accepted =
+          isfinite(absmax) ? forge::cuda::int4_quad_codes<true>(v, ratio, is_signed != 0) : codes;
+      for (int e = 0; e < kQuad; ++e) {
+        const uint32_t want = forge::int4_encode(v[e], absmax, is_signed != 0);
+        if (want != ((codes >> (4 * e)) & 15u) || want != ((accepted >> (4 * e)) & 15u)) ++bad;
+      }
     }
   }
   if (bad) atomicAdd(mismatches, bad);
