@@ -15,8 +15,10 @@ sequence. Here they never exist whole:
              the block's own update: forge.optim's fused step on rows of W with X = hidden and
              dY = dlogits (the step counted once for the weight). No dW exists either.
 
-Without a forge optimizer driving the head (or in its deferred mode, or a weight tied to an
-embedding) backward returns dW like any Linear, computed block by block. The loss is the
+In a forge optimizer's deferred step the head keeps what a deferred Linear keeps: hidden and
+the whole dlogits (a FactoredGrad) where those take fewer bytes than dW (Llama-3's head below
+~4000 tokens), else dW. Without a forge optimizer driving the head (or with a weight tied to
+an embedding) backward returns dW like any Linear, computed block by block. The loss is the
 mean over the tokens whose label is not ignore_index, as F.cross_entropy's; it equals the
 unfused head + cross entropy to fp32 rounding (the log-sum-exp is summed in another order).
 """
@@ -90,7 +92,17 @@ class _HeadCrossEntropy(torch.autograd.Function):
         scale = (grad.float() / ctx.count) * valid.float()                   # [N]
         dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         dw = None
-        if use != _linear.GRAD_DROPPED and update is None:
+        # A deferred step keeps X and the whole dY (a FactoredGrad, as for any fused Linear)
+        # where they take fewer bytes than dW: its update then runs at step() from them.
+        factored = None
+        if use == _linear.GRAD_ACCUMULATED and update is None:
+            n, d = hidden.shape
+            factored = RowUpdate.deferred_factors(weight, n * (d + vocab) * hidden.element_size())
+        dy_all = None
+        if factored is not None:
+            dy_all = torch.empty((hidden.shape[0], vocab), dtype=hidden.dtype,
+                                 device=hidden.device)                      # [N, V]
+        elif use != _linear.GRAD_DROPPED and update is None:
             # (W's gradient as torch's head would return it: in W's dtype, block by block)
             dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         x2 = hidden.detach()
@@ -106,10 +118,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
             dh += dlogits.matmul(w[v0:v1]).float()  # with the block's weights before its update
             if update is not None:
                 update.update(x2, dlogits, rows=(v0, v1), last=i == len(blocks) - 1)
+            elif dy_all is not None:
+                dy_all[:, v0:v1] = dlogits
             elif dw is not None:
                 dw[v0:v1] = product(x2, dlogits, weight.dtype)
         if update is not None:
             update.finish()
+        if factored is not None:
+            dw = factored.linear_backward(x2, dy_all, weight, ctx)
         return dh.to(hidden.dtype), dw, None, None, None
 
 

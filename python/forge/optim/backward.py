@@ -461,6 +461,25 @@ class RowUpdate:
             return None
         return cls(backward, slot)
 
+    @staticmethod
+    def deferred_factors(weight: torch.Tensor, factor_bytes: int):
+        """forge.loss's head where a forge optimizer defers the fused weight's gradient (begin
+        returned None for that reason): the weight's slot, whose linear_backward then takes
+        the head's X and whole dY as any Linear's (a FactoredGrad of them), where keeping them
+        (factor_bytes) costs fewer bytes than dW in W's dtype (deferred_store "auto";
+        "factors": always; "grad": never); else None (the head returns dW)."""
+        slot = _linear.slot_of(weight)
+        if slot is None or slot.mode != "fused" or slot.dtensor or weight._backward_hooks:
+            return None
+        backward = slot.backward_ref()
+        if backward is None or not backward.shared.deferring:
+            return None
+        store = backward._modes.deferred_store
+        if store == "factors" or (store == "auto" and
+                                  factor_bytes < weight.numel() * weight.element_size()):
+            return slot
+        return None
+
     def update(self, x2: torch.Tensor, dy: torch.Tensor,
                rows: Optional[Tuple[int, int]] = None, last: bool = True) -> None:
         """The update of rows [r0, r1) of the weight (None: all of them) from x2 [T, cols]
