@@ -261,12 +261,16 @@ class FusedLinearFunction(torch.autograd.Function):
             with torch.no_grad():
                 x = ctx.recompute(*x)
         w = weight if ctx.compute_dtype is None else weight.to(ctx.compute_dtype)
+        if ctx.in_graph:
+            # NOTE: the hand-off first, as torch's linear backward orders dW before dX: X's
+            # last use is then over before dX is allocated. No update runs inside a compiled
+            # backward (each runs at W's AccumulateGrad node, after the graph).
+            dw, db = _in_graph_grads(ctx, x, dy, weight, dy)
+            dx = dy.matmul(w) if ctx.needs_input_grad[0] else None    # [..., in]
+            return dx, dw, db, None, None, None
         # NOTE: dX first, with the weight as the forward saw it; the update of W runs
         # later (at W's AccumulateGrad node), after this product on the same stream.
         dx = dy.matmul(w) if ctx.needs_input_grad[0] else None        # [..., in]
-        if ctx.in_graph:
-            dw, db = _in_graph_grads(ctx, x, dy, weight, dy)
-            return dx, dw, db, None, None, None
         db = None
         if ctx.needs_input_grad[2]:
             db = (dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])).sum(0)  # [out]
