@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import forge
 from forge._linear import conv1d_class
+from forge.optim import FactoredGrad
 from tiny_models import lm_loss
 
 
@@ -167,7 +168,9 @@ def trajectories(make_model: Callable[[], nn.Module], name: str, kwargs: Dict, d
     returns the largest normwise differences over every parameter and step.
     `forge_options` go to the forge optimizer only; `params_fn(model)` gives param groups;
     `micro_batches` > 1 accumulates that many backward passes per step (loss / n each);
-    `schedule_before_step`: the schedule steps between backward and opt.step()."""
+    `schedule_before_step`: the schedule steps between backward and opt.step().
+    errors["forge_formed_dw"] is 1 where some step of forge's formed a weight's dW with
+    torch's GEMM (a deferred store kept it dense), else 0."""
     torch.manual_seed(0)
     base = make_model().to(device)
     models = {"forge": copy.deepcopy(base), "ordered": ordered(copy.deepcopy(base)),
@@ -184,6 +187,7 @@ def trajectories(make_model: Callable[[], nn.Module], name: str, kwargs: Dict, d
     schedules = {k: make_schedule(o) for k, o in opts.items()} if make_schedule else {}
     errors = dict.fromkeys(("forge_vs_ordered", "ulp_vs_ordered", "stock_vs_ordered",
                             "forge_vs_stock"), 0.0)
+    formed_dw = False
     for step in range(steps):
         for key, model in models.items():
             for micro in range(micro_batches):
@@ -193,6 +197,9 @@ def trajectories(make_model: Callable[[], nn.Module], name: str, kwargs: Dict, d
                 for p in model.parameters():
                     if p.grad is not None:
                         p.grad.mul_(1 + 2 ** -23)
+            if key == "forge" and any(isinstance(p.grad, FactoredGrad) and p.grad.dense is not None
+                                      for p in model.parameters()):
+                formed_dw = True  # (a deferred store kept dW, formed by torch's GEMM)
             if key in schedules and schedule_before_step:
                 with warnings.catch_warnings():  # (torch's: a scheduler stepped first)
                     warnings.simplefilter("ignore")
@@ -205,6 +212,7 @@ def trajectories(make_model: Callable[[], nn.Module], name: str, kwargs: Dict, d
                  "stock_vs_ordered": ("stock", "ordered"), "forge_vs_stock": ("forge", "stock")}
         for what, (a, b) in pairs.items():
             errors[what] = max(errors[what], max_normwise(models[a], models[b]))
+    errors["forge_formed_dw"] = 1.0 if formed_dw else 0.0
     return errors
 
 
@@ -214,13 +222,16 @@ def assert_contract(errors: Dict[str, float], device: str,
     under a 1-ulp gradient perturbation (same summation order) or a change of summation
     order. `forge_sums_like`: which reference sums dW as forge did — "ordered" (the fused
     CPU kernel), "stock" (torch's GEMM: accumulate_grad mode, the no-hook fallback); on
-    CUDA the fused kernel has its own order, checked against the order bound."""
+    CUDA the fused kernel has its own order, checked against the order bound, and so is a
+    CPU run where some step formed dW with torch's GEMM (errors["forge_formed_dw"]: a
+    deferred store kept dW, as the default mode's first step does where X and dY outweigh
+    it): that step summed as stock did, the others as ordered."""
     from tolerances import CONTRACT_RTOL, SUM_ORDER_FACTOR, ULP_SENSITIVITY_FACTOR
     ulp_bound = max(CONTRACT_RTOL, ULP_SENSITIVITY_FACTOR * errors["ulp_vs_ordered"])
     order_bound = max(CONTRACT_RTOL, SUM_ORDER_FACTOR * errors["stock_vs_ordered"])
     if forge_sums_like == "stock":
         assert errors["forge_vs_stock"] <= ulp_bound, errors
-    elif device == "cpu":
+    elif device == "cpu" and not errors.get("forge_formed_dw"):
         assert errors["forge_vs_ordered"] <= ulp_bound, errors
         assert errors["forge_vs_stock"] <= order_bound, errors
     else:
