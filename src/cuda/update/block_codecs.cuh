@@ -97,9 +97,9 @@ __device__ __forceinline__ uint2 int4_bucket_entry(int b) {
 // int4 access. Every kernel that may touch int8 or int4 states calls it before its first
 // __syncthreads (int8_table_needed<Spec>).
 __device__ __forceinline__ void int8_tables_init(int tid) {
-  if (tid < 16) int8_sixteenths_table()[tid] = int8_sixteenth_word(tid);
-  if (tid < 2 * kInt4Codes)
-    int4_code_table()[tid] = int4_map(static_cast<uint8_t>(tid % kInt4Codes), tid < kInt4Codes);
+  for (int i = tid; i < 16; i += blockDim.x) int8_sixteenths_table()[i] = int8_sixteenth_word(i);
+  for (int i = tid; i < 2 * kInt4Codes; i += blockDim.x)
+    int4_code_table()[i] = int4_map(static_cast<uint8_t>(i % kInt4Codes), i < kInt4Codes);
   for (int b = tid; b < kInt4Buckets; b += blockDim.x)
     int4_bucket_table()[b] = int4_bucket_entry(b);
   for (int i = tid; i < 512; i += blockDim.x) {
