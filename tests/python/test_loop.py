@@ -11,6 +11,7 @@ token by token in the order FORGE's CPU kernel sums them over the concatenated m
 """
 import copy
 import logging
+import math
 import warnings
 
 import pytest
@@ -325,6 +326,31 @@ def test_built_in_max_grad_norm_is_exact_and_reports_the_true_norm(record_differ
     record_difference("max_grad_norm vs clip_grad_norm_", error)
     from tolerances import LOOP_RTOL
     assert error <= LOOP_RTOL
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_nonfinite_total_norm_skips_the_step_and_counts_it(bad):
+    """max_grad_norm= with a gradient element inf or NaN: the total norm is not finite, so is
+    torch's clip coefficient; every element of the step is then a non-finite gradient, skipped
+    and counted, the weights and states as they were (found by test_state_props.py: the NaN
+    coefficient reached the library as grad_scale, refused halfway through the step)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, lr=1e-2, max_grad_norm=MAX_NORM)
+    lm_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    weights = [p.detach().clone() for p in model.parameters()]
+    states = copy.deepcopy(opt.state_dict()["state"])
+    lm_loss(model, 1).backward()
+    model.blocks[0].attn.q.bias.grad[0] = bad  # (a plain gradient: the fused weights' are held)
+    opt.step()
+    numel = sum(p.numel() for p in model.parameters())
+    assert opt.nonfinite_count == numel and not math.isfinite(opt.grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(states[k][n], after[k][n]) for k in states for n in states[k]
+               if torch.is_tensor(states[k][n]) and n != "step")
 
 
 def test_immediate_max_grad_norm_is_lagged():

@@ -11,6 +11,7 @@ next step's updates in backward, the step count. Where the step's updates run is
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Optional
 
@@ -196,6 +197,12 @@ class Stepper:
             # torch's clip_grad_norm_: max_norm / (total + 1e-6), at most 1, in fp32
             clip = torch.clamp(self.max_grad_norm / (total.float() + 1e-6), max=1.0)
             clip = float(clip)  # NOTE: one host synchronization per step
+        # A non-finite total norm (a diverged step: an inf or NaN gradient element, or a sum
+        # that overflowed) gives no finite clip coefficient: torch's clip_grad_norm_ would
+        # scale every gradient by it (NaN where the norm is NaN). Here every element of the
+        # step is then a non-finite gradient, which the update skips and counts
+        # (opt.nonfinite_count): no weight or state changes.
+        nonfinite_norm = not (math.isfinite(clip) and clip > 0.0)
         # NOTE: each gradient is freed as soon as its update ran, so the step's peak is what is
         # held plus the states made so far, never every gradient and every state at once (on
         # the first step the states are made here, weight by weight, in the memory the
@@ -203,6 +210,15 @@ class Stepper:
         batch = []  # (slot, grad, scale) of the small plain gradients: one library call
         for i in range(len(held)):
             (slot, grad), held[i] = held[i], None
+            if nonfinite_norm:
+                if isinstance(grad, FactoredGrad):
+                    grad.spend()
+                nan = torch.full(slot.local().shape, float("nan"), dtype=slot.param.dtype,
+                                 device=slot.param.device)
+                update(slot, grad=nan, scale=1.0)
+                del grad, nan
+                self._leave_consumed(slot)
+                continue
             if isinstance(grad, FactoredGrad):
                 scale = clip * _host_scale(grad.scale)
                 if grad.dense is not None:
