@@ -404,10 +404,7 @@ class Backward:
             if single:
                 factor_bytes = held.factor_bytes() + x2.numel() * x2.element_size() \
                     + dy2.numel() * dy2.element_size()
-                # (the factors while they take fewer bytes than dW in W's dtype, what torch's
-                # gradient would take; with deferred_store "factors" always)
-                held.add_factors(x2, dy2, keep=store == "factors" or
-                                 factor_bytes < p.numel() * p.element_size())
+                held.add_factors(x2, dy2, keep=self.keeps_factors(p, factor_bytes))
             else:
                 held.add_dense(slot.summed_grad(outside))
             p.grad = held
@@ -424,6 +421,14 @@ class Backward:
             dw = slot.summed_grad(outside)
             held = dw.to(p.dtype) if held is None else held.add_(dw)
         p.grad = held
+
+    def keeps_factors(self, param: torch.Tensor, factor_bytes: int) -> bool:
+        """Whether a deferred step keeps a fused weight's X and dY (factor_bytes of them) rather
+        than its dW: while they take fewer bytes than dW in W's dtype, what torch's gradient
+        would take (deferred_store "auto"); always with "factors", never with "grad"."""
+        store = self._modes.deferred_store
+        return store == "factors" or (
+            store == "auto" and factor_bytes < param.numel() * param.element_size())
 
     def _new_factored(self, slot) -> FactoredGrad:
         """An empty FactoredGrad of slot's weight, in this step's cohort (FactoredGrad.cohort:
@@ -466,19 +471,15 @@ class RowUpdate:
         """forge.loss's head where a forge optimizer defers the fused weight's gradient (begin
         returned None for that reason): the weight's slot, whose linear_backward then takes
         the head's X and whole dY as any Linear's (a FactoredGrad of them), where keeping them
-        (factor_bytes) costs fewer bytes than dW in W's dtype (deferred_store "auto";
-        "factors": always; "grad": never); else None (the head returns dW)."""
+        (factor_bytes) is what a Linear's deferred store would do (Backward.keeps_factors);
+        else None (the head returns dW)."""
         slot = _linear.slot_of(weight)
         if slot is None or slot.mode != "fused" or slot.dtensor or weight._backward_hooks:
             return None
         backward = slot.backward_ref()
         if backward is None or not backward.shared.deferring:
             return None
-        store = backward._modes.deferred_store
-        if store == "factors" or (store == "auto" and
-                                  factor_bytes < weight.numel() * weight.element_size()):
-            return slot
-        return None
+        return slot if backward.keeps_factors(weight, factor_bytes) else None
 
     def update(self, x2: torch.Tensor, dy: torch.Tensor,
                rows: Optional[Tuple[int, int]] = None, last: bool = True) -> None:

@@ -190,19 +190,20 @@ class Stepper:
         self._updater.check_step()  # nothing is written unless every update of the step can run
         if shared.mode == "auto" and modes.auto_deferring is None:
             modes.decide_auto(held, self.max_grad_norm is not None, pre_hooks)
-        clip = 1.0
+        clip, nonfinite_norm = 1.0, False
         if self.max_grad_norm is not None and held:
             total = _global_norm([g for _, g in held])
             self._clip_norm = total
             # torch's clip_grad_norm_: max_norm / (total + 1e-6), at most 1, in fp32
             clip = torch.clamp(self.max_grad_norm / (total.float() + 1e-6), max=1.0)
-            clip = float(clip)  # NOTE: one host synchronization per step
-        # A non-finite total norm (a diverged step: an inf or NaN gradient element, or a sum
-        # that overflowed) gives no finite clip coefficient: torch's clip_grad_norm_ would
-        # scale every gradient by it (NaN where the norm is NaN). Here every element of the
-        # step is then a non-finite gradient, which the update skips and counts
-        # (opt.nonfinite_count): no weight or state changes.
-        nonfinite_norm = not (math.isfinite(clip) and clip > 0.0)
+            # NOTE: one host synchronization per step, for both numbers
+            clip, total_norm = torch.stack([clip.double(), total.double()]).tolist()
+            # A non-finite total norm (a diverged step: an inf or NaN gradient element, or a
+            # sum that overflowed) gives no usable clip coefficient: torch's clip_grad_norm_
+            # would scale every gradient by 0 or NaN. Here every element of the step is then a
+            # non-finite gradient, which the update skips and counts (opt.nonfinite_count):
+            # no weight or state changes.
+            nonfinite_norm = not math.isfinite(total_norm)
         # NOTE: each gradient is freed as soon as its update ran, so the step's peak is what is
         # held plus the states made so far, never every gradient and every state at once (on
         # the first step the states are made here, weight by weight, in the memory the

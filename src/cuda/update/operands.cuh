@@ -261,8 +261,8 @@ __device__ __forceinline__ void store_quads(const RuleScalars& k, const ParamVie
 // The weight and states of kQ whole, vector-aligned quads as loaded (bf16 bits, int8 / fp8 /
 // int4 codes and absmax, fp32 words), not yet converted: a tile loop loads the next batch into
 // one of these before it updates the current one, so those loads are in flight during the
-// update, and converts them (unpack) only when it gets to them. Specialized Specs only (formats known at
-// compile time).
+// update, and converts them (unpack) only when it gets to them. Specialized Specs only
+// (formats known at compile time).
 template <class Spec, int kQ, bool kPaired = false>
 struct RawQuads {
   static_assert(!Spec::kGeneric, "raw loads need the formats at compile time");
