@@ -198,12 +198,12 @@ class Stepper:
             clip = torch.clamp(self.max_grad_norm / (total.float() + 1e-6), max=1.0)
             # NOTE: one host synchronization per step, for both numbers
             clip, total_norm = torch.stack([clip.double(), total.double()]).tolist()
-            # A non-finite total norm (a diverged step: an inf or NaN gradient element, or a
-            # sum that overflowed) gives no usable clip coefficient: torch's clip_grad_norm_
-            # would scale every gradient by 0 or NaN. Here every element of the step is then a
-            # non-finite gradient, which the update skips and counts (opt.nonfinite_count):
-            # no weight or state changes.
-            nonfinite_norm = not math.isfinite(total_norm)
+            # A total norm that is not finite (a diverged step: an inf or NaN gradient element)
+            # or beyond fp32 gives no usable clip coefficient (NaN, or 0): torch's
+            # clip_grad_norm_ would scale every gradient by it. Here every element of the step
+            # is then a non-finite gradient, which the update skips and counts
+            # (opt.nonfinite_count): no weight or state changes.
+            nonfinite_norm = not (math.isfinite(total_norm) and math.isfinite(clip) and clip > 0)
         # NOTE: each gradient is freed as soon as its update ran, so the step's peak is what is
         # held plus the states made so far, never every gradient and every state at once (on
         # the first step the states are made here, weight by weight, in the memory the
