@@ -218,7 +218,8 @@ def parity_rows(d: dict, base: dict) -> Iterable[dict]:
         if not ref_name.startswith("torch"):
             continue
         for name, losses in runs.items():
-            if name == ref_name:
+            # (a FORGE run at another seed: against the torch runs of its seed only)
+            if name == ref_name or (_seed_of(name) and _seed_of(name) != _seed_of(ref_name)):
                 continue
             n = min(len(ref), len(losses))
             a, b = ref[n // 2:n], losses[n // 2:n]
@@ -233,6 +234,15 @@ def parity_rows(d: dict, base: dict) -> Iterable[dict]:
         yield _row(base, case, "amp seeds", "last_half_mean_loss_radius", spread["radius"])
         for name, e in spread["runs"].items():
             yield _row(base, case, name, "last_half_mean_loss_offset", e["offset"])
+        for name, e in spread.get("families", {}).items():
+            yield _row(base, case, f"{name} over {e['seeds']} seeds",
+                       "last_half_mean_loss_offset", e["offset"])
+
+
+def _seed_of(run: str) -> int:
+    """forge-bench --parity's runs over seeds: name-seedK is seed K, name alone seed 0."""
+    head, sep, tail = run.rpartition("-seed")
+    return int(tail) if sep and tail.isdigit() else 0
 
 
 def rows_of(path: str, commit: str) -> List[dict]:

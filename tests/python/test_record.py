@@ -357,3 +357,29 @@ def test_simulated_ranks_are_their_own_benchmark_and_page(tmp_path):
             "2.5 | 9.0 | 0.2 | 70.0 |") in page
     assert "| torch-adamw | " not in page
     assert not (out / "steps.md").exists()
+
+
+def test_parity_over_seeds_compares_each_seed_with_its_own(tmp_path):
+    """forge-bench --parity-seeds: a FORGE run at seed K is compared per step with the torch
+    runs of seed K only, and its family's mean over seeds is a row of its own."""
+    record = load_record()
+    flat = lambda v: [9.0, 9.0, v, v]
+    runs = {"torch-adamw-amp": flat(2.0), "torch-adamw-amp-seed1": flat(2.4),
+            "forge-int4": flat(2.1), "forge-int4-seed1": flat(2.3)}
+    d = {"environment": {"date": "2026-12-07 02:00 UTC", "gpu": "NVIDIA H100",
+                         "command": "forge-bench --parity --parity-seeds 2"},
+         "settings": ["--model", "100m"], "comparisons": {},
+         "runs": {n: {"losses": v} for n, v in runs.items()},
+         "amp_seed_spread": {"seeds": {"torch-adamw-amp": 2.0, "torch-adamw-amp-seed1": 2.4},
+                             "center": 2.2, "radius": 0.2,
+                             "runs": {"forge-int4": {"offset": -0.1},
+                                      "forge-int4-seed1": {"offset": 0.1}},
+                             "families": {"forge-int4": {"seeds": 2, "offset": 0.0}}}}
+    path = tmp_path / "forge-parity-x.json"
+    path.write_text(json.dumps(d))
+    rows = {r["variant"]: float(r["value"]) for r in record.rows_of(str(path), "abc1234")}
+    assert "forge-int4-seed1 vs torch-adamw-amp" not in rows
+    assert abs(rows["forge-int4-seed1 vs torch-adamw-amp-seed1"] - 0.1) < 1e-12
+    assert abs(rows["forge-int4 vs torch-adamw-amp-seed1"] - 0.3) < 1e-12
+    assert rows["forge-int4 over 2 seeds"] == 0.0
+    assert rows["forge-int4-seed1"] == 0.1

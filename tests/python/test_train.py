@@ -1107,6 +1107,40 @@ def test_bench_parity_runs_chooses_forges_runs(tmp_path, capsys):
     assert e.value.code == 2 and "--parity-runs" in capsys.readouterr().err
 
 
+def test_bench_parity_seeds_runs_forge_over_the_amp_seeds(tmp_path, capsys):
+    """--parity-seeds 2: each named FORGE run again at seed 1 (the amp seed-1 run's initial
+    weights and batches), after the amp seeds; the criterion holds the mean over its seeds, and
+    its seed-1 run is compared per step with amp's seed 1; below 1 is refused."""
+    from forge.tools import bench
+    common = ["--parity", "--parity-model", "tiny", "--parity-steps", "4", "--parity-seq-len",
+              "16", "--parity-batch-size", "2", "--device", "cpu", "--parity-noise-runs", "0",
+              "--parity-amp-seeds", "2", "--parity-runs", "forge-int4",
+              "--out", str(tmp_path / "out"), "--parity-work-dir", str(tmp_path / "runs")]
+    assert bench.main(common + ["--parity-seeds", "0"]) == 2
+    assert "--parity-seeds" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+    assert bench.main(common + ["--parity-seeds", "2"]) == 0
+    with open(tmp_path / "out" / next(f for f in os.listdir(tmp_path / "out")
+                                      if f.endswith(".json"))) as f:
+        report = json.load(f)
+    amp = bench.amp_run_names(2)
+    assert list(report["runs"]) == [bench.PARITY_REFERENCE, amp[0], "forge-int4", amp[1],
+                                    "forge-int4-seed1"]
+    losses = {n: r["losses"] for n, r in report["runs"].items()}
+    assert losses["forge-int4"] != losses["forge-int4-seed1"]
+    # (forge-train keeps the last --seed: the settings' seed 0, then the run's own)
+    assert report["runs"]["forge-int4-seed1"]["arguments"][-2:] == ["--seed", "1"]
+    assert report["runs"][amp[1]]["arguments"][-2:] == ["--seed", "1"]
+    assert "int4" in report["runs"]["forge-int4-seed1"]["arguments"]
+    spread = report["amp_seed_spread"]
+    family = spread["families"]["forge-int4"]
+    means = [spread["runs"][n]["last_half_mean"] for n in ("forge-int4", "forge-int4-seed1")]
+    assert family["seeds"] == 2 and abs(family["last_half_mean"] - sum(means) / 2) < 1e-12
+    assert family["within"] == (abs(family["offset"]) <= spread["radius"])
+    assert "forge-int4-seed1" not in report["spread"]["forge"]
+    assert "forge-int4 over 2 seeds" in capsys.readouterr().out
+
+
 def test_bench_amp_seed_spread_holds_runs_to_the_seeds_envelope():
     """amp_seed_spread: the seeds' last-half mean losses 2.0, 2.2, 2.6 (center 2.2667,
     radius 0.3333); a run at 2.5 is within, one at 1.9 is not; one seed alone defines no

@@ -986,17 +986,25 @@ NOISE_SEED = 12345
 SMOOTH_WINDOW = 50
 
 
-def amp_run_names(count: int, base: str = PARITY_AMP_REFERENCE) -> List[str]:
-    """torch-adamw-amp (seed 0), torch-adamw-amp-seed1, ... (count runs in all)."""
+def seed_run_names(count: int, base: str) -> List[str]:
+    """A run over seeds: base (seed 0), base-seed1, ... (count runs in all)."""
     return [base] + [f"{base}-seed{k}" for k in range(1, count)]
 
 
-def amp_seed_spread(curves: Dict[str, List[float]], amp_runs: List[str]) -> dict:
+def amp_run_names(count: int, base: str = PARITY_AMP_REFERENCE) -> List[str]:
+    """torch-adamw-amp (seed 0), torch-adamw-amp-seed1, ... (count runs in all)."""
+    return seed_run_names(count, base)
+
+
+def amp_seed_spread(curves: Dict[str, List[float]], amp_runs: List[str],
+                    families: Optional[Dict[str, List[str]]] = None) -> dict:
     """The mixed-precision reference's spread over seeds, and every other run against it:
     each run's mean loss over the last half of its steps; the seeds' center (the mean of
     theirs) and radius (the largest distance of one of theirs from the center); a run is
     `within` when its own lies no farther from the center than the radius. Defined from two
-    seeds on; the report says how many there were."""
+    seeds on; the report says how many there were. `families` names a run over several seeds
+    (its name: its seeds' runs): the mean of their last-half means is held to the same
+    spread (`families` in the result, present seeds counted), as the seeds' center is."""
     def last_half_mean(losses: List[float]) -> float:
         half = losses[len(losses) // 2:] or losses
         return sum(half) / len(half)
@@ -1014,6 +1022,14 @@ def amp_seed_spread(curves: Dict[str, List[float]], amp_runs: List[str]) -> dict
         m = last_half_mean(losses)
         result["runs"][name] = {"last_half_mean": m, "offset": m - center,
                                 "within": abs(m - center) <= radius}
+    result["families"] = {}
+    for name, members in (families or {}).items():
+        present = [result["runs"][n]["last_half_mean"] for n in members if n in result["runs"]]
+        if len(present) < 2:
+            continue
+        m = sum(present) / len(present)
+        result["families"][name] = {"seeds": len(present), "last_half_mean": m,
+                                    "offset": m - center, "within": abs(m - center) <= radius}
     return result
 
 
@@ -1024,6 +1040,10 @@ def amp_spread_lines(spread: Optional[dict], base: str = PARITY_AMP_REFERENCE) -
              f"{spread['center']:.5f} ± {spread['radius']:.5f} nats"]
     for name, e in spread["runs"].items():
         lines.append(f"{name}: {e['last_half_mean']:.5f} ({e['offset']:+.5f}): "
+                     f"{'within' if e['within'] else 'OUTSIDE'} the seeds' spread")
+    for name, e in spread.get("families", {}).items():
+        lines.append(f"{name} over {e['seeds']} seeds: {e['last_half_mean']:.5f} "
+                     f"({e['offset']:+.5f}): "
                      f"{'within' if e['within'] else 'OUTSIDE'} the seeds' spread")
     return lines
 
@@ -1039,6 +1059,8 @@ def parity_report(args, info: dict) -> int:
         raise BenchError(f"--parity-noise-runs: must be >= 0, got {args.parity_noise_runs}")
     if args.parity_amp_seeds < 1:
         raise BenchError(f"--parity-amp-seeds: must be >= 1, got {args.parity_amp_seeds}")
+    if args.parity_seeds < 1:
+        raise BenchError(f"--parity-seeds: must be >= 1, got {args.parity_seeds}")
     names = PARITY_NAMES[args.parity_optimizer]
     reference, amp_reference = names["reference"], names["amp"]
     forge_runs = tuple(names["forge"])
@@ -1065,6 +1087,12 @@ def parity_report(args, info: dict) -> int:
                  for k, name in enumerate(amp_runs) if k > 0})
     for name in set(forge_runs) - set(chosen):  # (--parity-runs: FORGE's runs)
         del runs[name]
+    # --parity-seeds N: each chosen FORGE run again at seeds 1 .. N-1 (the amp seeds' initial
+    # weights and batches), last; the criterion then holds the mean over its seeds.
+    families = {name: seed_run_names(args.parity_seeds, name) for name in chosen}
+    for name in chosen:
+        runs.update({run: forge_args(names["forge"][name]) + ["--seed", str(k)]
+                     for k, run in enumerate(families[name]) if k > 0})
     lr = names["lr"] if args.parity_lr is None else args.parity_lr
     # (Muon's AdamW part keeps torch's betas: forge-train takes --betas for AdamW only)
     betas = ["--betas", "0.9", "0.95"] if args.parity_optimizer == "adamw" else []
@@ -1095,7 +1123,7 @@ def parity_report(args, info: dict) -> int:
             report["runs"][name] = {"error": str(e)}
             continue
         curves[name] = result.losses
-        report["runs"][name] = {"optimizer": result.optimizer,
+        report["runs"][name] = {"optimizer": result.optimizer, "arguments": extra,
                                 "seconds": round(time.perf_counter() - t0, 1),
                                 "final_loss": result.losses[-1],
                                 "tokens_per_s": round(result.tokens_per_s),
@@ -1112,15 +1140,19 @@ def parity_report(args, info: dict) -> int:
             if c is not None and floor:
                 c["noise_floor"] = floor
                 c["within_noise_floor"] = c["mean_abs_diff_last_half"] <= max(floor)
+        # (a FORGE run at another seed is compared per step with the amp run of its seed)
+        other_seeds = {run: amp_runs[k] for runs_of in families.values()
+                       for k, run in enumerate(runs_of) if k > 0 and k < len(amp_runs)}
         report["spread"] = parity_spread(
-            {k: v for k, v in curves.items() if k not in amp_runs},
+            {k: v for k, v in curves.items() if k not in amp_runs
+             and not any(k in r[1:] for r in families.values())},
             [reference] + noise_runs)
-        amp = curves.get(amp_reference)
-        if amp is not None:
-            report["against_amp"] = {name: compare_curves(amp, curve)
-                                     for name, curve in curves.items()
-                                     if name not in amp_runs}
-        report["amp_seed_spread"] = amp_seed_spread(curves, amp_runs)
+        report["against_amp"] = {}
+        for name, curve in curves.items():
+            amp = curves.get(other_seeds.get(name, amp_reference))
+            if name not in amp_runs and amp is not None:
+                report["against_amp"][name] = compare_curves(amp, curve)
+        report["amp_seed_spread"] = amp_seed_spread(curves, amp_runs, families)
         with open(stem + ".json", "w") as f:  # after every run: a cut-short job keeps it
             json.dump(report, f, indent=1)
         _plot_parity(curves, stem + ".png", info, args, reference)
@@ -1133,7 +1165,7 @@ def parity_report(args, info: dict) -> int:
         print(f"    {name}: {parity_line(c)}")
     for line in spread_lines(report.get("spread")):
         print(f"    {line}")
-    print(f"  per step, against {amp_reference} (seed 0):")
+    print(f"  per step, against {amp_reference} (seed 0; a run at another seed: its seed's):")
     for name, c in report.get("against_amp", {}).items():
         print(f"    {name}: {parity_line(c)}")
     print(f"  report: {stem}.json, {stem}.png", flush=True)
@@ -1356,6 +1388,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--parity-amp-seeds", type=int, default=3, metavar="N",
                    help="the mixed-precision reference over seeds 0 .. N-1 (after every other "
                         "run): every run's last-half mean loss is held to their spread")
+    g.add_argument("--parity-seeds", type=int, default=1, metavar="N",
+                   help="FORGE's runs over seeds 0 .. N-1, the amp seeds' initial weights and "
+                        "batches (default 1); the criterion holds the mean over its seeds")
     g.add_argument("--parity-runs", nargs="+", default=None, metavar="RUN",
                    help=f"FORGE's runs (adamw: {', '.join(PARITY_RUNS)}; muon: "
                         f"{', '.join(PARITY_NAMES['muon']['forge'])}; default: all): the "
