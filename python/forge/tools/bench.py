@@ -184,8 +184,9 @@ MEMORY_SUITE = [("llama-3.1-8b", seq, ckpt, MEMORY_MODES)
 # GPUs needed per model (--suite scale, with --simulate-ranks N --fsdp, N = 2, 4, 8 one call
 # each): rank 0's peak for torch's fused AdamW and for FORGE's state formats with the fused
 # head (FSDP2 forms the head's dW for its reduce-scatter; no logits), checkpointing on; the
-# 1-byte formats first, as they fit the fewest ranks.
-SCALE_MODES = ["torch-adamw", "forge-int8-head", "forge-fp8-head", "forge-bf16-head"]
+# smallest states first, as they fit the fewest ranks.
+SCALE_MODES = ["torch-adamw", "forge-int4-head", "forge-int8-head", "forge-fp8-head",
+               "forge-bf16-head"]
 SCALE_SUITE = [(model, 4096, True, SCALE_MODES)
                for model in ("llama-3.1-8b", "qwen3-32b", "llama-3.1-70b")]
 # The memory and time targets on the H200 that forge-bench checks and reports: (model, seq,
