@@ -6,6 +6,8 @@
 // refuses.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "core/formats.h"
 #include "core/rng.h"
@@ -462,18 +464,25 @@ TEST(Int4States, AdamWTracksFp32OnLeastSquares) {
 
 // The maps as formats.h documents them: signed, code 0 is 0, codes 1..8 the positive values
 // ascending to 1, 9..15 the negative ones ascending from -0.8875 (the 4-bit dynamic-exponent
-// values); unsigned, (c + 1) / 16. The code <-> ascending-index bijection round-trips.
+// values); unsigned, the zero-free dynamic-exponent values ascending, code c the c-th. The
+// code <-> ascending-index bijection round-trips.
 TEST(Int4Map, ValuesAndCodes) {
   const float positive[] = {0.0055f, 0.0325f, 0.0775f, 0.2125f, 0.4375f, 0.6625f, 0.8875f, 1.0f};
+  // decade 10^-3: 1 value, 10^-2: 2, 10^-1: 4, 1: 8 (midpoints of equal bins of [0.1, 1]), 1
+  const float unsigned_values[] = {0.00055f, 0.00325f, 0.00775f, 0.02125f, 0.04375f, 0.06625f,
+                                   0.08875f, 0.15625f, 0.26875f, 0.38125f, 0.49375f, 0.60625f,
+                                   0.71875f, 0.83125f, 0.94375f, 1.0f};
   EXPECT_EQ(int4_map(0, true), 0.0f);
   for (int c = 1; c <= 8; ++c) EXPECT_EQ(int4_map(static_cast<uint8_t>(c), true), positive[c - 1]);
   for (int c = 9; c <= 15; ++c)
     EXPECT_EQ(int4_map(static_cast<uint8_t>(c), true), -positive[6 - (c - 9)]) << c;
-  for (int k = 1; k < kInt4Codes; ++k)
+  for (int k = 1; k < kInt4Codes; ++k) {
     EXPECT_LT(int4_signed_ascending(k - 1), int4_signed_ascending(k)) << k;
+    EXPECT_LT(int4_unsigned_ascending(k - 1), int4_unsigned_ascending(k)) << k;
+  }
   for (int c = 0; c < kInt4Codes; ++c) {
     EXPECT_EQ(int4_signed_code(int4_signed_index(static_cast<uint8_t>(c))), c);
-    EXPECT_EQ(int4_map(static_cast<uint8_t>(c), false), (c + 1) / 16.0f);
+    EXPECT_EQ(int4_map(static_cast<uint8_t>(c), false), unsigned_values[c]);
     // a code's own value (times an absmax) encodes back to the code
     for (float absmax : {1.0f, 3.7e-20f, 0.3f, 2.5e30f})
       for (bool is_signed : {true, false}) {
@@ -481,6 +490,26 @@ TEST(Int4Map, ValuesAndCodes) {
         EXPECT_EQ(int4_encode(int4_decode(code, absmax, is_signed), absmax, is_signed), code)
             << c << " " << absmax << " " << is_signed;
       }
+  }
+}
+
+// The CUDA encode's buckets (update/block_codecs.cuh, int4_bucket_table): a ratio's bits >> 19
+// (its exponent and top 4 mantissa bits) name its bucket, from 2^-10 up to 2, and each bucket
+// holds at most one midpoint of a map (the signed map's positive ones), so a bucket's base
+// count and one compare give the code.
+TEST(Int4Map, EachEncodeBucketHoldsOneMidpointAtMost) {
+  for (bool is_signed : {true, false}) {
+    std::vector<uint32_t> buckets;
+    for (int k = is_signed ? kInt4Codes / 2 : 1; k < kInt4Codes; ++k) {
+      const float m = is_signed ? int4_signed_midpoint(k) : int4_unsigned_midpoint(k);
+      EXPECT_GE(m, 0x1p-10f) << k;
+      EXPECT_LT(m, 2.0f) << k;
+      uint32_t bits;
+      std::memcpy(&bits, &m, sizeof bits);
+      buckets.push_back(bits >> 19);
+    }
+    for (size_t i = 1; i < buckets.size(); ++i)
+      EXPECT_LT(buckets[i - 1], buckets[i]) << is_signed << " " << i;
   }
 }
 
@@ -507,8 +536,8 @@ TEST(Int4Map, NearestIsTheClosestValueTiesUp) {
   for (int i = -200000; i <= 200000; ++i) qs.push_back(i / 200000.0f);
   for (bool is_signed : {true, false})
     for (int k = 1; k < kInt4Codes; ++k) {
-      const float lo = is_signed ? int4_signed_ascending(k - 1) : k / 16.0f;
-      const float hi = is_signed ? int4_signed_ascending(k) : (k + 1) / 16.0f;
+      const float lo = is_signed ? int4_signed_ascending(k - 1) : int4_unsigned_ascending(k - 1);
+      const float hi = is_signed ? int4_signed_ascending(k) : int4_unsigned_ascending(k);
       float q = 0.5f * (lo + hi);
       for (int j = 0; j < 4; ++j) q = std::nextafter(q, -2.0f);
       for (int j = 0; j < 9; ++j, q = std::nextafter(q, 2.0f)) qs.push_back(q);
@@ -553,9 +582,10 @@ TEST(Int4Map, PackedCodes) {
 }
 
 // Moments spanning 6 decades through forge_state_from_fp32 and back: each value within half
-// the map's widest gap of its block's absmax (unsigned: within its smallest value, 1/16, which
-// a value below it reads as), never a flipped sign, never a zero second moment in a block that
-// has one above zero; the absmax is the block's largest magnitude, which comes back exactly.
+// the map's widest gap of its block's absmax, never a flipped sign, never a zero second moment
+// in a block that has one above zero (none below the unsigned map's smallest value, which a
+// value below it reads as); the absmax is the block's largest magnitude, which comes back
+// exactly.
 TEST(Int4States, BlockRoundTripErrorBound) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("FORGE_TEST_SEED=" + std::to_string(seed));
@@ -566,7 +596,7 @@ TEST(Int4States, BlockRoundTripErrorBound) {
       const int64_t i = row * r.kCols + c, b = row * 4 + c / 64;
       EXPECT_LE(std::fabs(r.m2[i] - r.m[i]), kInt4SignedAbsmaxStep * r.absmax_m[b]) << i;
       EXPECT_LE(std::fabs(r.v2[i] - r.v[i]), kInt4UnsignedAbsmaxStep * r.absmax_v[b]) << i;
-      EXPECT_GE(r.v2[i], r.absmax_v[b] / 16) << i;
+      EXPECT_GE(r.v2[i], int4_unsigned_ascending(0) * r.absmax_v[b]) << i;
       EXPECT_TRUE(r.m2[i] == 0 || (r.m2[i] > 0) == (r.m[i] > 0)) << "sign flipped at " << i;
     }
   for (int64_t b = 0; b < r.kRows * 4; ++b) {

@@ -31,12 +31,12 @@ constexpr double kFp8E5m2Rel = 0x1p-3 + 5 * 0x1p-24;
 constexpr double kFp8FactorRoundings = 5 * 0x1p-24;
 
 // int4 maps (formats.h): 16 values, absolute steps rather than relative ones, as fractions of
-// the block's absmax. Signed: nearest rounding errs by at most half the widest gap between
-// neighbouring values, 0.225 / 2 (0.2125 .. 0.4375 .. 0.6625 .. 0.8875). Unsigned: half a gap
-// of 1/16 between values, but the map has no zero, so a value below 1/32 reads as the
-// smallest, 1/16: up to 1/16. Plus the decode's and the division's fp32 roundings (far below).
+// the block's absmax. Nearest rounding errs by at most half the widest gap between neighbouring
+// values: signed 0.225 / 2 (0.2125 .. 0.4375 .. 0.6625 .. 0.8875), unsigned 0.1125 / 2
+// (0.15625 .. 0.94375); the unsigned map has no zero, so a value below its smallest, 0.00055,
+// reads as it, far closer. Plus the decode's and the division's fp32 roundings (far below).
 constexpr double kInt4SignedAbsmaxStep = 0.1125 + 1e-6;
-constexpr double kInt4UnsignedAbsmaxStep = 0.0625 + 1e-6;
+constexpr double kInt4UnsignedAbsmaxStep = 0.05625 + 1e-6;
 
 // AdamW with 1-byte (int8 or fp8) states vs fp32 states on a least-squares problem: both
 // must cut the loss by kLsqMinReduction, and the 1-byte run's progress, ln(first loss /

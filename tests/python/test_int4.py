@@ -18,11 +18,16 @@ from conftest import DEVICES, requires_cuda
 
 # The 4-bit dynamic-exponent values: decades 10^-2, 10^-1, 1 with 1, 2, 4 midpoints of equal bins
 # of [0.1, 1]; signed codes 0 (zero), 1..8 positive up to 1, 9..15 negative from -0.8875.
-_POSITIVE = [v * 10.0 ** (i - 2) for i in range(3) for v in
-             [0.1 + (k + 0.5) * 0.9 / 2 ** i for k in range(2 ** i)]]
+# Unsigned, without zero: decades 10^-3 .. 1 with 1, 2, 4, 8 midpoints, then 1; code c the c-th.
+def _decades(counts):
+    return [v * 10.0 ** (i - len(counts) + 1) for i, n in enumerate(counts) for v in
+            [0.1 + (k + 0.5) * 0.9 / n for k in range(n)]]
+
+
+_POSITIVE = _decades([1, 2, 4])
 SIGNED_MAP = torch.tensor([0.0] + _POSITIVE + [1.0] + [-v for v in reversed(_POSITIVE)],
                           dtype=torch.float32)
-UNSIGNED_MAP = torch.arange(1, 17, dtype=torch.float32) / 16
+UNSIGNED_MAP = torch.tensor(_decades([1, 2, 4, 8]) + [1.0], dtype=torch.float32)
 
 
 def _decode(codes: torch.Tensor, absmax: torch.Tensor, cols: int, table: torch.Tensor):
@@ -38,6 +43,9 @@ def test_maps_are_the_documented_values():
         [0, 0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0])
     assert SIGNED_MAP[9:].tolist() == pytest.approx(
         [-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055])
+    assert UNSIGNED_MAP.tolist() == pytest.approx(
+        [0.00055, 0.00325, 0.00775, 0.02125, 0.04375, 0.06625, 0.08875, 0.15625, 0.26875,
+         0.38125, 0.49375, 0.60625, 0.71875, 0.83125, 0.94375, 1.0])
 
 
 @pytest.mark.parametrize("cols", [129, 200])

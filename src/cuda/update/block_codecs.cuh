@@ -53,37 +53,39 @@ __device__ __forceinline__ float* int8_code_table() {
 
 // Both int4 maps' values by code (formats.h, int4_map): [0, 16) the signed codes, [16, 32) the
 // unsigned ones.
-// NOTE: the unsigned map too, though (c + 1) / 16 is arithmetic: the int-to-float conversion
-// runs on the quarter-rate pipe that AdamW's square roots and reciprocals already load.
 __device__ __forceinline__ float* int4_code_table() {
   __shared__ float table[2 * kInt4Codes];
   return table;
 }
 
-// The signed int4 encode's buckets: a ratio r = |q| >= 0 by its exponent and top 4 mantissa
-// bits (r's bits >> 19), from 2^-9 (below it lies no midpoint: the smallest is 0.00275) to 2
-// (bucket 160: 2 and above, infinity and NaN). Each bucket holds at most one of the 8 positive
-// midpoints (they are at least 21 % apart, a bucket at most 6.25 % wide): entry b is {the four
-// codes the bucket can give, by selector (bit 0: q is negative, bit 1: r passes the midpoint
-// inside the bucket), one per byte; the bits of that midpoint or ~0u}.
-constexpr int kInt4Buckets = 161;
-constexpr int kInt4FirstBucket = (127 - 9) << 4;  // 2^-9's bits >> 19
-__device__ __forceinline__ uint2* int4_bucket_table() {
-  __shared__ uint2 table[kInt4Buckets];
-  return table;
+// The int4 encodes' buckets, one table per map: a ratio r = |q| >= 0 by its exponent and top 4
+// mantissa bits (r's bits >> 19), from 2^-10 (below it lies no midpoint: the smallest are
+// 0.00275 signed, 0.0019 unsigned) to 2 (bucket 176: 2 and above, infinity and NaN). Each
+// bucket holds at most one of a map's midpoints (its positive ones, for the signed map): they
+// are at least 9 % apart, a bucket at most 6.25 % wide (test_formats.cpp checks it). Entry b
+// of the signed table is {the four codes the bucket can give, by selector (bit 0: q is
+// negative, bit 1: r passes the midpoint inside the bucket), one per byte; the bits of that
+// midpoint or ~0u}; of the unsigned table, {the midpoints below the bucket; the same bits}.
+constexpr int kInt4Buckets = 177;
+constexpr int kInt4FirstBucket = (127 - 10) << 4;  // 2^-10's bits >> 19
+__device__ __forceinline__ uint2* int4_bucket_table(bool is_signed) {
+  __shared__ uint2 table[2 * kInt4Buckets];
+  return table + (is_signed ? 0 : kInt4Buckets);
 }
-__device__ __forceinline__ uint2 int4_bucket_entry(int b) {
+__device__ __forceinline__ uint2 int4_bucket_entry(int b, bool is_signed) {
   const uint32_t lo = static_cast<uint32_t>(kInt4FirstBucket + b) << 19;
   const uint32_t hi = b + 1 < kInt4Buckets ? lo + (1u << 19) : 0xFFFFFFFFu;
   uint32_t below = 0u, mid = 0xFFFFFFFFu;  // the midpoints below the bucket; the one inside it
-  for (int k = kInt4Codes / 2; k < kInt4Codes; ++k) {  // the positive midpoints
-    const uint32_t m = __float_as_uint(int4_signed_midpoint(k));
+  for (int k = is_signed ? kInt4Codes / 2 : 1; k < kInt4Codes; ++k) {  // (signed: positive)
+    const uint32_t m =
+        __float_as_uint(is_signed ? int4_signed_midpoint(k) : int4_unsigned_midpoint(k));
     if (m < lo) {
       below += 1u;
     } else if (m < hi) {
       mid = m;
     }
   }
+  if (!is_signed) return make_uint2(below, mid);
   // With c midpoints counted, a q >= 0 takes code c, a q < 0 code (16 - min(c, 7)) & 15
   // (int4_code_fast).
   auto negative = [](uint32_t c) { return (16u - min(c, 7u)) & 15u; };
@@ -100,8 +102,9 @@ __device__ __forceinline__ void int8_tables_init(int tid) {
   for (int i = tid; i < 16; i += blockDim.x) int8_sixteenths_table()[i] = int8_sixteenth_word(i);
   for (int i = tid; i < 2 * kInt4Codes; i += blockDim.x)
     int4_code_table()[i] = int4_map(static_cast<uint8_t>(i % kInt4Codes), i < kInt4Codes);
-  for (int b = tid; b < kInt4Buckets; b += blockDim.x)
-    int4_bucket_table()[b] = int4_bucket_entry(b);
+  for (int b = tid; b < 2 * kInt4Buckets; b += blockDim.x)
+    int4_bucket_table(b < kInt4Buckets)[b % kInt4Buckets] =
+        int4_bucket_entry(b % kInt4Buckets, b < kInt4Buckets);
   for (int i = tid; i < 512; i += blockDim.x) {
     const int code = i & 255;
     float v;
@@ -316,7 +319,7 @@ __device__ __forceinline__ uint32_t fp8_quad_codes(const float (&v)[kQuad], floa
 // int8's ratios |x| / absmax (int8_quad_ratios: the IEEE quotient wherever it is 2^-40 or more,
 // and below that something under 3 · 2^-40) and q's sign from x: IEEE division is symmetric in
 // the sign, and every q of magnitude below 2^-38 has code 0 in both maps (the smallest signed
-// midpoints are ±0.00275, the smallest unsigned one 3/32), so the codes are the CPU's. Codes
+// midpoints are ±0.00275, the smallest unsigned one 0.0019), so the codes are the CPU's. Codes
 // pack as formats.h says: 4 bits per element, element e of a quad in bits 4e..4e+3 (the quad's
 // two bytes, little end first).
 
@@ -330,45 +333,28 @@ __device__ __forceinline__ float int4_decode_fast(uint32_t code, bool is_signed,
 // a finite x and a ratio in [0, 1] (a warp where no element was skipped: each is a result
 // apply_rule accepted, and the block's absmax is their largest magnitude); any other element
 // gets some code there and changes no nibble but its own and those above it.
-// NOTE: signed, by the bucket table (one shared-memory read and ~10 instructions, against 15
-// compares and adds): with the 8 positive midpoints m_j, a q >= 0 takes code #{m_j <= r} (index
+// NOTE: by the bucket tables (one shared-memory read and ~10 instructions, against 15 compares
+// and adds). Signed: with the 8 positive midpoints m_j, a q >= 0 takes code #{m_j <= r} (index
 // 7 + that count); a q < 0 (or -0) index #{k : q >= m_k} = #{j < 15 : r <= m_j} (the negative
 // midpoints are the positive ones negated, bit for bit: the map's halves mirror), so code
 // (16 - min(#{m_j < r}, 7)) & 15. Both counts are the bucket's base count plus whether r's bits
 // pass the midpoint inside it, reached (>=) or passed (>): the entry holds the four codes, and a
 // byte permute picks one. A NaN counts as negative and passes all 8 (code 9, as the reference).
-// Unsigned, the count of the midpoints (2k + 3) / 32 that q reaches is floor(16q - 1/2) clamped
-// to [0, 15]: 16q - 1/2 (one fma) is exact for q in [1/32, 2^23) and in [-1/2, 0) below that,
-// and adding 1.5 · 2^23 rounding down leaves floor(t) in the low bits for any t in
-// [-2^22, 2^22) (an infinity clamps to 15); a negative q or a NaN takes code 0. Accepted, q is
-// the ratio with x's sign: a negative one (or -0) gives t <= -1/2, whose floor -1 clamps to code
-// 0, and a ratio of at most 1 needs no upper clamp.
-// NOTE: the rounding-mode add, not a float-to-int conversion: the conversion runs on the
-// quarter-rate pipe that AdamW's square roots and reciprocals already load.
+// Unsigned: code #{m_k <= q}, the bucket's base count plus whether r's bits reach the midpoint
+// inside it; a negative q (or -0: its code is 0 either way) or a NaN takes code 0, the ANDed
+// mask. Accepted, the sign of x alone decides it (a ratio is never NaN there).
 template <bool kAccepted = false>
 __device__ __forceinline__ uint32_t int4_code_fast(float x, float ratio, bool is_signed) {
   const uint32_t r = __float_as_uint(ratio);
   const uint32_t sign = __float_as_uint(x) >> 31;
-  constexpr float kFloorMagic = 0x1.8p23f;
+  const uint32_t negative = kAccepted ? sign : sign | (r > 0x7F800000u ? 1u : 0u);
+  const int b = min(max(static_cast<int>(r >> 19) - kInt4FirstBucket, 0), kInt4Buckets - 1);
+  const uint2 e = int4_bucket_table(is_signed)[b];
   if (is_signed) {
-    const uint32_t negative = kAccepted ? sign : sign | (r > 0x7F800000u ? 1u : 0u);
-    const int b = min(max(static_cast<int>(r >> 19) - kInt4FirstBucket, 0), kInt4Buckets - 1);
-    const uint2 e = int4_bucket_table()[b];
     const uint32_t passed = r + 1u - negative > e.y ? 2u : 0u;  // (>= where q >= 0)
     return __byte_perm(e.x, 0u, passed | negative | 0x4440u);  // (bytes 1..3: zero)
   }
-  if constexpr (kAccepted) {
-    const float q = __uint_as_float(r | (__float_as_uint(x) & 0x80000000u));
-    const float t = __fmaf_rn(q, 16.0f, -0.5f);
-    const int index = static_cast<int>(__float_as_uint(__fadd_rd(t, kFloorMagic)) -
-                                       __float_as_uint(kFloorMagic));
-    return static_cast<uint32_t>(max(index, 0));
-  }
-  const bool negative = sign != 0u || r > 0x7F800000u;
-  const float t = __fmaf_rn(ratio, 16.0f, -0.5f);
-  const int index = static_cast<int>(__float_as_uint(__fadd_rd(t, kFloorMagic)) -
-                                     __float_as_uint(kFloorMagic));
-  return negative ? 0u : static_cast<uint32_t>(min(max(index, 0), kInt4Codes - 1));
+  return (e.x + (r >= e.y ? 1u : 0u)) & (negative - 1u);
 }
 
 // A quad's int4 codes (bits 4e..4e+3: element e's) given the ratios |x| / absmax
