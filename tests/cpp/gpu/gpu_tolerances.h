@@ -48,7 +48,7 @@ constexpr double kInt8Rel = 0.1;
 constexpr double kInt8AbsOfMax = 1e-4;
 //  - int4 block-64: the same absmax motion (~1e-5 relative) moves a decoded value as much while
 //    its code stays, so 1e-3 relative covers it with 100x margin. A code within that noise of a
-//    midpoint may pick its neighbour, 1/16 to 0.225 of the absmax away: no band short of the
+//    midpoint may pick its neighbour, 0.0027 to 0.225 of the absmax away: no band short of the
 //    map's spacing holds that, so such an element is an outlier (kMaxOutlierFraction), as rare
 //    as a value that close to one of 15 midpoints (~1e-4 per element).
 constexpr double kInt4Rel = 1e-3;
