@@ -8,13 +8,18 @@
   least-squares test measures), on either device.
 - A CUDA step stores the CPU's bytes: the same gradients on both devices give the same weights,
   codes and absmax bit for bit (the fused kernels' cases: tests/cpp/gpu).
+- A state dict from before the current second-moment map (format_version 2: linear codes)
+  loads as its values re-encoded.
 State-dict round trips and resumed runs: test_state.py's int4 cases.
 """
+import copy
+
 import pytest
 import torch
 
 import forge
 from conftest import DEVICES, requires_cuda
+from tolerances import STATE_STORE_RTOL
 
 # The 4-bit dynamic-exponent values: decades 10^-2, 10^-1, 1 with 1, 2, 4 midpoints of equal bins
 # of [0.1, 1]; signed codes 0 (zero), 1..8 positive up to 1, 9..15 negative from -0.8875.
@@ -67,6 +72,54 @@ def test_stored_bytes_decode_as_documented(cols):
         assert decoded[name].abs().max() > 0
         if cols % 2:  # an odd row's padding nibble is stored 0, whatever the allocation held
             assert not (st[name][:, -1] >> 4).any(), name
+
+
+LINEAR_MAP = torch.arange(1, 17, dtype=torch.float32) / 16  # format_version 2's second moments
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dict_of_the_linear_second_moment_map_loads_reencoded(device):
+    """A format_version 2 dict's int4 second moments are linear-map codes, (c + 1) / 16 ·
+    absmax: they load as those values in the current map (within its half gap of the block's
+    absmax, STATE_STORE_RTOL), the first moments and the step as saved; a current dict loads
+    bit for bit."""
+    cols = 200
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(cols, 17, bias=False).to(device)
+        return model, forge.optim.AdamW(model, lr=1e-2, state_format="int4", min_8bit_size=0)
+
+    model, opt = build()
+    x = torch.randn(9, cols, device=device)
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    old = copy.deepcopy(saved)
+    old["forge"]["format_version"] = 2
+    g = torch.Generator().manual_seed(1)
+    linear_codes = torch.randint(0, 256, saved["state"][0]["exp_avg_sq"].shape, generator=g,
+                                 dtype=torch.uint8).to(device)
+    old["state"][0]["exp_avg_sq"] = linear_codes
+    absmax = saved["state"][0]["exp_avg_sq_absmax"]
+    values = _decode(linear_codes, absmax, cols, LINEAR_MAP.to(device))
+
+    model2, opt2 = build()
+    opt2.load_state_dict(old)
+    st, w2 = opt2.state[model2.weight], model2.weight
+    got = opt2.state_fp32(w2)["exp_avg_sq"]
+    bound = STATE_STORE_RTOL["int4"]["exp_avg_sq"] * absmax.repeat_interleave(64, 1)[:, :cols]
+    assert ((got - values).abs() <= bound).all()
+    assert not torch.equal(st["exp_avg_sq"], linear_codes)  # (other maps: other codes)
+    assert torch.equal(st["exp_avg"], saved["state"][0]["exp_avg"])
+    assert st["step"] == saved["state"][0]["step"]
+
+    model3, opt3 = build()
+    opt3.load_state_dict(saved)
+    for name in ("exp_avg", "exp_avg_sq", "exp_avg_sq_absmax"):
+        assert torch.equal(opt3.state[model3.weight][name], saved["state"][0][name]), name
 
 
 @pytest.mark.parametrize("device", DEVICES)

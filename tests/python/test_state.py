@@ -453,7 +453,7 @@ def test_mixed_formats_round_trip_and_resume_bit_exact():
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=False)
     saved = checkpoint["opt"]
-    assert saved["forge"]["format_version"] == 2
+    assert saved["forge"]["format_version"] == 3
     assert sorted(set(saved["forge"]["state_formats"].values())) == ["bf16", "int8"]
     resumed = TinyTransformer()
     resumed.load_state_dict(checkpoint["model"])

@@ -20,8 +20,12 @@ from .calls import as_float, fp32, nadam_mu
 from .store import BLOCK_FORMATS, STORAGE_KEYS, check_storage_options, requested_format
 
 # format_version 2 added state_formats: {parameter index: format} of every parameter with
-# states (version 1: state_format held for all of them)
-FORMAT_VERSION = 2
+# states (version 1: state_format held for all of them). Version 3: int4 second moments (a
+# rule's unsigned states) in the zero-free dynamic-exponent map (formats.h); an older dict's
+# are linear-map codes, value (c + 1) / 16 · absmax, and load as those values re-encoded
+# (apply_load). A dict without the 'forge' entry says no version: its codes load as they are.
+FORMAT_VERSION = 3
+_INT4_DYNAMIC_EXPONENT_VERSION = 3
 
 # The largest finite bf16, 0x1.FEp127: no step stores a value of larger magnitude (formats.h).
 _BF16_MAX = float.fromhex("0x1.FEp127")
@@ -52,6 +56,7 @@ class Loaded(NamedTuple):
     groups: List[Dict[str, Any]]  # every param group as it will be (the dict's values)
     states: List[Tuple[Any, Dict[str, Any], int, Optional[float]]]  # (slot, state, step, mu)
     step_id: int
+    linear_int4: List[Tuple[Any, List[int]]]  # (slot, its states saved in the linear int4 map)
 
 
 def check_load(state_dict: Dict[str, Any], meta: Dict[str, Any], shared, store, rules,
@@ -86,7 +91,8 @@ def check_load(state_dict: Dict[str, Any], meta: Dict[str, Any], shared, store, 
     saved_formats = _saved_state_formats(meta, saved_groups, index_to_param)
     step_id = _saved_count(meta.get("step_id", shared.step_id), "the 'forge' entry's step_id")
     keeps_mu_product = rules._keeps_mu_product
-    states = []
+    states, linear_int4 = [], []
+    linear_map = meta.get("format_version", FORMAT_VERSION) < _INT4_DYNAMIC_EXPONENT_VERSION
     for index, saved_state in state_dict["state"].items():
         if index not in index_to_param:
             raise ValueError(f"load_state_dict: state for unknown parameter index {index}")
@@ -116,7 +122,11 @@ def check_load(state_dict: Dict[str, Any], meta: Dict[str, Any], shared, store, 
         mu_product = _saved_mu_product(slot, group, saved_state, step) \
             if keeps_mu_product else None
         states.append((slot, saved_state, step, mu_product))
-    return Loaded(new_groups, states, step_id)
+        if linear_map and fmt == "int4":
+            layout = store.layout(slot, group, fmt)
+            linear_int4.append((slot, [i for i in range(layout.num_states)
+                                       if not layout.is_signed[i]]))
+    return Loaded(new_groups, states, step_id, linear_int4)
 
 
 def apply_load(loaded: Loaded, shared, store) -> None:
@@ -133,6 +143,9 @@ def apply_load(loaded: Loaded, shared, store) -> None:
         st["step"] = step
         if mu_product is not None:
             st["mu_product"] = mu_product
+    for slot, unsigned in loaded.linear_int4:
+        for i in unsigned:
+            store.recode_linear_int4(slot, i)
     shared.step_id = loaded.step_id
 
 

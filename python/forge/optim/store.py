@@ -109,6 +109,24 @@ class Store:
             out[name] = distributed.as_state(t, param, tuple(param.shape))
         return out
 
+    @torch.no_grad()
+    def recode_linear_int4(self, slot, index: int) -> None:
+        """Re-encodes int4 state `index` of slot's parameter, whose codes are the linear map's
+        (an older state dict's second moments: value (c + 1) / 16 · absmax), as those values
+        through forge_state_from_fp32: the codes and absmax the current map gives them."""
+        st = self.shared.state[slot.param]
+        name = slot.signature[1][index]
+        codes, absmax = st[name], st[name + "_absmax"]
+        codes, absmax = distributed.local(codes), distributed.local(absmax)
+        rows, cols = slot.local().shape  # codes: [rows, ceil(cols / 2)]
+        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(rows, -1)[:, :cols]
+        scale = absmax.repeat_interleave(64, dim=1)[:, :cols]  # absmax: [rows, ceil(cols / 64)]
+        values = ((nibbles.float() + 1) / 16 * scale).contiguous()  # [rows, cols]
+        group = self.shared.group_of(slot)
+        hp = self._hparams.for_call(group, step=max(1, st["step"]), seed=0)
+        self._lib.state_from_fp32(self.param_struct(slot, st), hp, index, values.data_ptr(),
+                                  self._devices.of(slot.param))
+
     def weight_format(self, slot) -> int:
         if slot.dtype == torch.float32:
             return _lib.WEIGHT_FP32
