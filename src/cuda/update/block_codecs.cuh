@@ -341,20 +341,31 @@ __device__ __forceinline__ float int4_decode_fast(uint32_t code, bool is_signed,
 // pass the midpoint inside it, reached (>=) or passed (>): the entry holds the four codes, and a
 // byte permute picks one. A NaN counts as negative and passes all 8 (code 9, as the reference).
 // Unsigned: code #{m_k <= q}, the bucket's base count plus whether r's bits reach the midpoint
-// inside it; a negative q (or -0: its code is 0 either way) or a NaN takes code 0, the ANDed
-// mask. Accepted, the sign of x alone decides it (a ratio is never NaN there).
+// inside it; a negative q (or -0: its code is 0 either way) or a NaN takes code 0.
 template <bool kAccepted = false>
 __device__ __forceinline__ uint32_t int4_code_fast(float x, float ratio, bool is_signed) {
   const uint32_t r = __float_as_uint(ratio);
   const uint32_t sign = __float_as_uint(x) >> 31;
-  const uint32_t negative = kAccepted ? sign : sign | (r > 0x7F800000u ? 1u : 0u);
-  const int b = min(max(static_cast<int>(r >> 19) - kInt4FirstBucket, 0), kInt4Buckets - 1);
-  const uint2 e = int4_bucket_table(is_signed)[b];
+  // A ratio's bucket from its bits >> 19 (accepted, a ratio is at most 1: no upper clamp).
+  auto bucket = [](int top_bits) {
+    const int b = max(top_bits - kInt4FirstBucket, 0);
+    return kAccepted ? b : min(b, kInt4Buckets - 1);
+  };
   if (is_signed) {
+    const uint32_t negative = kAccepted ? sign : sign | (r > 0x7F800000u ? 1u : 0u);
+    const uint2 e = int4_bucket_table(true)[bucket(static_cast<int>(r >> 19))];
     const uint32_t passed = r + 1u - negative > e.y ? 2u : 0u;  // (>= where q >= 0)
     return __byte_perm(e.x, 0u, passed | negative | 0x4440u);  // (bytes 1..3: zero)
   }
-  return (e.x + (r >= e.y ? 1u : 0u)) & (negative - 1u);
+  if constexpr (kAccepted) {
+    // NOTE: x's sign on the ratio's bits, one LOP3 instead of a mask: a negative q (or -0) is
+    // then a negative int, whose bucket is 0 (no midpoint below it or inside it): code 0.
+    const uint32_t rs = r | (__float_as_uint(x) & 0x80000000u);
+    const uint2 e = int4_bucket_table(false)[bucket(static_cast<int>(rs) >> 19)];
+    return e.x + (rs >= e.y ? 1u : 0u);
+  }
+  const uint2 e = int4_bucket_table(false)[bucket(static_cast<int>(r >> 19))];
+  return sign != 0u || r > 0x7F800000u ? 0u : e.x + (r >= e.y ? 1u : 0u);
 }
 
 // A quad's int4 codes (bits 4e..4e+3: element e's) given the ratios |x| / absmax
