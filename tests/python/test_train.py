@@ -1139,6 +1139,16 @@ def test_bench_parity_seeds_runs_forge_over_the_amp_seeds(tmp_path, capsys):
     assert family["within"] == (abs(family["offset"]) <= spread["radius"])
     assert "forge-int4-seed1" not in report["spread"]["forge"]
     assert "forge-int4 over 2 seeds" in capsys.readouterr().out
+    # a seed the amp reference did not run: compared per step with no other seed's run
+    one_amp = [a if a != "2" or common[i - 1] != "--parity-amp-seeds" else "1"
+               for i, a in enumerate(common)]
+    out = str(tmp_path / "out-one-amp")
+    one_amp[one_amp.index("--out") + 1] = out
+    assert bench.main(one_amp + ["--parity-seeds", "2"]) == 0
+    with open(os.path.join(out, next(f for f in os.listdir(out) if f.endswith(".json")))) as f:
+        report = json.load(f)
+    assert "forge-int4-seed1" in report["runs"]
+    assert set(report["against_amp"]) == {bench.PARITY_REFERENCE, "forge-int4"}
 
 
 def test_bench_amp_seed_spread_holds_runs_to_the_seeds_envelope():

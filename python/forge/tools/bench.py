@@ -1141,16 +1141,16 @@ def parity_report(args, info: dict) -> int:
             if c is not None and floor:
                 c["noise_floor"] = floor
                 c["within_noise_floor"] = c["mean_abs_diff_last_half"] <= max(floor)
-        # (a FORGE run at another seed is compared per step with the amp run of its seed)
-        other_seeds = {run: amp_runs[k] for runs_of in families.values()
-                       for k, run in enumerate(runs_of) if k > 0 and k < len(amp_runs)}
+        # (a FORGE run at another seed is compared per step with the amp run of its seed
+        # alone, where there is one)
+        amp_of_seed = {run: amp_runs[k] if k < len(amp_runs) else None
+                       for runs_of in families.values() for k, run in enumerate(runs_of) if k}
         report["spread"] = parity_spread(
-            {k: v for k, v in curves.items() if k not in amp_runs
-             and not any(k in r[1:] for r in families.values())},
+            {k: v for k, v in curves.items() if k not in amp_runs and k not in amp_of_seed},
             [reference] + noise_runs)
         report["against_amp"] = {}
         for name, curve in curves.items():
-            amp = curves.get(other_seeds.get(name, amp_reference))
+            amp = curves.get(amp_of_seed.get(name, amp_reference))
             if name not in amp_runs and amp is not None:
                 report["against_amp"][name] = compare_curves(amp, curve)
         report["amp_seed_spread"] = amp_seed_spread(curves, amp_runs, families)
