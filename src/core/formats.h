@@ -396,7 +396,7 @@ FORGE_HD float fp8_decode(uint8_t code, float absmax, bool is_signed) {
 //  - unsigned states (second moments): the 4-bit unsigned dynamic-exponent map without zero
 //    (the same paper's "DE-0", the dynamic-exponent map with its zero point excluded): decades
 //    10^-2, 10^-1 and 1 holding 2, 4 and 8 values at the midpoints of equal bins of [0.1, 1],
-//    plus 1, and the code zero had a decade 10^-3's one value: 0.00055; 0.00325, 0.00775;
+//    plus 1, and in place of a zero the decade 10^-3's one value: 0.00055; 0.00325, 0.00775;
 //    0.02125 .. 0.08875; 0.15625 .. 0.94375; 1. Code c is the c-th value ascending. A map with
 //    a zero sends a block's small second moments to 0, whose 1 / (√v + eps) then blows their
 //    updates up. Why not linear, (c + 1) / 16, the paper's map for its rank-1 normalization:
