@@ -76,6 +76,8 @@ def _case(name, kwargs, sp=False, **forge):
     forge.setdefault("mode", "immediate")
     label = config_id((name, kwargs)) + (f"-{forge['state_format']}"
                                          if "state_format" in forge else "") + ("-sp" if sp else "")
+    if "max_grad_norm" in forge:
+        label += f"-max_grad_norm={forge['max_grad_norm']}"
     return {"id": label, "name": name, "kwargs": kwargs, "forge": forge, "sp": sp}
 
 
@@ -84,12 +86,15 @@ def _case(name, kwargs, sp=False, **forge):
 # would not measure. int8 states under sharding: the checkpoint test below (bit-exact), and
 # the shard-against-full kernel test of the C++ suite.
 ONE_PER_RULE = list({name: (name, kwargs) for name, kwargs in CONFIGS}.values())
+# max_grad_norm in immediate mode: lagged, each step clipped with the last step's global norm
+# (summed over the ranks), so every rank scales by the one process's coefficient.
+CLIPPED = _case("AdamW", dict(lr=1e-2, weight_decay=0.1), max_grad_norm=0.05)
 TP2 = ([_case(n, k) for n, k in ONE_PER_RULE]
        + [_case("AdamW", dict(lr=1e-2, weight_decay=0.1), sp=True),
-          _case("SGD", dict(lr=0.1, momentum=0.9), sp=True)])
+          _case("SGD", dict(lr=0.1, momentum=0.9), sp=True), CLIPPED])
 TP4 = [_case("AdamW", dict(lr=1e-2, weight_decay=0.1), sp=True),
        _case("SGD", dict(lr=0.1, momentum=0.9))]
-FSDP2 = [_case(n, k) for n, k in ONE_PER_RULE if n in ("AdamW", "SGD", "Lion")]
+FSDP2 = [_case(n, k) for n, k in ONE_PER_RULE if n in ("AdamW", "SGD", "Lion")] + [CLIPPED]
 FSDP4 = [_case("AdamW", dict(lr=1e-2, weight_decay=0.1))]
 
 

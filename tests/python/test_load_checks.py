@@ -9,6 +9,7 @@ that used to load wrong, and loads fast what used to load slowly:
 - a group of torch.optim's asking for what FORGE does not do (an un-stepped AdamW with
   amsgrad=True has no state to tell, and its amsgrad was dropped);
 - an int8 / fp8 absmax above the largest bf16 (no step stores one);
+- a lagged clip norm no step saves (negative, not finite, not a number);
 - a NAdam state without 'mu_product' at step 3·10^6 (its product was multiplied out in a
   Python loop: a second per load).
 Constructor edges: Adagrad's initial_accumulator_value above the largest bf16 with bf16
@@ -109,6 +110,19 @@ def test_step_past_int64_is_refused(step, where):
     else:
         sd["forge"]["step_id"] = step
     _expect_refused(opt, sd, "2\\*\\*63 - 2")
+
+
+@pytest.mark.parametrize("norm", [-1.0, float("inf"), float("nan"), "1.0", True])
+def test_bad_lagged_clip_norm_is_refused(norm):
+    """The 'forge' entry's lagged_clip_norm sets immediate mode's next clip coefficient: a
+    value no step saves (negative, not finite, not a number) is refused, nothing changed."""
+    model = _model()
+    opt = forge.optim.AdamW(model, mode="immediate", max_grad_norm=1.0)
+    _train(model, opt)
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["forge"]["lagged_clip_norm"] > 0
+    sd["forge"]["lagged_clip_norm"] = norm
+    _expect_refused(opt, sd, "lagged_clip_norm")
 
 
 def test_largest_step_loads_and_steps():

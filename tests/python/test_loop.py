@@ -383,6 +383,81 @@ def test_immediate_max_grad_norm_is_lagged():
     assert error <= LOOP_RTOL, error
 
 
+def test_immediate_lagged_clip_after_an_overflowed_norm_keeps_the_last_coefficient():
+    """Immediate mode, max_grad_norm: a step whose gradient elements are finite but whose
+    norm is beyond fp32 (inf) runs with the coefficient it had; the next step clips with the
+    last finite norm's coefficient. torch's formula would give 0 there, a gradient scale the
+    library refuses inside the next backward: the run would stop. (A non-finite element is
+    skipped and left out of the norm, so only an overflowed sum gets here.) Checked against
+    torch doing exactly that."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    base.probe = torch.nn.Parameter(torch.zeros(2))  # (not in the loss: its gradient set by hand)
+    model, ref = copy.deepcopy(base), ordered_concat(copy.deepcopy(base))
+    opt = forge.optim.SGD(model, lr=1e-3, mode="immediate", max_grad_norm=MAX_NORM)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
+    huge = torch.full((2,), 3e38)  # each finite; their norm, 4.2e38, is not in fp32
+    coef = 1.0
+    for step in range(4):
+        lm_loss(model, step).backward()
+        lm_loss(ref, step).backward()
+        ref.move_ordered_grads()
+        if step == 1:
+            model.probe.grad, ref.probe.grad = huge.clone(), huge.clone()
+        opt.step()
+        opt.zero_grad()
+        norm = float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad.double()) for p in ref.parameters()
+             if p.grad is not None])))
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.nonfinite_count == 0
+        if step == 1:
+            assert opt.grad_norm == math.inf
+        else:
+            assert opt.grad_norm == pytest.approx(norm, rel=1e-5)
+            coef = min(1.0, MAX_NORM / (norm + 1e-6))
+    from tolerances import LOOP_RTOL
+    error = max_normwise(model, ref)
+    assert error <= LOOP_RTOL, error
+
+
+def test_immediate_lagged_clip_follows_a_deferred_step():
+    """accumulate_grad switched on for one step (deferred: clipped exactly with its own norm)
+    and off again: the next immediate step clips with that step's norm, as after an immediate
+    one. Checked against torch doing exactly that."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    model, ref = copy.deepcopy(base), ordered_concat(copy.deepcopy(base))
+    opt = forge.optim.SGD(model, lr=0.1, mode="immediate", max_grad_norm=MAX_NORM)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    coef = 1.0
+    for step in range(4):
+        opt.accumulate_grad = step == 1
+        lm_loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        lm_loss(ref, step).backward()
+        ref.move_ordered_grads()
+        if step == 1:  # (deferred: torch's clip_grad_norm_ itself)
+            norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad) for p in ref.parameters()])))
+            for p in ref.parameters():
+                p.grad.mul_(coef)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.grad_norm == pytest.approx(norm, rel=1e-5)
+        coef = min(1.0, MAX_NORM / (norm + 1e-6))
+    from tolerances import LOOP_RTOL
+    error = max_normwise(model, ref)
+    assert error <= LOOP_RTOL, error
+
+
 def test_factored_gradient_holds_no_dense_dw_until_an_operation_needs_one():
     """deferred_store='auto' keeps X and dY while they are smaller than dW; an operation
     without a factored form (clip_grad_value_) forms dW once, with a warning, and stays exact."""

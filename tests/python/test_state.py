@@ -207,6 +207,34 @@ def test_replaced_state_tensor_of_the_wrong_shape_is_refused_before_any_update()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("mode", ["auto", "immediate", "deferred"])
+def test_resume_with_max_grad_norm_is_bit_exact(mode):
+    """max_grad_norm in immediate mode (and auto's, immediate from its second step) clips a
+    step with the previous step's norm: the checkpoint carries it, so the resumed run's first
+    step clips as the uninterrupted run's does, not unclipped."""
+    options = dict(lr=1e-2, mode=mode, max_grad_norm=0.05)  # (below every step's norm)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    start = copy.deepcopy(model.state_dict())
+    opt = forge.optim.AdamW(model, **options)
+    train(model, opt, 3, 0, "cpu")
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    train(model, opt, 2, 3, "cpu")
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    resumed = TinyTransformer()
+    resumed.load_state_dict(start)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = forge.optim.AdamW(resumed, **options)
+    opt2.load_state_dict(checkpoint["opt"])
+    train(resumed, opt2, 2, 3, "cpu")
+    assert opt2.grad_norm == opt.grad_norm
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_load_into_a_used_optimizer_resumes_exactly():
     """An optimizer that already stepped loads a checkpoint of an earlier step in which a
     parameter had no states yet: that parameter's next update makes and uses new states (none

@@ -41,14 +41,15 @@ _UNSUPPORTED_GROUP_OPTIONS = ("amsgrad", "capturable", "differentiable")
 _MU_PRODUCT_LOOP_STEPS = 1 << 16
 
 
-def entry(shared, store, modes, seed: int) -> Dict[str, Any]:
-    """state_dict()'s 'forge' entry."""
+def entry(shared, store, modes, seed: int, lagged_norm: Optional[float]) -> Dict[str, Any]:
+    """state_dict()'s 'forge' entry. lagged_norm: the norm immediate mode's next clip
+    coefficient comes from (stepping.py), None before any."""
     return {"format_version": FORMAT_VERSION, "state_format": store.state_format,
             "state_formats": store.formats_by_index(),
             "master_weights": store.master_weights,
             "stochastic_rounding": store.stochastic_rounding, "seed": seed,
             "step_id": shared.step_id, "mode": modes.requested_mode,
-            "auto_deferring": modes.auto_deferring}
+            "auto_deferring": modes.auto_deferring, "lagged_clip_norm": lagged_norm}
 
 
 class Loaded(NamedTuple):
@@ -57,6 +58,7 @@ class Loaded(NamedTuple):
     states: List[Tuple[Any, Dict[str, Any], int, Optional[float]]]  # (slot, state, step, mu)
     step_id: int
     linear_int4: List[Tuple[Any, List[int]]]  # (slot, its states saved in the linear int4 map)
+    lagged_norm: Optional[float]  # the 'forge' entry's lagged_clip_norm (None without one)
 
 
 def check_load(state_dict: Dict[str, Any], meta: Dict[str, Any], shared, store, rules,
@@ -90,6 +92,12 @@ def check_load(state_dict: Dict[str, Any], meta: Dict[str, Any], shared, store, 
     # (checked per parameter below)
     saved_formats = _saved_state_formats(meta, saved_groups, index_to_param)
     step_id = _saved_count(meta.get("step_id", shared.step_id), "the 'forge' entry's step_id")
+    lagged_norm = meta.get("lagged_clip_norm")
+    if lagged_norm is not None and (isinstance(lagged_norm, bool)
+                                    or not isinstance(lagged_norm, (int, float))
+                                    or not 0.0 <= lagged_norm < math.inf):
+        raise ValueError("load_state_dict: the 'forge' entry's lagged_clip_norm must be None "
+                         f"or a finite number >= 0, got {lagged_norm!r}")
     keeps_mu_product = rules._keeps_mu_product
     states, linear_int4 = [], []
     linear_map = meta.get("format_version", FORMAT_VERSION) < _INT4_DYNAMIC_EXPONENT_VERSION
@@ -126,7 +134,8 @@ def check_load(state_dict: Dict[str, Any], meta: Dict[str, Any], shared, store, 
             layout = store.layout(slot, group, fmt)
             linear_int4.append((slot, [i for i in range(layout.num_states)
                                        if not layout.is_signed[i]]))
-    return Loaded(new_groups, states, step_id, linear_int4)
+    return Loaded(new_groups, states, step_id, linear_int4,
+                  None if lagged_norm is None else float(lagged_norm))
 
 
 def apply_load(loaded: Loaded, shared, store) -> None:

@@ -108,7 +108,9 @@ class _ForgeOptimizer(torch.optim.Optimizer):
       max_grad_norm        clip the global L2 norm of the gradient to this (torch's
                            clip_grad_norm_ formula): exact in deferred and auto mode; in
                            immediate mode lagged: step t uses the norm of step t - 1 (its first
-                           step is not clipped). opt.grad_norm reports the norm before clipping.
+                           step is not clipped; after a step whose norm overflowed fp32, the
+                           last finite one), saved in state_dict() so a resumed run clips as
+                           it would have. opt.grad_norm reports the norm before clipping.
       deferred_store       deferred mode, per fused Linear: "auto" (its X and dY while they are
                            smaller than dW, else a dense gradient), "factors", or "grad".
       accumulate_grad      True is mode="deferred", deferred_store="grad": a full .grad per
@@ -268,6 +270,7 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             raise RuntimeError("accumulate_grad can only be switched between steps (call "
                                "opt.step() first)")
         self._modes.set_accumulate_grad(value)
+        self._stepper.set_backward_scale()  # (immediate again: the lagged clip resumes)
 
     @property
     def grad_norm(self) -> Optional[float]:
@@ -368,7 +371,8 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             sd = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
-        sd["forge"] = checkpoint.entry(self._shared, self._store, self._modes, self.seed)
+        sd["forge"] = checkpoint.entry(self._shared, self._store, self._modes, self.seed,
+                                       self._stepper.lagged_norm)
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -396,6 +400,8 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                                        self._check_group)
         checkpoint.apply_load(loaded, shared, self._store)
         self._modes.learned(meta)  # (what the saved auto optimizer learned of the loop)
+        self._stepper.lagged_norm = loaded.lagged_norm
+        self._stepper.set_backward_scale()
         self._capture.states_loaded += 1  # new state tensors: a captured step no longer reads them
         shared.checked_step = shared.begun_step = -1
         shared.lapse_ready()

@@ -38,6 +38,9 @@ class Stepper:
         self._distributed = distributed_  # the statistics are summed over the ranks
         self._clip_norm: Optional[torch.Tensor] = None  # this step's norm before clipping
         self.last_clip_norm: Optional[torch.Tensor] = None  # the last step's
+        # The norm immediate mode's next coefficient comes from: the last finite one of a step
+        # (None before any); saved in the state dict, so a resumed run clips as it would have.
+        self.lagged_norm: Optional[float] = None
 
     def step(self, pre_hooks: bool) -> None:
         """One opt.step() (pre_hooks: the optimizer has step pre-hooks, which keep an auto
@@ -78,19 +81,28 @@ class Stepper:
             self._step_on_zeros()
         modes.grads_zeroed = False
         stats = self._stats
-        if not deferred and self.max_grad_norm is not None and stats.current:
-            # lagged clipping: the true norm is the consumed one over the coefficient used
-            self._clip_norm = torch.tensor(stats.consumed_norm() / self._updater.backward_scale)
         if self._distributed and not shared.capturing:
             stats.reduce(slot.device for slot in slots)
+        if not deferred and self.max_grad_norm is not None and stats.current:
+            # lagged clipping: the true norm is the consumed one (summed over the ranks) over
+            # the coefficient used
+            self._clip_norm = torch.tensor(stats.consumed_norm() / self._updater.backward_scale)
+            if math.isfinite(float(self._clip_norm)):  # (fp32: a sum beyond it is inf)
+                self.lagged_norm = float(self._clip_norm)
         stats.close()
         self.last_clip_norm, self._clip_norm = self._clip_norm, None
         for slot in slots:
             if slot.updated_at == shared.step_id:
                 slot.grad_kept = True  # (torch's gradient stays until a zero_grad)
         modes.end_hold()
-        self._updater.backward_scale = self._lagged_clip_scale() if not shared.deferring else 1.0
+        self.set_backward_scale()
         shared.step_id += 1
+
+    def set_backward_scale(self) -> None:
+        """The gradient scale of the next step's updates inside backward: immediate mode's
+        lagged clip coefficient (1 where the step runs deferred)."""
+        self._updater.backward_scale = \
+            self._lagged_clip_scale() if not self.shared.deferring else 1.0
 
     def in_progress(self) -> bool:
         """A backward ran since the last step() (an update ran, or a gradient is held)."""
@@ -103,10 +115,13 @@ class Stepper:
 
     def _lagged_clip_scale(self) -> float:
         """Immediate mode with max_grad_norm: the clip coefficient of the previous step's
-        norm (1 for the first step)."""
-        if self.max_grad_norm is None or self.last_clip_norm is None:
+        norm (1 for the first step). After a step whose norm was not finite (its elements
+        finite, their sum beyond fp32: a non-finite element is skipped and left out of the
+        norm), that of the last finite norm: torch's formula would give 0 there, a gradient
+        scale the library refuses, and the run would stop at the next backward."""
+        if self.max_grad_norm is None or self.lagged_norm is None:
             return 1.0
-        return min(1.0, self.max_grad_norm / (float(self.last_clip_norm) + 1e-6))
+        return min(1.0, self.max_grad_norm / (self.lagged_norm + 1e-6))
 
     def _leave_consumed(self, slot) -> None:
         """After a parameter's update in step(): a fused weight or an FSDP2 shard keeps its
@@ -204,6 +219,8 @@ class Stepper:
             # is then a non-finite gradient, which the update skips and counts
             # (opt.nonfinite_count): no weight or state changes.
             nonfinite_norm = not (math.isfinite(total_norm) and math.isfinite(clip) and clip > 0)
+            if not nonfinite_norm:
+                self.lagged_norm = total_norm  # (an immediate step next clips with it)
         # NOTE: each gradient is freed as soon as its update ran, so the step's peak is what is
         # held plus the states made so far, never every gradient and every state at once (on
         # the first step the states are made here, weight by weight, in the memory the
