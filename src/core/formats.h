@@ -219,7 +219,7 @@ FORGE_HD uint32_t int8_octave_fraction_bits(int k) {
 }
 
 // Word s (0..15) of the sixteenths table. The host builds it; so does every CTA that reads
-// it (update.cuh, int8_tables_init).
+// it (update.cuh, block_tables_init).
 FORGE_HD uint32_t int8_sixteenth_word(int s) {
   const uint32_t start = static_cast<uint32_t>(s) << 19, end = start + (1u << 19);
   int below = 0;

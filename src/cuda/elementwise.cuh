@@ -161,8 +161,8 @@ __device__ __forceinline__ void elementwise_body(const void* grad, int grad_dtyp
   constexpr int kPairsPerWarp = 2 * kQ;
   const bool want_sq = grad_sq_sum != nullptr;
   StepTotals totals{0.0, 0u};
-  if constexpr (int8_table_needed<Spec>()) {
-    int8_tables_init(threadIdx.x);
+  if constexpr (block_tables_needed<Spec>() != 0u) {
+    block_tables_init<block_tables_needed<Spec>()>(threadIdx.x);
     __syncthreads();
   }
   if constexpr (kElementwisePipelined<Spec, kQ>) {
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int64_t pairs = p.rows * p.blocks_per_row;
-  int8_tables_init(threadIdx.x);  // the state format is a run-time value here
+  block_tables_init(threadIdx.x);  // the state format is a run-time value here
   __syncthreads();
   for (int64_t base = warp * 2; base < pairs; base += warps * 2) {
     const BlockCursor c = block_cursor(p, base + lane / 16, pairs, lane16);

@@ -178,7 +178,8 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
       *reinterpret_cast<float2*>(&sC[(r + 8) * kLdC + c]) =
           make_float2(acc[i][j][2], acc[i][j][3]);
     }
-  if constexpr (int8_table_needed<Spec>()) int8_tables_init(threadIdx.x);
+  if constexpr (block_tables_needed<Spec>() != 0u)
+    block_tables_init<block_tables_needed<Spec>()>(threadIdx.x);
   __syncthreads();
   finish_tile<Spec>(a, sC, m0, n0);
 }
@@ -275,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_simt_kernel(const WgradPara
       *reinterpret_cast<float4*>(&sC[r * kLdC + 64 * h + 4 * tx]) =
           make_float4(acc[i][4 * h], acc[i][4 * h + 1], acc[i][4 * h + 2], acc[i][4 * h + 3]);
   }
-  int8_tables_init(threadIdx.x);
+  block_tables_init(threadIdx.x);
   __syncthreads();
   finish_tile<Spec>(a, sC, m0, n0);
 }

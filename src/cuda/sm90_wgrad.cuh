@@ -306,7 +306,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   fence_accumulators(acc);
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
   store_accumulators(sC, acc, warpgroup);
-  if constexpr (int8_table_needed<Spec>()) int8_tables_init(threadIdx.x);
+  if constexpr (block_tables_needed<Spec>() != 0u)
+    block_tables_init<block_tables_needed<Spec>()>(threadIdx.x);
   __syncthreads();
   if (unsigned long long* rec = trace_record(a)) rec[kTraceClockMainEnd] = clock64();
   finish_tile<Spec>(a, sC, m0, n0, first);
@@ -412,7 +413,8 @@ __global__ void __launch_bounds__(kPersistentThreads, 1)
     mbar_init(c_empty, 256);
     init_ring<kPersistentStages>(maps, full0, empty0);  // fences cover c_full / c_empty too
   }
-  if constexpr (int8_table_needed<Spec>()) int8_tables_init(threadIdx.x);
+  if constexpr (block_tables_needed<Spec>() != 0u)
+    block_tables_init<block_tables_needed<Spec>()>(threadIdx.x);
   __syncthreads();  // the last CTA-wide barrier: the producer's idle threads exit below
 
   const int warpgroup = threadIdx.x / 128;

@@ -72,20 +72,25 @@ __device__ __forceinline__ uint2* int4_bucket_table(bool is_signed) {
   __shared__ uint2 table[2 * kInt4Buckets];
   return table + (is_signed ? 0 : kInt4Buckets);
 }
-__device__ __forceinline__ uint2 int4_bucket_entry(int b, bool is_signed) {
+// NOTE: the midpoint loop unrolled, each midpoint a constant: the entries are filled by every
+// CTA of an int4 kernel before its update, and a runtime index would make each midpoint a
+// branch tree of the map's switch (~30 instructions per midpoint, ~900 per thread).
+template <bool kSigned>
+__device__ __forceinline__ uint2 int4_bucket_entry(int b) {
   const uint32_t lo = static_cast<uint32_t>(kInt4FirstBucket + b) << 19;
   const uint32_t hi = b + 1 < kInt4Buckets ? lo + (1u << 19) : 0xFFFFFFFFu;
   uint32_t below = 0u, mid = 0xFFFFFFFFu;  // the midpoints below the bucket; the one inside it
-  for (int k = is_signed ? kInt4Codes / 2 : 1; k < kInt4Codes; ++k) {  // (signed: positive)
+#pragma unroll
+  for (int k = kSigned ? kInt4Codes / 2 : 1; k < kInt4Codes; ++k) {  // (signed: positive)
     const uint32_t m =
-        __float_as_uint(is_signed ? int4_signed_midpoint(k) : int4_unsigned_midpoint(k));
+        __float_as_uint(kSigned ? int4_signed_midpoint(k) : int4_unsigned_midpoint(k));
     if (m < lo) {
       below += 1u;
     } else if (m < hi) {
       mid = m;
     }
   }
-  if (!is_signed) return make_uint2(below, mid);
+  if (!kSigned) return make_uint2(below, mid);
   // With c midpoints counted, a q >= 0 takes code c, a q < 0 code (16 - min(c, 7)) & 15
   // (int4_code_fast).
   auto negative = [](uint32_t c) { return (16u - min(c, 7u)) & 15u; };
@@ -94,27 +99,38 @@ __device__ __forceinline__ uint2 int4_bucket_entry(int b, bool is_signed) {
   return make_uint2(codes, mid);
 }
 
-// Fills the tables (int8's two, int4's maps and buckets): the CTA's threads (tid: the thread's
-// index in it, blockDim.x of them) write; a __syncthreads must follow before the first int8 or
-// int4 access. Every kernel that may touch int8 or int4 states calls it before its first
-// __syncthreads (int8_table_needed<Spec>).
-__device__ __forceinline__ void int8_tables_init(int tid) {
-  for (int i = tid; i < 16; i += blockDim.x) int8_sixteenths_table()[i] = int8_sixteenth_word(i);
-  for (int i = tid; i < 2 * kInt4Codes; i += blockDim.x)
-    int4_code_table()[i] = int4_map(static_cast<uint8_t>(i % kInt4Codes), i < kInt4Codes);
-  for (int b = tid; b < 2 * kInt4Buckets; b += blockDim.x)
-    int4_bucket_table(b < kInt4Buckets)[b % kInt4Buckets] =
-        int4_bucket_entry(b % kInt4Buckets, b < kInt4Buckets);
-  for (int i = tid; i < 512; i += blockDim.x) {
-    const int code = i & 255;
-    float v;
-    if (i < 256) {
-      const float mag = int8_level_value_direct(code & 0x7F, kInt8SignedTop);
-      v = (code & 0x80) ? -mag : mag;
-    } else {
-      v = int8_level_value_direct(code, kInt8UnsignedTop);
+// The tables a kernel fills (block_tables_init), as bits: int8's two, int4's maps and buckets.
+constexpr unsigned kInt8Tables = 1u, kInt4Tables = 2u, kAllTables = kInt8Tables | kInt4Tables;
+
+// Fills the tables named by kTables: the CTA's threads (tid: the thread's index in it,
+// blockDim.x of them) write; a __syncthreads must follow before the first int8 or int4 access.
+// Every kernel that may touch int8 or int4 states calls it before its first __syncthreads
+// (block_tables_needed<Spec>).
+// NOTE: only the tables the kernel's format reads: a specialized kernel fills them for each
+// tile, between its main loop and its update.
+template <unsigned kTables = kAllTables>
+__device__ __forceinline__ void block_tables_init(int tid) {
+  if constexpr ((kTables & kInt4Tables) != 0) {
+    for (int i = tid; i < 2 * kInt4Codes; i += blockDim.x)
+      int4_code_table()[i] = int4_map(static_cast<uint8_t>(i % kInt4Codes), i < kInt4Codes);
+    for (int b = tid; b < kInt4Buckets; b += blockDim.x) {
+      int4_bucket_table(true)[b] = int4_bucket_entry<true>(b);
+      int4_bucket_table(false)[b] = int4_bucket_entry<false>(b);
     }
-    int8_code_table()[i] = v;
+  }
+  if constexpr ((kTables & kInt8Tables) != 0) {
+    for (int i = tid; i < 16; i += blockDim.x) int8_sixteenths_table()[i] = int8_sixteenth_word(i);
+    for (int i = tid; i < 512; i += blockDim.x) {
+      const int code = i & 255;
+      float v;
+      if (i < 256) {
+        const float mag = int8_level_value_direct(code & 0x7F, kInt8SignedTop);
+        v = (code & 0x80) ? -mag : mag;
+      } else {
+        v = int8_level_value_direct(code, kInt8UnsignedTop);
+      }
+      int8_code_table()[i] = v;
+    }
   }
 }
 
@@ -128,11 +144,14 @@ __device__ __forceinline__ int int8_nearest_level_unit_fast(float a, int top) {
   return int8_nearest_level_unit(a, top, int8_sixteenths_table());
 }
 
-// Whether a kernel instantiated for Spec can touch int8 or int4 states (and needs the tables).
+// The tables a kernel instantiated for Spec reads (block_tables_init's kTables; 0: none):
+// int8's for int8 states, int4's for int4 states, all for a generic kernel.
 template <class Spec>
-constexpr bool int8_table_needed() {
-  return Spec::kGeneric || Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64 ||
-         Spec::kStateFormat == FORGE_STATE_INT4_BLOCK64;
+constexpr unsigned block_tables_needed() {
+  return Spec::kGeneric                                      ? kAllTables
+         : Spec::kStateFormat == FORGE_STATE_INT8_BLOCK64 ? kInt8Tables
+         : Spec::kStateFormat == FORGE_STATE_INT4_BLOCK64 ? kInt4Tables
+                                                          : 0u;
 }
 
 // == formats.h int8_decode / int8_encode, bit for bit (the code table holds

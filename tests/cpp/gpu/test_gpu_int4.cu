@@ -20,7 +20,7 @@ using forge::cuda::kQuad;
 
 // Every code of both maps, against a few absmax values (0, 1, a subnormal, a large one).
 __global__ void compare_decode(unsigned long long* mismatches) {
-  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read the signed map's table
+  forge::cuda::block_tables_init(threadIdx.x);  // the device forms read the signed map's table
   __syncthreads();
   const uint32_t code = threadIdx.x;  // one block of 16 threads: every code
   const float absmaxes[4] = {0.0f, 1.0f, 0x1p-140f, 0x1.8p100f};
@@ -37,7 +37,7 @@ __global__ void compare_decode(unsigned long long* mismatches) {
 // infinities, negatives and values above 1 included (the reference's answer for each is
 // defined); the accepted form (int4_code_fast<true>) on every q in [-1, 1], its domain.
 __global__ void compare_nearest(uint64_t first, uint64_t count, unsigned long long* mismatches) {
-  forge::cuda::int8_tables_init(threadIdx.x);  // the encodes read their bucket tables
+  forge::cuda::block_tables_init(threadIdx.x);  // the encodes read their bucket tables
   __syncthreads();
   unsigned long long bad = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
@@ -59,7 +59,7 @@ __global__ void compare_nearest(uint64_t first, uint64_t count, unsigned long lo
 // infinite, NaN (block_absmax_draw, as test_gpu_int8_map.cu), four values |v| <= absmax; the
 // accepted form (int4_quad_codes<true>) too where the absmax is finite, its domain.
 __global__ void compare_quad_codes(uint32_t count, unsigned long long* mismatches) {
-  forge::cuda::int8_tables_init(threadIdx.x);  // the encodes read their bucket tables
+  forge::cuda::block_tables_init(threadIdx.x);  // the encodes read their bucket tables
   __syncthreads();
   unsigned long long bad = 0;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {

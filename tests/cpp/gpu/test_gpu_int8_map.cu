@@ -5,7 +5,7 @@
 // bit patterns; the unit form every one up to 1 and negatives), special values, and 2^24 random
 // (x, absmax) pairs and blocks.
 // Bit for bit; any difference would break CPU/GPU equality of int8 states. The device forms
-// read tables in shared memory (int8_tables_init): each kernel here fills them first, as
+// read tables in shared memory (block_tables_init): each kernel here fills them first, as
 // the library's kernels do.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -19,7 +19,7 @@ namespace fgt {
 namespace {
 
 __global__ void compare_decode(unsigned long long* mismatches) {
-  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
+  forge::cuda::block_tables_init(threadIdx.x);  // the device forms read it
   __syncthreads();
   const int code = threadIdx.x;  // one block of 256 threads: every code
   for (int is_signed = 0; is_signed < 2; ++is_signed) {
@@ -31,7 +31,7 @@ __global__ void compare_decode(unsigned long long* mismatches) {
 
 // Every float whose bits lie in [first, first + count).
 __global__ void compare_nearest(uint32_t first, uint32_t count, unsigned long long* mismatches) {
-  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
+  forge::cuda::block_tables_init(threadIdx.x);  // the device forms read it
   __syncthreads();
   unsigned long long bad = 0;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count;
@@ -53,7 +53,7 @@ __global__ void compare_nearest(uint32_t first, uint32_t count, unsigned long lo
 // overflows), or another random bit pattern where it is at least |x| or not positive (zero,
 // negative, NaN): the blocks a step encodes.
 __global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
-  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
+  forge::cuda::block_tables_init(threadIdx.x);  // the device forms read it
   __syncthreads();
   unsigned long long bad = 0;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
@@ -78,7 +78,7 @@ __global__ void compare_encode(uint32_t count, unsigned long long* mismatches) {
 // the fast path took, so the test can tell that both paths were exercised.
 __global__ void compare_quad_ratios(uint32_t count, unsigned long long* mismatches,
                                     unsigned long long* fast) {
-  forge::cuda::int8_tables_init(threadIdx.x);  // the device forms read it
+  forge::cuda::block_tables_init(threadIdx.x);  // the device forms read it
   __syncthreads();
   unsigned long long bad = 0, took = 0;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
