@@ -89,9 +89,9 @@ ONE_PER_RULE = list({name: (name, kwargs) for name, kwargs in CONFIGS}.values())
 # max_grad_norm in immediate mode: lagged, each step clipped with the last step's global norm
 # (summed over the ranks), so every rank scales by the one process's coefficient.
 CLIPPED = _case("AdamW", dict(lr=1e-2, weight_decay=0.1), max_grad_norm=0.05)
-TP2 = ([_case(n, k) for n, k in ONE_PER_RULE]
+TP2 = ([_case(n, k) for n, k in ONE_PER_RULE] + [CLIPPED]
        + [_case("AdamW", dict(lr=1e-2, weight_decay=0.1), sp=True),
-          _case("SGD", dict(lr=0.1, momentum=0.9), sp=True), CLIPPED])
+          _case("SGD", dict(lr=0.1, momentum=0.9), sp=True)])  # (the last: a sequence parallel)
 TP4 = [_case("AdamW", dict(lr=1e-2, weight_decay=0.1), sp=True),
        _case("SGD", dict(lr=0.1, momentum=0.9))]
 FSDP2 = [_case(n, k) for n, k in ONE_PER_RULE if n in ("AdamW", "SGD", "Lion")] + [CLIPPED]
