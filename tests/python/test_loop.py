@@ -353,108 +353,80 @@ def test_a_nonfinite_total_norm_skips_the_step_and_counts_it(bad):
                if torch.is_tensor(states[k][n]) and n != "step")
 
 
+def _lagged_clip_against_torch(base, lr, steps, edit=None, exact_steps=()):
+    """forge.optim.SGD(mode="immediate", max_grad_norm=MAX_NORM) on a copy of base against
+    torch doing what lagged clipping means: step t's gradients scaled by the coefficient of the
+    last finite norm before it (1 at first), the steps in exact_steps run deferred
+    (accumulate_grad) and clipped by clip_grad_norm_ itself. edit(step, model, ref) may set
+    gradients by hand after both backwards. Checks each step's reported norm; returns the
+    trajectories' normwise distance."""
+    model, ref = copy.deepcopy(base), ordered_concat(copy.deepcopy(base))
+    opt = forge.optim.SGD(model, lr=lr, mode="immediate", max_grad_norm=MAX_NORM)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    coef = 1.0
+    for step in range(steps):
+        if exact_steps:
+            opt.accumulate_grad = step in exact_steps
+        lm_loss(model, step).backward()
+        lm_loss(ref, step).backward()
+        ref.move_ordered_grads()
+        if edit is not None:
+            edit(step, model, ref)
+        opt.step()
+        opt.zero_grad()
+        grads = [p.grad for p in ref.parameters() if p.grad is not None]
+        if step in exact_steps:
+            norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
+        else:
+            # (torch.nn.utils.get_total_norm's definition, in fp32; torch 2.4 lacks it)
+            norm = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g) for g in grads])))
+            for g in grads:
+                g.mul_(coef)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.nonfinite_count == 0
+        assert opt.grad_norm == pytest.approx(norm, rel=1e-5)
+        if math.isfinite(norm):
+            coef = min(1.0, MAX_NORM / (norm + 1e-6))
+    return max_normwise(model, ref)
+
+
 def test_immediate_max_grad_norm_is_lagged():
     """Immediate mode cannot know a step's norm before its updates: max_grad_norm clips step
     t with the coefficient of step t - 1's norm (the first step unclipped), and grad_norm
     reports each step's true norm. Checked against torch doing exactly that."""
-    torch.manual_seed(0)
-    base = TinyTransformer()
-    model, ref = copy.deepcopy(base), ordered_concat(copy.deepcopy(base))
-    opt = forge.optim.SGD(model, lr=0.1, mode="immediate", max_grad_norm=MAX_NORM)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    coef = 1.0
-    for step in range(5):
-        lm_loss(model, step).backward()
-        opt.step()
-        opt.zero_grad()
-        lm_loss(ref, step).backward()
-        ref.move_ordered_grads()
-        # (torch.nn.utils.get_total_norm's definition; torch 2.4 lacks that function)
-        norm = float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(p.grad) for p in ref.parameters()])))
-        for p in ref.parameters():
-            p.grad.mul_(coef)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert opt.grad_norm == pytest.approx(norm, rel=1e-5)
-        coef = min(1.0, MAX_NORM / (norm + 1e-6))
     from tolerances import LOOP_RTOL
-    error = max_normwise(model, ref)
+    torch.manual_seed(0)
+    error = _lagged_clip_against_torch(TinyTransformer(), 0.1, 5)
     assert error <= LOOP_RTOL, error
 
 
 def test_immediate_lagged_clip_after_an_overflowed_norm_keeps_the_last_coefficient():
-    """Immediate mode, max_grad_norm: a step whose gradient elements are finite but whose
-    norm is beyond fp32 (inf) runs with the coefficient it had; the next step clips with the
-    last finite norm's coefficient. torch's formula would give 0 there, a gradient scale the
-    library refuses inside the next backward: the run would stop. (A non-finite element is
-    skipped and left out of the norm, so only an overflowed sum gets here.) Checked against
-    torch doing exactly that."""
+    """A step whose gradient elements are finite but whose norm is beyond fp32 (inf) runs with
+    the coefficient it had; the next step clips with the last finite norm's coefficient.
+    torch's formula would give 0 there, a gradient scale the library refuses inside the next
+    backward: the run would stop. (A non-finite element is skipped and left out of the norm,
+    so only an overflowed sum gets here.)"""
+    from tolerances import LOOP_RTOL
     torch.manual_seed(0)
     base = TinyTransformer()
     base.probe = torch.nn.Parameter(torch.zeros(2))  # (not in the loss: its gradient set by hand)
-    model, ref = copy.deepcopy(base), ordered_concat(copy.deepcopy(base))
-    opt = forge.optim.SGD(model, lr=1e-3, mode="immediate", max_grad_norm=MAX_NORM)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
-    huge = torch.full((2,), 3e38)  # each finite; their norm, 4.2e38, is not in fp32
-    coef = 1.0
-    for step in range(4):
-        lm_loss(model, step).backward()
-        lm_loss(ref, step).backward()
-        ref.move_ordered_grads()
-        if step == 1:
-            model.probe.grad, ref.probe.grad = huge.clone(), huge.clone()
-        opt.step()
-        opt.zero_grad()
-        norm = float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(p.grad.double()) for p in ref.parameters()
-             if p.grad is not None])))
-        for p in ref.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert opt.nonfinite_count == 0
-        if step == 1:
-            assert opt.grad_norm == math.inf
-        else:
-            assert opt.grad_norm == pytest.approx(norm, rel=1e-5)
-            coef = min(1.0, MAX_NORM / (norm + 1e-6))
-    from tolerances import LOOP_RTOL
-    error = max_normwise(model, ref)
+
+    def overflow(step, model, ref):
+        if step == 1:  # each finite; their norm, 4.2e38, is not in fp32
+            model.probe.grad, ref.probe.grad = torch.full((2,), 3e38), torch.full((2,), 3e38)
+    error = _lagged_clip_against_torch(base, 1e-3, 4, edit=overflow)
     assert error <= LOOP_RTOL, error
 
 
 def test_immediate_lagged_clip_follows_a_deferred_step():
     """accumulate_grad switched on for one step (deferred: clipped exactly with its own norm)
     and off again: the next immediate step clips with that step's norm, as after an immediate
-    one. Checked against torch doing exactly that."""
-    torch.manual_seed(0)
-    base = TinyTransformer()
-    model, ref = copy.deepcopy(base), ordered_concat(copy.deepcopy(base))
-    opt = forge.optim.SGD(model, lr=0.1, mode="immediate", max_grad_norm=MAX_NORM)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    coef = 1.0
-    for step in range(4):
-        opt.accumulate_grad = step == 1
-        lm_loss(model, step).backward()
-        opt.step()
-        opt.zero_grad()
-        lm_loss(ref, step).backward()
-        ref.move_ordered_grads()
-        if step == 1:  # (deferred: torch's clip_grad_norm_ itself)
-            norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
-        else:
-            norm = float(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(p.grad) for p in ref.parameters()])))
-            for p in ref.parameters():
-                p.grad.mul_(coef)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert opt.grad_norm == pytest.approx(norm, rel=1e-5)
-        coef = min(1.0, MAX_NORM / (norm + 1e-6))
+    one."""
     from tolerances import LOOP_RTOL
-    error = max_normwise(model, ref)
+    torch.manual_seed(0)
+    error = _lagged_clip_against_torch(TinyTransformer(), 0.1, 4, exact_steps=(1,))
     assert error <= LOOP_RTOL, error
 
 

@@ -32,29 +32,38 @@ def train(model, opt, steps, start, device):
         opt.zero_grad()
 
 
+def resume_against_uninterrupted(make_model, make_opt, device, before=3, after=3):
+    """make_model()'s model trained `before` steps with make_opt(model), saved through torch.save /
+    torch.load (a real checkpoint), then trained `after` more steps; and a fresh model and
+    optimizer loaded from the checkpoint trained the same `after` steps. Returns (model, opt,
+    resumed, resumed_opt)."""
+    model = make_model()
+    opt = make_opt(model)
+    train(model, opt, before, 0, device)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    train(model, opt, after, before, device)  # the uninterrupted run
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    resumed = make_model()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = make_opt(resumed)
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    train(resumed, resumed_opt, after, before, device)
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    return model, opt, resumed, resumed_opt
+
+
 @pytest.mark.parametrize("dtype,state_format,master,device", FORMATS_DEVICES)
 def test_resume_is_bit_exact(dtype, state_format, master, device, deterministic):
     dtype = getattr(torch, dtype)
     # (min_8bit_size=0: int8 on every parameter of the tiny model, not only the large ones)
     options = dict(state_format=state_format, master_weights=master, seed=7, min_8bit_size=0)
-    model = TinyTransformer().to(device=device, dtype=dtype)
-    opt = forge.optim.AdamW(model, lr=1e-2, weight_decay=0.1, **options)
-    train(model, opt, 3, 0, device)
-
-    buffer = io.BytesIO()  # a real checkpoint: through torch.save / torch.load
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
-    train(model, opt, 3, 3, device)  # the uninterrupted run
-
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=False)
-    resumed = TinyTransformer().to(device=device, dtype=dtype)
-    resumed.load_state_dict(checkpoint["model"])
-    opt2 = forge.optim.AdamW(resumed, lr=1e-2, weight_decay=0.1, **options)
-    opt2.load_state_dict(checkpoint["opt"])
-    train(resumed, opt2, 3, 3, device)
-
-    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
-        assert torch.equal(a, b), name
+    _, opt, _, opt2 = resume_against_uninterrupted(
+        lambda: TinyTransformer().to(device=device, dtype=dtype),
+        lambda m: forge.optim.AdamW(m, lr=1e-2, weight_decay=0.1, **options), device)
     sd, sd2 = opt.state_dict(), opt2.state_dict()
     for index, state in sd["state"].items():
         for key, value in state.items():
@@ -209,30 +218,17 @@ def test_replaced_state_tensor_of_the_wrong_shape_is_refused_before_any_update()
 
 @pytest.mark.parametrize("mode", ["auto", "immediate", "deferred"])
 def test_resume_with_max_grad_norm_is_bit_exact(mode):
-    """max_grad_norm in immediate mode (and auto's, immediate from its second step) clips a
-    step with the previous step's norm: the checkpoint carries it, so the resumed run's first
-    step clips as the uninterrupted run's does, not unclipped."""
-    options = dict(lr=1e-2, mode=mode, max_grad_norm=0.05)  # (below every step's norm)
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    start = copy.deepcopy(model.state_dict())
-    opt = forge.optim.AdamW(model, **options)
-    train(model, opt, 3, 0, "cpu")
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
-    train(model, opt, 2, 3, "cpu")
-
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=False)
-    resumed = TinyTransformer()
-    resumed.load_state_dict(start)
-    resumed.load_state_dict(checkpoint["model"])
-    opt2 = forge.optim.AdamW(resumed, **options)
-    opt2.load_state_dict(checkpoint["opt"])
-    train(resumed, opt2, 2, 3, "cpu")
+    """max_grad_norm in immediate mode clips a step with the previous step's norm: the
+    checkpoint carries it, so the resumed run's first step clips as the uninterrupted run's
+    does, not unclipped (auto, deferred here with max_grad_norm, and deferred clip exactly)."""
+    def make_model():
+        torch.manual_seed(0)
+        return TinyTransformer()
+    # (max_grad_norm below every step's norm: every step clips)
+    _, opt, _, opt2 = resume_against_uninterrupted(
+        make_model, lambda m: forge.optim.AdamW(m, lr=1e-2, mode=mode, max_grad_norm=0.05),
+        "cpu", after=2)
     assert opt2.grad_norm == opt.grad_norm
-    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
-        assert torch.equal(a, b), name
 
 
 def test_load_into_a_used_optimizer_resumes_exactly():
