@@ -72,9 +72,9 @@ __device__ __forceinline__ uint2* int4_bucket_table(bool is_signed) {
   __shared__ uint2 table[2 * kInt4Buckets];
   return table + (is_signed ? 0 : kInt4Buckets);
 }
-// NOTE: the midpoint loop unrolled, each midpoint a constant: the entries are filled by every
-// CTA of an int4 kernel before its update, and a runtime index would make each midpoint a
-// branch tree of the map's switch (~30 instructions per midpoint, ~900 per thread).
+// NOTE: the midpoint loop unrolled, each midpoint a constant: every CTA of an int4 kernel
+// fills the entries before its update, and a run-time index would read each midpoint through
+// the map's switch, a branch tree (docs/performance.md, "int4 states").
 template <bool kSigned>
 __device__ __forceinline__ uint2 int4_bucket_entry(int b) {
   const uint32_t lo = static_cast<uint32_t>(kInt4FirstBucket + b) << 19;
