@@ -129,6 +129,10 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
     if (s < nk) load_stage(s, kt0 + s);
     cp_async_commit();
   }
+  // NOTE: the code tables are filled while the first stages' copies fly, off the path from
+  // the last mma to the update; the next barrier orders them before any read.
+  if constexpr (block_tables_needed<Spec>() != 0u)
+    block_tables_init<block_tables_needed<Spec>()>(threadIdx.x);
   const int prefetch_at = prefetch_ktile<kBK>(a, nk);
 
 #pragma unroll 1
@@ -178,8 +182,6 @@ __global__ void __launch_bounds__(kThreads, 2) wgrad_mma_kernel(const WgradParam
       *reinterpret_cast<float2*>(&sC[(r + 8) * kLdC + c]) =
           make_float2(acc[i][j][2], acc[i][j][3]);
     }
-  if constexpr (block_tables_needed<Spec>() != 0u)
-    block_tables_init<block_tables_needed<Spec>()>(threadIdx.x);
   __syncthreads();
   finish_tile<Spec>(a, sC, m0, n0);
 }

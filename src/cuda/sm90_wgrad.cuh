@@ -242,6 +242,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int s = 0; s < kSm90Stages; ++s)
       if (s < nk) issue_stage(s, kt0 + s);
   }
+  // NOTE: the code tables are filled while the first stages' loads fly, off the path from
+  // the last wgmma to the update; the barrier below orders them before any read.
+  if constexpr (block_tables_needed<Spec>() != 0u)
+    block_tables_init<block_tables_needed<Spec>()>(threadIdx.x);
   if constexpr (Spec::kRunScalars) {
     // NOTE: the run scalars' check after the first stages' loads are issued, not before: its
     // L2 read, hashes and barrier overlap their flight instead of delaying them (every CTA
@@ -306,8 +310,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   fence_accumulators(acc);
   __syncthreads();  // every wgmma has read its stage: the ring becomes sC
   store_accumulators(sC, acc, warpgroup);
-  if constexpr (block_tables_needed<Spec>() != 0u)
-    block_tables_init<block_tables_needed<Spec>()>(threadIdx.x);
   __syncthreads();
   if (unsigned long long* rec = trace_record(a)) rec[kTraceClockMainEnd] = clock64();
   finish_tile<Spec>(a, sC, m0, n0, first);

@@ -106,8 +106,8 @@ constexpr unsigned kInt8Tables = 1u, kInt4Tables = 2u, kAllTables = kInt8Tables 
 // blockDim.x of them) write; a __syncthreads must follow before the first int8 or int4 access.
 // Every kernel that may touch int8 or int4 states calls it before its first __syncthreads
 // (block_tables_needed<Spec>).
-// NOTE: only the tables the kernel's format reads: a specialized kernel fills them for each
-// tile, between its main loop and its update.
+// NOTE: only the tables the kernel's format reads; the wgrad kernels fill them while their
+// first operand loads are in flight, so the fill is off the path from main loop to update.
 template <unsigned kTables = kAllTables>
 __device__ __forceinline__ void block_tables_init(int tid) {
   if constexpr ((kTables & kInt4Tables) != 0) {
