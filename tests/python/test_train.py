@@ -1151,6 +1151,34 @@ def test_bench_parity_seeds_runs_forge_over_the_amp_seeds(tmp_path, capsys):
     assert set(report["against_amp"]) == {bench.PARITY_REFERENCE, "forge-int4"}
 
 
+def test_bench_parity_jobs_runs_at_once_with_the_same_losses(tmp_path, capsys):
+    """--parity-jobs 3: the same runs, each in its own process, give the same losses as one
+    after another, and the report lists them in the plan's order; below 1 is refused before
+    anything runs."""
+    from forge.tools import bench
+    common = ["--parity", "--parity-model", "tiny", "--parity-steps", "3", "--parity-seq-len",
+              "16", "--parity-batch-size", "2", "--device", "cpu", "--parity-noise-runs", "1",
+              "--parity-amp-seeds", "2", "--parity-runs", "forge-int8"]
+    reports = {}
+    for jobs in ("1", "3"):
+        out = str(tmp_path / f"out-{jobs}")
+        assert bench.main(common + ["--parity-jobs", jobs, "--out", out, "--parity-work-dir",
+                                    str(tmp_path / f"runs-{jobs}")]) == 0
+        with open(os.path.join(out, next(f for f in os.listdir(out)
+                                         if f.endswith(".json")))) as f:
+            reports[jobs] = json.load(f)
+    one, three = reports["1"], reports["3"]
+    assert three["jobs"] == 3 and one["jobs"] == 1
+    assert list(three["runs"]) == list(one["runs"]) and len(one["runs"]) == 5
+    for name, run in one["runs"].items():
+        assert "error" not in run
+        assert three["runs"][name]["losses"] == run["losses"], name
+    assert three["amp_seed_spread"] == one["amp_seed_spread"]
+    assert bench.main(common + ["--parity-jobs", "0", "--out", str(tmp_path / "none")]) == 2
+    assert "--parity-jobs" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "none")
+
+
 def test_bench_amp_seed_spread_holds_runs_to_the_seeds_envelope():
     """amp_seed_spread: the seeds' last-half mean losses 2.0, 2.2, 2.6 (center 2.2667,
     radius 0.3333); a run at 2.5 is within, one at 1.9 is not; one seed alone defines no

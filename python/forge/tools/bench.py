@@ -1055,13 +1055,14 @@ def noise_run_names(count: int, base: str = NOISE_RUN) -> List[str]:
 
 
 def parity_report(args, info: dict) -> int:
-    from forge.tools import train as forge_train
     if args.parity_noise_runs < 0:
         raise BenchError(f"--parity-noise-runs: must be >= 0, got {args.parity_noise_runs}")
     if args.parity_amp_seeds < 1:
         raise BenchError(f"--parity-amp-seeds: must be >= 1, got {args.parity_amp_seeds}")
     if args.parity_seeds < 1:
         raise BenchError(f"--parity-seeds: must be >= 1, got {args.parity_seeds}")
+    if args.parity_jobs < 1:
+        raise BenchError(f"--parity-jobs: must be >= 1, got {args.parity_jobs}")
     names = PARITY_NAMES[args.parity_optimizer]
     reference, amp_reference = names["reference"], names["amp"]
     forge_runs = tuple(names["forge"])
@@ -1112,24 +1113,25 @@ def parity_report(args, info: dict) -> int:
                   name: f"initial weights scaled by (1 + {NOISE_SCALE:g}·N(0,1)), noise seed "
                         f"{NOISE_SEED + i}" for i, name in enumerate(noise_runs)},
               "runs": {}, "comparisons": {}}
-    for name, extra in runs.items():
-        fargs, explicit = forge_train.parse_args(
-            common + extra + ["--out", os.path.join(args.parity_work_dir, name)])
-        t0 = time.perf_counter()
-        try:
-            noise = noise_runs.index(name) if name in noise_runs else -1
-            with _perturbed_init(NOISE_SCALE if noise >= 0 else 0.0, NOISE_SEED + noise):
-                result = forge_train.train(fargs, explicit)
-        except forge_train.TrainError as e:
-            report["runs"][name] = {"error": str(e)}
-            continue
-        curves[name] = result.losses
-        report["runs"][name] = {"optimizer": result.optimizer, "arguments": extra,
-                                "seconds": round(time.perf_counter() - t0, 1),
-                                "final_loss": result.losses[-1],
-                                "tokens_per_s": round(result.tokens_per_s),
-                                "peak_memory_gib": round(result.peak_memory / 2**30, 2),
-                                "losses": result.losses}
+    argvs = {name: common + extra + ["--out", os.path.join(args.parity_work_dir, name)]
+             for name, extra in runs.items()}
+    noise_of = {name: noise_runs.index(name) if name in noise_runs else -1 for name in runs}
+    # (a FORGE run at another seed is compared per step with the amp run of its seed
+    # alone, where there is one)
+    amp_of_seed = {run: amp_runs[k] if k < len(amp_runs) else None
+                   for runs_of in families.values() for k, run in enumerate(runs_of) if k}
+    report["jobs"] = args.parity_jobs
+
+    def record(name: str, outcome: dict) -> None:
+        """One finished run into the report (in the plan's order, whatever order the runs
+        finish in), every comparison redone, the report rewritten."""
+        report["runs"][name] = outcome if "error" in outcome else dict(outcome,
+                                                                       arguments=runs[name])
+        report["runs"] = {n: report["runs"][n] for n in runs if n in report["runs"]}
+        done = {n: report["runs"][n]["losses"] for n in runs
+                if "losses" in report["runs"].get(n, {})}
+        curves.clear()
+        curves.update(done)
         ref = curves.get(reference)
         for other in tuple(forge_runs) + tuple(noise_runs):
             if ref is not None and other in curves:
@@ -1141,22 +1143,40 @@ def parity_report(args, info: dict) -> int:
             if c is not None and floor:
                 c["noise_floor"] = floor
                 c["within_noise_floor"] = c["mean_abs_diff_last_half"] <= max(floor)
-        # (a FORGE run at another seed is compared per step with the amp run of its seed
-        # alone, where there is one)
-        amp_of_seed = {run: amp_runs[k] if k < len(amp_runs) else None
-                       for runs_of in families.values() for k, run in enumerate(runs_of) if k}
         report["spread"] = parity_spread(
             {k: v for k, v in curves.items() if k not in amp_runs and k not in amp_of_seed},
             [reference] + noise_runs)
         report["against_amp"] = {}
-        for name, curve in curves.items():
-            amp = curves.get(amp_of_seed.get(name, amp_reference))
-            if name not in amp_runs and amp is not None:
-                report["against_amp"][name] = compare_curves(amp, curve)
+        for run, curve in curves.items():
+            amp = curves.get(amp_of_seed.get(run, amp_reference))
+            if run not in amp_runs and amp is not None:
+                report["against_amp"][run] = compare_curves(amp, curve)
         report["amp_seed_spread"] = amp_seed_spread(curves, amp_runs, families)
         with open(stem + ".json", "w") as f:  # after every run: a cut-short job keeps it
             json.dump(report, f, indent=1)
-        _plot_parity(curves, stem + ".png", info, args, reference)
+        if curves:
+            _plot_parity(curves, stem + ".png", info, args, reference)
+
+    if args.parity_jobs == 1:
+        for name in runs:
+            record(name, parity_run(argvs[name], noise_of[name]))
+    else:
+        # NOTE: the runs are independent (each seeds its own weights and batches), so several
+        # share the device at once: a small model's run leaves it mostly idle. Each worker is
+        # its own process (spawned: a CUDA context does not survive a fork).
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(
+                max_workers=args.parity_jobs,
+                mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = {pool.submit(parity_run, argvs[name], noise_of[name]): name
+                       for name in runs}
+            for future in concurrent.futures.as_completed(pending):
+                try:
+                    outcome = future.result()
+                except Exception as e:  # (a worker's failure ends its run only)
+                    outcome = {"error": f"{type(e).__name__}: {e}".strip()}
+                record(pending[future], outcome)
     print(f"parity ({args.parity_model}, bf16, {args.parity_steps} steps): the criterion, "
           f"{amp_reference} (fp32 weights and states, bf16 autocast) over its seeds:")
     for line in amp_spread_lines(report.get("amp_seed_spread"), amp_reference):
@@ -1169,8 +1189,28 @@ def parity_report(args, info: dict) -> int:
     print(f"  per step, against {amp_reference} (seed 0; a run at another seed: its seed's):")
     for name, c in report.get("against_amp", {}).items():
         print(f"    {name}: {parity_line(c)}")
+    for name, run in report["runs"].items():
+        if "error" in run:
+            print(f"  {name}: FAILED: {run['error']}")
     print(f"  report: {stem}.json, {stem}.png", flush=True)
     return 0
+
+
+def parity_run(argv: List[str], noise: int) -> dict:
+    """One forge-train run of the parity report (noise >= 0: a noise run, its initial weights
+    perturbed with noise seed NOISE_SEED + noise): its losses and figures, or its error. A
+    top-level function: --parity-jobs runs it in worker processes."""
+    from forge.tools import train as forge_train
+    fargs, explicit = forge_train.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        with _perturbed_init(NOISE_SCALE if noise >= 0 else 0.0, NOISE_SEED + noise):
+            result = forge_train.train(fargs, explicit)
+    except forge_train.TrainError as e:
+        return {"error": str(e)}
+    return {"optimizer": result.optimizer, "seconds": round(time.perf_counter() - t0, 1),
+            "final_loss": result.losses[-1], "tokens_per_s": round(result.tokens_per_s),
+            "peak_memory_gib": round(result.peak_memory / 2**30, 2), "losses": result.losses}
 
 
 def parity_spread(curves: Dict[str, List[float]], torch_runs: List[str]) -> dict:
@@ -1399,6 +1439,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--parity-noise-runs", type=int, default=1,
                    help="torch runs with perturbed initial weights (one noise seed each) that "
                         "measure the run-to-run noise floor (default 1)")
+    g.add_argument("--parity-jobs", type=int, default=1, metavar="N",
+                   help="runs at once, each in its own process on the same device (default 1); "
+                        "the losses do not depend on it, the runs' seconds and tokens/s do")
     g.add_argument("--parity-work-dir", default=os.path.join("runs", "parity"),
                    help="where the training runs keep their metrics")
     return p
