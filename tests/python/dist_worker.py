@@ -501,8 +501,9 @@ def full_states(model, opt):
 
 def job_dcp_save(rank, world, args):
     """Tensor parallel over `world` ranks, int8 states (args["state_format"]: another block
-    format): train, save model and optimizer with torch.distributed.checkpoint, train on; record
-    the full states at the save and the weights after the continuation."""
+    format; args["max_grad_norm"]: immediate mode's lagged clipping, whose norm the saved param
+    groups carry): train, save model and optimizer with torch.distributed.checkpoint, train on;
+    record the full states at the save and the weights after the continuation."""
     set_dims(256, 512)
     import forge.optim
     import torch.distributed.checkpoint as dcp
@@ -511,7 +512,7 @@ def job_dcp_save(rank, world, args):
     mesh = init_device_mesh(DEVICE, (world,))
     model = parallelize(make_model(), mesh, sp=False)
     opt = forge.optim.AdamW(model, lr=1e-2, state_format=args.get("state_format", "int8"),
-                            mode="immediate")
+                            mode="immediate", max_grad_norm=args.get("max_grad_norm"))
     train(model, opt, 2)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
@@ -537,7 +538,7 @@ def job_dcp_load(rank, world, args):
         from torch.distributed.device_mesh import init_device_mesh
         parallelize(model, init_device_mesh(DEVICE, (world,)), sp=False)
     opt = forge.optim.AdamW(model, lr=1e-2, state_format=args.get("state_format", "int8"),
-                            mode="immediate")
+                            mode="immediate", max_grad_norm=args.get("max_grad_norm"))
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -105,11 +105,13 @@ def results(tmp_path_factory):
     checkpoint = str(tmp / "checkpoint")
     measured = {}
     int4 = {"dir": str(tmp / "checkpoint-int4"), "state_format": "int4"}
+    clipped = {"dir": str(tmp / "checkpoint-clipped"), "max_grad_norm": 0.05}
     measured[4] = spawn(4, [("tp", {"cases": TP4, "steps": STEPS}),
                             ("fsdp", {"cases": FSDP4, "steps": STEPS}),
                             ("dcp_save", {"dir": checkpoint}),
                             ("dcp_load", {"dir": checkpoint}),
-                            ("dcp_save:int4", int4), ("dcp_load:int4", int4)], tmp)
+                            ("dcp_save:int4", int4), ("dcp_load:int4", int4),
+                            ("dcp_save:clipped", clipped), ("dcp_load:clipped", clipped)], tmp)
     measured[2] = spawn(2, [("tp", {"cases": TP2, "steps": STEPS}),
                             ("fsdp", {"cases": FSDP2, "steps": STEPS}),
                             ("loops", {"steps": LOOP_STEPS}),
@@ -215,6 +217,14 @@ def test_checkpoint_reshards_int4_states_bit_for_bit(results, world):
     """int4 codes, two to a byte: a column shard of whole blocks is a column shard of the
     packed bytes, so DCP reshards them as it does int8's."""
     assert_checkpoint(results[world]["dcp_load:int4"], world)
+
+
+def test_checkpoint_resumes_lagged_clipping_bit_exact(results):
+    """Immediate mode with max_grad_norm clips each step with the last step's norm: a
+    torch.distributed.checkpoint dict keeps only 'state' and 'param_groups', and the groups
+    carry that norm, so the run resumed at the same size goes on bit for bit (its first step
+    clipped as the saver's was, not unclipped)."""
+    assert_checkpoint(results[4]["dcp_load:clipped"], 4)
 
 
 def _forge_train(tmp_path, name, nproc, *options):

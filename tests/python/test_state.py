@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import forge
+from forge.optim import checkpoint
 from conftest import DEVICES, format_devices, requires_cuda
 from tiny_models import TinyTransformer, lm_loss
 from tolerances import GRAD_NORM_RTOL, NADAM_CROSSING_RTOL, STATE_STORE_RTOL
@@ -32,16 +33,22 @@ def train(model, opt, steps, start, device):
         opt.zero_grad()
 
 
-def resume_against_uninterrupted(make_model, make_opt, device, before=3, after=3):
+def resume_against_uninterrupted(make_model, make_opt, device, before=3, after=3,
+                                 groups_only=False):
     """make_model()'s model trained `before` steps with make_opt(model), saved through torch.save /
     torch.load (a real checkpoint), then trained `after` more steps; and a fresh model and
-    optimizer loaded from the checkpoint trained the same `after` steps. Returns (model, opt,
+    optimizer loaded from the checkpoint trained the same `after` steps. groups_only: the
+    optimizer's dict saved without its 'forge' entry, as torch.distributed.checkpoint's
+    get_optimizer_state_dict keeps it ('state' and 'param_groups'). Returns (model, opt,
     resumed, resumed_opt)."""
     model = make_model()
     opt = make_opt(model)
     train(model, opt, before, 0, device)
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    sd = opt.state_dict()
+    if groups_only:
+        sd = {"state": sd["state"], "param_groups": sd["param_groups"]}
+    torch.save({"model": model.state_dict(), "opt": sd}, buffer)
     train(model, opt, after, before, device)  # the uninterrupted run
 
     buffer.seek(0)
@@ -216,19 +223,25 @@ def test_replaced_state_tensor_of_the_wrong_shape_is_refused_before_any_update()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("groups_only", [False, True], ids=["whole", "groups-only"])
 @pytest.mark.parametrize("mode", ["auto", "immediate", "deferred"])
-def test_resume_with_max_grad_norm_is_bit_exact(mode):
+def test_resume_with_max_grad_norm_is_bit_exact(mode, groups_only):
     """max_grad_norm in immediate mode clips a step with the previous step's norm: the
     checkpoint carries it, so the resumed run's first step clips as the uninterrupted run's
-    does, not unclipped (auto, deferred here with max_grad_norm, and deferred clip exactly)."""
+    does, not unclipped (auto, deferred here with max_grad_norm, and deferred clip exactly).
+    groups-only: the dict as torch.distributed.checkpoint keeps it, without the 'forge'
+    entry: its param groups carry the norm, the step count and auto's decision."""
     def make_model():
         torch.manual_seed(0)
         return TinyTransformer()
     # (max_grad_norm below every step's norm: every step clips)
     _, opt, _, opt2 = resume_against_uninterrupted(
         make_model, lambda m: forge.optim.AdamW(m, lr=1e-2, mode=mode, max_grad_norm=0.05),
-        "cpu", after=2)
+        "cpu", after=2, groups_only=groups_only)
     assert opt2.grad_norm == opt.grad_norm
+    assert opt2.mode == opt.mode
+    # (what the groups carry is not a hyper-parameter: the live groups never hold it)
+    assert not [g for g in opt2.param_groups if checkpoint.GROUP_KEY in g]
 
 
 def test_load_into_a_used_optimizer_resumes_exactly():

@@ -6,7 +6,9 @@ format, the step count and what an auto optimizer learned. load_state_dict check
 dict (check_load: layouts, formats, dtypes, shapes, values no step could have stored, counts)
 before anything is written, then writes it (apply_load): a load is all or nothing. A dict
 without the 'forge' entry (torch.distributed.checkpoint's, torch.optim's of the same rule with
-fp32 states) loads when every state matches.
+fp32 states) loads when every state matches. Every saved param group also carries the entry's
+run values (group_entry), so a torch.distributed.checkpoint dict, which keeps the groups'
+values, resumes the step count, the lagged clip norm and what auto mode learned.
 """
 from __future__ import annotations
 
@@ -52,6 +54,36 @@ def entry(shared, store, modes, seed: int, lagged_norm: Optional[float]) -> Dict
             "auto_deferring": modes.auto_deferring, "lagged_clip_norm": lagged_norm}
 
 
+# The key under which every saved param group carries the entry's run values (group_entry):
+# torch.distributed.checkpoint's get_optimizer_state_dict keeps only 'state' and
+# 'param_groups', each group's values included.
+GROUP_KEY = "forge_run"
+
+
+def group_entry(entry_: Dict[str, Any]) -> Dict[str, Any]:
+    """What each saved param group carries of the 'forge' entry: everything but the formats
+    (the formats by parameter index, which a dict keyed by parameter names does not match,
+    and the constructor's state_format, which version 1 read as every parameter's): such a
+    dict's formats come from its groups' own storage keys (_saved_state_formats)."""
+    return {k: v for k, v in entry_.items() if k not in ("state_formats", "state_format")}
+
+
+def saved_entry(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """A state dict's 'forge' entry; without one (a torch.distributed.checkpoint dict), what
+    its first param group carries (GROUP_KEY); {} where neither is there."""
+    meta = state_dict.get("forge")
+    if meta:
+        return meta
+    for group in state_dict.get("param_groups") or ():
+        carried = group.get(GROUP_KEY) if isinstance(group, dict) else None
+        if carried is not None:
+            if not isinstance(carried, dict):
+                raise ValueError(f"load_state_dict: a param group's {GROUP_KEY!r} must be a "
+                                 f"dict, got {type(carried).__name__}")
+            return carried
+    return {}
+
+
 class Loaded(NamedTuple):
     """A checked state dict, ready to write (apply_load)."""
     groups: List[Dict[str, Any]]  # every param group as it will be (the dict's values)
@@ -85,7 +117,7 @@ def check_load(state_dict: Dict[str, Any], meta: Dict[str, Any], shared, store, 
         new = dict(group)
         # (a group's storage keys stay this optimizer's: the formats are checked below)
         new.update({k: v for k, v in saved.items()
-                    if k not in ("params", "param_names") + STORAGE_KEYS})
+                    if k not in ("params", "param_names", GROUP_KEY) + STORAGE_KEYS})
         check_group(new)
         new_groups.append(new)
     group_of = {id(p): new for new in new_groups for p in new["params"]}

@@ -361,7 +361,8 @@ class _ForgeOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """torch's layout ('state' by parameter index, 'param_groups') holding the raw
         state buffers (fp32, bf16, or int8 / fp8 codes + fp32 absmax, and the fp32 master), each
-        parameter's 'step', and a 'forge' entry with the storage options (checkpoint.py)."""
+        parameter's 'step', and a 'forge' entry with the storage options (checkpoint.py),
+        whose run values every param group also carries (checkpoint.GROUP_KEY)."""
         self._backward.settle_all()
         # torch.optim's post-hooks (register_state_dict_post_hook) run below, on the whole
         # dict, 'forge' entry included
@@ -373,6 +374,9 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             self._optimizer_state_dict_post_hooks = post_hooks
         sd["forge"] = checkpoint.entry(self._shared, self._store, self._modes, self.seed,
                                        self._stepper.lagged_norm)
+        carried = checkpoint.group_entry(sd["forge"])
+        for group in sd["param_groups"]:  # (a dict of their own: super() packed copies)
+            group[checkpoint.GROUP_KEY] = dict(carried)
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -383,8 +387,8 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         """Restores states bit for bit (copied into buffers of the exact dtype; nothing is
         cast) and the group hyper-parameters. Refuses a mismatching layout. A state dict
         without forge's own entry (torch.distributed.checkpoint's, which keeps only 'state'
-        and 'param_groups', or torch.optim's of the same rule with fp32 states) loads when
-        every state matches this optimizer's names, dtypes and shapes. torch.optim's load
+        and 'param_groups': the run values its groups carry are read, or torch.optim's of the
+        same rule with fp32 states) loads when every state matches this optimizer's names, dtypes and shapes. torch.optim's load
         pre-hooks (register_load_state_dict_pre_hook) see, and may replace, a shallow copy of
         the dict first; its post-hooks run after a load."""
         shared = self._shared
@@ -394,7 +398,7 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        meta = state_dict.get("forge") or {}
+        meta = checkpoint.saved_entry(state_dict)
         # (everything checked before anything is written: a load is all or nothing)
         loaded = checkpoint.check_load(state_dict, meta, shared, self._store, type(self),
                                        self._check_group)
