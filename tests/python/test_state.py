@@ -244,6 +244,36 @@ def test_resume_with_max_grad_norm_is_bit_exact(mode, groups_only):
     assert not [g for g in opt2.param_groups if checkpoint.GROUP_KEY in g]
 
 
+def test_group_carried_values_of_a_dict_another_optimizer_stepped_on_say_nothing():
+    """A forge dict loaded into torch.optim.AdamW keeps its groups' forge_run in torch's
+    groups; once torch steps on, the values (the lagged clip norm among them) are stale: a
+    forge optimizer loading torch's dict then reads none of them, as from a dict without
+    them. Before torch steps, they still hold."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = forge.optim.AdamW(model, lr=1e-2, state_format="fp32", mode="immediate",
+                            max_grad_norm=0.05)
+    train(model, opt, 2, 0, "cpu")
+    sd = opt.state_dict()
+    groups_only = {"state": sd["state"], "param_groups": sd["param_groups"]}
+    carried = checkpoint.saved_entry(groups_only)
+    assert carried["lagged_clip_norm"] == sd["forge"]["lagged_clip_norm"] is not None
+    assert carried["step_id"] == sd["forge"]["step_id"] and "state_steps" not in carried
+    plain = TinyTransformer()
+    plain.load_state_dict(model.state_dict())
+    other = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    other.load_state_dict(copy.deepcopy(groups_only))
+    assert checkpoint.saved_entry(other.state_dict())["lagged_clip_norm"] == \
+        sd["forge"]["lagged_clip_norm"]
+    lm_loss(plain, 2).backward()
+    other.step()
+    assert checkpoint.saved_entry(other.state_dict()) == {}
+    resumed = forge.optim.AdamW(plain, lr=1e-2, state_format="fp32", mode="immediate",
+                                max_grad_norm=0.05)
+    resumed.load_state_dict(other.state_dict())
+    assert resumed.state_dict()["forge"]["lagged_clip_norm"] is None
+
+
 def test_load_into_a_used_optimizer_resumes_exactly():
     """An optimizer that already stepped loads a checkpoint of an earlier step in which a
     parameter had no states yet: that parameter's next update makes and uses new states (none

@@ -68,20 +68,38 @@ def group_entry(entry_: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in entry_.items() if k not in ("state_formats", "state_format")}
 
 
+def group_steps(state: Dict[Any, Any], group: Dict[str, Any]) -> int:
+    """The sum of the step counts of a saved group's parameters that have states: what a
+    group's GROUP_KEY entry was saved beside ("state_steps")."""
+    total = 0
+    for index in group.get("params", ()):
+        saved = state.get(index)
+        step = saved.get("step") if isinstance(saved, dict) else None
+        if step is not None:  # (torch.optim's: a tensor)
+            total += int(step.item() if torch.is_tensor(step) else step)
+    return total
+
+
 def saved_entry(state_dict: Dict[str, Any]) -> Dict[str, Any]:
     """A state dict's 'forge' entry; without one (a torch.distributed.checkpoint dict), what
-    its first param group carries (GROUP_KEY); {} where neither is there."""
+    its param groups carry (GROUP_KEY), where every carrying group's "state_steps" still sum
+    its parameters' step counts (a dict of another optimizer that loaded a forge dict and
+    stepped on carries stale values: it says nothing, as a dict without them); else {}."""
     meta = state_dict.get("forge")
     if meta:
         return meta
+    carried = None
     for group in state_dict.get("param_groups") or ():
-        carried = group.get(GROUP_KEY) if isinstance(group, dict) else None
-        if carried is not None:
-            if not isinstance(carried, dict):
-                raise ValueError(f"load_state_dict: a param group's {GROUP_KEY!r} must be a "
-                                 f"dict, got {type(carried).__name__}")
-            return carried
-    return {}
+        entry_ = group.get(GROUP_KEY) if isinstance(group, dict) else None
+        if entry_ is None:
+            continue
+        if not isinstance(entry_, dict):
+            raise ValueError(f"load_state_dict: a param group's {GROUP_KEY!r} must be a "
+                             f"dict, got {type(entry_).__name__}")
+        if entry_.get("state_steps") != group_steps(state_dict.get("state", {}), group):
+            return {}
+        carried = carried or entry_
+    return {k: v for k, v in (carried or {}).items() if k != "state_steps"}
 
 
 class Loaded(NamedTuple):

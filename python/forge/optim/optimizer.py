@@ -376,7 +376,8 @@ class _ForgeOptimizer(torch.optim.Optimizer):
                                        self._stepper.lagged_norm)
         carried = checkpoint.group_entry(sd["forge"])
         for group in sd["param_groups"]:  # (a dict of their own: super() packed copies)
-            group[checkpoint.GROUP_KEY] = dict(carried)
+            group[checkpoint.GROUP_KEY] = dict(
+                carried, state_steps=checkpoint.group_steps(sd["state"], group))
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
