@@ -616,10 +616,16 @@ def test_bench_simulated_ranks_on_cpu(tmp_path):
     for r in fsdp["results"]:
         assert 0 < r["weights_gib"] < 0.3 * full
     assert all(r["states_gib"] is not None for r in fsdp["results"])
+    # (the default, mode="auto", cannot see a loop's use of a DTensor gradient: deferred)
+    assert [r["forge_mode"] for r in fsdp["results"] if r["mode"] == "forge-bf16"] == \
+        ["deferred"]
     if importlib.util.find_spec("transformers") is not None:  # (the fused head: HF's models)
-        head = rows_of(tmp_path / "head", ["--simulate-ranks", "4", "--fsdp",
-                                           "--modes", "forge-int8-head"])
-        assert [r["mode"] for r in head["results"]] == ["forge-int8-head"]
+        modes = ["forge-int8-head", "forge-int8-head-immediate"]
+        head = rows_of(tmp_path / "head", ["--simulate-ranks", "4", "--fsdp", "--modes", *modes])
+        assert [r["mode"] for r in head["results"]] == modes
+        # -immediate: each sharded gradient applied as it arrives, none held until step()
+        assert [r["forge_mode"] for r in head["results"]] == ["deferred", "immediate"]
+        assert head["results"][0]["weights_gib"] == head["results"][1]["weights_gib"]
     for extra, message in ((["--simulate-ranks", "1", "--fsdp"], "at least 2"),
                            (["--simulate-ranks", "4"], "add --fsdp")):
         assert bench.main(common + extra + ["--out", str(tmp_path / "bad")]) == 2

@@ -29,6 +29,8 @@ Modes, batch 1, one step = forward + backward + optimizer:
                      step deferred, then immediate where the loop reads no gradient)
   forge-bf16-immediate / forge-bf16-deferred   the same with that mode named (LOOP_MODES)
   forge-int4         forge.optim.AdamW with 4-bit states (named only: INT4_MODES)
+  forge-int8-head-immediate (any -head mode + -immediate)   the fused head and mode="immediate"
+                     named: on shards the default stays deferred, holding the sharded gradients
   torch-muon / forge-muon-bf16 / forge-muon-int8   torch.optim.Muon + fused AdamW against
                      forge.optim.Muon (MUON_MODES); a -head suffix (HEAD_MODES): the fused head
 Peak = torch.cuda.max_memory_allocated() (reset after the model is built, so weights count),
@@ -152,6 +154,12 @@ LOOP_MODES += ["torch-adamw-loopclip", "forge-bf16-loopclip"]
 INT4_MODES = ["forge-int4"]
 # FORGE with the head and its cross entropy fused (forge.loss.enable_fused_head): no logits.
 HEAD_MODES = ["forge-bf16-head", "forge-int8-head", "forge-fp8-head", "forge-int4-head"]
+# ... and with mode="immediate" named: on shards (FSDP2, TP) the default, mode="auto", stays
+# deferred and holds every sharded gradient until step(), as torch does (it cannot see a loop's
+# use of a DTensor gradient); immediate applies each shard's gradient as it arrives.
+IMMEDIATE_SUFFIX = "-immediate"
+HEAD_IMMEDIATE_MODES = [m + IMMEDIATE_SUFFIX for m in HEAD_MODES]
+HEAD_MODES += HEAD_IMMEDIATE_MODES
 # Muon (hidden Linear weights) + AdamW (the rest), as forge.optim.Muon groups them: torch's
 # pair (torch.optim.Muon + fused AdamW, torch >= 2.9) and forge.optim.Muon by momentum format.
 MUON_MODES = ["torch-muon", "forge-muon-bf16", "forge-muon-int8"]
@@ -186,7 +194,7 @@ MEMORY_SUITE = [("llama-3.1-8b", seq, ckpt, MEMORY_MODES)
 # head (FSDP2 forms the head's dW for its reduce-scatter; no logits), checkpointing on; the
 # smallest states first, as they fit the fewest ranks.
 SCALE_MODES = ["torch-adamw", "forge-int4-head", "forge-int8-head", "forge-fp8-head",
-               "forge-bf16-head"]
+               "forge-bf16-head", "forge-int4-head-immediate", "forge-int8-head-immediate"]
 SCALE_SUITE = [(model, 4096, True, SCALE_MODES)
                for model in ("llama-3.1-8b", "qwen3-32b", "llama-3.1-70b")]
 # The memory and time targets on the H200 that forge-bench checks and reports: (model, seq,
@@ -212,7 +220,7 @@ TARGETS = [
 ]
 FIELDS = ["model", "seq", "ckpt", "mode", "status", "peak_gib", "first_peak_gib",
           "steady_peak_gib", "step_ms", "tokens_per_s", "params_b", "weights_gib", "states_gib",
-          "note", "graph", "batch", "compiled"]
+          "note", "graph", "batch", "compiled", "forge_mode"]
 
 
 class BenchError(Exception):
@@ -314,18 +322,21 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         except ValueError as e:  # (a torch without torch.optim.Muon)
             raise BenchError(f"torch-muon: {e}") from None
     import forge.optim
+    # (the mode's update mode named, or the default: HEAD_IMMEDIATE_MODES)
+    named = dict(mode="immediate") if mode in HEAD_IMMEDIATE_MODES else {}
+    mode = mode[:-len(IMMEDIATE_SUFFIX)] if named else mode
     mode = mode[:-len("-lean")] if mode in LEAN_MODES else mode
     mode = mode[:-len("-head")] if mode in HEAD_MODES else mode
     if mode in ("forge-muon-bf16", "forge-muon-int8"):
-        return forge.optim.Muon(model, lr=MUON_LR, adamw_lr=LR, state_format=mode[-4:])
+        return forge.optim.Muon(model, lr=MUON_LR, adamw_lr=LR, state_format=mode[-4:], **named)
     if mode == "forge-bf16":
-        return forge.optim.AdamW(model, lr=LR, state_format="bf16")
+        return forge.optim.AdamW(model, lr=LR, state_format="bf16", **named)
     if mode == "forge-int8":
-        return forge.optim.AdamW(model, lr=LR, state_format="int8")
+        return forge.optim.AdamW(model, lr=LR, state_format="int8", **named)
     if mode == "forge-fp8":
-        return forge.optim.AdamW(model, lr=LR, state_format="fp8")
+        return forge.optim.AdamW(model, lr=LR, state_format="fp8", **named)
     if mode == "forge-int4":
-        return forge.optim.AdamW(model, lr=LR, state_format="int4")
+        return forge.optim.AdamW(model, lr=LR, state_format="int4", **named)
     if mode == "forge-fp32-master":
         return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True)
     if mode == "forge-bf16-immediate":
@@ -473,8 +484,12 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
     if compiled:  # (after the optimizer: forge.optim patches the Linears' forwards)
         model = torch.compile(model)
     try:
-        return timed_steps(model, optimizer, seq, device, n_params, weights, leftover, profile,
-                           lean=mode in LEAN_MODES, graph=graph, batch=batch)
+        result = timed_steps(model, optimizer, seq, device, n_params, weights, leftover,
+                             profile, lean=mode in LEAN_MODES, graph=graph, batch=batch)
+        inner = getattr(optimizer, "optimizer", optimizer)  # (a loop's: the one it drives)
+        if type(inner).__module__.startswith("forge."):
+            result["forge_mode"] = inner.mode  # where its updates ran at the last step
+        return result
     finally:
         if isinstance(optimizer, OptimizerInBackward):
             optimizer.close()
