@@ -499,10 +499,17 @@ def full_states(model, opt):
         f"{names[id(p)]}.step": torch.tensor(st["step"]) for p, st in opt.state.items()}
 
 
+def _dcp_options(args):
+    """get_state_dict's options: args["flatten"] flattens the optimizer's dict (torchtitan's
+    way: each param group's values under every one of its parameters' names)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(flatten_optimizer_state_dict=args.get("flatten", False))
+
+
 def job_dcp_save(rank, world, args):
     """Tensor parallel over `world` ranks, int8 states (args["state_format"]: another block
     format; args["max_grad_norm"]: immediate mode's lagged clipping, whose norm the saved param
-    groups carry): train, save model and optimizer with torch.distributed.checkpoint, train on;
+    groups carry; args["flatten"]: _dcp_options): train, save model and optimizer with torch.distributed.checkpoint, train on;
     record the full states at the save and the weights after the continuation."""
     set_dims(256, 512)
     import forge.optim
@@ -514,7 +521,7 @@ def job_dcp_save(rank, world, args):
     opt = forge.optim.AdamW(model, lr=1e-2, state_format=args.get("state_format", "int8"),
                             mode="immediate", max_grad_norm=args.get("max_grad_norm"))
     train(model, opt, 2)
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=_dcp_options(args))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
     states = full_states(model, opt)
     train(model, opt, 2, start=2)
@@ -539,9 +546,10 @@ def job_dcp_load(rank, world, args):
         parallelize(model, init_device_mesh(DEVICE, (world,)), sp=False)
     opt = forge.optim.AdamW(model, lr=1e-2, state_format=args.get("state_format", "int8"),
                             mode="immediate", max_grad_norm=args.get("max_grad_norm"))
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=_dcp_options(args))
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=args["dir"])
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=_dcp_options(args))
     reference = torch.load(os.path.join(args["dir"], "reference.pt"))
     states = full_states(model, opt)
     differ = sorted(k for k in states if k not in reference["states"]

@@ -184,9 +184,12 @@ class _ForgeOptimizer(torch.optim.Optimizer):
             if not params:
                 raise ValueError(f"{self._torch_name}: the model has no trainable parameters "
                                  "(none with requires_grad=True)")
-        # (the storage keys join the group defaults; the hyper-parameters' keys leave them out)
+        # (the storage keys join the group defaults; the hyper-parameters' keys leave them out;
+        # so does checkpoint.GROUP_KEY, None in every live group: torch.distributed.checkpoint's
+        # flattened dicts carry only the keys the live groups have)
         super().__init__(params, dict(defaults, state_format=state_format,
-                                      min_8bit_size=min_8bit_size))  # validates each group
+                                      min_8bit_size=min_8bit_size,
+                                      **{checkpoint.GROUP_KEY: None}))  # validates each group
         all_params = [p for g in self.param_groups for p in g["params"]]
         # A model spread over ranks (DTensor parameters: tensor parallel, FSDP2): the step's
         # statistics are summed over the ranks.

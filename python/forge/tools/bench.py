@@ -487,7 +487,7 @@ def run_case(model_name: str, seq: int, ckpt: bool, mode: str, device: torch.dev
         result = timed_steps(model, optimizer, seq, device, n_params, weights, leftover,
                              profile, lean=mode in LEAN_MODES, graph=graph, batch=batch)
         inner = getattr(optimizer, "optimizer", optimizer)  # (a loop's: the one it drives)
-        if type(inner).__module__.startswith("forge."):
+        if type(inner).__module__.startswith("forge.optim"):
             result["forge_mode"] = inner.mode  # where its updates ran at the last step
         return result
     finally:
