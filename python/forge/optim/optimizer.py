@@ -392,9 +392,10 @@ class _ForgeOptimizer(torch.optim.Optimizer):
         cast) and the group hyper-parameters. Refuses a mismatching layout. A state dict
         without forge's own entry (torch.distributed.checkpoint's, which keeps only 'state'
         and 'param_groups': the run values its groups carry are read, or torch.optim's of the
-        same rule with fp32 states) loads when every state matches this optimizer's names, dtypes and shapes. torch.optim's load
-        pre-hooks (register_load_state_dict_pre_hook) see, and may replace, a shallow copy of
-        the dict first; its post-hooks run after a load."""
+        same rule with fp32 states) loads when every state matches this optimizer's names,
+        dtypes and shapes. torch.optim's load pre-hooks (register_load_state_dict_pre_hook)
+        see, and may replace, a shallow copy of the dict first; its post-hooks run after a
+        load."""
         shared = self._shared
         self._backward.settle_all()
         state_dict = state_dict.copy()
