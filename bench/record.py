@@ -208,12 +208,17 @@ def _step_case(r: dict) -> str:
 
 
 def parity_rows(d: dict, base: dict) -> Iterable[dict]:
-    """forge-bench --parity's forge-parity-*.json: each run's mean |Δloss| per step over the
-    second half against every torch run of the file (the references)."""
+    """forge-bench --parity's forge-parity-*.json: each run's mean loss over the second half
+    (what the seeds' spread is measured in), and its mean |Δloss| per step over the second
+    half against every torch run of the file (the references)."""
     base = dict(base, benchmark="parity")
     settings = d.get("settings", [])
     model = settings[settings.index("--model") + 1] if "--model" in settings else "?"
     runs = {name: r["losses"] for name, r in d["runs"].items() if r.get("losses")}
+    for name, losses in runs.items():
+        half = losses[len(losses) // 2:]
+        yield _row(base, f"{model} {len(losses)} steps", name, "last_half_mean_loss",
+                   sum(half) / len(half))
     for ref_name, ref in runs.items():
         if not ref_name.startswith("torch"):
             continue

@@ -509,8 +509,9 @@ def _dcp_options(args):
 def job_dcp_save(rank, world, args):
     """Tensor parallel over `world` ranks, int8 states (args["state_format"]: another block
     format; args["max_grad_norm"]: immediate mode's lagged clipping, whose norm the saved param
-    groups carry; args["flatten"]: _dcp_options): train, save model and optimizer with torch.distributed.checkpoint, train on;
-    record the full states at the save and the weights after the continuation."""
+    groups carry; args["flatten"]: _dcp_options): train, save model and optimizer with
+    torch.distributed.checkpoint, train on; record the full states at the save and the weights
+    after the continuation."""
     set_dims(256, 512)
     import forge.optim
     import torch.distributed.checkpoint as dcp

@@ -322,13 +322,13 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         except ValueError as e:  # (a torch without torch.optim.Muon)
             raise BenchError(f"torch-muon: {e}") from None
     import forge.optim
-    # (the mode's update mode named, or the default: HEAD_IMMEDIATE_MODES)
-    named = dict(mode="immediate") if mode in HEAD_IMMEDIATE_MODES else {}
+    # (mode="immediate" named, or the default)
+    named = dict(mode="immediate") if mode.endswith(IMMEDIATE_SUFFIX) else {}
     mode = mode[:-len(IMMEDIATE_SUFFIX)] if named else mode
     mode = mode[:-len("-lean")] if mode in LEAN_MODES else mode
     mode = mode[:-len("-head")] if mode in HEAD_MODES else mode
     if mode in ("forge-muon-bf16", "forge-muon-int8"):
-        return forge.optim.Muon(model, lr=MUON_LR, adamw_lr=LR, state_format=mode[-4:], **named)
+        return forge.optim.Muon(model, lr=MUON_LR, adamw_lr=LR, state_format=mode[-4:])
     if mode == "forge-bf16":
         return forge.optim.AdamW(model, lr=LR, state_format="bf16", **named)
     if mode == "forge-int8":
@@ -339,8 +339,6 @@ def make_optimizer(mode: str, model, device: torch.device, graph: bool = False):
         return forge.optim.AdamW(model, lr=LR, state_format="int4", **named)
     if mode == "forge-fp32-master":
         return forge.optim.AdamW(model, lr=LR, state_format="fp32", master_weights=True)
-    if mode == "forge-bf16-immediate":
-        return forge.optim.AdamW(model, lr=LR, state_format="bf16", mode="immediate")
     if mode == "forge-bf16-deferred":
         return forge.optim.AdamW(model, lr=LR, state_format="bf16", mode="deferred")
     if mode == "forge-bf16-clip":
