@@ -12,7 +12,7 @@ w ← w·(1 − lr·wd) − adjusted_lr·O in the weight's dtype).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -49,14 +49,24 @@ def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
 
 
 def apply_direction(param: torch.Tensor, direction: torch.Tensor, group: Dict[str, Any],
-                    lr: float) -> None:
+                    lr: float, block: Optional[Tuple[int, int, int, int]] = None,
+                    shape: Optional[Tuple[int, int]] = None) -> None:
     """param's Muon update from its direction ([rows, cols] bf16, consumed): orthogonalized,
-    then decoupled weight decay and the step, in param's dtype as torch.optim.Muon does."""
+    then decoupled weight decay and the step, in param's dtype as torch.optim.Muon does.
+
+    A shard: `direction` is the whole matrix's ([shape], gathered), `param` this rank's block
+    of the weight, rows [r0, r0 + rows) and columns [c0, c0 + cols) of it (block = (r0, rows,
+    c0, cols)); it takes that block of the orthogonalized matrix, with the whole matrix's
+    learning-rate adjustment."""
     with torch.no_grad():
         ortho = newton_schulz(direction, tuple(group["ns_coefficients"]),
                               int(group["ns_steps"]), float(group["eps"]))
+        if block is not None:
+            r0, rows, c0, cols = block
+            ortho = ortho[r0:r0 + rows, c0:c0 + cols]               # [rows, cols] of [shape]
         param.mul_(1 - lr * float(group["weight_decay"]))
-        param.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+        param.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"],
+                                             param.shape if shape is None else shape))
 
 
 def default_groups(model: nn.Module, adamw: dict) -> list:

@@ -130,14 +130,19 @@ def make_model() -> Decoder:
     return model.to(DEVICE)  # (made on the CPU: the same weights on every device)
 
 
-def batch(step: int, rows: slice = slice(None)):
+def batch(step: int, rows: slice = slice(None), order=None):
+    """Step's batch (its `rows`); order: a permutation of those rows (the same loss, summed in
+    another order)."""
     g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)[rows].to(DEVICE)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)[rows]
+    if order is not None:
+        tokens = tokens[order]
+    tokens = tokens.to(DEVICE)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_of(model, step: int, rows: slice = slice(None)):
-    x, y = batch(step, rows)
+def loss_of(model, step: int, rows: slice = slice(None), order=None):
+    x, y = batch(step, rows, order)
     if getattr(model, "fused_head", False):
         return model(x, y)
     logits = model(x)
@@ -199,14 +204,34 @@ def max_normwise(model_a, model_b) -> float:
     return max(normwise(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
 
 
-def train(model, opt, steps, rows=slice(None), start=0):
+def train(model, opt, steps, rows=slice(None), start=0, order=None):
     norms = []
     for step in range(start, start + steps):
-        loss_of(model, step, rows).backward()
+        loss_of(model, step, rows, order).backward()
         opt.step()
         opt.zero_grad()
         norms.append(getattr(opt, "grad_norm", None))
     return norms
+
+
+# Muon's references (job_tp, job_fsdp): single-process FORGE on the whole batch with its rows
+# permuted, so many runs (tolerances.py, MUON_SUM_ORDER_FACTOR: the orthogonalized update
+# carries any rounding difference everywhere, so the sharded run is held to the spread of runs
+# that differ only in summation order).
+MUON_REORDERINGS = 3
+
+
+def muon_runs(base, make_forge, steps):
+    """(forge on one process, the largest distance from it of MUON_REORDERINGS runs on
+    reordered batch rows, its grad norms)."""
+    runs = []
+    for k in range(MUON_REORDERINGS + 1):
+        model = copy.deepcopy(base)
+        order = None if k == 0 else torch.randperm(BATCH, generator=torch.Generator().manual_seed(k))
+        norms = train(model, make_forge(model), steps, order=order)
+        runs.append((model, norms))
+    own = max(max_normwise(m, runs[0][0]) for m, _ in runs[1:])
+    return runs[0][0], own, runs[0][1]
 
 
 def reference_optimizer(name, params, **kwargs):
@@ -232,6 +257,19 @@ def job_tp(rank, world, args):
     for case in args["cases"]:
         name, kwargs, forge_kw, sp = case["name"], case["kwargs"], case["forge"], case["sp"]
         base = make_model()
+        if name == "Muon":
+            model = copy.deepcopy(base)
+            parallelize(model, mesh, sp)
+            opt = forge.optim.Muon(model, **kwargs, **forge_kw)
+            norms = train(model, opt, args["steps"])
+            one, own, one_norms = muon_runs(
+                base, lambda m: forge.optim.Muon(m, **kwargs, **forge_kw), args["steps"])
+            # (the first step's norm: the weights have been the same until then)
+            measured[case["id"]] = {"forge_tp_vs_1": max_normwise(model, one),
+                                    "reordered_vs_1": own,
+                                    "grad_norm_rel": abs(norms[0] - one_norms[0]) / one_norms[0],
+                                    "nonfinite": opt.nonfinite_count}
+            continue
         runs = {}
         for key in ("forge_tp", "forge_1", "torch_tp", "torch_1"):
             model = copy.deepcopy(base)
@@ -264,6 +302,17 @@ def job_fsdp(rank, world, args):
     for case in args["cases"]:
         name, kwargs, forge_kw = case["name"], case["kwargs"], case["forge"]
         base = make_model()
+        if name == "Muon":
+            model = copy.deepcopy(base)
+            fsdp(model, mesh)
+            norms = train(model, forge.optim.Muon(model, **kwargs, **forge_kw), args["steps"],
+                          rows)
+            one, own, one_norms = muon_runs(
+                base, lambda m: forge.optim.Muon(m, **kwargs, **forge_kw), args["steps"])
+            measured[case["id"]] = {"forge_fsdp_vs_1": max_normwise(model, one),
+                                    "reordered_vs_1": own,
+                                    "grad_norm_rel": abs(norms[0] - one_norms[0]) / one_norms[0]}
+            continue
         runs = {}
         for key in ("forge_fsdp", "forge_1", "torch_fsdp", "torch_1"):
             model = copy.deepcopy(base)

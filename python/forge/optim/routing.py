@@ -245,8 +245,6 @@ class Router:
         """Refuses, by name, a parameter FORGE cannot drive (before anything is touched)."""
         sparse = {id(_linear.registered_weight(m)) for m in model.modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
-        muon = {id(q) for g in self.shared.param_groups if self._muon_group(g)
-                for q in g["params"]}
         for p in params:
             if id(p) not in names:
                 raise ValueError(f"{self._torch_name}: a parameter of shape {list(p.shape)} in "
@@ -275,10 +273,6 @@ class Router:
             if id(p) in sparse:
                 raise ValueError(f"parameter '{name}': nn.Embedding(sparse=True) gives sparse "
                                  "gradients, which FORGE does not support")
-            if id(p) in muon and distributed.is_dtensor(p):
-                raise ValueError(f"parameter '{name}': a DTensor shard in a Muon param group: "
-                                 "FORGE's Muon orthogonalizes whole matrices on one process "
-                                 "only (give it use_muon=False, which takes AdamW)")
             owner = owner_of(p)
             if owner is not None:
                 mine = owner is self._backward

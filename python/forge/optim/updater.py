@@ -300,9 +300,22 @@ class Updater:
 
     def _muon_apply(self, slot, direction: torch.Tensor) -> None:
         """slot's Muon weight update from the direction its call wrote (muon.py), with its
-        group's hyper-parameters as they are now."""
+        group's hyper-parameters as they are now. A DTensor shard's direction is its block of
+        the matrix: every rank gathers the whole one and orthogonalizes it, then steps its own
+        block."""
         group = self.shared.group_of(slot)
-        muon.apply_direction(slot.param, direction, group, as_float(group["lr"], "lr"))
+        lr = as_float(group["lr"], "lr")
+        if not slot.dtensor:
+            muon.apply_direction(slot.param, direction, group, lr)
+            return
+        # NOTE: each rank runs the whole Newton-Schulz iteration (what a rank would otherwise
+        # wait for from another): the same matrix on every rank, so the same bits, and one
+        # all-gather of bf16 per weight and step instead of a gather and a scatter.
+        geo = slot.geometry
+        whole = distributed.full_matrix(direction, slot.param)  # [rows, cols] of the weight
+        muon.apply_direction(slot.local(), whole, group, lr,
+                             block=(geo.row_offset, geo.rows, geo.col_offset, geo.cols),
+                             shape=tuple(slot.param.shape))
 
     def _call_parts(self, slot, stream):
         """What every update of slot's parameter passes: (its state dict, this update's
