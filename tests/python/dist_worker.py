@@ -227,7 +227,8 @@ def muon_runs(base, make_forge, steps):
     runs = []
     for k in range(MUON_REORDERINGS + 1):
         model = copy.deepcopy(base)
-        order = None if k == 0 else torch.randperm(BATCH, generator=torch.Generator().manual_seed(k))
+        order = None if k == 0 else torch.randperm(
+            BATCH, generator=torch.Generator().manual_seed(k))
         norms = train(model, make_forge(model), steps, order=order)
         runs.append((model, norms))
     own = max(max_normwise(m, runs[0][0]) for m, _ in runs[1:])

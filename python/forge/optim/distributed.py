@@ -158,10 +158,7 @@ def as_state(local_tensor: torch.Tensor, param, global_shape: Tuple[int, ...],
 def full_matrix(local_block: torch.Tensor, param) -> torch.Tensor:
     """The whole [rows, cols] matrix of which local_block is this rank's block, laid out as
     the DTensor parameter `param` is (every rank gets it: an all-gather over its mesh)."""
-    shape = tuple(param.shape)
-    whole = DTensor.from_local(local_block, param.device_mesh, param.placements, run_check=False,
-                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
-    return whole.full_tensor()
+    return as_state(local_block, param, tuple(param.shape)).full_tensor()
 
 
 def _contiguous_stride(shape) -> Tuple[int, ...]:
