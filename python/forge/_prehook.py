@@ -74,11 +74,14 @@ def _build():
     module = cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=["-O2"],
                                 verbose=False)
     from . import _lib
-    module.set_operand_layout([(getattr(_lib.WgradArgs, field).offset,
-                                getattr(_lib.WgradArgs, field).size)
-                               for field in _lib.WGRAD_OPERAND_FIELDS])
-    module.set_grad_layout([(getattr(_lib.ElementwiseArgs, field).offset,
-                             getattr(_lib.ElementwiseArgs, field).size)
-                            for field in ("grad", "grad_dtype")])
+
+    def fields(struct_type, names):  # (offset, size) of each, in order
+        return [(getattr(struct_type, n).offset, getattr(struct_type, n).size) for n in names]
+    module.set_operand_layout(fields(_lib.WgradArgs, _lib.WGRAD_OPERAND_FIELDS))
+    module.set_grad_layout(fields(_lib.ElementwiseArgs, ("grad", "grad_dtype")))
     module.set_dtype_codes(_lib.DTYPE_FP32, _lib.DTYPE_BF16, _lib.DTYPE_FP16)
+    call_fields = ("device", "param", "hparams", "outputs")  # (StepRecheck writes them)
+    module.set_call_layout(fields(_lib.WgradArgs, call_fields),
+                           fields(_lib.ElementwiseArgs, call_fields),
+                           fields(_lib.Hparams, ("step", "seed", "grad_scale")))
     return module

@@ -380,17 +380,15 @@ def test_cpp_prehook_a_refused_call_raises_and_changes_nothing(cpp, monkeypatch)
 
 
 def assert_refused_changes_nothing(model, opt, x, kind: str, monkeypatch):
-    """A backward of model(x) whose readied calls of `kind` ("wgrad", "elementwise") carry a
-    bad ABI version raises the library's message, and no weight or step count changes."""
+    """A backward of model(x) whose kept calls of `kind` ("wgrad", "elementwise") carry a
+    bad ABI version raises the library's message, and no weight or step count changes. (The
+    version is set once, when the args are made: the step's check, in Python or repeated by
+    the C++ part, writes everything else of them.)"""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     steps = {n: opt.state[p]["step"] for n, p in model.named_parameters()}
-    ready_wgrad = forge.optim.updater.Updater.ready_wgrad
-
-    def ready_but_wrong_version(updater, slot, *args):
-        ready = ready_wgrad(updater, slot, *args)  # the calls as readied, a bad ABI version
-        slot.kept_args[kind][0].abi_version = 0
-        return ready
-    monkeypatch.setattr(forge.optim.updater.Updater, "ready_wgrad", ready_but_wrong_version)
+    for slot in opt._shared.slots.values():
+        if kind in slot.kept_args:
+            slot.kept_args[kind][0].abi_version = 0
     with pytest.raises(Exception, match=f"forge_{kind}_step: args.abi_version: 0"):
         model(x).sum().backward()
     for n, p in model.named_parameters():
@@ -430,13 +428,9 @@ for _ in range(2):
     model(x).sum().backward()
     opt.step()
     opt.zero_grad()
-Updater = forge.optim.updater.Updater
-ready_wgrad = Updater.ready_wgrad
-def wrong_version(updater, slot, *args):
-    ready = ready_wgrad(updater, slot, *args)
-    ready[2].abi_version = 0
-    return ready
-Updater.ready_wgrad = wrong_version
+for slot in opt._shared.slots.values():
+    if "wgrad" in slot.kept_args:
+        slot.kept_args["wgrad"][0].abi_version = 0
 try:
     model(x).sum().backward()
 except Exception as e:
@@ -454,3 +448,172 @@ def test_cpp_prehook_a_process_exits_after_a_refused_call(cpp):
     done = subprocess.run([sys.executable, "-c", _REFUSED_THEN_EXIT], capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, FORGE_CPP_PREHOOK="1"))
     assert done.returncode == 0 and "refused" in done.stdout, done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------- the check, repeated
+
+def count_rechecks(monkeypatch) -> list:
+    """[runs that readied the weights in C++, runs that found something changed] of every
+    optimizer's repetition of the step's check (forge/optim/recheck.py), from now on."""
+    counts = [0, 0]
+    run = forge.optim.recheck.Recheck.run
+
+    def counted(recheck, *args):
+        passed = run(recheck, *args)
+        counts[0 if passed else 1] += 1
+        return passed
+    monkeypatch.setattr(forge.optim.recheck.Recheck, "run", counted)
+    return counts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_check_repeated_in_cpp_readies_the_calls_the_loop_would(cpp, device, monkeypatch):
+    """From the third step (the first makes the states, the second's check registers the
+    fused weights), the C++ part repeats the step's check of the fused weights; with a new
+    lr every step (a scheduler), clipping's lagged gradient scale, stochastic rounding's
+    seeds and the statistics, the same bits as the Python hooks and loop."""
+    counts = count_rechecks(monkeypatch)
+    torch.manual_seed(0)
+    base = TinyTransformer().to(device, torch.bfloat16)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [build(m, cpp_prehook, monkeypatch, mode="immediate", max_grad_norm=0.5,
+                  state_format="bf16", seed=3)
+            for m, cpp_prehook in zip(models, (True, False))]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+                  for opt in opts]
+    for step in range(6):
+        for model, opt in zip(models, opts):
+            lm_loss(model, step, device).backward()
+        finish_step(models, opts)
+        for scheduler in schedulers:
+            scheduler.step()
+        assert opts[0].grad_norm == opts[1].grad_norm
+        assert opts[0].nonfinite_count == opts[1].nonfinite_count
+    assert counts == [4, 0], counts
+
+
+def steps_both_ways(device, monkeypatch, steps: int = 3):
+    """TinyTransformer with the C++ part and with the Python one after `steps` steps (the
+    C++ part's repetition of the check registered)."""
+    torch.manual_seed(0)
+    base = TinyTransformer().to(device)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [build(m, cpp_prehook, monkeypatch, mode="immediate")
+            for m, cpp_prehook in zip(models, (True, False))]
+    for step in range(steps):
+        for model, opt in zip(models, opts):
+            lm_loss(model, step, device).backward()
+        finish_step(models, opts)
+    return models, opts
+
+
+def _step_set_to(value):
+    def edit(model, opt):
+        opt.state[model.blocks[1].up.weight]["step"] = value
+    return edit
+
+
+def _weight_made_strided(model, opt):
+    w = model.blocks[0].attn.k.weight
+    w.data = w.data.t().contiguous().t()  # (the same values, column-major)
+
+
+def _negative_lr(model, opt):
+    opt.param_groups[0]["lr"] = -1.0
+
+
+def _other_state_format(model, opt):
+    opt.param_groups[0]["state_format"] = "int8"
+
+
+@pytest.mark.parametrize("edit, error", [
+    (_step_set_to(-1), "state 'step' must be an int >= 0"),
+    (_step_set_to(2.0), "state 'step' must be an int >= 0"),
+    (_step_set_to(True), "state 'step' must be an int >= 0"),
+    (_weight_made_strided, "changed dtype, device or layout"),
+    (_negative_lr, "lr"),
+    (_other_state_format, "state_format='int8'"),
+], ids=["negative-step", "float-step", "bool-step", "weight-layout", "negative-lr",
+        "state-format"])
+def test_the_check_repeated_in_cpp_refuses_what_the_loop_refuses(cpp, edit, error,
+                                                                 monkeypatch):
+    """A change between steps that the step's check refuses is refused with the C++ part's
+    repetition of it registered, with the Python loop's message, and nothing is updated."""
+    models, opts = steps_both_ways("cpu", monkeypatch)
+    messages = []
+    for model, opt in zip(models, opts):
+        edit(model, opt)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(Exception, match=error) as refused:
+            lm_loss(model, 3).backward()
+        messages.append(str(refused.value))
+        for n, p in model.named_parameters():
+            assert torch.equal(p, before[n]), n
+    assert messages[0] == messages[1]
+
+
+def _replace_a_state(model, opt):
+    st = opt.state[model.blocks[0].up.weight]
+    st["exp_avg"] = st["exp_avg"].clone()
+
+
+def _swap_a_states_data(model, opt):
+    st = opt.state[model.blocks[0].up.weight]
+    st["exp_avg_sq"].data = st["exp_avg_sq"].data.clone()
+
+
+def _swap_a_weights_data(model, opt):
+    w = model.blocks[1].attn.v.weight
+    w.data = w.data.clone()
+
+
+def _hook_a_weight(model, opt):
+    model.blocks[0].down.weight.register_hook(lambda g: g * 0.5)
+
+
+def _load_the_state(model, opt):
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def _add_a_group(model, opt):
+    extra = nn.Linear(4, 4, bias=False)
+    model.extra = extra  # (in the model: the optimizer routes a group's new Linear)
+    opt.add_param_group({"params": [extra.weight], "lr": 0.5})
+
+
+@pytest.mark.parametrize("edit, found", [
+    (_replace_a_state, True), (_swap_a_states_data, True), (_swap_a_weights_data, True),
+    (_hook_a_weight, True), (_load_the_state, True), (_step_set_to(7), False)],
+    ids=["replaced-state", "state-data", "weight-data", "tensor-hook", "load-state-dict",
+         "step-count"])
+def test_the_check_repeated_in_cpp_follows_what_changed(cpp, edit, found, monkeypatch):
+    """Between steps, a state tensor replaced, a tensor's data swapped, a tensor hook or a
+    loaded state dict: the C++ part's repetition finds it changed, the loop checks the step,
+    and training goes on with the Python path's bits (the C++ part then repeats the new
+    check). A step count set by hand is read anew at every step: nothing to find."""
+    models, opts = steps_both_ways("cpu", monkeypatch)
+    counts = count_rechecks(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a hooked weight's materialized path warns)
+        for model, opt in zip(models, opts):
+            edit(model, opt)
+        for step in range(3, 6):
+            for model, opt in zip(models, opts):
+                lm_loss(model, step).backward()
+            finish_step(models, opts)
+    assert counts == ([2, 1] if found else [3, 0]), counts
+
+
+def test_the_check_repeated_in_cpp_is_not_made_for_nadam(cpp, monkeypatch):
+    """NAdam's calls carry its running product, which Python computes per call: its step is
+    checked by the loop every time."""
+    counts = count_rechecks(monkeypatch)
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = forge.optim.NAdam(model, lr=1e-2, mode="immediate")
+    for step in range(4):
+        lm_loss(model, step).backward()
+        made = calls_made_in_cpp(opt)
+        opt.step()
+        opt.zero_grad()
+    assert counts == [0, 0] and made, counts

@@ -30,9 +30,11 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -581,6 +583,209 @@ void register_hand_off(py::object python_kernel) {
   library->impl("wgrad_hand_off", TORCH_FN(hand_off));
 }
 
+
+// ---- the step's check, repeated --------------------------------------------------------------
+//
+// Python checks a step before its first update (forge/optim/updater.py, check_step): per
+// fused weight, what its updates will read, then the step's call written into its kept args
+// and its record readied. Once a check passed, forge/optim/recheck.py registers here each
+// weight it readied (StepRecheck::add). At a later step, where nothing Python decides per
+// group, per device or per optimizer changed, StepRecheck::run verifies per weight what
+// Python's loop verifies (the same state dict, its tensors' data where they were, a step count
+// Python accepts, the weight's dtype, device, layout and data, no tensor hook, a live record)
+// and only then writes every call as Python's kept_args would (forge/optim/calls.py: the
+// device, forge_param and hyper-parameter structs, step, seed, gradient scale, statistics
+// outputs) and readies the records. A difference anywhere returns False with nothing written,
+// and Python checks the step itself.
+
+// The struct fields forge_wgrad_args and forge_elementwise_args share (device, param, hparams,
+// outputs), and forge_hparams' per-call scalars (step, seed, grad_scale): set_call_layout.
+enum CallField { kCallDevice, kCallParam, kCallHparams, kCallOutputs, kCallFields };
+Field wgrad_call_fields[kCallFields], elementwise_call_fields[kCallFields];
+enum HparamsField { kHpStep, kHpSeed, kHpGradScale, kHparamsFields };
+Field hparams_fields[kHparamsFields];
+bool call_layout_set = false;
+
+// A ctypes struct Python made: the object (the held lists name it) and its address.
+struct Source {
+  py::object object;
+  const void* address = nullptr;
+};
+
+Source as_source(py::handle pair) {
+  py::tuple t = py::reinterpret_borrow<py::tuple>(pair);
+  return {py::reinterpret_borrow<py::object>(t[0]),
+          reinterpret_cast<const void*>(t[1].cast<std::uintptr_t>())};
+}
+
+class StepRecheck {
+ public:
+  // One weight the last check readied, as that check saw it. held: calls.kept_args' list of
+  // what the args' struct fields hold (dense_held: the element-wise call's, or None).
+  void add(std::shared_ptr<Record> record, py::object param, py::object state, py::list held,
+           py::object dense_held, py::object param_struct, std::uintptr_t param_address,
+           size_t group, size_t device, uint64_t seed, bool counts) {
+    TORCH_CHECK(call_layout_set, "forge: set_call_layout first");
+    TORCH_CHECK(PyDict_Check(state.ptr()), "forge: a state dict expected");
+    Entry e;
+    e.weight_data = record->weight.data_ptr();
+    e.dtype = record->weight.scalar_type();
+    e.device = record->weight.device();
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(state.ptr(), &pos, &key, &value))
+      if (THPVariable_Check(value)) e.state_data.push_back(THPVariable_Unpack(value).data_ptr());
+    e.record = std::move(record);
+    e.param = std::move(param);
+    e.state = std::move(state);
+    e.held = std::move(held);
+    e.dense_held = std::move(dense_held);
+    e.param_struct = {std::move(param_struct), reinterpret_cast<const void*>(param_address)};
+    e.group = group;
+    e.device_index = device;
+    e.seed = seed;
+    e.counts = counts;
+    entries_.push_back(std::move(e));
+  }
+
+  void clear() { entries_.clear(); }
+  size_t size() const { return entries_.size(); }
+
+  // hparams[g], devices[d], outputs[d]: (struct, address) of group g's forge_hparams, of
+  // device d's forge_device and statistics outputs for this step (None where no weight on
+  // it counts); no_outputs: the null outputs of a weight that does not count.
+  bool run(py::handle state_map, py::list hparams, py::list devices, py::list outputs,
+           py::tuple no_outputs, double grad_scale) {
+    if (!PyDict_Check(state_map.ptr())) return false;
+    steps_.resize(entries_.size());
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const std::optional<int64_t> step = verify(entries_[i], state_map.ptr());
+      if (!step || entries_[i].group >= hparams.size() ||
+          entries_[i].device_index >= devices.size() ||
+          (entries_[i].counts && outputs[entries_[i].device_index].is_none()))
+        return false;
+      steps_[i] = *step;
+    }
+    std::vector<Source> group_sources, device_sources, output_sources;
+    for (py::handle h : hparams) group_sources.push_back(as_source(h));
+    for (py::handle h : devices) device_sources.push_back(as_source(h));
+    for (py::handle h : outputs) output_sources.push_back(h.is_none() ? Source{} : as_source(h));
+    const Source none = as_source(no_outputs);
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      Entry& e = entries_[i];
+      Record& r = *e.record;
+      const Source& out = e.counts ? output_sources[e.device_index] : none;
+      write_call(r.args, wgrad_call_fields, e, device_sources[e.device_index],
+                 group_sources[e.group], out, steps_[i], grad_scale, e.held);
+      if (!e.dense_held.is_none() && r.dense_args != nullptr) {
+        write_call(r.dense_args, elementwise_call_fields, e, device_sources[e.device_index],
+                   group_sources[e.group], out, steps_[i], grad_scale,
+                   py::reinterpret_borrow<py::list>(e.dense_held));
+        r.dense_epoch = r.clock->epoch;
+      }
+      r.ready();
+    }
+    return true;
+  }
+
+ private:
+  struct Entry {
+    std::shared_ptr<Record> record;
+    py::object param;  // the Parameter: its key in the optimizer's state
+    py::object state;  // its state dict
+    std::vector<const void*> state_data;  // the data of its tensors, in the dict's order
+    const void* weight_data = nullptr;
+    at::ScalarType dtype = at::kFloat;
+    c10::Device device{c10::kCPU};
+    py::list held;
+    py::object dense_held;
+    Source param_struct;  // its forge_param (slot.struct)
+    size_t group = 0, device_index = 0;
+    uint64_t seed = 0;
+    bool counts = false;
+  };
+
+  // e's step count where nothing of e changed since it was registered; none otherwise.
+  static std::optional<int64_t> verify(const Entry& e, PyObject* state_map) {
+    const Record& r = *e.record;
+    if (!r.enabled || !r.args || PyDict_GetItem(state_map, e.param.ptr()) != e.state.ptr())
+      return std::nullopt;
+    const at::Tensor& w = r.weight;
+    if (w.scalar_type() != e.dtype || w.device() != e.device || !w.is_contiguous() ||
+        w.data_ptr() != e.weight_data)
+      return std::nullopt;
+    PyObject* hooks = PyObject_GetAttrString(e.param.ptr(), "_backward_hooks");
+    if (hooks == nullptr) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    const int hooked = PyObject_IsTrue(hooks);
+    Py_DECREF(hooks);
+    if (hooked != 0) {
+      if (hooked < 0) PyErr_Clear();
+      return std::nullopt;
+    }
+    PyObject* step = PyDict_GetItemString(e.state.ptr(), "step");
+    if (step == nullptr || !PyLong_CheckExact(step)) return std::nullopt;
+    int overflow = 0;
+    const long long count = PyLong_AsLongLongAndOverflow(step, &overflow);
+    if (overflow != 0 || count < 0 || count == LLONG_MAX) return std::nullopt;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    size_t n = 0;
+    while (PyDict_Next(e.state.ptr(), &pos, &key, &value)) {
+      if (!THPVariable_Check(value)) continue;
+      if (n == e.state_data.size() || THPVariable_Unpack(value).data_ptr() != e.state_data[n])
+        return std::nullopt;
+      ++n;
+    }
+    if (n != e.state_data.size()) return std::nullopt;
+    return static_cast<int64_t>(count);
+  }
+
+  // One kept call written as calls.kept_args writes it for step count + 1, and its held list
+  // naming what its struct fields now hold.
+  static void write_call(void* args, const Field* fields, const Entry& e, const Source& device,
+                         const Source& group, const Source& outputs, int64_t step,
+                         double grad_scale, py::list held) {
+    char* base = static_cast<char*>(args);
+    std::memcpy(base + fields[kCallDevice].offset, device.address, fields[kCallDevice].size);
+    std::memcpy(base + fields[kCallParam].offset, e.param_struct.address,
+                fields[kCallParam].size);
+    char* hp = base + fields[kCallHparams].offset;
+    std::memcpy(hp, group.address, fields[kCallHparams].size);
+    write_at(hp, hparams_fields[kHpStep], step + 1);
+    write_at(hp, hparams_fields[kHpSeed], static_cast<int64_t>(e.seed));
+    std::memcpy(hp + hparams_fields[kHpGradScale].offset, &grad_scale, sizeof(double));
+    std::memcpy(base + fields[kCallOutputs].offset, outputs.address, fields[kCallOutputs].size);
+    held[0] = device.object;
+    held[1] = e.param_struct.object;
+    held[2] = group.object;
+    held[3] = outputs.object;
+    held[4] = py::bool_(false);
+  }
+
+  std::vector<Entry> entries_;
+  std::vector<int64_t> steps_;
+};
+
+// The fields StepRecheck writes: (offset, size) of device, param, hparams and outputs in each
+// args struct, and of step, seed and grad_scale in forge_hparams (forge/_prehook.py).
+void set_call_layout(const std::vector<std::pair<size_t, size_t>>& wgrad,
+                     const std::vector<std::pair<size_t, size_t>>& elementwise,
+                     const std::vector<std::pair<size_t, size_t>>& hparams) {
+  TORCH_CHECK(wgrad.size() == kCallFields && elementwise.size() == kCallFields,
+              "forge: ", kCallFields, " call fields expected");
+  for (int i = 0; i < kCallFields; ++i) {
+    wgrad_call_fields[i] = {wgrad[i].first, wgrad[i].second};
+    elementwise_call_fields[i] = {elementwise[i].first, elementwise[i].second};
+    TORCH_CHECK(wgrad[i].second == elementwise[i].second, "forge: call field ", i, " sizes");
+  }
+  set_fields(hparams, hparams_fields, kHparamsFields);
+  TORCH_CHECK(hparams_fields[kHpGradScale].size == sizeof(double), "forge: grad_scale size");
+  call_layout_set = true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -628,6 +833,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("is_ready",
                              [](const Record& r) { return r.ready_epoch == r.clock->epoch; })
       .def_readwrite("enabled", &Record::enabled);
+  py::class_<StepRecheck, std::shared_ptr<StepRecheck>>(m, "StepRecheck")
+      .def(py::init<>())
+      .def("add", &StepRecheck::add)
+      .def("clear", &StepRecheck::clear)
+      .def("__len__", &StepRecheck::size)
+      .def("run", &StepRecheck::run);
+  m.def("set_call_layout", &set_call_layout);
   m.def("install", &install);
   m.def("register_hand_off", &register_hand_off);
   m.def("register_hand_off_record", &register_hand_off_record);

@@ -41,6 +41,7 @@ class Backward:
         self._update_wgrad = updater.update_wgrad
         self._check_step = updater.check_step
         self._ready_for = updater.ready_for
+        self._current_ready = updater.current_ready
         self._commit_made = updater.commit_made
         self._cohort: list = []  # this step's FactoredGrads, weakly (new_factored)
         self._cohort_step = -1
@@ -121,7 +122,9 @@ class Backward:
             return slot.marker
         if not slot.pending and slot.partial is None:
             if dense:
-                slot.forms_in_graph = True  # (from the next step, the C++ hand-off forms it)
+                if not slot.forms_in_graph:  # (from the next step, the C++ hand-off forms it)
+                    slot.forms_in_graph = True
+                    shared.check_version += 1
                 formed = product(x2, dy2, slot.param.dtype).reshape(slot.local().shape)
                 if (slot.record is not None and slot.uses == 1
                         and self._arm_dense(slot, formed, handle)):
@@ -212,7 +215,7 @@ class Backward:
             return
         x2, ldx, dy2, lddy = settled
         index = dy2.get_device() if dy2.is_cuda else None
-        slot.pending.append((x2, ldx, dy2, lddy, slot.ready[1], index))
+        slot.pending.append((x2, ldx, dy2, lddy, self._current_ready(slot)[1], index))
         slot.uses = max(slot.uses, 1)
         if in_graph:  # (the C++ hand-off's use, which hand_off_in_graph did not count)
             slot.in_graph_uses += 1

@@ -18,7 +18,8 @@ class Shared:
     """The fields below, and the two lookups every part makes on them (group_of, lapse_ready)."""
 
     __slots__ = ("param_groups", "state", "slots", "step_id", "begun_step", "checked_step",
-                 "deferring", "capturing", "attached", "mode", "clock", "_group_cache")
+                 "deferring", "capturing", "attached", "mode", "clock", "check_version",
+                 "_group_cache")
 
     def __init__(self, mode: str, deferring: bool):
         # torch.optim.Optimizer's param_groups and state (the optimizer's attributes of those
@@ -38,6 +39,10 @@ class Shared:
         # the C++ records' readiness epoch (forge/_prehook.py), made with the first record
         # (routing.py): advanced where the calls readied by check_step lapse (lapse_ready)
         self.clock = None
+        # advanced where what a step's check readies changes while no parameter, state or
+        # record does (a weight's compiled hand-off starts forming dW: backward.py), so that
+        # the C++ part's repetition of the check stops and Python checks anew (recheck.py)
+        self.check_version = 0
         self._group_cache: Dict[int, Dict[str, Any]] = {}
 
     def group_of(self, slot) -> Dict[str, Any]:

@@ -96,6 +96,9 @@ class Slot:
         self.struct_step = -1
         self.checked: Optional[Tuple[Dict[str, Any], Dict[str, Any]]] = None
         self.ready: Optional[tuple] = None  # a fused weight's args for this step (updater.py)
+        # (state dict, param group, device index) where the C++ part repeats the step's check
+        # of this weight (recheck.py), else None
+        self.rechecked: Optional[tuple] = None
         # "wgrad" / "elementwise" -> (the forge_*_args kept for its calls, what its struct
         # fields hold, a view of its hparams): calls.py, kept_args
         self.kept_args: Dict[str, Any] = {}

@@ -23,6 +23,7 @@ from .. import _lib
 from .. import _linear
 from .. import muon
 from . import distributed
+from .recheck import Recheck
 from .calls import (NO_OUTPUTS, as_float, as_operand, commit, kept_args, row_block,
                     write_operands)
 
@@ -52,11 +53,17 @@ class Updater:
         # in immediate mode with max_grad_norm, else 1 (stepping.py sets it)
         self.backward_scale = 1.0
         self._elementwise_address: Optional[int] = None  # _elementwise_step_address()
+        # the step's check of the fused weights, repeated in C++ while nothing changed (not
+        # for NAdam: its running product is Python's, per call)
+        self._recheck = Recheck(shared, devices, stats, store, self._group_hparams,
+                                enabled=not keeps_mu_product)
 
     def check_step(self) -> None:
         """Before the first update of a step: everything the step's updates read is checked
         (parameters, every group's hyper-parameters, every state tensor and step count), so a
-        step is refused before it writes anything, never after some parameters changed."""
+        step is refused before it writes anything, never after some parameters changed.
+        Where the C++ part repeats the last check of the fused weights (recheck.py), this
+        loop checks the other parameters, then the C++ part those weights."""
         shared = self.shared
         if shared.begun_step != shared.step_id:
             self._begin_step()  # (what the last step left: modes.py)
@@ -64,18 +71,38 @@ class Updater:
             model = self._model_ref()
             if model is not None:
                 distributed.check_no_replicating_wrapper(model)
-        # NOTE: a loop over every parameter once per step, inside backward: what is the same
-        # for a whole group (its hyper-parameters, checked once) or a whole device (its struct
-        # on the current stream) is looked up once per step, not once per parameter.
         shared.lapse_ready()  # (the C++ records: readied once every check below passed)
-        readied = []
-        groups: Dict[int, Tuple[_lib.Hparams, tuple]] = {}  # id(group) -> HparamsTable.of
+        # NOTE: what is the same for a whole group (its hyper-parameters, checked once) or a
+        # whole device (its struct on the current stream) is looked up once per step, not
+        # once per parameter.
+        groups: Dict[int, Tuple[_lib.Hparams, tuple]] = {}  # id(group) -> _group_hparams
         devices: Dict[torch.device, Tuple[Optional[int], _lib.Device]] = {}
-        step_id = shared.step_id
         ready_wgrad = not shared.deferring and not shared.capturing
+        recheck = self._recheck
+        prepared = recheck.prepare(self.seed, groups) if ready_wgrad else None
+        if prepared is not None:
+            readied = self._check_slots(recheck.rest, groups, devices, ready_wgrad)
+            if not recheck.run(prepared, self.backward_scale):
+                prepared = None
+            elif readied:  # (a weight readied here for the first time joins them)
+                recheck.register(recheck.registered + readied, self.seed)
+        if prepared is None:
+            readied = self._check_slots(shared.slots.values(), groups, devices, ready_wgrad)
+            recheck.register(readied, self.seed)
+        for slot in readied:
+            slot.record.ready()
+        shared.checked_step = shared.step_id
+
+    def _check_slots(self, slots, groups, devices, ready_wgrad: bool) -> list:
+        """check_step's loop over `slots` (groups, devices: its lookups of this step); returns
+        the slots whose C++ records are to be readied once every check passed."""
+        # NOTE: a loop over every parameter once per step, inside backward
+        shared = self.shared
+        readied = []
+        step_id = shared.step_id
         state, group_of = shared.state, shared.group_of
         check_storage, param_struct = self._store.check_storage, self._store.param_struct
-        for slot in shared.slots.values():
+        for slot in slots:
             p = slot.param
             # (dtypes are singletons: `is` first, the device compare, which builds one, last)
             if p.dtype is not slot.dtype or not p.is_contiguous() or p.device != slot.device:
@@ -87,10 +114,7 @@ class Updater:
             check_storage(slot, group)  # (store.py: formats, dtypes)
             hparams = groups.get(id(group))
             if hparams is None:
-                hparams = groups[id(group)] = self._hparams.of(group)
-                checked = _lib.Hparams.from_buffer_copy(hparams[0])
-                checked.step = 1
-                self._lib.state_layout(checked, _lib.STATE_FP32, 1, 1)
+                hparams = groups[id(group)] = self._group_hparams(group)
             st = state.get(p)
             if st:
                 step = st.get("step")
@@ -104,10 +128,17 @@ class Updater:
                         slot.ready = self.ready_wgrad(slot, st, hparams, devices)
                         if slot.ready is not None and slot.record is not None \
                                 and not p._backward_hooks:  # (a hooked W: the Python path)
-                            readied.append(slot.record)
-        for record in readied:
-            record.ready()
-        shared.checked_step = step_id
+                            readied.append(slot)
+        return readied
+
+    def _group_hparams(self, group) -> Tuple[_lib.Hparams, tuple]:
+        """group's HparamsTable.of pair, its values checked by the library (raises naming a
+        bad one) once per group and step."""
+        hparams = self._hparams.of(group)
+        checked = _lib.Hparams.from_buffer_copy(hparams[0])
+        checked.step = 1
+        self._lib.state_layout(checked, _lib.STATE_FP32, 1, 1)
+        return hparams
 
     def ready_wgrad(self, slot, st, group_hparams, devices):
         """slot's kept forge_wgrad_args made ready, at the step's first update, for its update
@@ -164,10 +195,18 @@ class Updater:
         slot.record.set_call(args, ctypes.addressof(args), stand_in, consumed)
         slot.record_call = (args, stand_in, consumed)
 
+    def current_ready(self, slot):
+        """slot.ready, brought to this step where the C++ part's check readied its call
+        instead of check_step's loop (recheck.py)."""
+        ready = slot.ready
+        if (ready is None or ready[0] != self.shared.step_id) and self._recheck.adopt(slot):
+            ready = slot.ready
+        return ready
+
     def ready_for(self, slot, stream):
         """slot.ready (ready_wgrad's) where it holds this step's call on `stream` (a raw
         handle, None on the CPU) outside a capture; else None."""
-        ready = slot.ready
+        ready = self.current_ready(slot)
         shared = self.shared
         step_id = shared.step_id
         if (ready is None or ready[0] != step_id or slot.struct_step != step_id
@@ -193,6 +232,8 @@ class Updater:
             self.check_step()
         step_id = shared.step_id
         ready = slot.ready
+        if ready is None or ready[0] != step_id:
+            ready = self.current_ready(slot)
         if (ready is not None and ready[0] == step_id and slot.struct_step == step_id
                 and ready[1] == stream and not shared.capturing and not slot.muon
                 and write_operands(ready[2], x2, ldx, dy2, lddy, tokens)):
@@ -323,6 +364,8 @@ class Updater:
         hyper-parameters (shared: copied into the args), whether a capture is running)."""
         shared = self.shared
         capturing = shared.capturing
+        if slot.struct_step != shared.step_id and not capturing:
+            self._recheck.adopt(slot)  # (a weight the C++ part's check readied: recheck.py)
         if slot.struct_step == shared.step_id and not capturing:
             # NOTE: what check_step verified for this step (the states, the group, the
             # forge_param) is what every update of it reads: the common case, once per
