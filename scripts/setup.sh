@@ -56,11 +56,14 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 echo "setup: pip: upgrading pip (a few MB)"
-.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
 echo "setup: pip: installing requirements-dev.txt: torch from PyPI with its CUDA libraries" \
   "(~3 GB to download, ~6 GB installed: minutes on a first run), numpy, matplotlib," \
   "transformers, pytest"
-.venv/bin/python -m pip install -r requirements-dev.txt
+# NOTE: --no-cache-dir: pip's cache would keep a second copy of every wheel downloaded (~3 GB)
+# on the same disk while they are installed; a re-run finds the installed packages anyway.
+bash scripts/disk_check.sh 10 "setup: pip"
+.venv/bin/python -m pip install --no-cache-dir -r requirements-dev.txt
 # The package reuses the library just built instead of compiling it again.
 echo "setup: pip: installing the forge package (seconds: it reuses build/libforge.so)"
 FORGE_PREBUILT_LIBRARY="$PWD/build/libforge.so" .venv/bin/python -m pip install -q --no-build-isolation .

@@ -13,6 +13,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 echo "test_min_torch: pip: torch 2.4.1, numpy, pytest (about 2.5 GB the first time)"
-"$venv/bin/python" -m pip install -q "torch==2.4.1" numpy pytest
+bash scripts/disk_check.sh 8 "test_min_torch: pip"
+"$venv/bin/python" -m pip install -q --no-cache-dir "torch==2.4.1" numpy pytest
 FORGE_LIBRARY="$PWD/build/libforge.so" PYTHONPATH="$PWD/python" \
   "$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider
