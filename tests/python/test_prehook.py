@@ -604,6 +604,41 @@ def test_the_check_repeated_in_cpp_follows_what_changed(cpp, edit, found, monkey
     assert counts == ([2, 1] if found else [3, 0]), counts
 
 
+def count_python_settles(monkeypatch) -> list:
+    """[weights Python's settle_armed met] of every optimizer, from now on."""
+    counts = [0]
+    settle_armed = forge.optim.backward.Backward.settle_armed
+
+    def counted(backward, slot):
+        counts[0] += 1
+        return settle_armed(backward, slot)
+    monkeypatch.setattr(forge.optim.backward.Backward, "settle_armed", counted)
+    return counts
+
+
+def test_the_calls_made_in_cpp_are_committed_there(cpp, monkeypatch):
+    """Once the C++ part repeats the step's check, it also commits the calls its pre-hook
+    made (Python's settle_armed meets none of them), with the Python path's step counts and
+    bits; a weight whose state dict was replaced after the backward is left to Python."""
+    models, opts = steps_both_ways("cpu", monkeypatch)
+    settles = count_python_settles(monkeypatch)
+    for step in range(3, 6):
+        settles[0] = 0
+        for model, opt in zip(models, opts):
+            lm_loss(model, step).backward()
+        made = calls_made_in_cpp(opts[0])
+        finish_step(models, opts)
+        assert settles[0] == 0 and made
+    settles[0] = 0
+    for model, opt in zip(models, opts):
+        lm_loss(model, 6).backward()
+        weight = model.blocks[1].up.weight
+        opt.state[weight] = dict(opt.state[weight])  # (the same values in another dict)
+    finish_step(models, opts)
+    assert settles[0] == 1
+    assert opts[0].state[models[0].blocks[1].up.weight]["step"] == 7
+
+
 def test_the_check_repeated_in_cpp_is_not_made_for_nadam(cpp, monkeypatch):
     """NAdam's calls carry its running product, which Python computes per call: its step is
     checked by the loop every time."""

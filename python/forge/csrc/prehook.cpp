@@ -85,6 +85,18 @@ void write_at(void* args, const Field& f, int64_t value) {
   }
 }
 
+int64_t read_at(const void* args, const Field& f) {
+  const char* at = static_cast<const char*>(args) + f.offset;
+  if (f.size == 4) {
+    int32_t v;
+    std::memcpy(&v, at, 4);
+    return v;
+  }
+  int64_t v;
+  std::memcpy(&v, at, 8);
+  return v;
+}
+
 void write_field(void* args, Operand which, int64_t value) {
   write_at(args, operand_fields[which], value);
 }
@@ -596,7 +608,9 @@ void register_hand_off(py::object python_kernel) {
 // and only then writes every call as Python's kept_args would (forge/optim/calls.py: the
 // device, forge_param and hyper-parameter structs, step, seed, gradient scale, statistics
 // outputs) and readies the records. A difference anywhere returns False with nothing written,
-// and Python checks the step itself.
+// and Python checks the step itself. After the backward, StepRecheck::settle commits each call
+// the pre-hook made, as Python's settle_armed commits it (forge/optim/backward.py), and leaves
+// Python whatever else a record holds.
 
 // The struct fields forge_wgrad_args and forge_elementwise_args share (device, param, hparams,
 // outputs), and forge_hparams' per-call scalars (step, seed, grad_scale): set_call_layout.
@@ -622,9 +636,11 @@ class StepRecheck {
  public:
   // One weight the last check readied, as that check saw it. held: calls.kept_args' list of
   // what the args' struct fields hold (dense_held: the element-wise call's, or None).
-  void add(std::shared_ptr<Record> record, py::object param, py::object state, py::list held,
-           py::object dense_held, py::object param_struct, std::uintptr_t param_address,
-           size_t group, size_t device, uint64_t seed, bool counts) {
+  // slot: the weight's Slot (forge/optim/slot.py), whose fields settle sets.
+  void add(std::shared_ptr<Record> record, py::object slot, py::object param, py::object state,
+           py::list held, py::object dense_held, py::object param_struct,
+           std::uintptr_t param_address, size_t group, size_t device, uint64_t seed,
+           bool counts) {
     TORCH_CHECK(call_layout_set, "forge: set_call_layout first");
     TORCH_CHECK(PyDict_Check(state.ptr()), "forge: a state dict expected");
     Entry e;
@@ -636,6 +652,7 @@ class StepRecheck {
     while (PyDict_Next(state.ptr(), &pos, &key, &value))
       if (THPVariable_Check(value)) e.state_data.push_back(THPVariable_Unpack(value).data_ptr());
     e.record = std::move(record);
+    e.slot = std::move(slot);
     e.param = std::move(param);
     e.state = std::move(state);
     e.held = std::move(held);
@@ -688,9 +705,53 @@ class StepRecheck {
     return true;
   }
 
+  // Once Python meets the weights after a backward (forge/optim/backward.py, settle_all):
+  // each registered weight whose pre-hook made its call is committed as settle_armed commits
+  // it (its state's step becomes the one the call made, which its kept args hold; the slot's
+  // updated_at becomes step_id and its use counts and marker are cleared) and its record goes
+  // idle. Returns the slots Python settles itself: those whose record holds anything else (a
+  // call armed and never made), or whose state dict is no longer the optimizer's.
+  py::list settle(py::handle state_map, py::object step_id) {
+    py::list left;
+    const bool is_map = PyDict_Check(state_map.ptr());
+    for (Entry& e : entries_) {
+      Record& r = *e.record;
+      if (r.state == State::kIdle) continue;
+      if (r.state != State::kCalled || !is_map ||
+          PyDict_GetItem(state_map.ptr(), e.param.ptr()) != e.state.ptr()) {
+        left.append(e.slot);
+        continue;
+      }
+      const void* args = r.dense ? r.dense_args : r.args;
+      const Field& hparams = (r.dense ? elementwise_call_fields : wgrad_call_fields)[kCallHparams];
+      const int64_t made = read_at(static_cast<const char*>(args) + hparams.offset,
+                                   hparams_fields[kHpStep]);
+      py::int_ count(made);
+      if (PyDict_SetItem(e.state.ptr(), names_.step.ptr(), count.ptr()) != 0)
+        throw py::error_already_set();
+      PyObject* slot = e.slot.ptr();
+      if (PyObject_SetAttr(slot, names_.updated_at.ptr(), step_id.ptr()) != 0 ||
+          PyObject_SetAttr(slot, names_.marker.ptr(), Py_None) != 0 ||
+          PyObject_SetAttr(slot, names_.uses.ptr(), names_.zero.ptr()) != 0 ||
+          PyObject_SetAttr(slot, names_.in_graph_uses.ptr(), names_.zero.ptr()) != 0)
+        throw py::error_already_set();
+      r.state = State::kIdle;
+      r.armed_in_graph = false;
+    }
+    return left;
+  }
+
  private:
+  // The names settle writes, made once.
+  struct Names {
+    py::str step{"step"}, updated_at{"updated_at"}, marker{"marker"}, uses{"uses"},
+        in_graph_uses{"in_graph_uses"};
+    py::int_ zero{0};
+  };
+
   struct Entry {
     std::shared_ptr<Record> record;
+    py::object slot;   // its Slot
     py::object param;  // the Parameter: its key in the optimizer's state
     py::object state;  // its state dict
     std::vector<const void*> state_data;  // the data of its tensors, in the dict's order
@@ -767,6 +828,7 @@ class StepRecheck {
 
   std::vector<Entry> entries_;
   std::vector<int64_t> steps_;
+  Names names_;
 };
 
 // The fields StepRecheck writes: (offset, size) of device, param, hparams and outputs in each
@@ -838,7 +900,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &StepRecheck::add)
       .def("clear", &StepRecheck::clear)
       .def("__len__", &StepRecheck::size)
-      .def("run", &StepRecheck::run);
+      .def("run", &StepRecheck::run)
+      .def("settle", &StepRecheck::settle);
   m.def("set_call_layout", &set_call_layout);
   m.def("install", &install);
   m.def("register_hand_off", &register_hand_off);

@@ -43,6 +43,7 @@ class Backward:
         self._ready_for = updater.ready_for
         self._current_ready = updater.current_ready
         self._commit_made = updater.commit_made
+        self._settle_registered = updater.settle_registered
         self._cohort: list = []  # this step's FactoredGrads, weakly (new_factored)
         self._cohort_step = -1
 
@@ -223,8 +224,11 @@ class Backward:
 
     def settle_all(self) -> None:
         """settle_armed for every weight whose record is busy (before anything reads the
-        step counts, the updates made, or the pending pairs)."""
-        for slot in self.shared.slots.values():
+        step counts, the updates made, or the pending pairs); the calls the C++ pre-hook made
+        for the weights the C++ part's check registered are committed there, as settle_armed
+        commits them (recheck.py, settle)."""
+        left = self._settle_registered()
+        for slot in self.shared.slots.values() if left is None else left:
             if slot.armed:
                 self.settle_armed(slot)
 

@@ -10,7 +10,8 @@ or device changed (prepare: the slots, the seed, the store's options, each group
 layout, state format and hyper-parameters, which the library checks again), the C++ part
 verifies each registered weight as the loop would and writes its call (run); check_step then
 loops over the other parameters only. Anything different, and the loop checks every parameter
-itself and registers anew. Without the C++ part (or with NAdam's running product, which
+itself and registers anew. After the backward, the C++ part also commits each registered
+weight's call its pre-hook made (settle), where Python's settle_armed would. Without the C++ part (or with NAdam's running product, which
 Python computes per call) check_step always loops.
 """
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Recheck:
             if slot.counts and not self._where[d][2]:
                 self._where[d] = (slot.device, slot.param, True)
             dense = slot.kept_args.get("elementwise") if slot.forms_in_graph else None
-            self._cpp.add(slot.record, slot.param, st, slot.kept_args["wgrad"][1],
+            self._cpp.add(slot.record, slot, slot.param, st, slot.kept_args["wgrad"][1],
                           None if dense is None else dense[1], slot.struct,
                           ctypes.addressof(slot.struct), g, d, seed + slot.index, slot.counts)
             slot.rechecked = (st, group, d)
@@ -151,6 +152,20 @@ class Recheck:
             return False
         self._step_id, self._epoch, self._streams = shared.step_id, shared.clock.epoch, streams
         return True
+
+    def settle(self) -> Optional[List[Any]]:
+        """After a backward (backward.py, settle_all): the C++ part commits each registered
+        weight whose call its pre-hook made, as settle_armed would. Returns the slots left for
+        Python to settle (registered ones holding anything else, then every other slot), or
+        None where the registration no longer covers the optimizer's slots (Python settles
+        every one)."""
+        shared = self.shared
+        key = self._key
+        if key is None or key[0] != len(shared.slots) or key[1] != shared.check_version:
+            return None
+        left = self._cpp.settle(shared.state, shared.step_id)
+        left.extend(self._rest)
+        return left
 
     @property
     def registered(self) -> List[Any]:

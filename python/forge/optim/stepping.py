@@ -70,8 +70,11 @@ class Stepper:
                 "never reached the weight's gradient node, so it was not updated this step",
                 stacklevel=3)
         for slot in slots:
-            slot.clear_backward()
-            slot.restore_held()
+            # NOTE: tested first: after a step whose updates all ran, both are no-ops
+            if slot.pending or slot.partial is not None or slot.uses or slot.in_graph_uses:
+                slot.clear_backward()
+            if slot.held is not None:
+                slot.restore_held()
         deferred = shared.deferring
         if deferred:
             self._step_deferred(pre_hooks)

@@ -246,6 +246,12 @@ class Updater:
             return
         self.update(slot, x=(x2, ldx), dy=(dy2, lddy), stream=stream)
 
+    def settle_registered(self) -> Optional[list]:
+        """The calls the C++ pre-hook made for the weights the C++ part's check registered,
+        committed there (recheck.py, settle); returns the slots Python settles itself, or
+        None: every slot."""
+        return self._recheck.settle()
+
     def commit_made(self, slot, kind: str = "wgrad") -> None:
         """The C++ pre-hook made slot's readied call (kind "wgrad", or "elementwise" on a
         formed dW): its step count (and NAdam's product) move on, as update_wgrad's success
