@@ -44,7 +44,7 @@ def normwise(a, b):
 
 # torch runs whose batches have their rows permuted (the same loss summed in another order):
 # the largest of their distances from torch's own run is the spread FORGE is held to.
-REORDERINGS = 3
+REORDERINGS = 8
 
 
 def batches(device, steps):

@@ -164,9 +164,12 @@ MEMORY_VS_IMMEDIATE = 1.05
 # the fp32 momentum (FORGE's GEMM sums tokens in another order; torch's lerp uses FMA) flips a
 # bf16 rounding, and the orthogonalized update (every element a sum over the whole matrix)
 # carries it everywhere. The run therefore measures torch against itself with only the batch's
-# row order changed (the same loss, another summation order), three such runs, and allows
-# this factor times the largest of their distances: one such distance alone is a single draw
-# of a chaotic process, and FORGE's is another draw (on CUDA, torch's three ranged 0.065 to
-# 0.18 in one case). Measured against the largest of three: 0.53-1.25 on the CPU, 0.23-0.74
-# on CUDA (auto, immediate and deferred, nesterov on and off).
+# row order changed (the same loss, another summation order), eight such runs
+# (test_muon.py, REORDERINGS), and allows this factor times the largest of their distances:
+# one such distance alone is a single draw of a chaotic process, and FORGE's is another draw.
+# Eight, because the draws fall in two clusters, whether an early rounding flipped or not: on
+# the CPU with torch 2.15, nesterov off, 13 of 16 reordered runs lay at 0.037-0.074 and 3 at
+# 0.127-0.153, so three runs often saw only the lower cluster while FORGE's draw (0.157) fell
+# in the upper one. Against the largest of eight on the CPU: 0.30-1.03 (auto, immediate and
+# deferred, nesterov on and off); on CUDA, against the largest of three: 0.23-0.74.
 MUON_SUM_ORDER_FACTOR = 2.0
