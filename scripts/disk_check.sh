@@ -6,10 +6,12 @@
 set -euo pipefail
 need_gb=$1 what=$2
 cd "$(dirname "$0")/.."
-free_gb() { df -Pk "$1" | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'; }
+# (informational: a path df cannot read gives "?", never a failure)
+free_gb() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }' || true; }
 here=$(free_gb .)
 tmp=$(free_gb "${TMPDIR:-/tmp}")
+here=${here:-?} tmp=${tmp:-?}
 echo "$what: ${here} GB free for the checkout, ${tmp} GB for temporary files (${TMPDIR:-/tmp}); needs about ${need_gb} GB"
-if awk -v f="$here" -v n="$need_gb" 'BEGIN { exit !(f < n) }'; then
+if [ "$here" != "?" ] && awk -v f="$here" -v n="$need_gb" 'BEGIN { exit !(f < n) }'; then
   echo "$what: warning: less than ${need_gb} GB free: pip may stop with 'No space left on device'" >&2
 fi
