@@ -11,8 +11,9 @@ layout, state format and hyper-parameters, which the library checks again), the 
 verifies each registered weight as the loop would and writes its call (run); check_step then
 loops over the other parameters only. Anything different, and the loop checks every parameter
 itself and registers anew. After the backward, the C++ part also commits each registered
-weight's call its pre-hook made (settle), where Python's settle_armed would. Without the C++ part (or with NAdam's running product, which
-Python computes per call) check_step always loops.
+weight's call its pre-hook made (settle), where Python's settle_armed would. Without the C++
+part (or with NAdam's running product, which Python computes per call) check_step always
+loops.
 """
 from __future__ import annotations
 
