@@ -44,7 +44,9 @@ struct Sm90Kernel {
 // NOTE: forge.optim rounds weights and bf16 states the same way (stochastic_rounding, on by
 // default), so the pairs it produces are (bf16 SR, bf16 SR), (bf16, bf16), (master, bf16 SR),
 // ... and those are the ones listed. A configuration not listed runs the generic kernel
-// (a slower epilogue), so every pair forge.optim produces by default must be here.
+// (a slower epilogue), so every pair forge.optim produces by default must be here. Muon's
+// "weight" is the bf16 direction it writes (nearest, as torch's conversion rounds), beside
+// its momentum in bf16 SR (the default) or int8.
 #define FORGE_SPEC_LIST(X)                                                                       \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_BF16, "adamw, bf16, bf16")                   \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "adamw, bf16, int8")           \
@@ -69,7 +71,9 @@ struct Sm90Kernel {
   X(FORGE_RULE_LION, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_BF16_STOCHASTIC,                   \
     "lion, bf16 sr, bf16 sr")                                                                    \
   X(FORGE_RULE_SGD, FORGE_WEIGHT_BF16, kAny, "sgd, bf16")                                         \
-  X(FORGE_RULE_SGD, FORGE_WEIGHT_BF16_STOCHASTIC, kAny, "sgd, bf16 sr")
+  X(FORGE_RULE_SGD, FORGE_WEIGHT_BF16_STOCHASTIC, kAny, "sgd, bf16 sr")                           \
+  X(FORGE_RULE_MUON, FORGE_WEIGHT_BF16, FORGE_STATE_BF16_STOCHASTIC, "muon, bf16, bf16 sr")       \
+  X(FORGE_RULE_MUON, FORGE_WEIGHT_BF16, FORGE_STATE_INT8_BLOCK64, "muon, bf16, int8")
 
 #define FORGE_SM80_SPEC_KERNEL(RULE, WEIGHT, STATE, NAME)                      \
   WgradKernel{wgrad_mma_kernel<false, UpdateSpec<RULE, WEIGHT, STATE>>,        \

@@ -5,7 +5,7 @@
 // (spec_matches picks a kernel, make_param_view fills a ParamView).
 //
 // Why specialize: for the hot configurations (AdamW, Lion, SGD on bf16 weights with bf16 /
-// int8 / fp8 / fp32 states) every run-time switch of the generic path folds away. Both paths
+// int8 / fp8 / fp32 states; Muon's momentum beside its bf16 direction) every run-time switch of the generic path folds away. Both paths
 // call the same forge::apply_rule and formats.h functions: only the dispatch differs, never
 // an fp32 operation.
 #pragma once
@@ -36,10 +36,13 @@ constexpr int kAny = -1;  // "read it from the run-time RuleScalars / ParamView"
 // RuleScalars before it picks a specialized kernel, so a disagreement falls back to the
 // generic path instead of computing something else.
 __host__ __device__ constexpr int spec_num_states(int rule) {
-  return rule == FORGE_RULE_ADAMW ? 2 : rule == FORGE_RULE_LION ? 1 : 0;
+  return rule == FORGE_RULE_ADAMW                                 ? 2
+         : rule == FORGE_RULE_LION || rule == FORGE_RULE_MUON ? 1
+                                                                  : 0;
 }
 __host__ __device__ constexpr bool spec_state_signed(int rule, int i) {
-  return (rule == FORGE_RULE_ADAMW || rule == FORGE_RULE_LION) && i == 0;
+  return (rule == FORGE_RULE_ADAMW || rule == FORGE_RULE_LION || rule == FORGE_RULE_MUON) &&
+         i == 0;
 }
 
 // kRule / kWeightFormat / kStateFormat: forge_rule / forge_weight_format /
