@@ -281,3 +281,47 @@ def test_a_cuda_graph_capture_is_refused_before_it_begins():
     opt = forge.optim.Muon(model, lr=0.02, mode="immediate")
     with pytest.raises(RuntimeError, match="Muon's steps are not captured.*'0.weight' and 3 more"):
         opt.begin_graph_capture()
+
+
+class _CountTokenProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products one of whose operands has `tokens` rows or columns (a
+    Linear's product, its input gradient, a recomputed one; never a Newton-Schulz product)."""
+
+    def __init__(self, tokens):
+        super().__init__()
+        self.tokens, self.count = tokens, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and any(
+                isinstance(a, torch.Tensor) and self.tokens in a.shape for a in args):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+def test_a_checkpointed_block_recomputes_no_more_products_than_with_adamw(mode):
+    """Under non-reentrant checkpointing the recomputation stops once the block's saved tensors
+    are back: a Muon weight's Linear saves its input before its product, as an AdamW weight's
+    does (the C++ Linear where it is built), so backward runs the same products with both."""
+    tokens = 11  # (no weight dimension: a count of products with the tokens in them)
+
+    def backward_products(make_opt):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(8, 24), nn.GELU(), nn.Linear(24, 8))
+        head = nn.Linear(8, 1)
+        opt = make_opt(nn.ModuleList([block, head]))
+        x = torch.randn(tokens, 8, requires_grad=True)
+        counts = []
+        for _ in range(2):
+            y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            loss = head(y).square().mean()
+            with _CountTokenProducts(tokens) as products:
+                loss.backward()
+            counts.append(products.count)
+            opt.step()
+            opt.zero_grad()
+        return counts
+
+    adamw = backward_products(lambda m: forge.optim.AdamW(m, lr=1e-3, mode=mode))
+    muon = backward_products(lambda m: forge.optim.Muon(m, lr=0.02, mode=mode))
+    assert muon == adamw

@@ -380,7 +380,7 @@ class Router:
         if slot.record is not None:  # (rebind_streams: the old node's hook passes through)
             slot.record.enabled = False
             slot.record = slot.record_call = slot.cpp_linear = None
-        cpp = _prehook.get() if not slot.dtensor and not slot.muon else None
+        cpp = _prehook.get() if not slot.dtensor else None
         if cpp is not None:
             # NOTE: the C++ Linear backward arms the update Python readied (updater.py,
             # ready_wgrad), the C++ pre-hook makes it; both call the Python ones for

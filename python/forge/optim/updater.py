@@ -124,7 +124,9 @@ class Updater:
                 if slot.signature is not None:  # (checks replaced state tensors)
                     slot.struct, slot.struct_step = param_struct(slot, st), step_id
                     slot.checked = (st, group)
-                    if ready_wgrad and slot.mode == "fused" and not slot.dtensor:
+                    # (a Muon weight: its call writes a direction made per call, in Python)
+                    if ready_wgrad and slot.mode == "fused" and not slot.dtensor \
+                            and not slot.muon:
                         slot.ready = self.ready_wgrad(slot, st, hparams, devices)
                         if slot.ready is not None and slot.record is not None \
                                 and not p._backward_hooks:  # (a hooked W: the Python path)
