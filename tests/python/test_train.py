@@ -1185,6 +1185,67 @@ def test_bench_parity_jobs_runs_at_once_with_the_same_losses(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "none")
 
 
+def test_bench_parity_continue_takes_the_earlier_calls_runs_and_runs_the_rest(tmp_path,
+                                                                               capsys):
+    """--parity-continue: a report made in two calls equals the one made in one: the first
+    call's finished runs come from its JSON (not run again: their seconds are the first call's),
+    a run it lost is run; a report of other settings, or no report, is refused by name before
+    anything runs."""
+    from forge.tools import bench
+    common = ["--parity", "--parity-model", "tiny", "--parity-steps", "3", "--parity-seq-len",
+              "16", "--parity-batch-size", "2", "--device", "cpu", "--parity-noise-runs", "0",
+              "--parity-amp-seeds", "2"]
+
+    def report_in(out):
+        with open(os.path.join(out, next(f for f in os.listdir(out)
+                                         if f.endswith(".json")))) as f:
+            return json.load(f)
+
+    whole = str(tmp_path / "whole")
+    assert bench.main(common + ["--parity-runs", "forge-int8", "forge-fp8", "--out", whole,
+                                "--parity-work-dir", str(tmp_path / "runs-whole")]) == 0
+    first = str(tmp_path / "first")
+    assert bench.main(common + ["--parity-runs", "forge-int8", "--out", first,
+                                "--parity-work-dir", str(tmp_path / "runs-first")]) == 0
+    # the first call lost one of its runs
+    earlier = report_in(first)
+    amp = bench.amp_run_names(2)
+    earlier["runs"][amp[1]] = {"error": "AcceleratorError: unspecified launch failure"}
+    earlier_path = str(tmp_path / "first.json")
+    with open(earlier_path, "w") as f:
+        json.dump(earlier, f)
+    second = str(tmp_path / "second")
+    assert bench.main(common + ["--parity-runs", "forge-int8", "forge-fp8", "--out", second,
+                                "--parity-work-dir", str(tmp_path / "runs-second"),
+                                "--parity-continue", earlier_path]) == 0
+    one, two = report_in(whole), report_in(second)
+    assert list(two["runs"]) == list(one["runs"])
+    for name, run in one["runs"].items():
+        assert two["runs"][name]["losses"] == run["losses"], name
+        assert two["runs"][name]["arguments"] == run["arguments"], name
+    assert two["amp_seed_spread"] == one["amp_seed_spread"]
+    taken = [bench.PARITY_REFERENCE, amp[0], "forge-int8"]
+    assert two["continued"] == {"from": "first.json", "runs": taken}
+    for name in taken:
+        assert two["runs"][name]["seconds"] == earlier["runs"][name]["seconds"]
+    capsys.readouterr()
+    # refused before anything runs: other settings, another card, no report
+    for bad, names in ((common[:4] + ["5"] + common[5:], "other settings"),
+                       (common, "no parity report")):
+        out = str(tmp_path / "refused")
+        path = earlier_path if names == "other settings" else str(tmp_path / "missing.json")
+        assert bench.main(bad + ["--out", out, "--parity-continue", path]) == 2
+        err = capsys.readouterr().err
+        assert "--parity-continue" in err and names in err
+        assert not os.path.exists(out)
+    other_card = dict(earlier, environment=dict(earlier["environment"], gpu="NVIDIA H200"))
+    with open(tmp_path / "h200.json", "w") as f:
+        json.dump(other_card, f)
+    assert bench.main(common + ["--out", str(tmp_path / "refused"), "--parity-continue",
+                                str(tmp_path / "h200.json")]) == 2
+    assert "ran on NVIDIA H200" in capsys.readouterr().err
+
+
 def test_bench_amp_seed_spread_holds_runs_to_the_seeds_envelope():
     """amp_seed_spread: the seeds' last-half mean losses 2.0, 2.2, 2.6 (center 2.2667,
     radius 0.3333); a run at 2.5 is within, one at 1.9 is not; one seed alone defines no

@@ -988,6 +988,8 @@ PARITY_AMP_REFERENCE = "torch-adamw-amp"
 NOISE_RUN = "torch-adamw-fused-perturbed"
 # --parity-optimizer muon: the same report for forge.optim.Muon against torch.optim.Muon +
 # AdamW (forge-train --optimizer muon, its torch baseline), its runs named for it.
+# --parity-continue REPORT: a report made over several calls (each shorter than a device
+# call's limit): the earlier call's finished runs are taken from its JSON, the rest run.
 PARITY_NAMES = {
     "adamw": dict(reference=PARITY_REFERENCE, amp=PARITY_AMP_REFERENCE, noise=NOISE_RUN,
                   forge=PARITY_RUNS, lr=6e-4),
@@ -1118,6 +1120,7 @@ def parity_report(args, info: dict) -> int:
               "--overwrite", "--log-every", str(max(1, args.parity_steps // 10))]
     if args.parity_data:
         common += ["--data", *args.parity_data]
+    carried = continued_runs(args.parity_continue, info, common, runs)  # (checked first)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, result_stem(info, "parity"))
     curves = {}
@@ -1134,6 +1137,9 @@ def parity_report(args, info: dict) -> int:
     amp_of_seed = {run: amp_runs[k] if k < len(amp_runs) else None
                    for runs_of in families.values() for k, run in enumerate(runs_of) if k}
     report["jobs"] = args.parity_jobs
+    if carried:
+        report["continued"] = {"from": os.path.basename(args.parity_continue),
+                               "runs": list(carried)}
 
     def record(name: str, outcome: dict) -> None:
         """One finished run into the report (in the plan's order, whatever order the runs
@@ -1170,8 +1176,11 @@ def parity_report(args, info: dict) -> int:
         if curves:
             _plot_parity(curves, stem + ".png", info, args, reference)
 
+    for name, outcome in carried.items():
+        record(name, outcome)
+    todo = [name for name in runs if name not in carried]
     if args.parity_jobs == 1:
-        for name in runs:
+        for name in todo:
             record(name, parity_run(argvs[name], noise_of[name]))
     else:
         # NOTE: the runs are independent (each seeds its own weights and batches), so several
@@ -1183,7 +1192,7 @@ def parity_report(args, info: dict) -> int:
                 max_workers=args.parity_jobs,
                 mp_context=multiprocessing.get_context("spawn")) as pool:
             pending = {pool.submit(parity_run, argvs[name], noise_of[name]): name
-                       for name in runs}
+                       for name in todo}
             for future in concurrent.futures.as_completed(pending):
                 try:
                     outcome = future.result()
@@ -1207,6 +1216,36 @@ def parity_report(args, info: dict) -> int:
             print(f"  {name}: FAILED: {run['error']}")
     print(f"  report: {stem}.json, {stem}.png", flush=True)
     return 0
+
+
+def continued_runs(path: Optional[str], info: dict, settings: List[str],
+                   runs: Dict[str, List[str]]) -> Dict[str, dict]:
+    """--parity-continue: the finished runs of an earlier report (its JSON at `path`) that this
+    plan holds with the same arguments, by name, to be taken as they are instead of run again.
+    The earlier report must have run the same settings on the same card; its failed runs, and
+    runs this plan does not hold, are run (or left) as the plan says."""
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        earlier_settings, earlier_runs = earlier["settings"], earlier["runs"]
+        earlier_card = earlier["environment"]["gpu"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BenchError(f"--parity-continue: {path} is no parity report "
+                         f"({type(e).__name__}: {e})") from None
+    if earlier_card != info["gpu"]:
+        raise BenchError(f"--parity-continue: {path} ran on {earlier_card}, this run is on "
+                         f"{info['gpu']}: a report compares runs of one card")
+    if earlier_settings != settings:
+        raise BenchError(f"--parity-continue: {path} ran other settings "
+                         f"({' '.join(map(str, earlier_settings))}; now {' '.join(settings)})")
+    carried = {}
+    for name, extra in runs.items():
+        run = earlier_runs.get(name)
+        if isinstance(run, dict) and "losses" in run and run.get("arguments") == extra:
+            carried[name] = {k: v for k, v in run.items() if k != "arguments"}
+    return carried
 
 
 def parity_run(argv: List[str], noise: int) -> dict:
@@ -1457,6 +1496,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the losses do not depend on it, the runs' seconds and tokens/s do")
     g.add_argument("--parity-work-dir", default=os.path.join("runs", "parity"),
                    help="where the training runs keep their metrics")
+    g.add_argument("--parity-continue", metavar="REPORT",
+                   help="an earlier parity report (its JSON) of the same settings and card: its "
+                        "finished runs that this plan holds with the same arguments are taken "
+                        "from it, the others run (a report made over several calls)")
     return p
 
 
