@@ -1228,7 +1228,8 @@ def test_bench_parity_continue_takes_the_earlier_calls_runs_and_runs_the_rest(tm
     assert two["continued"] == {"from": "first.json", "runs": taken}
     for name in taken:
         assert two["runs"][name]["seconds"] == earlier["runs"][name]["seconds"]
-    capsys.readouterr()
+    assert f"taken from {earlier_path} (not run again): {', '.join(taken)}" in \
+        capsys.readouterr().out
     # refused before anything runs: other settings, another card, no report
     for bad, names in ((common[:4] + ["5"] + common[5:], "other settings"),
                        (common, "no parity report")):

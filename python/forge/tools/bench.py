@@ -1201,6 +1201,8 @@ def parity_report(args, info: dict) -> int:
                 record(pending[future], outcome)
     print(f"parity ({args.parity_model}, bf16, {args.parity_steps} steps): the criterion, "
           f"{amp_reference} (fp32 weights and states, bf16 autocast) over its seeds:")
+    if carried:
+        print(f"  taken from {args.parity_continue} (not run again): {', '.join(carried)}")
     for line in amp_spread_lines(report.get("amp_seed_spread"), amp_reference):
         print(f"  {line}")
     print(f"  per step, against {reference} (bf16 weights and states, same batches):")
