@@ -236,7 +236,10 @@ def parity_rows(d: dict, base: dict) -> Iterable[dict]:
     if "radius" in spread:
         steps = min(len(losses) for losses in runs.values())
         case = f"{model} {steps} steps, {len(spread['seeds'])} amp seeds"
-        yield _row(base, case, "amp seeds", "last_half_mean_loss_radius", spread["radius"])
+        # (the reference's name in the variant: AdamW's and Muon's reports share the case)
+        reference = d.get("reference", "amp")
+        yield _row(base, case, f"{reference} seeds", "last_half_mean_loss_radius",
+                   spread["radius"])
         for name, e in spread["runs"].items():
             yield _row(base, case, name, "last_half_mean_loss_offset", e["offset"])
         for name, e in spread.get("families", {}).items():

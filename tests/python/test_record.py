@@ -383,3 +383,24 @@ def test_parity_over_seeds_compares_each_seed_with_its_own(tmp_path):
     assert abs(rows["forge-int4 vs torch-adamw-amp-seed1"] - 0.3) < 1e-12
     assert rows["forge-int4 over 2 seeds"] == 0.0
     assert rows["forge-int4-seed1"] == 0.1
+
+
+def test_the_seeds_radius_of_each_optimizers_parity_is_its_own_figure(tmp_path):
+    """forge-bench --parity and --parity-optimizer muon: each report's seeds' radius is named
+    for its reference, so one never takes the other's place in the table."""
+    record = load_record()
+    radii = {}
+    for reference, radius in (("torch-adamw-amp", 0.0246), ("torch-muon-amp", 0.0049)):
+        seeds = [reference, f"{reference}-seed1", f"{reference}-seed2"]
+        d = {"environment": {"date": "2026-12-07T22:33:00", "gpu": "NVIDIA H100 80GB HBM3",
+                             "command": "forge-bench --parity"},
+             "settings": ["--model", "100m", "--steps", "4"], "reference": reference,
+             "runs": {name: {"losses": [3.0, 2.0, 1.0, 1.0]} for name in seeds},
+             "comparisons": {},
+             "amp_seed_spread": {"seeds": {name: 1.0 for name in seeds}, "center": 1.0,
+                                 "radius": radius, "runs": {}, "families": {}}}
+        path = tmp_path / f"{reference}.json"
+        path.write_text(json.dumps(d))
+        radii.update({r["variant"]: r["value"] for r in record.rows_of(str(path), "abc")
+                      if r["metric"] == "last_half_mean_loss_radius"})
+    assert radii == {"torch-adamw-amp seeds": "0.0246", "torch-muon-amp seeds": "0.0049"}
