@@ -15,6 +15,9 @@
 // --profile launches a few kernels for Nsight Compute instead (see main()); --host-cost times
 // the host side of one call; --run-scalars runs every AdamW step with its scalars in device
 // memory (forge_hparams.run_scalars: the kernels a CUDA graph's step runs).
+// --soak SECONDS runs gate_proj's variants back to back instead, each for that long, with the
+// card's SM clock, power and energy per call (nvidia-smi samples): whether a variant is held by
+// the power cap.
 //
 // Timing: CUDA events around each call, the L2 flushed (a 256 MiB memset) before each,
 // median of --iters (default 30) after 5 warm-ups, the variants of one (layer, T) interleaved
@@ -494,6 +497,124 @@ PersistentSummary summarize_persistent(const std::vector<unsigned long long>& re
   t.grad = grad / span;
   return t;
 }
+
+// ---- --soak: each variant's SM clock, power and energy per call -------------------------------
+//
+// Under the card's power cap the SM clock follows the power drawn, so two kernels that each run
+// at full speed alone can take the sum of their times together even when their resources would
+// overlap. --soak SECONDS runs each variant of one layer back to back (no L2 flush) for that long
+// while nvidia-smi samples the SM clock, the power drawn and the clock-event reasons every 50 ms
+// ($OUT/soak-clocks.csv); per variant it reports ms per call, the mean SM clock and power over
+// the window (its first second left out: nvidia-smi's power is a 1 s average), the energy per
+// call (power × ms) and the share of samples with the software power cap active (reason bit 0x4).
+
+// The local time in nvidia-smi's timestamp format ("2026/12/08 01:23:45.678"): sample and
+// window times compare as strings.
+std::string smi_time_now() {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t secs = std::chrono::system_clock::to_time_t(now);
+  const int ms = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                      now.time_since_epoch()).count() % 1000);
+  char stamp[32], out[40];
+  std::strftime(stamp, sizeof(stamp), "%Y/%m/%d %H:%M:%S", std::localtime(&secs));
+  std::snprintf(out, sizeof(out), "%s.%03d", stamp, ms);
+  return out;
+}
+
+struct ClockSample {
+  std::string time;
+  double mhz = 0, watts = 0;
+  unsigned long long reasons = 0;
+};
+
+// nvidia-smi in the background writing `path`; stop() ends it and reads the samples back.
+class ClockSampler {
+ public:
+  explicit ClockSampler(std::string path) : path_(std::move(path)) {
+    if (std::system("command -v nvidia-smi >/dev/null 2>&1") != 0) return;
+    std::string fields = "timestamp,clocks.sm,power.draw";
+    for (const char* extra : {"clocks_event_reasons.active", "clocks_throttle_reasons.active"}) {
+      const std::string probe = "nvidia-smi --query-gpu=" + fields + "," + extra +
+                                " --format=csv >/dev/null 2>&1";
+      if (std::system(probe.c_str()) == 0) {
+        fields += std::string(",") + extra;
+        break;
+      }
+    }
+    const std::string cmd = "nvidia-smi --query-gpu=" + fields +
+                            " --format=csv,noheader,nounits -lms 50 -f '" + path_ +
+                            "' & echo $! > '" + path_ + ".pid'";
+    running_ = std::system(cmd.c_str()) == 0;
+  }
+  std::vector<ClockSample> stop() {
+    std::vector<ClockSample> samples;
+    if (!running_) return samples;
+    running_ = false;
+    const std::string kill = "kill $(cat '" + path_ + ".pid') 2>/dev/null; rm -f '" + path_ + ".pid'";
+    (void)std::system(kill.c_str());
+    FILE* f = std::fopen(path_.c_str(), "r");
+    if (f == nullptr) return samples;
+    char line[256];
+    while (std::fgets(line, sizeof(line), f)) {
+      // "2026/12/08 01:23:45.678, 1755, 612.34, 0x0000000000000004"
+      char time[40] = {}, reasons[40] = {};
+      double mhz = 0, watts = 0;
+      if (std::sscanf(line, "%39[^,], %lf, %lf, %39s", time, &mhz, &watts, reasons) < 3) continue;
+      ClockSample s;
+      s.time = time;
+      s.mhz = mhz;
+      s.watts = watts;
+      s.reasons = std::strtoull(reasons, nullptr, 16);
+      samples.push_back(s);
+    }
+    std::fclose(f);
+    return samples;
+  }
+  ~ClockSampler() { (void)stop(); }
+
+ private:
+  std::string path_;
+  bool running_ = false;
+};
+
+struct SoakWindow {
+  std::string name, from, to;  // from: one second after the variant started
+  double ms_per_call = 0;
+  int64_t calls = 0;
+};
+
+// Runs `fn` back to back for `seconds`; returns its window (timed with events, per call).
+SoakWindow soak_variant(const std::string& name, double seconds, const std::function<void()>& fn) {
+  for (int i = 0; i < kWarmup; ++i) fn();
+  CHECK_CUDA(cudaDeviceSynchronize());
+  SoakWindow w;
+  w.name = name;
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string begun = smi_time_now();
+  CHECK_CUDA(cudaEventRecord(start));
+  // NOTE: batches of calls between host checks, so the queue never runs dry.
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds) {
+    for (int i = 0; i < 8; ++i) fn();
+    w.calls += 8;
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    if (w.from.empty() &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() >= 1.0)
+      w.from = smi_time_now();
+  }
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  w.to = smi_time_now();
+  if (w.from.empty()) w.from = begun;
+  w.ms_per_call = ms / static_cast<double>(w.calls);
+  CHECK_CUDA(cudaGetLastError());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return w;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -520,6 +641,9 @@ int main(int argc, char** argv) {
   // buffer (forge_hparams.run_scalars, filled once: the hyper-parameters differ in step only),
   // as the steps of a captured CUDA graph do: the kRunScalars kernels.
   bool run_scalars = false;
+  // --soak SECONDS: each variant of gate_proj back to back for that long at each --tokens T,
+  // with the SM clock, power and energy per call (the --soak note above main).
+  double soak_seconds = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_dir = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::max(20, std::atoi(argv[++i]));
@@ -543,9 +667,16 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--host-cost")) host_cost = true;
     else if (!std::strcmp(argv[i], "--reverse-shapes")) reverse_shapes = true;
     else if (!std::strcmp(argv[i], "--run-scalars")) run_scalars = true;
+    else if (!std::strcmp(argv[i], "--soak") && i + 1 < argc) {
+      soak_seconds = std::atof(argv[++i]);
+      if (!(soak_seconds >= 2)) {
+        std::fprintf(stderr, "--soak: expected seconds >= 2 (the first second is left out)\n");
+        return 2;
+      }
+    }
     else {
       std::fprintf(stderr, "unknown argument %s (--out DIR, --iters N, --quick, --tokens LIST, --profile, --trace, "
-                   "--host-cost, --reverse-shapes, --run-scalars)\n", argv[i]);
+                   "--host-cost, --reverse-shapes, --run-scalars, --soak SECONDS)\n", argv[i]);
       return 2;
     }
   }
@@ -800,6 +931,112 @@ int main(int argc, char** argv) {
     }
     CHECK_CUDA(cudaDeviceSynchronize());
     std::printf("profile launches done\n");
+    return 0;
+  }
+  if (soak_seconds > 0) {
+    // gate_proj (14336 × 4096, the layer with most of the GEMM time) at each --tokens T.
+    const Shape& s = kShapes[2];
+    const int64_t n = s.out * s.in;
+    const int64_t t_max = *std::max_element(g_tokens.begin(), g_tokens.end());
+    DevMem x(size_t(t_max) * s.in * 2), dy(size_t(t_max) * s.out * 2), w(n * 2), m16(n * 2),
+        v16(n * 2), m8(n), v8(n), am8((n / 64 + s.out) * 4), av8((n / 64 + s.out) * 4),
+        dw(n * 4), grad16(n * 2);
+    fill_bf16<<<grid_for(t_max * s.in), 256>>>(x.as<uint16_t>(), t_max * s.in, 1, 1.0f);
+    fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
+    fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
+    fill_bf16<<<grid_for(n), 256>>>(m16.as<uint16_t>(), n, 4, 1e-3f);
+    fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 5, 1e-6f, true);
+    fill_bf16<<<grid_for(n), 256>>>(grad16.as<uint16_t>(), n, 6, 1e-2f);
+    const forge_param p16 =
+        adamw_param(s.out, s.in, FORGE_WEIGHT_BF16, w.p, FORGE_STATE_BF16, m16.p, v16.p);
+    forge_param psr = p16;
+    psr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
+    psr.state_format = FORGE_STATE_BF16_STOCHASTIC;
+    forge_param p8sr =
+        with_block_adamw_states(p16, FORGE_STATE_INT8_BLOCK64, m8, v8, am8, av8, 9, adamw);
+    p8sr.weight_format = FORGE_WEIGHT_BF16_STOCHASTIC;
+    forge_param psgd = p16;  // SGD without momentum: W read and written, nothing else
+    psgd.state_format = FORGE_STATE_FP32;
+    psgd.state[0] = psgd.state[1] = nullptr;
+    forge_hparams sgd_step{};
+    CHECK_FORGE(forge_hparams_default(FORGE_RULE_SGD, &sgd_step));
+    sgd_step.lr = 1e-6;
+    forge_hparams hp = adamw;
+    auto fused = [&](const forge_param& p, int64_t tokens) {
+      forge_wgrad_args a = fused_args(x.p, dy.p, tokens, s, p, hp);
+      hp.step = hp.step % 1000 + 1;
+      CHECK_FORGE(forge_wgrad_step(&a));
+    };
+    const AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(1.0f - 0.999f), -1e-3f / 0.1f,
+                          1.0f - 1e-3f * 1e-2f};
+    auto adamw_pass = [&] {
+      adamw_bf16<<<grid_for(n / 8), 256>>>(grad16.as<uint4>(), w.as<uint4>(), m16.as<uint4>(),
+                                           v16.as<uint4>(), n / 8, as);
+    };
+
+    ClockSampler sampler(out_dir + "/soak-clocks.csv");
+    std::vector<SoakWindow> windows;
+    for (int64_t t : g_tokens) {
+      const std::string at = " T=" + std::to_string(t);
+      windows.push_back(soak_variant("cuBLAS dW fp32 out" + at, soak_seconds, [&] {
+        run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, t, s);
+      }));
+      windows.push_back(soak_variant("unfused: cuBLAS bf16 out + AdamW pass" + at, soak_seconds, [&] {
+        run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, t, s);
+        adamw_pass();
+      }));
+      windows.push_back(soak_variant("fused SGD, bf16 W, no states (the main loop's floor)" + at,
+                                     soak_seconds, [&] {
+                                       forge_wgrad_args a = fused_args(x.p, dy.p, t, s, psgd, sgd_step);
+                                       CHECK_FORGE(forge_wgrad_step(&a));
+                                     }));
+      windows.push_back(soak_variant("fused bf16 W, bf16 states" + at, soak_seconds,
+                                     [&] { fused(p16, t); }));
+      windows.push_back(soak_variant("fused SR W, SR states (default)" + at, soak_seconds,
+                                     [&] { fused(psr, t); }));
+      windows.push_back(soak_variant("fused SR W, int8 states" + at, soak_seconds,
+                                     [&] { fused(p8sr, t); }));
+    }
+    windows.push_back(soak_variant("update alone: fused bf16 states T=32", soak_seconds,
+                                   [&] { fused(p16, 32); }));
+    windows.push_back(soak_variant("AdamW pass alone (bf16 grad, W, m, v)", soak_seconds, adamw_pass));
+    const std::vector<ClockSample> samples = sampler.stop();
+
+    std::string md = "# wgrad_bench --soak " + fmt("%.0f", soak_seconds) + ": " + prop.name +
+                     ", " + s.name + " " + std::to_string(s.out) + "×" + std::to_string(s.in) +
+                     "\n\n- command: `" + command + "`\n" +
+                     "- each variant back to back (no L2 flush) for the soak time; clock and "
+                     "power: means of nvidia-smi's 50 ms samples after the variant's first "
+                     "second; energy per call = mean power × ms per call; power cap: share of "
+                     "those samples with the SW power cap reason (0x4) active\n\n" +
+                     "| variant | calls | ms per call | SM MHz | W | mJ per call | power cap | "
+                     "samples |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n";
+    for (const SoakWindow& win : windows) {
+      double mhz = 0, watts = 0, capped = 0;
+      int count = 0;
+      for (const ClockSample& c : samples)
+        if (c.time >= win.from && c.time <= win.to) {
+          mhz += c.mhz;
+          watts += c.watts;
+          capped += (c.reasons & 0x4ull) != 0;
+          ++count;
+        }
+      if (count > 0) {
+        mhz /= count;
+        watts /= count;
+        capped /= count;
+      }
+      char line[512];
+      std::snprintf(line, sizeof(line), "| %s | %lld | %.4f | %s | %s | %s | %s | %d |\n",
+                    win.name.c_str(), static_cast<long long>(win.calls), win.ms_per_call,
+                    count ? fmt("%.0f", mhz).c_str() : "-", count ? fmt("%.0f", watts).c_str() : "-",
+                    count ? fmt("%.1f", watts * win.ms_per_call).c_str() : "-",
+                    count ? fmt("%.2f", capped).c_str() : "-", count);
+      md += line;
+    }
+    std::fputs(md.c_str(), stdout);
+    write_text(out_dir + "/soak.md", md);
+    cublasDestroy(handle);
     return 0;
   }
   std::vector<const Shape*> shape_order;
