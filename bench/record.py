@@ -5,7 +5,8 @@
 
 Every benchmark writes a JSON file; this turns it into rows of the results table (one
 measurement per row) and appends them. It knows the JSON of
-  bench/wgrad_bench          (bench.json: per-layer variants and the Llama-3.1-8B totals)
+  bench/wgrad_bench          (bench.json: per-layer variants and the Llama-3.1-8B totals;
+                             with --soak, soak.json: clock, power and energy per variant)
   bench/torch_unfused.py     (torch-unfused.json: the fused step against torch's unfused way)
   bench/host_overhead.py     (host-overhead.json: host time per Linear per step)
   forge-bench                (forge-bench-*.json: whole training steps, with --profile their
@@ -148,6 +149,22 @@ def wgrad_rows(d: dict, base: dict) -> Iterable[dict]:
         yield _row(base, "elementwise 128256x4096", variant + suffix, "ms", ms)
 
 
+# The figures of a soak row, in the order the power page shows them.
+SOAK_METRICS = ("ms", "sm_mhz", "watts", "mj_per_call", "power_cap_share")
+
+
+def soak_rows(d: dict, base: dict) -> Iterable[dict]:
+    """bench/wgrad_bench --soak's soak.json: per variant and T, run back to back, its ms per
+    call, the SM clock, the power, the energy per call and the share of samples under the
+    power cap (the last four absent where nvidia-smi gave no samples)."""
+    base = dict(base, benchmark="wgrad_soak")
+    for r in d["results"]:
+        case = f"{d['layer']} T={r['T']}"
+        for metric in SOAK_METRICS:
+            if metric in r:
+                yield _row(base, case, r["variant"], metric, r[metric])
+
+
 def torch_unfused_rows(d: dict, base: dict) -> Iterable[dict]:
     """bench/torch_unfused.py's torch-unfused.json."""
     base = dict(base, benchmark="torch_unfused")
@@ -262,6 +279,10 @@ def rows_of(path: str, commit: str) -> List[dict]:
         base = {"date": iso_date(env["date"]), "gpu": env.get("card", env.get("gpu", "cpu")),
                 "commit": commit, "command": env.get("command", "")}
         convert = parity_rows if "comparisons" in d else step_rows
+    elif d.get("benchmark") == "wgrad_soak":
+        base = {"date": iso_date(d["date"]), "gpu": d["gpu"], "commit": commit,
+                "command": d.get("command", "")}
+        convert = soak_rows
     elif "model_totals_ms" in d:
         base = {"date": iso_date(d["date"]), "gpu": d["gpu"], "commit": commit,
                 "command": d.get("command", "")}

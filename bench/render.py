@@ -16,6 +16,8 @@ Writes, replacing what was there:
                            --simulate-ranks), its peak against an H100's and an H200's
   parity.md                convergence parity (forge-bench --parity)
   host.md                  the host's cost per layer (bench/host_overhead.py)
+  power.md                 each variant run back to back: its SM clock, power and energy per
+                           call (bench/wgrad_bench --soak)
 Each page has one section per GPU (or host), the baselines' GPU (docs/performance.md) first: a figure from one card
 never stands in a table beside another card's. Every section says which dates, commits and
 commands its figures come from; wgrad.png plots the first section's totals.
@@ -280,6 +282,27 @@ def _rank_bytes(cases, variants, by) -> List[str]:
     return lines
 
 
+SOAK_TITLES = {"ms": "ms per call", "sm_mhz": "SM MHz", "watts": "W",
+               "mj_per_call": "mJ per call", "power_cap_share": "under the power cap"}
+
+
+def render_soak(cur) -> List[str]:
+    """wgrad_bench --soak's figures: a row per (case, variant), a column per metric."""
+    rows = [r for (b, _, _, _), r in cur.items() if b == "wgrad_soak"]
+    if not rows:
+        return []
+    by = {(r["case"], r["variant"], r["metric"]): r["value"] for r in rows}
+    keys = sorted({(r["case"], r["variant"]) for r in rows},
+                  key=lambda k: (int(k[0].rsplit("T=", 1)[1]), k[1]))
+    lines = ["| case | variant | " + " | ".join(SOAK_TITLES[m] for m in record.SOAK_METRICS) + " |",
+             "| --- | --- |" + " --- |" * len(record.SOAK_METRICS)]
+    for case, variant in keys:
+        cells = [fmt(by.get((case, variant, m), ""), {"ms": 4, "power_cap_share": 2}.get(m, 1))
+                 for m in record.SOAK_METRICS]
+        lines.append(f"| {case} | {variant} | " + " | ".join(cells) + " |")
+    return lines + ["", "Measured:"] + sources(rows)
+
+
 def render_simple(cur, bench: str, digits: int) -> List[str]:
     rows = [r for (b, _, _, _), r in cur.items() if b == bench]
     if not rows:
@@ -327,6 +350,13 @@ def main(argv=None) -> int:
             "`--layer conv1d`, or element-wise parameters, `--layer scale`), so that only the "
             "host's work per layer is timed (median µs per layer or parameter per step).",
             cur, lambda figures, _: render_simple(figures, "host_overhead", 1)),
+        "power.md": page(
+            "Clock, power and energy per call",
+            "bench/wgrad_bench --soak (scripts/gpu_check.sh soak): each variant of one layer "
+            "run back to back for some seconds, no L2 flush; the SM clock and power are the "
+            "means of nvidia-smi's 50 ms samples after the variant's first second, the energy "
+            "per call their power × ms. T = 32: the update alone; T = 0: the AdamW pass alone.",
+            cur, lambda figures, _: render_soak(figures)),
     }
     for name, lines in pages.items():
         if lines:

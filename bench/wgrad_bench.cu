@@ -578,17 +578,21 @@ class ClockSampler {
 };
 
 struct SoakWindow {
-  std::string name, from, to;  // from: one second after the variant started
+  std::string variant;  // a name for results.csv (snake_case)
+  int64_t tokens = 0;
+  std::string from, to;  // nvidia-smi times; from: one second after the variant started
   double ms_per_call = 0;
   int64_t calls = 0;
 };
 
 // Runs `fn` back to back for `seconds`; returns its window (timed with events, per call).
-SoakWindow soak_variant(const std::string& name, double seconds, const std::function<void()>& fn) {
+SoakWindow soak_variant(const std::string& variant, int64_t tokens, double seconds,
+                        const std::function<void()>& fn) {
   for (int i = 0; i < kWarmup; ++i) fn();
   CHECK_CUDA(cudaDeviceSynchronize());
   SoakWindow w;
-  w.name = name;
+  w.variant = variant;
+  w.tokens = tokens;
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
@@ -977,41 +981,54 @@ int main(int argc, char** argv) {
     ClockSampler sampler(out_dir + "/soak-clocks.csv");
     std::vector<SoakWindow> windows;
     for (int64_t t : g_tokens) {
-      const std::string at = " T=" + std::to_string(t);
-      windows.push_back(soak_variant("cuBLAS dW fp32 out" + at, soak_seconds, [&] {
+      windows.push_back(soak_variant("cublas_dw_fp32_out", t, soak_seconds, [&] {
         run_cublas(handle, x.p, dy.p, dw.p, CUDA_R_32F, t, s);
       }));
-      windows.push_back(soak_variant("unfused: cuBLAS bf16 out + AdamW pass" + at, soak_seconds, [&] {
+      windows.push_back(soak_variant("unfused_cublas_plus_adamw_bf16", t, soak_seconds, [&] {
         run_cublas(handle, x.p, dy.p, grad16.p, CUDA_R_16BF, t, s);
         adamw_pass();
       }));
-      windows.push_back(soak_variant("fused SGD, bf16 W, no states (the main loop's floor)" + at,
-                                     soak_seconds, [&] {
-                                       forge_wgrad_args a = fused_args(x.p, dy.p, t, s, psgd, sgd_step);
-                                       CHECK_FORGE(forge_wgrad_step(&a));
-                                     }));
-      windows.push_back(soak_variant("fused bf16 W, bf16 states" + at, soak_seconds,
+      windows.push_back(soak_variant("fused_sgd_bf16_no_states", t, soak_seconds, [&] {
+        forge_wgrad_args a = fused_args(x.p, dy.p, t, s, psgd, sgd_step);
+        CHECK_FORGE(forge_wgrad_step(&a));
+      }));
+      windows.push_back(soak_variant(kVariantNames[kFusedBf16], t, soak_seconds,
                                      [&] { fused(p16, t); }));
-      windows.push_back(soak_variant("fused SR W, SR states (default)" + at, soak_seconds,
+      windows.push_back(soak_variant(kVariantNames[kFusedSr], t, soak_seconds,
                                      [&] { fused(psr, t); }));
-      windows.push_back(soak_variant("fused SR W, int8 states" + at, soak_seconds,
+      windows.push_back(soak_variant(kVariantNames[kFusedInt8Sr], t, soak_seconds,
                                      [&] { fused(p8sr, t); }));
     }
-    windows.push_back(soak_variant("update alone: fused bf16 states T=32", soak_seconds,
+    // The update alone (the fused step at T = 32) and the unfused AdamW pass alone.
+    windows.push_back(soak_variant(kVariantNames[kFusedBf16], 32, soak_seconds,
                                    [&] { fused(p16, 32); }));
-    windows.push_back(soak_variant("AdamW pass alone (bf16 grad, W, m, v)", soak_seconds, adamw_pass));
+    windows.push_back(soak_variant("adamw_bf16_pass", 0, soak_seconds, adamw_pass));
     const std::vector<ClockSample> samples = sampler.stop();
 
+    // The FORGE_DEBUG_* switches set, in front of the command (results.csv keeps such runs
+    // apart: they are experiments, never the current figure).
+    std::string recorded = command;
+    for (const char* knob : {"FORGE_DEBUG_PERSISTENT", "FORGE_DEBUG_WGMMA"})
+      if (const char* v = std::getenv(knob)) recorded = std::string(knob) + "=" + v + " " + recorded;
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
     std::string md = "# wgrad_bench --soak " + fmt("%.0f", soak_seconds) + ": " + prop.name +
                      ", " + s.name + " " + std::to_string(s.out) + "×" + std::to_string(s.in) +
-                     "\n\n- command: `" + command + "`\n" +
+                     "\n\n- command: `" + recorded + "`\n" +
                      "- each variant back to back (no L2 flush) for the soak time; clock and "
                      "power: means of nvidia-smi's 50 ms samples after the variant's first "
                      "second; energy per call = mean power × ms per call; power cap: share of "
-                     "those samples with the SW power cap reason (0x4) active\n\n" +
-                     "| variant | calls | ms per call | SM MHz | W | mJ per call | power cap | "
-                     "samples |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n";
-    for (const SoakWindow& win : windows) {
+                     "those samples with the SW power cap reason (0x4) active; T = 32: the "
+                     "update alone; T = 0: the AdamW pass alone (no GEMM)\n\n" +
+                     "| variant | T | calls | ms per call | SM MHz | W | mJ per call | power cap | "
+                     "samples |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+    std::string json = "{\n  \"benchmark\": \"wgrad_soak\",\n  \"date\": \"" + std::string(date) +
+                       "\",\n  \"gpu\": \"" + prop.name + "\",\n  \"command\": \"" + recorded +
+                       "\",\n  \"layer\": \"" + s.name + "\",\n  \"seconds\": " +
+                       fmt("%.1f", soak_seconds) + ",\n  \"results\": [";
+    for (size_t k = 0; k < windows.size(); ++k) {
+      const SoakWindow& win = windows[k];
       double mhz = 0, watts = 0, capped = 0;
       int count = 0;
       for (const ClockSample& c : samples)
@@ -1026,14 +1043,23 @@ int main(int argc, char** argv) {
         watts /= count;
         capped /= count;
       }
-      char line[512];
-      std::snprintf(line, sizeof(line), "| %s | %lld | %.4f | %s | %s | %s | %s | %d |\n",
-                    win.name.c_str(), static_cast<long long>(win.calls), win.ms_per_call,
-                    count ? fmt("%.0f", mhz).c_str() : "-", count ? fmt("%.0f", watts).c_str() : "-",
-                    count ? fmt("%.1f", watts * win.ms_per_call).c_str() : "-",
-                    count ? fmt("%.2f", capped).c_str() : "-", count);
-      md += line;
+      const std::string dash = "-";
+      md += "| " + win.variant + " | " + std::to_string(win.tokens) + " | " +
+            std::to_string(win.calls) + " | " + fmt("%.4f", win.ms_per_call) + " | " +
+            (count ? fmt("%.0f", mhz) : dash) + " | " + (count ? fmt("%.0f", watts) : dash) +
+            " | " + (count ? fmt("%.1f", watts * win.ms_per_call) : dash) + " | " +
+            (count ? fmt("%.2f", capped) : dash) + " | " + std::to_string(count) + " |\n";
+      json += std::string(k ? "," : "") + "\n    {\"variant\": \"" + win.variant +
+              "\", \"T\": " + std::to_string(win.tokens) + ", \"calls\": " +
+              std::to_string(win.calls) + ", \"ms\": " + fmt("%.5f", win.ms_per_call);
+      if (count > 0)
+        json += ", \"sm_mhz\": " + fmt("%.1f", mhz) + ", \"watts\": " + fmt("%.1f", watts) +
+                ", \"mj_per_call\": " + fmt("%.3f", watts * win.ms_per_call) +
+                ", \"power_cap_share\": " + fmt("%.3f", capped);
+      json += "}";
     }
+    json += "\n  ]\n}\n";
+    write_text(out_dir + "/soak.json", json);
     std::fputs(md.c_str(), stdout);
     write_text(out_dir + "/soak.md", md);
     cublasDestroy(handle);

@@ -13,6 +13,8 @@
 # `bash scripts/gpu_check.sh trace` times a few layers with a per-CTA phase trace (see below).
 # `bash scripts/gpu_check.sh ab` repeats the whole benchmark per setting, alternating, and
 # prints the medians (see below).
+# `bash scripts/gpu_check.sh soak` runs gate_proj's variants back to back with the card's SM
+# clock, power and energy per call, then Nsight Compute on the fused kernel and cuBLAS's (below).
 # `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
 # Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 32 and 512, bf16 SR and
 # int8 states, bf16 nearest, fp8 states, int4 states), the element-wise step and the unfused AdamW
@@ -118,6 +120,48 @@ build_bench() {
     -DFORGE_BUILD_TESTS=OFF -DFORGE_BUILD_BENCH=ON -DCMAKE_CUDA_FLAGS="$2" >"$1.log" 2>&1 &&
     cmake --build "$1" --target wgrad_bench -j "$JOBS" >>"$1.log" 2>&1
 }
+
+if [ "${1:-}" = soak ]; then
+  # `bash scripts/gpu_check.sh soak`: is the fused step held by the card's power cap? Runs
+  # `wgrad_bench --soak` (each variant of gate_proj back to back for FORGE_SOAK_SECONDS, default
+  # 5, at each T of FORGE_SOAK_TOKENS, default 512,4096: ms per call, SM clock, power, energy
+  # per call) with the library's kernel choice and again with the two-CTA kernel only
+  # (FORGE_DEBUG_PERSISTENT=0), then Nsight Compute (clocks left alone) on one launch each of
+  # the persistent fused kernel and cuBLAS's dW kernel at the largest T: throughputs of the
+  # tensor pipe, shared memory, L2 and DRAM, side by side. Results: $OUT/soak/soak.md,
+  # $OUT/soak-2cta/soak.md, $OUT/ncu-soak.txt. Takes FORGE_GPU_PREBUILT.
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  bench_bin=$BUILD/bench/wgrad_bench
+  if [ -z "$PREBUILT" ]; then
+    log "soak: build the benchmark"
+    build_bench "$BUILD-bench" "" || { tail -30 "$BUILD-bench.log"; exit 1; }
+    bench_bin=$BUILD-bench/bench/wgrad_bench
+  fi
+  secs=${FORGE_SOAK_SECONDS:-5}
+  tokens=${FORGE_SOAK_TOKENS:-512,4096}
+  t_max=$(echo "$tokens" | tr ',' '\n' | sort -n | tail -1)
+  for run in "soak|" "soak-2cta|FORGE_DEBUG_PERSISTENT=0"; do
+    IFS='|' read -r label setting <<<"$run"
+    log "soak: $label"
+    env $setting timeout "$(limit 300 120)" "$bench_bin" --soak "$secs" --tokens "$tokens" \
+      --out "$OUT/$label" >"$OUT/$label.txt" 2>&1 || log "soak: $label failed: $(tail -2 "$OUT/$label.txt")"
+    cat "$OUT/$label/soak.md" 2>/dev/null
+  done
+  if [ -n "$NCU" ]; then
+    : >"$OUT/ncu-soak.txt"
+    for kernel in "regex:wgrad_wgmma_persistent" "regex:nvjet|gemm|xmma"; do
+      log "soak: ncu on $kernel, T = $t_max"
+      # (--launch-skip 3: past the warm-up calls' first launches)
+      timeout "$(limit 120 0)" "$NCU" --clock-control none -k "$kernel" --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section Occupancy --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,lts__t_sectors_srcunit_tex.sum \
+        "$bench_bin" --soak 2 --tokens "$t_max" --out "$OUT/ncu-soak-run" >>"$OUT/ncu-soak.txt" 2>&1
+    done
+    grep -E "wgrad|nvjet|gemm|xmma|Duration|SM Frequency|Throughput|Pipe|hmma|Busy|Bandwidth|Hit Rate|bank_conflicts|Executed Ipc|Achieved Occ" \
+      "$OUT/ncu-soak.txt" | head -70
+  fi
+  exit 0
+fi
 
 if [ "${1:-}" = ab ]; then
   # `bash scripts/gpu_check.sh ab`: A/B of benchmark settings, in one call. Builds only the

@@ -101,6 +101,52 @@ def test_each_gpu_keeps_its_own_current_figures(tmp_path):
     assert page.index("commit abc1234") < h100 < page.index("commit def5678")
 
 
+def soak_json(tmp_path, command: str) -> str:
+    d = {"benchmark": "wgrad_soak", "date": "2026-12-08 02:00 UTC", "gpu": "NVIDIA H100 80GB HBM3",
+         "command": command, "layer": "gate_proj/up_proj", "seconds": 5.0,
+         "results": [{"variant": "cublas_dw_fp32_out", "T": 4096, "calls": 4000, "ms": 0.7312,
+                      "sm_mhz": 1602.5, "watts": 689.0, "mj_per_call": 503.8,
+                      "power_cap_share": 0.9},
+                     {"variant": "fused_adamw_bf16_states", "T": 32, "calls": 9000,
+                      "ms": 0.2401}]}
+    path = tmp_path / "soak.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_a_soak_records_clock_power_and_energy_per_variant(tmp_path):
+    """wgrad_bench --soak: each (variant, T) becomes rows of ms, SM clock, power, energy and the
+    power cap's share (only ms where nvidia-smi gave no samples), rendered on power.md; a run
+    with a FORGE_DEBUG_* switch (the two-CTA kernel forced) is recorded but never current."""
+    record = load_record()
+    render = bench_scripts.load("render")
+    rows = record.rows_of(soak_json(tmp_path, "wgrad_bench --soak 5 --tokens 4096"), "abc1234")
+    got = {(r["case"], r["variant"], r["metric"]): r["value"] for r in rows}
+    assert got == {
+        ("gate_proj/up_proj T=4096", "cublas_dw_fp32_out", "ms"): "0.7312",
+        ("gate_proj/up_proj T=4096", "cublas_dw_fp32_out", "sm_mhz"): "1602.5",
+        ("gate_proj/up_proj T=4096", "cublas_dw_fp32_out", "watts"): "689",
+        ("gate_proj/up_proj T=4096", "cublas_dw_fp32_out", "mj_per_call"): "503.8",
+        ("gate_proj/up_proj T=4096", "cublas_dw_fp32_out", "power_cap_share"): "0.9",
+        ("gate_proj/up_proj T=32", "fused_adamw_bf16_states", "ms"): "0.2401"}
+    assert all(r["benchmark"] == "wgrad_soak" for r in rows)
+    table = tmp_path / "results.csv"
+    assert record.main([soak_json(tmp_path, "wgrad_bench --soak 5 --tokens 4096"),
+                        "--commit", "abc1234", "--table", str(table)]) == 0
+    forced = json.loads((tmp_path / "soak.json").read_text())
+    forced["command"] = "FORGE_DEBUG_PERSISTENT=0 wgrad_bench --soak 5 --tokens 4096"
+    forced["results"][0]["ms"] = 0.9
+    (tmp_path / "soak.json").write_text(json.dumps(forced))
+    assert record.main([str(tmp_path / "soak.json"), "--commit", "abc1234",
+                        "--table", str(table)]) == 0
+    out = tmp_path / "rendered"
+    assert render.main(["--table", str(table), "--out", str(out)]) == 0
+    page = (out / "power.md").read_text()
+    assert "| gate_proj/up_proj T=32 | fused_adamw_bf16_states | 0.2401 |  |  |  |  |" in page
+    assert "| gate_proj/up_proj T=4096 | cublas_dw_fp32_out | 0.7312 | 1602.5 | 689.0 | 503.8 | 0.90 |" in page
+    assert "0.9000" not in page
+
+
 def test_a_profiled_step_records_its_kernel_categories(tmp_path):
     """forge-bench --profile: each case's GPU ms per step by kernel category become rows of
     their own metric beside the step's peak and time."""
