@@ -125,7 +125,8 @@ constexpr bool prefetch_pays(int dram_gbps) { return !h100_class_dram(dram_gbps)
 // Whether the persistent kernel is the faster one for a step of `tokens` tokens on a layer of
 // `tiles` tiles in these formats, on a card of `dram_gbps` GB/s of DRAM bandwidth (0:
 // unknown). `spec_kernel`: it has a specialized kernel for the step's rule and formats
-// (AdamW, bf16 or bf16-SR weight, bf16, bf16-SR, int8 or fp8 states; bf16 inputs).
+// (AdamW, bf16 or bf16-SR weight, bf16, bf16-SR, int8 or fp8 states, or bf16-SR weight and
+// int4 states; bf16 inputs). int4 has no window until it is measured.
 // NOTE: the windows are where the persistent kernel measured faster than the two-CTA kernel,
 // per card. The two cards measured have the same SMs and clocks and differ in DRAM bandwidth,
 // which moves the balance between a tile's update and its GEMM, and the windows with it; a

@@ -115,7 +115,9 @@ const Sm90Kernel kSm90SpecRunKernels[] = {FORGE_SPEC_LIST(FORGE_SM90_RUN_KERNEL)
     "adamw, bf16 sr, int8")                                                                      \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16, FORGE_STATE_FP8_BLOCK64, "adamw, bf16, fp8")             \
   X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_FP8_BLOCK64,                      \
-    "adamw, bf16 sr, fp8")
+    "adamw, bf16 sr, fp8")                                                                       \
+  X(FORGE_RULE_ADAMW, FORGE_WEIGHT_BF16_STOCHASTIC, FORGE_STATE_INT4_BLOCK64,                     \
+    "adamw, bf16 sr, int4")
 
 // The persistent, warp-specialized Hopper kernels (sm90_wgrad.cuh; chosen by persistent_pays,
 // or forced with FORGE_DEBUG_PERSISTENT): the generic ones (below) and the hot configurations,
