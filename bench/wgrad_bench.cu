@@ -282,6 +282,19 @@ struct Result {
   double dw_rel_error;
 };
 
+// A layer's inputs for `tokens` tokens: X [T, in] in ±1, dY [T, out] in ±1e-2 (seeds 1, 2).
+void fill_inputs(const DevMem& x, const DevMem& dy, int64_t tokens, const Shape& s) {
+  fill_bf16<<<grid_for(tokens * s.in), 256>>>(x.as<uint16_t>(), tokens * s.in, 1, 1.0f);
+  fill_bf16<<<grid_for(tokens * s.out), 256>>>(dy.as<uint16_t>(), tokens * s.out, 2, 1e-2f);
+}
+
+// AdamW's n bf16 weights and states: W in ±0.02, m in ±1e-3, v in (0, 1e-6] (seeds 3, 4, 5).
+void fill_adamw_bf16(const DevMem& w, const DevMem& m, const DevMem& v, int64_t n) {
+  fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
+  fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
+  fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
+}
+
 forge_device cuda_device() {
   forge_device d{};
   d.kind = FORGE_DEVICE_CUDA;
@@ -750,11 +763,8 @@ int main(int argc, char** argv) {
       const int64_t n = s.out * s.in, t = 512;
       DevMem x(size_t(t) * s.in * 2), dy(size_t(t) * s.out * 2), w(n * 2), m(n * 2), v(n * 2),
           g(n * 2);
-      fill_bf16<<<grid_for(t * s.in), 256>>>(x.as<uint16_t>(), t * s.in, 1, 1.0f);
-      fill_bf16<<<grid_for(t * s.out), 256>>>(dy.as<uint16_t>(), t * s.out, 2, 1e-2f);
-      fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
-      fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
-      fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
+      fill_inputs(x, dy, t, s);
+      fill_adamw_bf16(w, m, v, n);
       const forge_param psr = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
                                           FORGE_STATE_BF16_STOCHASTIC, m.p, v.p);
       forge_hparams hp = adamw;
@@ -799,11 +809,8 @@ int main(int argc, char** argv) {
       const Shape& s = c.shape;
       const int64_t n = s.out * s.in, t = c.tokens;
       DevMem x(size_t(t) * s.in * 2), dy(size_t(t) * s.out * 2), w(n * 2), m(n * 2), v(n * 2);
-      fill_bf16<<<grid_for(t * s.in), 256>>>(x.as<uint16_t>(), t * s.in, 1, 1.0f);
-      fill_bf16<<<grid_for(t * s.out), 256>>>(dy.as<uint16_t>(), t * s.out, 2, 1e-2f);
-      fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
-      fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
-      fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
+      fill_inputs(x, dy, t, s);
+      fill_adamw_bf16(w, m, v, n);
       const forge_param p16 =
           adamw_param(s.out, s.in, FORGE_WEIGHT_BF16, w.p, FORGE_STATE_BF16, m.p, v.p);
       const forge_param psr = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
@@ -879,11 +886,8 @@ int main(int argc, char** argv) {
     const int64_t n = s.out * s.in, t_max = 4096;
     DevMem x(size_t(t_max) * s.in * 2), dy(size_t(t_max) * s.out * 2), w(n * 2), m(n * 2), v(n * 2), g(n * 2),
         m8(n), v8(n), am8(n / 64 * 4), av8(n / 64 * 4);
-    fill_bf16<<<grid_for(t_max * s.in), 256>>>(x.as<uint16_t>(), t_max * s.in, 1, 1.0f);
-    fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
-    fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
-    fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
-    fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
+    fill_inputs(x, dy, t_max, s);
+    fill_adamw_bf16(w, m, v, n);
     fill_bf16<<<grid_for(n), 256>>>(g.as<uint16_t>(), n, 6, 1e-2f);
     // forge.optim.AdamW's two defaults: bf16 SR weight with bf16 SR states, and with int8.
     const forge_param p = adamw_param(s.out, s.in, FORGE_WEIGHT_BF16_STOCHASTIC, w.p,
@@ -945,11 +949,8 @@ int main(int argc, char** argv) {
     DevMem x(size_t(t_max) * s.in * 2), dy(size_t(t_max) * s.out * 2), w(n * 2), m16(n * 2),
         v16(n * 2), m8(n), v8(n), am8((n / 64 + s.out) * 4), av8((n / 64 + s.out) * 4),
         dw(n * 4), grad16(n * 2);
-    fill_bf16<<<grid_for(t_max * s.in), 256>>>(x.as<uint16_t>(), t_max * s.in, 1, 1.0f);
-    fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
-    fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
-    fill_bf16<<<grid_for(n), 256>>>(m16.as<uint16_t>(), n, 4, 1e-3f);
-    fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 5, 1e-6f, true);
+    fill_inputs(x, dy, t_max, s);
+    fill_adamw_bf16(w, m16, v16, n);
     fill_bf16<<<grid_for(n), 256>>>(grad16.as<uint16_t>(), n, 6, 1e-2f);
     const forge_param p16 =
         adamw_param(s.out, s.in, FORGE_WEIGHT_BF16, w.p, FORGE_STATE_BF16, m16.p, v16.p);
@@ -1085,17 +1086,14 @@ int main(int argc, char** argv) {
     const int64_t n = s.out * s.in;
     const int64_t t_max = quick ? 512 : *std::max_element(g_tokens.begin(), g_tokens.end());
     DevMem x(size_t(t_max) * s.in * 2), dy(size_t(t_max) * s.out * 2);
-    fill_bf16<<<grid_for(t_max * s.in), 256>>>(x.as<uint16_t>(), t_max * s.in, 1, 1.0f);
-    fill_bf16<<<grid_for(t_max * s.out), 256>>>(dy.as<uint16_t>(), t_max * s.out, 2, 1e-2f);
+    fill_inputs(x, dy, t_max, s);
     // Parameters in each format (bf16 W shared by the bf16-state and int8 variants).
     DevMem w(n * 2), m16(n * 2), v16(n * 2), m8(n), v8(n), am8((n / 64 + s.out) * 4), av8((n / 64 + s.out) * 4),
         mf8(n), vf8(n), amf8((n / 64 + s.out) * 4), avf8((n / 64 + s.out) * 4),
         mi4(n / 2), vi4(n / 2), ami4((n / 64 + s.out) * 4), avi4((n / 64 + s.out) * 4),
         w2(n * 2), master(n * 4), m32(n * 4), v32(n * 4), dw(n * 4), grad16(n * 2), zero(n * 4);
-    fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
-    fill_bf16<<<grid_for(n), 256>>>(w2.as<uint16_t>(), n, 3, 0.02f);
-    fill_bf16<<<grid_for(n), 256>>>(m16.as<uint16_t>(), n, 4, 1e-3f);
-    fill_bf16<<<grid_for(n), 256>>>(v16.as<uint16_t>(), n, 5, 1e-6f, true);
+    fill_adamw_bf16(w, m16, v16, n);
+    fill_bf16<<<grid_for(n), 256>>>(w2.as<uint16_t>(), n, 3, 0.02f);  // (the master variant's W)
     fill_f32<<<grid_for(n), 256>>>(master.as<float>(), n, 6, 0.02f, false);
     fill_f32<<<grid_for(n), 256>>>(m32.as<float>(), n, 7, 1e-3f, false);
     fill_f32<<<grid_for(n), 256>>>(v32.as<float>(), n, 8, 1e-6f, true);

@@ -18,7 +18,7 @@
 # `bash scripts/gpu_check.sh profile` instead builds only the benchmark and runs Nsight
 # Compute (ncu, clocks left alone) on the fused step (4096 × 4096, T = 32 and 512, bf16 SR and
 # int8 states, bf16 nearest, fp8 states, int4 states), the element-wise step and the unfused AdamW
-# pass, writing $OUT/ncu.txt.
+# pass (with the shared-memory loads' wavefronts and bank conflicts), writing $OUT/ncu.txt.
 # Every step has a time limit so the whole thing ends within FORGE_GPU_CHECK_BUDGET seconds
 # (default 580, one 600 s device call). FORGE_GPU_CHECK_QUICK=1 runs only the build, ctest -L gpu and the default-path
 # benchmark (for a call that also runs gpu_python.sh); FORGE_GPU_CHECK_TESTS=0 skips the tests
@@ -106,10 +106,10 @@ if [ "${1:-}" = profile ]; then
     --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section ComputeWorkloadAnalysis --section InstructionStats \
     --section SourceCounters \
-    --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+    --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
     "$BUILD/bench/wgrad_bench" --profile >"$OUT/ncu.txt" 2>&1
   echo "ncu rc=$? after $(elapsed) s"
-  grep -E "wgrad|adamw|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy|Stall|inst_executed|hmma|Executed Ipc" "$OUT/ncu.txt" | head -80
+  grep -E "wgrad|adamw|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy|Stall|inst_executed|hmma|mem_shared|Executed Ipc" "$OUT/ncu.txt" | head -100
   exit 0
 fi
 
@@ -154,10 +154,10 @@ if [ "${1:-}" = soak ]; then
       # (--launch-skip 3: past the warm-up calls' first launches)
       timeout "$(limit 120 0)" "$NCU" --clock-control none -k "$kernel" --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-        --section Occupancy --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,lts__t_sectors_srcunit_tex.sum \
+        --section Occupancy --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,lts__t_sectors_srcunit_tex.sum \
         "$bench_bin" --soak 2 --tokens "$t_max" --out "$OUT/ncu-soak-run" >>"$OUT/ncu-soak.txt" 2>&1
     done
-    grep -E "wgrad|nvjet|gemm|xmma|Duration|SM Frequency|Throughput|Pipe|hmma|Busy|Bandwidth|Hit Rate|bank_conflicts|Executed Ipc|Achieved Occ" \
+    grep -E "wgrad|nvjet|gemm|xmma|Duration|SM Frequency|Throughput|Pipe|hmma|Busy|Bandwidth|Hit Rate|mem_shared|Executed Ipc|Achieved Occ" \
       "$OUT/ncu-soak.txt" | head -70
   fi
   exit 0
