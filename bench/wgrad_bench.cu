@@ -37,6 +37,7 @@
 #include <ctime>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
@@ -124,6 +125,12 @@ __global__ void fill_f32(float* p, int64_t n, uint64_t seed, float scale, bool p
 struct AdamWScalars {
   float one_minus_beta1, beta2, one_minus_beta2, eps, bc2_sqrt, neg_step_size, decay;
 };
+// The unfused pass's hyper-parameters where it is timed: β = (0.9, 0.999), eps 1e-8, lr 1e-3,
+// weight decay 1e-2, bias corrections of step 1.
+AdamWScalars timed_adamw_scalars() {
+  return {0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(1.0f - 0.999f), -1e-3f / 0.1f,
+          1.0f - 1e-3f * 1e-2f};
+}
 
 // The unfused optimizer pass: bf16 grad, W, m, v; 8 elements (16 B of each) per thread.
 __global__ void __launch_bounds__(256) adamw_bf16(const uint4* __restrict__ grad, uint4* __restrict__ w,
@@ -293,6 +300,18 @@ void fill_adamw_bf16(const DevMem& w, const DevMem& m, const DevMem& v, int64_t 
   fill_bf16<<<grid_for(n), 256>>>(w.as<uint16_t>(), n, 3, 0.02f);
   fill_bf16<<<grid_for(n), 256>>>(m.as<uint16_t>(), n, 4, 1e-3f);
   fill_bf16<<<grid_for(n), 256>>>(v.as<uint16_t>(), n, 5, 1e-6f, true);
+}
+
+// The non-finite values of the bf16 buffers `bufs` (n elements each).
+unsigned long long nonfinite_bf16(std::initializer_list<const void*> bufs, int64_t n) {
+  DevMem count(8);
+  CHECK_CUDA(cudaMemset(count.p, 0, 8));
+  for (const void* buf : bufs)
+    count_nonfinite_bf16<<<grid_for(n), 256>>>(static_cast<const uint16_t*>(buf), n,
+                                               count.as<unsigned long long>());
+  unsigned long long h = 0;
+  CHECK_CUDA(cudaMemcpy(&h, count.p, 8, cudaMemcpyDeviceToHost));
+  return h;
 }
 
 forge_device cuda_device() {
@@ -972,8 +991,7 @@ int main(int argc, char** argv) {
       hp.step = hp.step % 1000 + 1;
       CHECK_FORGE(forge_wgrad_step(&a));
     };
-    const AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(1.0f - 0.999f), -1e-3f / 0.1f,
-                          1.0f - 1e-3f * 1e-2f};
+    const AdamWScalars as = timed_adamw_scalars();
     auto adamw_pass = [&] {
       adamw_bf16<<<grid_for(n / 8), 256>>>(grad16.as<uint4>(), w.as<uint4>(), m16.as<uint4>(),
                                            v16.as<uint4>(), n / 8, as);
@@ -1005,6 +1023,12 @@ int main(int argc, char** argv) {
                                    [&] { fused(p16, 32); }));
     windows.push_back(soak_variant("adamw_bf16_pass", 0, soak_seconds, adamw_pass));
     const std::vector<ClockSample> samples = sampler.stop();
+    // As in the timed rows: a NaN weight or state would have timed the exact fallback path.
+    if (const unsigned long long h = nonfinite_bf16({w.p, m16.p, v16.p}, n)) {
+      std::fprintf(stderr, "--soak: %llu non-finite weight/state values after the soak: results "
+                   "invalid\n", h);
+      return 1;
+    }
 
     // The FORGE_DEBUG_* switches set, in front of the command (results.csv keeps such runs
     // apart: they are experiments, never the current figure).
@@ -1133,14 +1157,7 @@ int main(int argc, char** argv) {
     pz.weight = zero.p;
     pz.state_format = FORGE_STATE_FP32;
 
-    AdamWScalars as{};
-    as.one_minus_beta1 = 0.1f;
-    as.beta2 = 0.999f;
-    as.one_minus_beta2 = 0.001f;
-    as.eps = 1e-8f;
-    as.bc2_sqrt = std::sqrt(1.0f - 0.999f);
-    as.neg_step_size = -1e-3f / 0.1f;
-    as.decay = 1.0f - 1e-3f * 1e-2f;
+    const AdamWScalars as = timed_adamw_scalars();
 
     // Correctness rider: fused dW (SGD lr 1 from W = 0) against cuBLAS fp32 dW, T = 512.
     double rel_error = 0;
@@ -1210,12 +1227,7 @@ int main(int argc, char** argv) {
     // The timed steps must have run on sane values: a NaN weight or state would make every
     // later step take the library's exact fallback path instead of the fast one.
     {
-      DevMem count(8);
-      CHECK_CUDA(cudaMemset(count.p, 0, 8));
-      for (const DevMem* buf : {&w, &w2, &m16, &v16})
-        count_nonfinite_bf16<<<grid_for(n), 256>>>(buf->as<uint16_t>(), n, count.as<unsigned long long>());
-      unsigned long long h = 0;
-      CHECK_CUDA(cudaMemcpy(&h, count.p, 8, cudaMemcpyDeviceToHost));
+      const unsigned long long h = nonfinite_bf16({w.p, w2.p, m16.p, v16.p}, n);
       if (h != 0) {
         std::fprintf(stderr, "%s: %llu non-finite weight/state values after timing: results invalid\n", s.name, h);
         return 1;
@@ -1329,8 +1341,7 @@ int main(int argc, char** argv) {
       hp.step = hp.step % 1000 + 1;
       CHECK_FORGE(forge_elementwise_step(&a));
     };
-    AdamWScalars as{0.1f, 0.999f, 0.001f, 1e-8f, std::sqrt(1.0f - 0.999f), -1e-3f / 0.1f,
-                    1.0f - 1e-3f * 1e-2f};
+    const AdamWScalars as = timed_adamw_scalars();
     const std::vector<double> ms = timer.medians_ms(iters, {
         [&] { step(psr); },
         [&] { step(p8); },
